@@ -1,0 +1,438 @@
+//! Options from flags, environment (`OUTBOXD_*`) and a TOML file (`--config`), merged in that order of
+//! precedence, then validated into typed settings with errors that name the setting and the fix.
+//! Owns parsing and validation only; nothing here connects anywhere.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::Deserialize;
+
+use crate::topic::{TemplateError, TopicTemplate};
+
+#[derive(Debug, Parser)]
+#[command(name = "outboxd", version, about = "Transactional Outbox connector: PostgreSQL logical replication to Kafka")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create or upgrade the outbox table, the inbox table and the publication (idempotent; needs no broker).
+    Migrate(Options),
+    /// Stream committed outbox events to Kafka until stopped (SIGINT/SIGTERM).
+    Run(Options),
+    /// Show the slot and the backlog (needs no broker).
+    Status {
+        #[command(flatten)]
+        options: Options,
+        /// Print only JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Every option, as given by flag, environment or file. The same names are the TOML keys (kebab-case).
+#[derive(Debug, Clone, Default, Args, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Options {
+    /// TOML file with any of these options as keys (flags and environment win over it).
+    #[arg(long, env = "OUTBOXD_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// PostgreSQL URL for ordinary SQL, e.g. postgres://user:pass@host:5432/db.
+    #[arg(long, env = "OUTBOXD_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// PostgreSQL URL for the replication connection (default: --database-url); lets it bypass a pooler.
+    #[arg(long, env = "OUTBOXD_REPLICATION_URL")]
+    pub replication_url: Option<String>,
+    /// Kafka bootstrap servers, comma-separated host:port list.
+    #[arg(long, env = "OUTBOXD_BROKERS")]
+    pub brokers: Option<String>,
+    /// Topic template; placeholders {aggregate_type} and {event_type} [default: outbox.{aggregate_type}].
+    #[arg(long, env = "OUTBOXD_TOPIC")]
+    pub topic: Option<String>,
+    /// Outbox table, optionally schema-qualified [default: public.outbox_event].
+    #[arg(long, env = "OUTBOXD_TABLE")]
+    pub table: Option<String>,
+    /// Logical replication slot name [default: outboxd].
+    #[arg(long, env = "OUTBOXD_SLOT")]
+    pub slot: Option<String>,
+    /// Publication name [default: outboxd].
+    #[arg(long, env = "OUTBOXD_PUBLICATION")]
+    pub publication: Option<String>,
+    /// librdkafka property passed through, key=value (repeatable), e.g. security.protocol=SASL_SSL.
+    #[arg(long, env = "OUTBOXD_KAFKA_OPTION", value_delimiter = ',')]
+    pub kafka_option: Option<Vec<String>>,
+    /// Partitions of topics outboxd creates [default: 6].
+    #[arg(long, env = "OUTBOXD_TOPIC_PARTITIONS")]
+    pub topic_partitions: Option<i32>,
+    /// Replication factor of topics outboxd creates [default: the broker's default].
+    #[arg(long, env = "OUTBOXD_TOPIC_REPLICATION_FACTOR")]
+    pub topic_replication_factor: Option<i32>,
+    /// Never create topics; a missing topic is an error.
+    #[arg(long, env = "OUTBOXD_NO_CREATE_TOPICS")]
+    #[serde(default)]
+    pub no_create_topics: bool,
+    /// How long to retry unreachable PostgreSQL or brokers at first start [default: 60s].
+    #[arg(long, env = "OUTBOXD_STARTUP_TIMEOUT")]
+    pub startup_timeout: Option<String>,
+    /// How long to drain in-flight events on SIGINT/SIGTERM [default: 30s].
+    #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT")]
+    pub shutdown_timeout: Option<String>,
+    /// Most events handed to the broker but not yet finished [default: 10000].
+    #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT_EVENTS")]
+    pub max_in_flight_events: Option<usize>,
+    /// Most payload bytes in flight [default: 16MiB, written in bytes].
+    #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT_BYTES")]
+    pub max_in_flight_bytes: Option<usize>,
+    /// Interval of standby status updates; keep it well under wal_sender_timeout/2 [default: 1s].
+    #[arg(long, env = "OUTBOXD_STATUS_INTERVAL")]
+    pub status_interval: Option<String>,
+    /// Log format: text or json [default: text]. Filter with RUST_LOG (e.g. RUST_LOG=outboxd=debug).
+    #[arg(long, env = "OUTBOXD_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read --config file {path}: {source}")]
+    ReadFile { path: PathBuf, source: std::io::Error },
+    #[error("invalid --config file {path}: {message}")]
+    ParseFile { path: PathBuf, message: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Topic(#[from] TemplateError),
+}
+
+fn invalid(message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid(message.into())
+}
+
+/// A schema-qualified table name whose parts are plain identifiers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    pub schema: String,
+    pub name: String,
+}
+
+impl TableName {
+    /// `"schema"."name"`, safe to splice into SQL (parts are validated identifiers).
+    pub fn quoted(&self) -> String {
+        format!("\"{}\".\"{}\"", self.schema, self.name)
+    }
+}
+
+impl std::fmt::Display for TableName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.schema, self.name)
+    }
+}
+
+/// Settings every command needs.
+#[derive(Debug, Clone)]
+pub struct DatabaseSettings {
+    pub database_url: tokio_postgres::Config,
+    pub replication_url: tokio_postgres::Config,
+    pub table: TableName,
+    pub slot: String,
+    pub publication: String,
+}
+
+/// Settings of `outboxd run`.
+#[derive(Debug, Clone)]
+pub struct RunSettings {
+    pub database: DatabaseSettings,
+    pub brokers: String,
+    pub topic: TopicTemplate,
+    pub kafka_options: Vec<(String, String)>,
+    pub topic_partitions: i32,
+    pub topic_replication_factor: Option<i32>,
+    pub create_topics: bool,
+    pub startup_timeout: Duration,
+    pub shutdown_timeout: Duration,
+    pub max_in_flight_events: usize,
+    pub max_in_flight_bytes: usize,
+    pub status_interval: Duration,
+}
+
+impl Options {
+    /// Fills every option not given by flag or environment from the `--config` file.
+    pub fn with_file(self) -> Result<Options, ConfigError> {
+        let Some(path) = self.config.clone() else { return Ok(self) };
+        let file = Options::from_file(&path)?;
+        Ok(self.or(file))
+    }
+
+    fn from_file(path: &Path) -> Result<Options, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile { path: path.into(), source })?;
+        toml::from_str(&text).map_err(|e| ConfigError::ParseFile { path: path.into(), message: e.to_string() })
+    }
+
+    fn or(self, file: Options) -> Options {
+        Options {
+            config: self.config,
+            database_url: self.database_url.or(file.database_url),
+            replication_url: self.replication_url.or(file.replication_url),
+            brokers: self.brokers.or(file.brokers),
+            topic: self.topic.or(file.topic),
+            table: self.table.or(file.table),
+            slot: self.slot.or(file.slot),
+            publication: self.publication.or(file.publication),
+            kafka_option: self.kafka_option.or(file.kafka_option),
+            topic_partitions: self.topic_partitions.or(file.topic_partitions),
+            topic_replication_factor: self.topic_replication_factor.or(file.topic_replication_factor),
+            no_create_topics: self.no_create_topics || file.no_create_topics,
+            startup_timeout: self.startup_timeout.or(file.startup_timeout),
+            shutdown_timeout: self.shutdown_timeout.or(file.shutdown_timeout),
+            max_in_flight_events: self.max_in_flight_events.or(file.max_in_flight_events),
+            max_in_flight_bytes: self.max_in_flight_bytes.or(file.max_in_flight_bytes),
+            status_interval: self.status_interval.or(file.status_interval),
+            log_format: self.log_format.or(file.log_format),
+        }
+    }
+
+    pub fn database(&self) -> Result<DatabaseSettings, ConfigError> {
+        let url = self.database_url.as_deref().ok_or_else(|| {
+            invalid("--database-url is required (or OUTBOXD_DATABASE_URL), e.g. postgres://user:pass@localhost:5432/app")
+        })?;
+        let database_url = parse_postgres_url("--database-url", url)?;
+        let replication_url = match &self.replication_url {
+            Some(url) => parse_postgres_url("--replication-url", url)?,
+            None => database_url.clone(),
+        };
+        Ok(DatabaseSettings {
+            database_url,
+            replication_url,
+            table: parse_table(self.table.as_deref().unwrap_or("public.outbox_event"))?,
+            slot: parse_slot_name(self.slot.as_deref().unwrap_or("outboxd"))?,
+            publication: parse_identifier("--publication", self.publication.as_deref().unwrap_or("outboxd"))?,
+        })
+    }
+
+    pub fn run(&self) -> Result<RunSettings, ConfigError> {
+        let database = self.database()?;
+        let brokers = self
+            .brokers
+            .clone()
+            .filter(|b| !b.trim().is_empty())
+            .ok_or_else(|| invalid("--brokers is required (or OUTBOXD_BROKERS), e.g. localhost:9092"))?;
+        let topic = TopicTemplate::parse(self.topic.as_deref().unwrap_or("outbox.{aggregate_type}"))?;
+        let kafka_options = self
+            .kafka_option
+            .iter()
+            .flatten()
+            .map(|kv| {
+                kv.split_once('=')
+                    .filter(|(k, _)| !k.trim().is_empty())
+                    .map(|(k, v)| (k.trim().to_string(), v.to_string()))
+                    .ok_or_else(|| invalid(format!("--kafka-option {kv:?} must be key=value, e.g. compression.type=lz4")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let topic_partitions = self.topic_partitions.unwrap_or(6);
+        if topic_partitions < 1 {
+            return Err(invalid(format!("--topic-partitions must be at least 1, got {topic_partitions}")));
+        }
+        if let Some(rf) = self.topic_replication_factor {
+            if rf < 1 {
+                return Err(invalid(format!("--topic-replication-factor must be at least 1, got {rf}")));
+            }
+        }
+        let max_in_flight_events = self.max_in_flight_events.unwrap_or(10_000);
+        if max_in_flight_events == 0 {
+            return Err(invalid("--max-in-flight-events must be at least 1"));
+        }
+        let max_in_flight_bytes = self.max_in_flight_bytes.unwrap_or(16 * 1024 * 1024);
+        if max_in_flight_bytes < 1024 {
+            return Err(invalid("--max-in-flight-bytes must be at least 1024"));
+        }
+        let status_interval = parse_duration("--status-interval", self.status_interval.as_deref().unwrap_or("1s"))?;
+        if status_interval.is_zero() || status_interval > Duration::from_secs(20) {
+            return Err(invalid("--status-interval must be between 1ms and 20s (well under wal_sender_timeout/2)"));
+        }
+        Ok(RunSettings {
+            database,
+            brokers,
+            topic,
+            kafka_options,
+            topic_partitions,
+            topic_replication_factor: self.topic_replication_factor,
+            create_topics: !self.no_create_topics,
+            startup_timeout: parse_duration("--startup-timeout", self.startup_timeout.as_deref().unwrap_or("60s"))?,
+            shutdown_timeout: parse_duration("--shutdown-timeout", self.shutdown_timeout.as_deref().unwrap_or("30s"))?,
+            max_in_flight_events,
+            max_in_flight_bytes,
+            status_interval,
+        })
+    }
+}
+
+/// Parses a duration written like `500ms`, `5s`, `7d`, naming the setting on error.
+pub fn parse_duration(setting: &str, text: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| invalid(format!("{setting} {text:?} is not a duration ({e}); write it like 500ms, 5s, 10m or 7d")))
+}
+
+/// Parses a libpq-style URL or key=value string. The error never repeats the URL (it may hold a password).
+pub fn parse_postgres_url(setting: &str, url: &str) -> Result<tokio_postgres::Config, ConfigError> {
+    url.parse::<tokio_postgres::Config>().map_err(|e| {
+        invalid(format!("{setting} is not a valid PostgreSQL URL ({e}); expected postgres://user:password@host:5432/database"))
+    })
+}
+
+/// Identifiers outboxd splices into SQL: letters, digits, `_`, `$`, not starting with a digit or `$`, ≤ 63 bytes.
+pub fn parse_identifier(setting: &str, name: &str) -> Result<String, ConfigError> {
+    let mut chars = name.chars();
+    let valid_start = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    if valid_start && name.len() <= 63 && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$') {
+        Ok(name.to_string())
+    } else {
+        Err(invalid(format!(
+            "{setting} {name:?} is not a valid identifier: use up to 63 letters, digits and underscores, starting with a letter or underscore"
+        )))
+    }
+}
+
+/// Replication slot names: lower-case letters, digits and underscores only (PostgreSQL's rule).
+pub fn parse_slot_name(name: &str) -> Result<String, ConfigError> {
+    if !name.is_empty() && name.len() <= 63 && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+        Ok(name.to_string())
+    } else {
+        Err(invalid(format!(
+            "--slot {name:?} is not a valid replication slot name: use up to 63 lower-case letters, digits and underscores"
+        )))
+    }
+}
+
+pub fn parse_table(text: &str) -> Result<TableName, ConfigError> {
+    let (schema, name) = text.split_once('.').unwrap_or(("public", text));
+    Ok(TableName { schema: parse_identifier("--table", schema)?, name: parse_identifier("--table", name)? })
+}
+
+/// A URL with its password replaced, for logs and status output.
+pub fn redact_url(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((userinfo, host)) => {
+                let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+                format!("{scheme}://{user}:***@{host}")
+            }
+            None => url.to_string(),
+        },
+        None => "(key=value connection string)".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(args: &[&str]) -> Options {
+        let mut argv = vec!["outboxd", "run"];
+        argv.extend_from_slice(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Run(options) => options,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn defaults_fill_everything_but_urls() {
+        let run = options(&["--database-url", "postgres://u:p@localhost/db", "--brokers", "b:9092"]).run().unwrap();
+        assert_eq!(run.database.table, TableName { schema: "public".into(), name: "outbox_event".into() });
+        assert_eq!(run.database.slot, "outboxd");
+        assert_eq!(run.database.publication, "outboxd");
+        assert_eq!(run.topic_partitions, 6);
+        assert_eq!(run.topic_replication_factor, None);
+        assert!(run.create_topics);
+        assert_eq!(run.startup_timeout, Duration::from_secs(60));
+        assert_eq!(run.shutdown_timeout, Duration::from_secs(30));
+        assert_eq!(run.topic.render("Order", "x"), "outbox.Order");
+    }
+
+    #[test]
+    fn missing_required_options_are_named() {
+        let err = options(&["--brokers", "b:9092"]).run().unwrap_err().to_string();
+        assert!(err.contains("--database-url"), "{err}");
+        let err = options(&["--database-url", "postgres://localhost/db"]).run().unwrap_err().to_string();
+        assert!(err.contains("--brokers"), "{err}");
+    }
+
+    #[test]
+    fn rejects_invalid_names_and_injection() {
+        for (flag, value) in [
+            ("--slot", "Bad-Slot"),
+            ("--slot", "x\"; DROP TABLE t; --"),
+            ("--publication", "pub'; drop"),
+            ("--table", "public.outbox event"),
+            ("--table", "a.b.c"),
+        ] {
+            let err = options(&["--database-url", "postgres://localhost/db", "--brokers", "b", flag, value])
+                .run()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(flag), "{flag} {value}: {err}");
+        }
+    }
+
+    #[test]
+    fn parses_durations_and_names_the_setting() {
+        assert_eq!(parse_duration("--x", "500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("--x", "7d").unwrap(), Duration::from_secs(7 * 86400));
+        let err = parse_duration("--startup-timeout", "soon").unwrap_err().to_string();
+        assert!(err.contains("--startup-timeout"), "{err}");
+    }
+
+    #[test]
+    fn bad_url_error_hides_the_password() {
+        let err = parse_postgres_url("--database-url", "postgres://u:secret@host:notaport/db").unwrap_err().to_string();
+        assert!(err.contains("--database-url"), "{err}");
+        assert!(!err.contains("secret"), "{err}");
+        assert_eq!(redact_url("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
+    }
+
+    #[test]
+    fn kafka_options_must_be_key_value() {
+        let run = options(&["--database-url", "postgres://h/db", "--brokers", "b", "--kafka-option", "linger.ms=5"])
+            .run()
+            .unwrap();
+        assert_eq!(run.kafka_options, vec![("linger.ms".to_string(), "5".to_string())]);
+        let err = options(&["--database-url", "postgres://h/db", "--brokers", "b", "--kafka-option", "nonsense"])
+            .run()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--kafka-option"), "{err}");
+    }
+
+    #[test]
+    fn file_fills_gaps_and_flags_win() {
+        let dir = std::env::temp_dir().join(format!("outboxd-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("outboxd.toml");
+        std::fs::write(&path, "brokers = \"file:9092\"\nslot = \"from_file\"\nkafka-option = [\"acks=all\"]\n").unwrap();
+        let merged = options(&["--config", path.to_str().unwrap(), "--slot", "from_flag", "--database-url", "postgres://h/db"])
+            .with_file()
+            .unwrap();
+        assert_eq!(merged.brokers.as_deref(), Some("file:9092"));
+        assert_eq!(merged.slot.as_deref(), Some("from_flag"));
+        assert_eq!(merged.kafka_option, Some(vec!["acks=all".to_string()]));
+
+        std::fs::write(&path, "brokers = \"b\"\nbogus-key = 1\n").unwrap();
+        let err = options(&["--config", path.to_str().unwrap()]).with_file().unwrap_err().to_string();
+        assert!(err.contains("bogus-key"), "{err}");
+        std::fs::write(&path, "topic-partitions = \"six\"\n").unwrap();
+        let err = options(&["--config", path.to_str().unwrap()]).with_file().unwrap_err().to_string();
+        assert!(err.contains("topic-partitions"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

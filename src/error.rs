@@ -1,0 +1,64 @@
+//! The library's error type and the one decision every caller needs from it: retry, or stop and tell the
+//! user what to fix.
+
+use crate::config::ConfigError;
+use crate::event::MappingError;
+use crate::pg::pgoutput::DecodeError;
+use crate::pg::replication::ReplicationError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A problem with the database or broker set-up that retrying cannot fix.
+    #[error("{problem}; fix: {fix}")]
+    Setup { problem: String, fix: String },
+    #[error("PostgreSQL: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("PostgreSQL replication: {0}")]
+    Replication(#[from] ReplicationError),
+    #[error("Kafka: {message}")]
+    Kafka { message: String, transient: bool },
+    #[error(transparent)]
+    Mapping(#[from] MappingError),
+    #[error("cannot decode the replication stream: {0}")]
+    Decode(#[from] DecodeError),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// SQLSTATEs that mean "try again later": connection failures, server shutting down or starting up,
+/// too many connections, a replication slot still held by a dying walsender.
+fn is_transient_sqlstate(code: &str) -> bool {
+    code.starts_with("08") || code.starts_with("57P") || matches!(code, "53300" | "55006" | "40001" | "40P01")
+}
+
+impl Error {
+    pub fn setup(problem: impl Into<String>, fix: impl Into<String>) -> Self {
+        Error::Setup { problem: problem.into(), fix: fix.into() }
+    }
+
+    /// True when waiting and retrying can succeed; false when a person must change something first.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Config(_) | Error::Setup { .. } | Error::Mapping(_) | Error::Decode(_) => false,
+            Error::Postgres(e) => match e.code() {
+                Some(code) => is_transient_sqlstate(code.code()),
+                // No SQLSTATE: the connection itself failed or closed.
+                None => !is_config_like(&e.to_string()),
+            },
+            Error::Replication(e) => match e {
+                ReplicationError::Server { code, .. } => is_transient_sqlstate(code),
+                ReplicationError::Io(_) | ReplicationError::Closed | ReplicationError::Connect { .. } => true,
+                ReplicationError::Protocol(_) | ReplicationError::Unsupported(_) | ReplicationError::PasswordRequired => {
+                    false
+                }
+            },
+            Error::Kafka { transient, .. } => *transient,
+        }
+    }
+}
+
+fn is_config_like(message: &str) -> bool {
+    message.contains("invalid configuration") || message.contains("password missing")
+}

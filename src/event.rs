@@ -1,0 +1,209 @@
+//! The outbox event as outboxd publishes it, and the pure mapping from a decoded pgoutput row to it.
+//! Columns are found by name in the Relation message, so extra columns and any column order work.
+//! Owns no I/O; the SQL-side view of the table lives in `pg::outbox`.
+
+use bytes::Bytes;
+
+use crate::pg::pgoutput::{ColumnValue, Insert, Relation};
+
+/// The columns outboxd reads from every outbox row.
+pub const REQUIRED_COLUMNS: [&str; 6] = ["event_id", "aggregate_type", "aggregate_id", "event_type", "payload", "created_at"];
+
+/// One outbox row, ready to become a Kafka record. Text fields are UTF-8 as sent by the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxEvent {
+    /// Lowercase canonical UUID text.
+    pub event_id: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    /// The payload's JSON text, untouched.
+    pub payload: Bytes,
+    /// RFC 3339.
+    pub created_at: String,
+}
+
+impl OutboxEvent {
+    /// Approximate size in memory, for the in-flight byte budget.
+    pub fn size_bytes(&self) -> usize {
+        self.event_id.len()
+            + self.aggregate_type.len()
+            + self.aggregate_id.len()
+            + self.event_type.len()
+            + self.payload.len()
+            + self.created_at.len()
+            + 64
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MappingError {
+    #[error(
+        "table {table} has no column {column:?}; outboxd needs the columns {:?} (run `outboxd migrate` to create the standard table)",
+        REQUIRED_COLUMNS
+    )]
+    MissingColumn { table: String, column: &'static str },
+    #[error("row of {table} has {got} values but its relation has {expected} columns")]
+    ColumnCountMismatch { table: String, expected: usize, got: usize },
+    #[error("row {event_id} of {table}: column {column:?} is NULL; outboxd cannot publish an event without it")]
+    NullValue { table: String, event_id: String, column: &'static str },
+    #[error("row of {table}: column {column:?} is not valid UTF-8 text")]
+    NotUtf8 { table: String, column: &'static str },
+}
+
+/// Where each required column sits in a relation's tuples.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowMapping {
+    pub table: String,
+    column_count: usize,
+    /// Indexes in `REQUIRED_COLUMNS` order.
+    indexes: [usize; 6],
+}
+
+impl RowMapping {
+    pub fn from_relation(relation: &Relation) -> Result<Self, MappingError> {
+        let table = format!("{}.{}", relation.namespace, relation.name);
+        let mut indexes = [0usize; 6];
+        for (slot, column) in indexes.iter_mut().zip(REQUIRED_COLUMNS) {
+            *slot = relation
+                .columns
+                .iter()
+                .position(|c| c.name == column)
+                .ok_or_else(|| MappingError::MissingColumn { table: table.clone(), column })?;
+        }
+        Ok(RowMapping { table, column_count: relation.columns.len(), indexes })
+    }
+
+    pub fn event(&self, insert: &Insert) -> Result<OutboxEvent, MappingError> {
+        if insert.values.len() != self.column_count {
+            return Err(MappingError::ColumnCountMismatch {
+                table: self.table.clone(),
+                expected: self.column_count,
+                got: insert.values.len(),
+            });
+        }
+        let raw = |role: usize| -> Option<&Bytes> { insert.values[self.indexes[role]].as_text() };
+        let text = |role: usize| -> Result<String, MappingError> {
+            let column = REQUIRED_COLUMNS[role];
+            let bytes = raw(role).ok_or_else(|| MappingError::NullValue {
+                table: self.table.clone(),
+                event_id: raw(0).map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default(),
+                column,
+            })?;
+            String::from_utf8(bytes.to_vec()).map_err(|_| MappingError::NotUtf8 { table: self.table.clone(), column })
+        };
+        let payload = match &insert.values[self.indexes[4]] {
+            ColumnValue::Text(bytes) => bytes.clone(),
+            _ => {
+                return Err(MappingError::NullValue {
+                    table: self.table.clone(),
+                    event_id: text(0)?,
+                    column: "payload",
+                })
+            }
+        };
+        Ok(OutboxEvent {
+            event_id: text(0)?,
+            aggregate_type: text(1)?,
+            aggregate_id: text(2)?,
+            event_type: text(3)?,
+            payload,
+            created_at: to_rfc3339(&text(5)?),
+        })
+    }
+}
+
+/// Converts PostgreSQL's ISO `timestamptz` text (`2026-11-30 05:02:15.123456+00`, `...+05:30`) to RFC 3339
+/// (`2026-11-30T05:02:15.123456Z`, `...+05:30`). Text it does not recognise is returned unchanged.
+pub fn to_rfc3339(pg_text: &str) -> String {
+    let Some((date, time)) = pg_text.split_once(' ') else {
+        return pg_text.to_string();
+    };
+    let Some(sign_at) = time.rfind(['+', '-']) else {
+        return pg_text.to_string();
+    };
+    let (clock, offset) = time.split_at(sign_at);
+    let offset = match offset {
+        "+00" | "-00" | "+00:00" => "Z".to_string(),
+        o if o.len() == 3 => format!("{o}:00"),
+        // Offsets with seconds (+05:53:28) have no RFC 3339 form; drop the seconds.
+        o if o.len() == 9 => o[..6].to_string(),
+        o => o.to_string(),
+    };
+    format!("{date}T{clock}{offset}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pg::pgoutput::RelationColumn;
+
+    fn relation(names: &[&str]) -> Relation {
+        Relation {
+            id: 1,
+            namespace: "public".into(),
+            name: "outbox_event".into(),
+            columns: names.iter().map(|n| RelationColumn { name: n.to_string(), type_oid: 25 }).collect(),
+        }
+    }
+
+    fn text(s: &str) -> ColumnValue {
+        ColumnValue::Text(Bytes::copy_from_slice(s.as_bytes()))
+    }
+
+    #[test]
+    fn maps_columns_by_name_in_any_order_with_extras() {
+        let rel = relation(&[
+            "tenant", "payload", "created_at", "event_type", "aggregate_id", "attempts", "aggregate_type", "event_id",
+        ]);
+        let mapping = RowMapping::from_relation(&rel).unwrap();
+        let insert = Insert {
+            relation_id: 1,
+            values: vec![
+                text("acme"),
+                text(r#"{"a":1}"#),
+                text("2026-11-30 05:02:15.5+00"),
+                text("OrderCreated"),
+                text("order-7"),
+                text("0"),
+                text("Order"),
+                text("0b7d6f0e-8f3c-4c1b-9d6e-1f2a3b4c5d6e"),
+            ],
+        };
+        let event = mapping.event(&insert).unwrap();
+        assert_eq!(event.event_id, "0b7d6f0e-8f3c-4c1b-9d6e-1f2a3b4c5d6e");
+        assert_eq!(event.aggregate_type, "Order");
+        assert_eq!(event.aggregate_id, "order-7");
+        assert_eq!(event.event_type, "OrderCreated");
+        assert_eq!(&event.payload[..], br#"{"a":1}"#);
+        assert_eq!(event.created_at, "2026-11-30T05:02:15.5Z");
+    }
+
+    #[test]
+    fn missing_column_is_named() {
+        let err = RowMapping::from_relation(&relation(&["event_id", "aggregate_type", "payload"])).unwrap_err();
+        assert_eq!(err, MappingError::MissingColumn { table: "public.outbox_event".into(), column: "aggregate_id" });
+        assert!(err.to_string().contains("outboxd migrate"));
+    }
+
+    #[test]
+    fn null_required_value_is_an_error() {
+        let mapping = RowMapping::from_relation(&relation(&REQUIRED_COLUMNS)).unwrap();
+        let insert = Insert {
+            relation_id: 1,
+            values: vec![text("id"), text("A"), ColumnValue::Null, text("E"), text("{}"), text("2026-01-01 00:00:00+00")],
+        };
+        assert!(matches!(mapping.event(&insert), Err(MappingError::NullValue { column: "aggregate_id", .. })));
+        let short = Insert { relation_id: 1, values: vec![text("id")] };
+        assert!(matches!(mapping.event(&short), Err(MappingError::ColumnCountMismatch { .. })));
+    }
+
+    #[test]
+    fn converts_timestamps_to_rfc3339() {
+        assert_eq!(to_rfc3339("2026-11-30 05:02:15.123456+00"), "2026-11-30T05:02:15.123456Z");
+        assert_eq!(to_rfc3339("2026-11-30 05:02:15+05:30"), "2026-11-30T05:02:15+05:30");
+        assert_eq!(to_rfc3339("2026-11-30 05:02:15-08"), "2026-11-30T05:02:15-08:00");
+        assert_eq!(to_rfc3339("1850-01-01 00:00:00+00:53:28"), "1850-01-01T00:00:00+00:53");
+        assert_eq!(to_rfc3339("infinity"), "infinity");
+    }
+}

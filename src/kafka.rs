@@ -1,0 +1,194 @@
+//! The publisher: builds Kafka records from outbox events (topic, key, value, headers), creates missing
+//! topics, and reports every broker acknowledgement (or failure) through a channel, tagged with the
+//! transaction it belongs to. Owns the producer settings; what an ack means for the slot is the pipeline's.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::ClientContext;
+use tokio::sync::mpsc::UnboundedSender;
+use uuid::Uuid;
+
+use crate::config::RunSettings;
+use crate::error::{Error, Result};
+use crate::event::OutboxEvent;
+use crate::pipeline::watermark::TxnId;
+
+/// What travels with a record to its delivery report.
+#[derive(Debug)]
+pub struct Delivery {
+    pub txn: TxnId,
+    pub event_id: Uuid,
+    pub bytes: usize,
+    /// `Err` holds librdkafka's reason.
+    pub result: Result<(), String>,
+}
+
+pub struct DeliveryContext {
+    deliveries: UnboundedSender<Delivery>,
+}
+
+impl ClientContext for DeliveryContext {}
+
+impl ProducerContext for DeliveryContext {
+    type DeliveryOpaque = Box<Delivery>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
+        let mut delivery = *opaque;
+        if let Err((error, _)) = result {
+            delivery.result = Err(error.to_string());
+        }
+        // The receiver is gone only when the session ended; its events will be re-sent.
+        let _ = self.deliveries.send(delivery);
+    }
+}
+
+/// Topics known to exist, shared by every session of the process.
+pub type KnownTopics = Arc<Mutex<HashSet<String>>>;
+
+pub struct Publisher {
+    producer: ThreadedProducer<DeliveryContext>,
+    admin: AdminClient<DefaultClientContext>,
+    known_topics: KnownTopics,
+    create_topics: bool,
+    partitions: i32,
+    replication_factor: i32,
+}
+
+/// The producer settings outboxd relies on; `--kafka-option` values are applied after them.
+pub fn client_config(settings: &RunSettings) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", &settings.brokers)
+        .set("client.id", "outboxd")
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("partitioner", "murmur2_random")
+        .set("linger.ms", "5");
+    for (key, value) in &settings.kafka_options {
+        config.set(key, value);
+    }
+    config
+}
+
+fn config_error(error: KafkaError) -> Error {
+    Error::setup(
+        format!("invalid Kafka client configuration: {error}"),
+        "fix or remove the --kafka-option in question (see librdkafka's CONFIGURATION.md for valid properties)",
+    )
+}
+
+impl Publisher {
+    pub fn new(settings: &RunSettings, known_topics: KnownTopics, deliveries: UnboundedSender<Delivery>) -> Result<Self> {
+        let config = client_config(settings);
+        let producer = config.create_with_context(DeliveryContext { deliveries }).map_err(config_error)?;
+        let admin = config.create().map_err(config_error)?;
+        Ok(Publisher {
+            producer,
+            admin,
+            known_topics,
+            create_topics: settings.create_topics,
+            partitions: settings.topic_partitions,
+            replication_factor: settings.topic_replication_factor.unwrap_or(-1),
+        })
+    }
+
+    /// Fails unless a broker answers a metadata request within `timeout`.
+    pub async fn check_brokers(&self, timeout: Duration) -> Result<()> {
+        let producer = self.producer.clone();
+        let result = tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
+            .await
+            .map_err(|e| Error::Kafka { message: e.to_string(), transient: true })?;
+        result.map(|_| ()).map_err(|e| Error::Kafka {
+            message: format!("no broker answered ({e}); check --brokers and that the brokers are reachable"),
+            transient: true,
+        })
+    }
+
+    /// Makes sure `topic` exists: created on first use, or checked when topic creation is off.
+    async fn ensure_topic(&self, topic: &str) -> Result<()> {
+        if self.known_topics.lock().map(|t| t.contains(topic)).unwrap_or(false) {
+            return Ok(());
+        }
+        if self.create_topics {
+            let new_topic = NewTopic::new(topic, self.partitions, TopicReplication::Fixed(self.replication_factor));
+            let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+            let results = self
+                .admin
+                .create_topics([&new_topic], &options)
+                .await
+                .map_err(|e| Error::Kafka { message: format!("cannot create topic {topic}: {e}"), transient: true })?;
+            for result in results {
+                match result {
+                    Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    Err((_, code)) => {
+                        return Err(Error::Kafka {
+                            message: format!("cannot create topic {topic}: {code}"),
+                            transient: matches!(code, RDKafkaErrorCode::RequestTimedOut | RDKafkaErrorCode::NotController),
+                        })
+                    }
+                }
+            }
+            tracing::info!(topic, partitions = self.partitions, "created topic");
+        } else {
+            let producer = self.producer.clone();
+            let name = topic.to_string();
+            let metadata = tokio::task::spawn_blocking(move || {
+                producer.client().fetch_metadata(Some(&name), Duration::from_secs(10))
+            })
+            .await
+            .map_err(|e| Error::Kafka { message: e.to_string(), transient: true })?
+            .map_err(|e| Error::Kafka { message: format!("cannot read metadata of topic {topic}: {e}"), transient: true })?;
+            let exists = metadata.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty());
+            if !exists {
+                return Err(Error::setup(
+                    format!("Kafka topic {topic} does not exist and --no-create-topics is set"),
+                    format!("create topic {topic}, or drop --no-create-topics so outboxd creates it"),
+                ));
+            }
+        }
+        if let Ok(mut known) = self.known_topics.lock() {
+            known.insert(topic.to_string());
+        }
+        Ok(())
+    }
+
+    /// Hands one event to the producer. Its acknowledgement arrives later on the delivery channel.
+    pub async fn publish(&self, topic: &str, event: &OutboxEvent, txn: TxnId, event_id: Uuid) -> Result<()> {
+        self.ensure_topic(topic).await?;
+        let headers = OwnedHeaders::new_with_capacity(4)
+            .insert(Header { key: "event_id", value: Some(event.event_id.as_str()) })
+            .insert(Header { key: "event_type", value: Some(event.event_type.as_str()) })
+            .insert(Header { key: "aggregate_type", value: Some(event.aggregate_type.as_str()) })
+            .insert(Header { key: "created_at", value: Some(event.created_at.as_str()) });
+        let opaque = Box::new(Delivery { txn, event_id, bytes: event.size_bytes(), result: Ok(()) });
+        let mut record = BaseRecord::with_opaque_to(topic, opaque)
+            .key(event.aggregate_id.as_bytes())
+            .payload(&event.payload[..])
+            .headers(headers);
+        loop {
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), returned)) => {
+                    record = returned;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((error, _)) => {
+                    return Err(Error::Kafka { message: format!("cannot produce to {topic}: {error}"), transient: true })
+                }
+            }
+        }
+    }
+
+    /// Drops whatever the producer still holds; those events are re-sent from the slot.
+    pub fn abandon(self) {
+        self.producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+    }
+}

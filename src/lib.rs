@@ -1,0 +1,16 @@
+//! outboxd: delivers Transactional Outbox events from PostgreSQL to Kafka, at least once and in order per
+//! aggregate. The data flows wire -> decode -> publish -> acknowledge -> backfill -> confirm; each step has
+//! its own module (see DESIGN.md's map).
+
+pub mod backoff;
+pub mod config;
+pub mod error;
+pub mod event;
+pub mod kafka;
+pub mod lsn;
+pub mod pg;
+pub mod pipeline;
+pub mod status;
+pub mod topic;
+
+pub use error::{Error, Result};

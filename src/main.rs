@@ -1,0 +1,106 @@
+//! The `outboxd` binary: parse options, set up logging, dispatch to migrate / run / status, and report
+//! errors once, with their fix, at the edge.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use outboxd::config::{Cli, Command, LogFormat, Options};
+use outboxd::{pg, pipeline, status};
+use tokio::sync::watch;
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rdkafka=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let options = match &cli.command {
+        Command::Migrate(options) | Command::Run(options) => options.clone(),
+        Command::Status { options, .. } => options.clone(),
+    };
+    let options = match options.with_file() {
+        Ok(options) => options,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    init_tracing(options.log_format.unwrap_or_default());
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(dispatch(cli.command, options));
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            tracing::error!("{error}");
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCode> {
+    match command {
+        Command::Migrate(_) => {
+            let settings = options.database()?;
+            let mut client = pg::connect(&settings.database_url).await?;
+            let report = pg::migrate::migrate(&mut client, &settings).await?;
+            tracing::info!(applied = ?report.applied, publication_created = report.publication_created, table = %settings.table, publication = %settings.publication, "migrations done");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run(_) => {
+            let settings = options.run()?;
+            let (stop_tx, stop_rx) = watch::channel(false);
+            tokio::spawn(async move {
+                wait_for_signal().await;
+                tracing::info!("received shutdown signal");
+                let _ = stop_tx.send(true);
+                // Keep the sender alive so receivers never see a closed channel.
+                std::future::pending::<()>().await;
+            });
+            pipeline::run(settings, stop_rx).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { json, .. } => {
+            let settings = options.database()?;
+            let status = status::read(&settings).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status).unwrap_or_default());
+            } else {
+                print!("{}", status.to_table());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

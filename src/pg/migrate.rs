@@ -1,0 +1,78 @@
+//! `outboxd migrate`: embedded plain-SQL migrations tracked in `outboxd_migrations`, then the publication.
+//! Idempotent and safe to run concurrently (one transaction under an advisory lock); needs no broker and
+//! works with `wal_level = replica`.
+
+use tokio_postgres::Client;
+
+use crate::config::DatabaseSettings;
+use crate::error::Result;
+
+/// Embedded migrations, applied in order. Never edit one that has shipped: add a new one.
+const MIGRATIONS: &[(i32, &str, &str)] =
+    &[(1, "outbox_tables", include_str!("../../migrations/0001_outbox_tables.sql"))];
+
+/// Arbitrary constant naming outboxd's migration lock.
+const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d67; // "outboxmg"
+
+/// What `migrate` did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct MigrationReport {
+    pub applied: Vec<String>,
+    pub publication_created: bool,
+}
+
+pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result<MigrationReport> {
+    let table = &settings.table;
+    let target = table.to_string();
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY]).await?;
+    tx.batch_execute(
+        "CREATE TABLE IF NOT EXISTS public.outboxd_migrations (
+             target text NOT NULL, version integer NOT NULL, name text NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (target, version))",
+    )
+    .await?;
+    let mut report = MigrationReport::default();
+    for (version, name, sql) in MIGRATIONS {
+        let done = tx
+            .query_opt("SELECT 1 FROM public.outboxd_migrations WHERE target = $1 AND version = $2", &[&target, version])
+            .await?;
+        if done.is_some() {
+            continue;
+        }
+        let sql = sql
+            .replace("{{table}}", &table.quoted())
+            .replace("{{schema}}", &format!("\"{}\"", table.schema))
+            .replace("{{index}}", &format!("\"{}_ready_idx\"", table.name));
+        tx.batch_execute(&sql).await?;
+        tx.execute(
+            "INSERT INTO public.outboxd_migrations (target, version, name) VALUES ($1, $2, $3)",
+            &[&target, version, name],
+        )
+        .await?;
+        report.applied.push(format!("{version:04}_{name}"));
+    }
+    let publication = &settings.publication;
+    let exists = tx.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[publication]).await?.is_some();
+    if !exists {
+        tx.batch_execute(&format!(
+            "CREATE PUBLICATION \"{publication}\" FOR TABLE {} WITH (publish = 'insert')",
+            table.quoted()
+        ))
+        .await?;
+        report.publication_created = true;
+    } else {
+        let covered = tx
+            .query_opt(
+                "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                &[publication, &table.schema, &table.name],
+            )
+            .await?
+            .is_some();
+        if !covered {
+            tx.batch_execute(&format!("ALTER PUBLICATION \"{publication}\" ADD TABLE {}", table.quoted())).await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(report)
+}

@@ -1,0 +1,378 @@
+//! Replication-mode connection on `postgres-protocol` + tokio: startup with `replication=database`,
+//! authentication (trust, cleartext, md5, SCRAM-SHA-256), simple-query commands (IDENTIFY_SYSTEM,
+//! CREATE_REPLICATION_SLOT, START_REPLICATION) and the CopyBoth stream that follows. Owns the socket and
+//! framing only; what the stream's messages mean is decided by the pipeline.
+
+use std::time::SystemTime;
+
+use bytes::BytesMut;
+use fallible_iterator::FallibleIterator;
+use postgres_protocol::authentication::{md5_hash, sasl};
+use postgres_protocol::message::{backend, frontend};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_postgres::config::{Host, SslMode};
+
+use super::protocol::{self, ServerMessage};
+use crate::lsn::Lsn;
+
+trait Socket: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Socket for T {}
+
+/// Session settings sent in the startup packet, as PostgreSQL's own subscriber does, so pgoutput's text
+/// values have one known format.
+const SESSION_OPTIONS: &str = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c TimeZone=UTC";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicationError {
+    #[error("cannot connect to PostgreSQL at {target}: {source}")]
+    Connect { target: String, source: std::io::Error },
+    #[error("replication connection I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("PostgreSQL closed the replication connection")]
+    Closed,
+    #[error("{severity} {code}: {message}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    Server { severity: String, code: String, message: String, detail: Option<String> },
+    #[error("replication protocol error: {0}")]
+    Protocol(String),
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("the server asks for a password but the connection URL has none: add it to the URL or use PGPASSWORD-free auth (trust)")]
+    PasswordRequired,
+}
+
+impl ReplicationError {
+    /// SQLSTATE of a server error.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ReplicationError::Server { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+}
+
+/// Result of IDENTIFY_SYSTEM.
+#[derive(Debug, Clone)]
+pub struct SystemIdentity {
+    pub system_id: String,
+    pub timeline: u32,
+    /// The server's current WAL flush position.
+    pub xlog_position: Lsn,
+    pub database: Option<String>,
+}
+
+/// A replication connection before START_REPLICATION.
+pub struct ReplicationConnection {
+    socket: Box<dyn Socket>,
+    read_buf: BytesMut,
+    write_buf: BytesMut,
+}
+
+impl ReplicationConnection {
+    /// Connects and authenticates in `replication=database` mode.
+    pub async fn connect(config: &tokio_postgres::Config) -> Result<Self, ReplicationError> {
+        if config.get_ssl_mode() == SslMode::Require {
+            return Err(ReplicationError::Unsupported(
+                "sslmode=require is not supported by outboxd's replication connection yet; use sslmode=disable or prefer on a trusted network".into(),
+            ));
+        }
+        let socket = open_socket(config).await?;
+        let mut conn = ReplicationConnection {
+            socket,
+            read_buf: BytesMut::with_capacity(64 * 1024),
+            write_buf: BytesMut::with_capacity(1024),
+        };
+        conn.startup(config).await?;
+        Ok(conn)
+    }
+
+    async fn startup(&mut self, config: &tokio_postgres::Config) -> Result<(), ReplicationError> {
+        let user = config.get_user().unwrap_or("postgres");
+        let database = config.get_dbname().unwrap_or(user);
+        let mut params = vec![
+            ("user", user),
+            ("database", database),
+            ("replication", "database"),
+            ("client_encoding", "UTF8"),
+            ("options", SESSION_OPTIONS),
+        ];
+        params.push(("application_name", config.get_application_name().unwrap_or("outboxd")));
+        frontend::startup_message(params.iter().copied(), &mut self.write_buf)?;
+        self.flush().await?;
+
+        let password = config.get_password();
+        let mut scram: Option<sasl::ScramSha256> = None;
+        loop {
+            match self.next_backend_message().await? {
+                backend::Message::AuthenticationOk => break,
+                backend::Message::AuthenticationCleartextPassword => {
+                    let password = password.ok_or(ReplicationError::PasswordRequired)?;
+                    frontend::password_message(password, &mut self.write_buf)?;
+                    self.flush().await?;
+                }
+                backend::Message::AuthenticationMd5Password(body) => {
+                    let password = password.ok_or(ReplicationError::PasswordRequired)?;
+                    let hash = md5_hash(user.as_bytes(), password, body.salt());
+                    frontend::password_message(hash.as_bytes(), &mut self.write_buf)?;
+                    self.flush().await?;
+                }
+                backend::Message::AuthenticationSasl(body) => {
+                    let password = password.ok_or(ReplicationError::PasswordRequired)?;
+                    let mut mechanisms = body.mechanisms();
+                    let mut has_scram = false;
+                    while let Some(mechanism) = mechanisms.next()? {
+                        has_scram |= mechanism == sasl::SCRAM_SHA_256;
+                    }
+                    if !has_scram {
+                        return Err(ReplicationError::Unsupported(
+                            "the server offers no SASL mechanism outboxd supports (SCRAM-SHA-256)".into(),
+                        ));
+                    }
+                    let state = sasl::ScramSha256::new(password, sasl::ChannelBinding::unsupported());
+                    frontend::sasl_initial_response(sasl::SCRAM_SHA_256, state.message(), &mut self.write_buf)?;
+                    self.flush().await?;
+                    scram = Some(state);
+                }
+                backend::Message::AuthenticationSaslContinue(body) => {
+                    let state = scram.as_mut().ok_or_else(|| protocol_error("SASL continue without SASL start"))?;
+                    state.update(body.data())?;
+                    frontend::sasl_response(state.message(), &mut self.write_buf)?;
+                    self.flush().await?;
+                }
+                backend::Message::AuthenticationSaslFinal(body) => {
+                    let state = scram.as_mut().ok_or_else(|| protocol_error("SASL final without SASL start"))?;
+                    state.finish(body.data())?;
+                }
+                backend::Message::ErrorResponse(body) => return Err(server_error(&body)),
+                backend::Message::AuthenticationKerberosV5
+                | backend::Message::AuthenticationScmCredential
+                | backend::Message::AuthenticationGss
+                | backend::Message::AuthenticationSspi => {
+                    return Err(ReplicationError::Unsupported(
+                        "the server requests GSS/SSPI/Kerberos authentication, which outboxd does not support; use scram-sha-256 or md5 in pg_hba.conf".into(),
+                    ))
+                }
+                _ => return Err(protocol_error("unexpected message during authentication")),
+            }
+        }
+        // ParameterStatus, BackendKeyData, ... until ReadyForQuery.
+        loop {
+            match self.next_backend_message().await? {
+                backend::Message::ReadyForQuery(_) => return Ok(()),
+                backend::Message::ErrorResponse(body) => return Err(server_error(&body)),
+                _ => {}
+            }
+        }
+    }
+
+    /// Runs a replication command and returns its rows as text.
+    pub async fn simple_query(&mut self, sql: &str) -> Result<Vec<Vec<Option<String>>>, ReplicationError> {
+        frontend::query(sql, &mut self.write_buf)?;
+        self.flush().await?;
+        let mut rows = Vec::new();
+        let mut error = None;
+        loop {
+            match self.next_backend_message().await? {
+                backend::Message::DataRow(body) => {
+                    let buffer = body.buffer();
+                    let row = body
+                        .ranges()
+                        .map(|range| Ok(range.map(|r| String::from_utf8_lossy(&buffer[r]).into_owned())))
+                        .collect()?;
+                    rows.push(row);
+                }
+                backend::Message::ErrorResponse(body) => error = Some(server_error(&body)),
+                backend::Message::ReadyForQuery(_) => break,
+                _ => {}
+            }
+        }
+        match error {
+            Some(error) => Err(error),
+            None => Ok(rows),
+        }
+    }
+
+    pub async fn identify_system(&mut self) -> Result<SystemIdentity, ReplicationError> {
+        let rows = self.simple_query("IDENTIFY_SYSTEM").await?;
+        let row = rows.first().ok_or_else(|| protocol_error("IDENTIFY_SYSTEM returned no row"))?;
+        let field = |i: usize| row.get(i).cloned().flatten();
+        let xlog_position = field(2)
+            .ok_or_else(|| protocol_error("IDENTIFY_SYSTEM returned no xlogpos"))?
+            .parse::<Lsn>()
+            .map_err(|e| protocol_error(&e.to_string()))?;
+        Ok(SystemIdentity {
+            system_id: field(0).unwrap_or_default(),
+            timeline: field(1).and_then(|t| t.parse().ok()).unwrap_or(0),
+            xlog_position,
+            database: field(3),
+        })
+    }
+
+    /// Creates a logical slot using pgoutput; returns its consistent point. `slot` must be a validated name.
+    pub async fn create_logical_slot(&mut self, slot: &str) -> Result<Lsn, ReplicationError> {
+        let rows = self
+            .simple_query(&format!("CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'nothing')"))
+            .await?;
+        let point = rows
+            .first()
+            .and_then(|row| row.get(1).cloned().flatten())
+            .ok_or_else(|| protocol_error("CREATE_REPLICATION_SLOT returned no consistent_point"))?;
+        point.parse::<Lsn>().map_err(|e| protocol_error(&e.to_string()))
+    }
+
+    /// Starts streaming pgoutput (proto 1) from `start` for `publication`. Names must be validated identifiers.
+    pub async fn start_replication(
+        mut self,
+        slot: &str,
+        start: Lsn,
+        publication: &str,
+    ) -> Result<ReplicationStream, ReplicationError> {
+        let sql = format!(
+            "START_REPLICATION SLOT \"{slot}\" LOGICAL {start} (proto_version '1', publication_names '\"{publication}\"')"
+        );
+        frontend::query(&sql, &mut self.write_buf)?;
+        self.flush().await?;
+        loop {
+            // CopyBothResponse ('W') is not parsed by postgres-protocol: recognise it from its header.
+            if let Some(header) = backend::Header::parse(&self.read_buf)? {
+                let total = header.len() as usize + 1;
+                if header.tag() == b'W' && self.read_buf.len() >= total {
+                    let _ = self.read_buf.split_to(total);
+                    return Ok(ReplicationStream { conn: self });
+                }
+            }
+            if let Some(message) = backend::Message::parse(&mut self.read_buf)? {
+                match message {
+                    backend::Message::ErrorResponse(body) => {
+                        let error = server_error(&body);
+                        return Err(error);
+                    }
+                    backend::Message::NoticeResponse(_) => continue,
+                    _ => return Err(protocol_error("unexpected reply to START_REPLICATION")),
+                }
+            }
+            self.fill().await?;
+        }
+    }
+
+    async fn next_backend_message(&mut self) -> Result<backend::Message, ReplicationError> {
+        loop {
+            if let Some(message) = backend::Message::parse(&mut self.read_buf)? {
+                return Ok(message);
+            }
+            self.fill().await?;
+        }
+    }
+
+    /// Reads more bytes. Cancel-safe: a cancelled read loses nothing.
+    async fn fill(&mut self) -> Result<(), ReplicationError> {
+        if self.read_buf.capacity() - self.read_buf.len() < 8 * 1024 {
+            self.read_buf.reserve(64 * 1024);
+        }
+        let n = self.socket.read_buf(&mut self.read_buf).await?;
+        if n == 0 {
+            return Err(ReplicationError::Closed);
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<(), ReplicationError> {
+        let data = self.write_buf.split();
+        self.socket.write_all(&data).await?;
+        self.socket.flush().await?;
+        Ok(())
+    }
+}
+
+/// The CopyBoth stream after START_REPLICATION.
+pub struct ReplicationStream {
+    conn: ReplicationConnection,
+}
+
+impl ReplicationStream {
+    /// Waits for the next XLogData or keepalive. Cancel-safe (safe inside `tokio::select!`).
+    pub async fn next_message(&mut self) -> Result<ServerMessage, ReplicationError> {
+        loop {
+            if let Some(message) = backend::Message::parse(&mut self.conn.read_buf)? {
+                match message {
+                    backend::Message::CopyData(body) => {
+                        return protocol::decode_server_message(body.into_bytes())
+                            .map_err(|e| protocol_error(&e.to_string()));
+                    }
+                    backend::Message::ErrorResponse(body) => return Err(server_error(&body)),
+                    backend::Message::CopyDone => return Err(ReplicationError::Closed),
+                    backend::Message::NoticeResponse(_) | backend::Message::ParameterStatus(_) => continue,
+                    _ => return Err(protocol_error("unexpected message in the replication stream")),
+                }
+            }
+            self.conn.fill().await?;
+        }
+    }
+
+    /// Sends a standby status update confirming `confirmed` (write = flush = apply).
+    pub async fn send_status(&mut self, confirmed: Lsn) -> Result<(), ReplicationError> {
+        let update = protocol::encode_status_update(confirmed, SystemTime::now(), false);
+        frontend::CopyData::new(update)?.write(&mut self.conn.write_buf);
+        self.conn.flush().await
+    }
+
+    /// Ends the stream politely (CopyDone + Terminate); errors are irrelevant at this point.
+    pub async fn close(mut self) {
+        frontend::copy_done(&mut self.conn.write_buf);
+        frontend::terminate(&mut self.conn.write_buf);
+        let _ = self.conn.flush().await;
+    }
+}
+
+async fn open_socket(config: &tokio_postgres::Config) -> Result<Box<dyn Socket>, ReplicationError> {
+    let default_host = [Host::Tcp("localhost".to_string())];
+    let hosts = if config.get_hosts().is_empty() { &default_host[..] } else { config.get_hosts() };
+    let ports = config.get_ports();
+    let mut last_error = None;
+    for (index, host) in hosts.iter().enumerate() {
+        let port = ports.get(index).or_else(|| ports.first()).copied().unwrap_or(5432);
+        let (target, result): (String, std::io::Result<Box<dyn Socket>>) = match host {
+            Host::Tcp(name) => {
+                let target = format!("{name}:{port}");
+                let result = tokio::net::TcpStream::connect((name.as_str(), port)).await.map(|s| {
+                    let _ = s.set_nodelay(true);
+                    Box::new(s) as Box<dyn Socket>
+                });
+                (target, result)
+            }
+            #[cfg(unix)]
+            Host::Unix(dir) => {
+                let path = dir.join(format!(".s.PGSQL.{port}"));
+                let target = path.display().to_string();
+                let result = tokio::net::UnixStream::connect(&path).await.map(|s| Box::new(s) as Box<dyn Socket>);
+                (target, result)
+            }
+        };
+        match result {
+            Ok(socket) => return Ok(socket),
+            Err(source) => last_error = Some(ReplicationError::Connect { target, source }),
+        }
+    }
+    Err(last_error.unwrap_or_else(|| {
+        ReplicationError::Connect { target: "localhost:5432".into(), source: std::io::ErrorKind::NotFound.into() }
+    }))
+}
+
+fn protocol_error(what: &str) -> ReplicationError {
+    ReplicationError::Protocol(what.to_string())
+}
+
+fn server_error(body: &backend::ErrorResponseBody) -> ReplicationError {
+    let (mut severity, mut code, mut message, mut detail) = (String::new(), String::new(), String::new(), None);
+    let mut fields = body.fields();
+    while let Ok(Some(field)) = fields.next() {
+        let value = || String::from_utf8_lossy(field.value_bytes()).into_owned();
+        match field.type_() {
+            b'S' => severity = value(),
+            b'C' => code = value(),
+            b'M' => message = value(),
+            b'D' => detail = Some(value()),
+            _ => {}
+        }
+    }
+    ReplicationError::Server { severity, code, message, detail }
+}

@@ -1,0 +1,177 @@
+//! Pre-flight checks and slot bookkeeping over ordinary SQL: server settings, the outbox table's columns,
+//! the publication, and the replication slot's state. Each failed check names the problem and the fix.
+//! Creating the slot itself needs the replication connection (see `pipeline::cdc`).
+
+use tokio_postgres::Client;
+
+use crate::config::{DatabaseSettings, TableName};
+use crate::error::{Error, Result};
+use crate::event::REQUIRED_COLUMNS;
+use crate::lsn::Lsn;
+
+/// `wal_level` must be `logical` for a logical slot.
+pub async fn check_wal_level(client: &Client) -> Result<()> {
+    let level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
+    if level != "logical" {
+        return Err(Error::setup(
+            format!("PostgreSQL has wal_level = {level}, but logical replication needs wal_level = logical"),
+            "run ALTER SYSTEM SET wal_level = logical; and restart PostgreSQL (managed services: enable logical replication in the parameter group)",
+        ));
+    }
+    Ok(())
+}
+
+/// The outbox table exists and has every column outboxd reads, plus `published_at`.
+pub async fn check_table(client: &Client, table: &TableName) -> Result<()> {
+    let rows = client
+        .query(
+            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
+             JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped",
+            &[&table.schema, &table.name],
+        )
+        .await?;
+    if rows.is_empty() {
+        return Err(Error::setup(
+            format!("the outbox table {table} does not exist"),
+            "run `outboxd migrate` (or create it as README shows), or point --table at your outbox table",
+        ));
+    }
+    let columns: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let type_of = |name: &str| columns.iter().find(|(n, _)| n == name).map(|(_, t)| t.as_str());
+    for column in REQUIRED_COLUMNS.iter().copied().chain(["published_at"]) {
+        if type_of(column).is_none() {
+            return Err(Error::setup(
+                format!("the outbox table {table} has no column {column}"),
+                "add the column (see the table in README) or run `outboxd migrate` on a new table",
+            ));
+        }
+    }
+    let expectations: [(&str, &[&str]); 3] = [
+        ("event_id", &["uuid"]),
+        ("payload", &["jsonb", "json"]),
+        ("created_at", &["timestamp with time zone"]),
+    ];
+    for (column, allowed) in expectations {
+        let actual = type_of(column).unwrap_or_default();
+        if !allowed.contains(&actual) {
+            return Err(Error::setup(
+                format!("column {column} of {table} has type {actual}, expected {}", allowed.join(" or ")),
+                format!("ALTER TABLE {table} ALTER COLUMN {column} TYPE {}", allowed[0]),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The publication exists, publishes inserts and covers the outbox table.
+pub async fn check_publication(client: &Client, settings: &DatabaseSettings) -> Result<()> {
+    let publication = &settings.publication;
+    let table = &settings.table;
+    let create = format!(
+        "run `outboxd migrate --publication {publication}`, or CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert')"
+    );
+    let row = client.query_opt("SELECT pubinsert FROM pg_publication WHERE pubname = $1", &[publication]).await?;
+    let Some(row) = row else {
+        return Err(Error::setup(format!("publication {publication} does not exist"), create));
+    };
+    if !row.get::<_, bool>(0) {
+        return Err(Error::setup(
+            format!("publication {publication} does not publish inserts"),
+            format!("ALTER PUBLICATION {publication} SET (publish = 'insert')"),
+        ));
+    }
+    let covered = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+            &[publication, &table.schema, &table.name],
+        )
+        .await?;
+    if covered.is_none() {
+        return Err(Error::setup(
+            format!("publication {publication} does not include {table}"),
+            format!("ALTER PUBLICATION {publication} ADD TABLE {table}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A replication slot as `pg_replication_slots` shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SlotState {
+    pub slot_name: String,
+    pub plugin: Option<String>,
+    pub slot_type: String,
+    pub database: Option<String>,
+    pub active: bool,
+    pub active_pid: Option<i32>,
+    pub confirmed_flush_lsn: Option<String>,
+    pub restart_lsn: Option<String>,
+    pub wal_status: Option<String>,
+    /// `pg_current_wal_lsn() - confirmed_flush_lsn`.
+    pub lag_bytes: Option<i64>,
+    /// `pg_current_wal_lsn() - restart_lsn`: WAL the slot keeps on disk.
+    pub retained_wal_bytes: Option<i64>,
+}
+
+impl SlotState {
+    pub fn confirmed_flush(&self) -> Option<Lsn> {
+        self.confirmed_flush_lsn.as_deref().and_then(|l| l.parse().ok())
+    }
+}
+
+pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>> {
+    let row = client
+        .query_opt(
+            "SELECT slot_name::text, plugin::text, slot_type, database::text, active, active_pid,
+                    confirmed_flush_lsn::text, restart_lsn::text, wal_status,
+                    (pg_current_wal_lsn() - confirmed_flush_lsn)::int8,
+                    (pg_current_wal_lsn() - restart_lsn)::int8
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(row.map(|r| SlotState {
+        slot_name: r.get(0),
+        plugin: r.get(1),
+        slot_type: r.get(2),
+        database: r.get(3),
+        active: r.get(4),
+        active_pid: r.get(5),
+        confirmed_flush_lsn: r.get(6),
+        restart_lsn: r.get(7),
+        wal_status: r.get(8),
+        lag_bytes: r.get(9),
+        retained_wal_bytes: r.get(10),
+    }))
+}
+
+/// An existing slot must be a logical pgoutput slot of this database and not lost.
+pub async fn check_existing_slot(client: &Client, slot: &str) -> Result<Option<SlotState>> {
+    let Some(state) = slot_state(client, slot).await? else { return Ok(None) };
+    let database: String = client.query_one("SELECT current_database()::text", &[]).await?.get(0);
+    let drop_it = format!("pick another --slot, or drop it with SELECT pg_drop_replication_slot('{slot}')");
+    if state.slot_type != "logical" || state.plugin.as_deref() != Some("pgoutput") {
+        return Err(Error::setup(
+            format!(
+                "replication slot {slot} uses output plugin {} ({}), but outboxd needs a logical pgoutput slot",
+                state.plugin.as_deref().unwrap_or("none"),
+                state.slot_type
+            ),
+            drop_it,
+        ));
+    }
+    if state.database.as_deref() != Some(database.as_str()) {
+        return Err(Error::setup(
+            format!("replication slot {slot} belongs to database {}, not {database}", state.database.as_deref().unwrap_or("?")),
+            drop_it,
+        ));
+    }
+    if state.wal_status.as_deref() == Some("lost") {
+        return Err(Error::setup(
+            format!("replication slot {slot} is invalidated (wal_status = lost): the WAL it needed was removed"),
+            format!("drop it (SELECT pg_drop_replication_slot('{slot}')) and restart outboxd; see README 'When the slot is lost'"),
+        ));
+    }
+    Ok(Some(state))
+}

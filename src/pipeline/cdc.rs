@@ -1,0 +1,346 @@
+//! The CDC fast path: slot stream -> decode -> publish -> (ack + backfill) -> watermark -> confirm.
+//!
+//! One *session* is one replication connection. Transient failures end the session; the next one resumes
+//! from the highest confirmed position (kept in memory, because PG 15 can move `confirmed_flush_lsn` back).
+//! Reading stops while the in-flight window is full, but standby status updates keep flowing on a timer.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, watch};
+use uuid::Uuid;
+
+use crate::backoff::Backoff;
+use crate::config::RunSettings;
+use crate::error::{Error, Result};
+use crate::event::{OutboxEvent, RowMapping};
+use crate::kafka::{KnownTopics, Publisher};
+use crate::lsn::Lsn;
+use crate::pg::outbox::OutboxSql;
+use crate::pg::pgoutput::{self, PgOutputMessage};
+use crate::pg::replication::{ReplicationConnection, ReplicationStream, ServerMessage};
+use crate::pg::{self, slot};
+use crate::pipeline::backfill::{self, Finished};
+use crate::pipeline::watermark::{TxnId, Watermark};
+use crate::pipeline::replication_error;
+
+/// Rows of re-sent transactions are checked against `published_at` in batches of this size.
+const REPLAY_BATCH: usize = 1_000;
+/// Least time between two status updates sent because the watermark moved.
+const MIN_CONFIRM_GAP: Duration = Duration::from_millis(100);
+
+pub struct CdcPipeline {
+    settings: Arc<RunSettings>,
+    watermark: Watermark,
+    known_topics: KnownTopics,
+}
+
+/// An event decoded in the replay region, waiting for the `published_at` lookup.
+struct Pending {
+    txn: TxnId,
+    event: OutboxEvent,
+    event_id: Uuid,
+}
+
+/// Per-session state of the stream loop.
+struct Session<'a> {
+    settings: &'a RunSettings,
+    watermark: &'a mut Watermark,
+    sql: tokio_postgres::Client,
+    outbox_sql: OutboxSql,
+    publisher: Publisher,
+    /// Transactions committed before this session connected may have been published by an earlier run.
+    replay_end: Lsn,
+    replay_buffer: Vec<Pending>,
+    mappings: HashMap<u32, Option<RowMapping>>,
+    current_txn: Option<TxnId>,
+    in_replay_region: bool,
+    skipping_resent_txn: bool,
+    in_flight_events: usize,
+    in_flight_bytes: usize,
+    published: u64,
+    skipped_already_published: u64,
+}
+
+impl CdcPipeline {
+    pub fn new(settings: Arc<RunSettings>) -> Self {
+        CdcPipeline { settings, watermark: Watermark::new(Lsn::ZERO), known_topics: KnownTopics::default() }
+    }
+
+    /// Runs sessions until `shutdown` turns true. Transient failures reconnect with capped backoff, forever.
+    pub async fn run(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
+        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        loop {
+            let started = Instant::now();
+            match self.session(&mut shutdown).await {
+                Ok(()) => return Ok(()),
+                Err(error) if error.is_transient() => {
+                    if started.elapsed() > Duration::from_secs(60) {
+                        backoff.reset();
+                    }
+                    let delay = backoff.next_delay();
+                    tracing::warn!(%error, retry_in = ?delay, confirmed = %self.watermark.confirmed(), "replication session ended; reconnecting");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                    }
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    async fn session(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<()> {
+        let settings = self.settings.clone();
+        let db = &settings.database;
+        let sql = pg::connect(&db.database_url).await?;
+        let outbox_sql = OutboxSql::prepare(&sql, &db.table).await?;
+        let mut conn = ReplicationConnection::connect(&db.replication_url).await.map_err(replication_error)?;
+        let identity = conn.identify_system().await?;
+        match slot::check_existing_slot(&sql, &db.slot).await? {
+            Some(state) => {
+                if let Some(lsn) = state.confirmed_flush() {
+                    self.watermark.raise_confirmed(lsn);
+                }
+            }
+            None => {
+                slot::check_publication(&sql, db).await?;
+                let consistent_point = conn.create_logical_slot(&db.slot).await?;
+                tracing::info!(slot = %db.slot, %consistent_point, "created replication slot");
+                self.watermark.raise_confirmed(consistent_point);
+            }
+        }
+        self.watermark.restart();
+        let start = self.watermark.confirmed();
+        let mut stream = conn.start_replication(&db.slot, start, &db.publication).await.map_err(replication_error)?;
+        tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
+
+        let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
+        let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
+        let publisher = Publisher::new(&settings, self.known_topics.clone(), delivery_tx)?;
+        let backfill = tokio::spawn(backfill::run(db.database_url.clone(), db.table.clone(), delivery_rx, finished_tx));
+
+        let mut session = Session {
+            settings: &settings,
+            watermark: &mut self.watermark,
+            sql,
+            outbox_sql,
+            publisher,
+            replay_end: identity.xlog_position,
+            replay_buffer: Vec::new(),
+            mappings: HashMap::new(),
+            current_txn: None,
+            in_replay_region: false,
+            skipping_resent_txn: false,
+            in_flight_events: 0,
+            in_flight_bytes: 0,
+            published: 0,
+            skipped_already_published: 0,
+        };
+        let result = session.stream(&mut stream, &mut finished_rx, shutdown).await;
+        backfill.abort();
+        tracing::info!(
+            published = session.published,
+            skipped_already_published = session.skipped_already_published,
+            confirmed = %session.watermark.confirmed(),
+            "replication session ended"
+        );
+        session.publisher.abandon();
+        if result.is_ok() {
+            stream.close().await;
+        }
+        result
+    }
+}
+
+impl Session<'_> {
+    async fn stream(
+        &mut self,
+        stream: &mut ReplicationStream,
+        finished_rx: &mut mpsc::UnboundedReceiver<Finished>,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<()> {
+        let mut status_timer = tokio::time::interval(self.settings.status_interval);
+        status_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_sent = self.watermark.confirmed();
+        let mut last_sent_at = Instant::now();
+        let mut drain_deadline: Option<tokio::time::Instant> = None;
+        stream.send_status(last_sent).await?;
+        loop {
+            let window_open = self.in_flight_events < self.settings.max_in_flight_events
+                && self.in_flight_bytes < self.settings.max_in_flight_bytes;
+            let mut reply_now = false;
+            tokio::select! {
+                biased;
+                _ = shutdown.wait_for(|stop| *stop), if drain_deadline.is_none() => {
+                    tracing::info!(in_flight = self.in_flight_events, "shutting down: draining in-flight events");
+                    self.drop_replay_buffer();
+                    drain_deadline = Some(tokio::time::Instant::now() + self.settings.shutdown_timeout);
+                }
+                finished = finished_rx.recv() => match finished {
+                    Some(Finished::Events(events)) => {
+                        for (txn, bytes) in events {
+                            self.finish_event(txn, bytes);
+                        }
+                    }
+                    Some(Finished::DeliveryFailed { event_id, reason }) => {
+                        return Err(Error::Kafka { message: format!("delivery of event {event_id} failed: {reason}"), transient: true });
+                    }
+                    None => return Err(Error::Kafka { message: "the backfill task stopped".into(), transient: true }),
+                },
+                message = stream.next_message(), if window_open && drain_deadline.is_none() => {
+                    reply_now = self.handle(message.map_err(replication_error)?).await?;
+                }
+                _ = status_timer.tick() => reply_now = true,
+                _ = sleep_until_opt(drain_deadline) => {
+                    tracing::warn!(in_flight = self.in_flight_events, "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
+                    break;
+                }
+            }
+            if !self.replay_buffer.is_empty() && (self.replay_buffer.len() >= REPLAY_BATCH || !window_open) {
+                self.flush_replay_buffer().await?;
+            }
+            let confirmed = self.watermark.advance();
+            if reply_now || (confirmed > last_sent && last_sent_at.elapsed() >= MIN_CONFIRM_GAP) {
+                stream.send_status(confirmed).await?;
+                if confirmed > last_sent {
+                    tracing::debug!(%confirmed, "confirmed");
+                }
+                last_sent = confirmed;
+                last_sent_at = Instant::now();
+            }
+            if drain_deadline.is_some() && self.in_flight_events == 0 {
+                break;
+            }
+        }
+        stream.send_status(self.watermark.advance()).await?;
+        Ok(())
+    }
+
+    /// Handles one server message; returns true when the server wants a status update now.
+    async fn handle(&mut self, message: ServerMessage) -> Result<bool> {
+        match message {
+            ServerMessage::Keepalive { wal_end, reply_requested } => {
+                self.flush_replay_buffer().await?;
+                self.watermark.keepalive(wal_end);
+                Ok(reply_requested)
+            }
+            ServerMessage::XLogData { data, .. } => {
+                self.handle_pgoutput(data).await?;
+                Ok(false)
+            }
+        }
+    }
+
+    async fn handle_pgoutput(&mut self, data: Bytes) -> Result<()> {
+        match pgoutput::decode(data)? {
+            PgOutputMessage::Begin(begin) => {
+                if self.watermark.is_already_confirmed(begin.final_lsn) {
+                    self.skipping_resent_txn = true;
+                    tracing::debug!(final_lsn = %begin.final_lsn, "skipping re-sent transaction");
+                } else {
+                    self.in_replay_region = begin.final_lsn < self.replay_end;
+                    if !self.in_replay_region {
+                        self.flush_replay_buffer().await?;
+                    }
+                    self.current_txn = Some(self.watermark.begin());
+                }
+            }
+            PgOutputMessage::Commit(commit) => {
+                if self.skipping_resent_txn {
+                    self.skipping_resent_txn = false;
+                } else if let Some(txn) = self.current_txn.take() {
+                    self.watermark.commit(txn, commit.end_lsn);
+                }
+            }
+            PgOutputMessage::Relation(relation) => {
+                let table = &self.settings.database.table;
+                let mapping = if relation.namespace == table.schema && relation.name == table.name {
+                    Some(RowMapping::from_relation(&relation)?)
+                } else {
+                    tracing::warn!(relation = %format!("{}.{}", relation.namespace, relation.name), "publication includes a table that is not the outbox table; its rows are ignored");
+                    None
+                };
+                self.mappings.insert(relation.id, mapping);
+            }
+            PgOutputMessage::Insert(insert) => {
+                if self.skipping_resent_txn {
+                    return Ok(());
+                }
+                let (Some(txn), Some(mapping)) = (self.current_txn, self.mappings.get(&insert.relation_id)) else {
+                    return Err(Error::setup(
+                        format!("the replication stream sent a row of relation {} outside a transaction or before its Relation message", insert.relation_id),
+                        "report this as an outboxd bug, with the server version",
+                    ));
+                };
+                let Some(mapping) = mapping else { return Ok(()) };
+                let event = mapping.event(&insert)?;
+                let event_id = event.event_id.parse::<Uuid>().map_err(|_| {
+                    Error::setup(format!("event_id {:?} is not a UUID", event.event_id), "make event_id a uuid column")
+                })?;
+                self.start_event(txn, event.size_bytes());
+                if self.in_replay_region {
+                    self.replay_buffer.push(Pending { txn, event, event_id });
+                } else {
+                    self.publish(txn, &event, event_id).await?;
+                }
+            }
+            PgOutputMessage::Skipped(_) => {}
+        }
+        Ok(())
+    }
+
+    fn start_event(&mut self, txn: TxnId, bytes: usize) {
+        self.watermark.event_started(txn);
+        self.in_flight_events += 1;
+        self.in_flight_bytes += bytes;
+    }
+
+    fn finish_event(&mut self, txn: TxnId, bytes: usize) {
+        self.watermark.event_finished(txn);
+        self.in_flight_events = self.in_flight_events.saturating_sub(1);
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(bytes);
+    }
+
+    async fn publish(&mut self, txn: TxnId, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+        let topic = self.settings.topic.render(&event.aggregate_type, &event.event_type);
+        self.publisher.publish(&topic, event, txn, event_id).await?;
+        self.published += 1;
+        Ok(())
+    }
+
+    /// Publishes buffered replayed rows, except those an earlier run already published (one lookup).
+    async fn flush_replay_buffer(&mut self) -> Result<()> {
+        if self.replay_buffer.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<Uuid> = self.replay_buffer.iter().map(|p| p.event_id).collect();
+        let already: HashSet<Uuid> = self.outbox_sql.find_published(&self.sql, &ids).await?.into_iter().collect();
+        for pending in std::mem::take(&mut self.replay_buffer) {
+            if already.contains(&pending.event_id) {
+                self.finish_event(pending.txn, pending.event.size_bytes());
+                self.skipped_already_published += 1;
+            } else {
+                self.publish(pending.txn, &pending.event, pending.event_id).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// At shutdown, buffered rows are simply left for the next run.
+    fn drop_replay_buffer(&mut self) {
+        for pending in std::mem::take(&mut self.replay_buffer) {
+            self.in_flight_events = self.in_flight_events.saturating_sub(1);
+            self.in_flight_bytes = self.in_flight_bytes.saturating_sub(pending.event.size_bytes());
+        }
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,260 @@
+//! Pure ack watermark: which LSN may be confirmed to the slot, given events that finish out of order.
+//!
+//! Entries are kept in stream order: transactions (open until their Commit arrives) and keepalive markers (a
+//! server `wal_end` seen while no transaction was open). An entry is finished when it is committed and every
+//! event in it is broker-acknowledged and has `published_at` written. The confirmable LSN is the position of
+//! the last entry of the longest finished prefix, so a transaction is confirmed only after it and every earlier
+//! one are done, and an idle stream confirms the server's latest `wal_end`.
+//!
+//! The highest confirmed position survives [`Watermark::restart`] (a reconnect), so transactions the server
+//! re-sends at or below it can be recognised and dropped. Owns no I/O.
+
+use std::collections::VecDeque;
+
+use crate::lsn::Lsn;
+
+/// Identifies one transaction in the watermark. Ids from before a restart are ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TxnId(u64);
+
+#[derive(Debug)]
+struct Entry {
+    /// `None` while the transaction's Commit has not arrived.
+    position: Option<Lsn>,
+    pending_events: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct Watermark {
+    entries: VecDeque<Entry>,
+    /// Id of `entries[0]`.
+    first_id: u64,
+    confirmed: Lsn,
+    open: Option<TxnId>,
+}
+
+impl Watermark {
+    /// Starts from a position already confirmed (for example the slot's `confirmed_flush_lsn`).
+    pub fn new(confirmed: Lsn) -> Self {
+        Watermark { confirmed, ..Default::default() }
+    }
+
+    /// The highest position confirmed so far; never moves backwards.
+    pub fn confirmed(&self) -> Lsn {
+        self.confirmed
+    }
+
+    /// Raises the confirmed position to `lsn` if it is higher (e.g. the slot's position read at connect).
+    pub fn raise_confirmed(&mut self, lsn: Lsn) {
+        self.confirmed = self.confirmed.max(lsn);
+    }
+
+    /// True when a transaction whose commit record starts at `final_lsn` was already confirmed, i.e. the
+    /// server is re-sending it (PG 15 can move `confirmed_flush_lsn` back after a restart).
+    pub fn is_already_confirmed(&self, final_lsn: Lsn) -> bool {
+        final_lsn < self.confirmed
+    }
+
+    /// Forgets everything in flight (after a reconnect the server re-sends it); keeps the confirmed position.
+    pub fn restart(&mut self) {
+        self.first_id += self.entries.len() as u64;
+        self.entries.clear();
+        self.open = None;
+    }
+
+    /// A Begin arrived.
+    pub fn begin(&mut self) -> TxnId {
+        let id = TxnId(self.first_id + self.entries.len() as u64);
+        self.entries.push_back(Entry { position: None, pending_events: 0 });
+        self.open = Some(id);
+        id
+    }
+
+    /// An event of `txn` was handed to the broker.
+    pub fn event_started(&mut self, txn: TxnId) {
+        if let Some(entry) = self.entry_mut(txn) {
+            entry.pending_events += 1;
+        }
+    }
+
+    /// An event of `txn` is acknowledged by the broker and its `published_at` is written.
+    pub fn event_finished(&mut self, txn: TxnId) {
+        if let Some(entry) = self.entry_mut(txn) {
+            entry.pending_events = entry.pending_events.saturating_sub(1);
+        }
+    }
+
+    /// The Commit of `txn` arrived; `end_lsn` is the position to confirm once it is finished.
+    pub fn commit(&mut self, txn: TxnId, end_lsn: Lsn) {
+        if let Some(entry) = self.entry_mut(txn) {
+            entry.position = Some(end_lsn);
+        }
+        if self.open == Some(txn) {
+            self.open = None;
+        }
+    }
+
+    /// A keepalive reported the server's `wal_end`. Outside a transaction everything up to it has been
+    /// received, so it becomes confirmable once everything before it is finished.
+    pub fn keepalive(&mut self, wal_end: Lsn) {
+        if self.open.is_some() || wal_end <= self.confirmed {
+            return;
+        }
+        match self.entries.back_mut() {
+            Some(last) if last.pending_events == 0 && last.position.is_some_and(|p| p <= wal_end) => {
+                // A trailing finished entry can simply be moved forward; keeps the queue short while idle.
+                last.position = Some(wal_end);
+            }
+            _ => self.entries.push_back(Entry { position: Some(wal_end), pending_events: 0 }),
+        }
+    }
+
+    /// Pops the finished prefix and returns the (possibly advanced) confirmed position.
+    pub fn advance(&mut self) -> Lsn {
+        while let Some(front) = self.entries.front() {
+            match front.position {
+                Some(position) if front.pending_events == 0 => {
+                    self.confirmed = self.confirmed.max(position);
+                    self.entries.pop_front();
+                    self.first_id += 1;
+                }
+                _ => break,
+            }
+        }
+        self.confirmed
+    }
+
+    /// Transactions and markers not yet confirmed.
+    pub fn unconfirmed_entries(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn entry_mut(&mut self, txn: TxnId) -> Option<&mut Entry> {
+        let index = txn.0.checked_sub(self.first_id)?;
+        self.entries.get_mut(usize::try_from(index).ok()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn confirms_only_the_finished_prefix() {
+        let mut w = Watermark::new(Lsn(100));
+        let t1 = w.begin();
+        w.event_started(t1);
+        w.event_started(t1);
+        w.commit(t1, Lsn(200));
+        let t2 = w.begin();
+        w.event_started(t2);
+        w.commit(t2, Lsn(300));
+
+        // The later transaction finishing first confirms nothing.
+        w.event_finished(t2);
+        assert_eq!(w.advance(), Lsn(100));
+        w.event_finished(t1);
+        assert_eq!(w.advance(), Lsn(100), "t1 still has an unfinished event");
+        w.event_finished(t1);
+        assert_eq!(w.advance(), Lsn(300));
+        assert_eq!(w.unconfirmed_entries(), 0);
+    }
+
+    #[test]
+    fn uncommitted_transaction_is_never_confirmed() {
+        let mut w = Watermark::new(Lsn(0));
+        let t = w.begin();
+        w.event_started(t);
+        w.event_finished(t);
+        assert_eq!(w.advance(), Lsn(0));
+        w.commit(t, Lsn(50));
+        assert_eq!(w.advance(), Lsn(50));
+    }
+
+    #[test]
+    fn idle_keepalive_is_confirmed_when_nothing_is_in_flight() {
+        let mut w = Watermark::new(Lsn(10));
+        w.keepalive(Lsn(500));
+        assert_eq!(w.advance(), Lsn(500));
+        // A keepalive behind the confirmed position changes nothing.
+        w.keepalive(Lsn(400));
+        assert_eq!(w.advance(), Lsn(500));
+    }
+
+    #[test]
+    fn keepalive_waits_behind_unfinished_transactions() {
+        let mut w = Watermark::new(Lsn(0));
+        let t = w.begin();
+        w.event_started(t);
+        w.commit(t, Lsn(100));
+        w.keepalive(Lsn(900));
+        assert_eq!(w.advance(), Lsn(0));
+        w.event_finished(t);
+        assert_eq!(w.advance(), Lsn(900));
+    }
+
+    #[test]
+    fn keepalive_inside_an_open_transaction_is_ignored() {
+        let mut w = Watermark::new(Lsn(0));
+        let t = w.begin();
+        w.keepalive(Lsn(900));
+        w.commit(t, Lsn(100));
+        assert_eq!(w.advance(), Lsn(100));
+    }
+
+    #[test]
+    fn repeated_keepalives_do_not_grow_the_queue() {
+        let mut w = Watermark::new(Lsn(0));
+        let t = w.begin();
+        w.event_started(t);
+        w.commit(t, Lsn(100));
+        for lsn in 200..300 {
+            w.keepalive(Lsn(lsn));
+        }
+        assert!(w.unconfirmed_entries() <= 2);
+        w.event_finished(t);
+        assert_eq!(w.advance(), Lsn(299));
+    }
+
+    #[test]
+    fn restart_keeps_confirmed_and_ignores_stale_ids() {
+        let mut w = Watermark::new(Lsn(0));
+        let t1 = w.begin();
+        w.event_started(t1);
+        w.commit(t1, Lsn(100));
+        w.event_finished(t1);
+        assert_eq!(w.advance(), Lsn(100));
+        let stale = w.begin();
+        w.event_started(stale);
+        w.commit(stale, Lsn(200));
+        w.restart();
+        // A late ack for the abandoned transaction must not touch the new one.
+        let fresh = w.begin();
+        w.event_started(fresh);
+        w.event_finished(stale);
+        w.commit(fresh, Lsn(200));
+        assert_eq!(w.advance(), Lsn(100));
+        assert!(w.is_already_confirmed(Lsn(99)));
+        assert!(!w.is_already_confirmed(Lsn(100)));
+        w.event_finished(fresh);
+        assert_eq!(w.advance(), Lsn(200));
+    }
+
+    #[test]
+    fn transaction_whose_events_were_all_filtered_confirms_at_commit() {
+        let mut w = Watermark::new(Lsn(0));
+        let t = w.begin();
+        w.commit(t, Lsn(42));
+        assert_eq!(w.advance(), Lsn(42));
+    }
+
+    #[test]
+    fn confirmed_never_moves_backwards() {
+        let mut w = Watermark::new(Lsn(1000));
+        let t = w.begin();
+        w.commit(t, Lsn(500));
+        assert_eq!(w.advance(), Lsn(1000));
+        w.raise_confirmed(Lsn(10));
+        assert_eq!(w.confirmed(), Lsn(1000));
+    }
+}

@@ -1,0 +1,138 @@
+//! Topic templates: parse `outbox.{aggregate_type}`-style templates once, render a legal Kafka topic name
+//! per event. Pure; owns nothing about the broker.
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    AggregateType,
+    EventType,
+}
+
+/// A parsed topic template. Placeholders: `{aggregate_type}`, `{event_type}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicTemplate {
+    parts: Vec<Part>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TemplateError {
+    #[error("--topic {template:?}: unknown placeholder {{{name}}}; use {{aggregate_type}} or {{event_type}}")]
+    UnknownPlaceholder { template: String, name: String },
+    #[error("--topic {0:?}: unbalanced '{{' or '}}'")]
+    Unbalanced(String),
+    #[error("--topic {template:?}: character {ch:?} is not allowed in Kafka topic names (use letters, digits, '.', '_', '-')")]
+    IllegalCharacter { template: String, ch: char },
+    #[error("--topic is empty")]
+    Empty,
+}
+
+/// Longest topic name Kafka accepts.
+const MAX_TOPIC_LEN: usize = 249;
+
+fn is_legal_topic_char(ch: char) -> bool {
+    ch.is_ascii_alphanumeric() || matches!(ch, '.' | '_' | '-')
+}
+
+impl TopicTemplate {
+    pub fn parse(template: &str) -> Result<Self, TemplateError> {
+        if template.is_empty() {
+            return Err(TemplateError::Empty);
+        }
+        let mut parts = Vec::new();
+        let mut rest = template;
+        while !rest.is_empty() {
+            match rest.find(['{', '}']) {
+                Some(at) if rest.as_bytes()[at] == b'}' => return Err(TemplateError::Unbalanced(template.into())),
+                Some(at) => {
+                    push_literal(&mut parts, &rest[..at], template)?;
+                    let close = rest[at..].find('}').ok_or_else(|| TemplateError::Unbalanced(template.into()))?;
+                    let name = &rest[at + 1..at + close];
+                    parts.push(match name {
+                        "aggregate_type" => Part::AggregateType,
+                        "event_type" => Part::EventType,
+                        _ => {
+                            return Err(TemplateError::UnknownPlaceholder {
+                                template: template.into(),
+                                name: name.into(),
+                            })
+                        }
+                    });
+                    rest = &rest[at + close + 1..];
+                }
+                None => {
+                    push_literal(&mut parts, rest, template)?;
+                    rest = "";
+                }
+            }
+        }
+        Ok(TopicTemplate { parts })
+    }
+
+    /// Renders the topic for one event. Characters Kafka does not allow in topic names are replaced by `_`
+    /// (as Debezium does), so no event is ever unroutable; the name is cut at Kafka's 249-character limit.
+    pub fn render(&self, aggregate_type: &str, event_type: &str) -> String {
+        let mut topic = String::with_capacity(64);
+        for part in &self.parts {
+            match part {
+                Part::Literal(text) => topic.push_str(text),
+                Part::AggregateType => push_sanitized(&mut topic, aggregate_type),
+                Part::EventType => push_sanitized(&mut topic, event_type),
+            }
+        }
+        if topic.is_empty() || topic == "." || topic == ".." {
+            topic.push('_');
+        }
+        topic.truncate(MAX_TOPIC_LEN);
+        topic
+    }
+}
+
+fn push_literal(parts: &mut Vec<Part>, literal: &str, template: &str) -> Result<(), TemplateError> {
+    if let Some(ch) = literal.chars().find(|&c| !is_legal_topic_char(c)) {
+        return Err(TemplateError::IllegalCharacter { template: template.into(), ch });
+    }
+    if !literal.is_empty() {
+        parts.push(Part::Literal(literal.into()));
+    }
+    Ok(())
+}
+
+fn push_sanitized(topic: &mut String, value: &str) {
+    topic.extend(value.chars().map(|c| if is_legal_topic_char(c) { c } else { '_' }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_placeholders() {
+        let t = TopicTemplate::parse("outbox.{aggregate_type}").unwrap();
+        assert_eq!(t.render("Order", "OrderCreated"), "outbox.Order");
+        let t = TopicTemplate::parse("{aggregate_type}-{event_type}").unwrap();
+        assert_eq!(t.render("Order", "Paid"), "Order-Paid");
+        let t = TopicTemplate::parse("fixed").unwrap();
+        assert_eq!(t.render("x", "y"), "fixed");
+    }
+
+    #[test]
+    fn rejects_unknown_placeholders_and_bad_templates() {
+        let err = TopicTemplate::parse("outbox.{aggregate}").unwrap_err();
+        assert!(err.to_string().contains("{aggregate}"), "{err}");
+        assert!(err.to_string().contains("{aggregate_type}"), "{err}");
+        assert!(matches!(TopicTemplate::parse("a{b"), Err(TemplateError::Unbalanced(_))));
+        assert!(matches!(TopicTemplate::parse("a}b"), Err(TemplateError::Unbalanced(_))));
+        assert!(matches!(TopicTemplate::parse("a b"), Err(TemplateError::IllegalCharacter { ch: ' ', .. })));
+        assert_eq!(TopicTemplate::parse(""), Err(TemplateError::Empty));
+    }
+
+    #[test]
+    fn sanitizes_values_into_legal_names() {
+        let t = TopicTemplate::parse("outbox.{aggregate_type}").unwrap();
+        assert_eq!(t.render("Order Line/ü", "e"), "outbox.Order_Line__");
+        let t = TopicTemplate::parse("{aggregate_type}").unwrap();
+        assert_eq!(t.render("", "e"), "_");
+        assert_eq!(t.render("..", "e"), ".._");
+        assert_eq!(t.render(&"a".repeat(300), "e").len(), 249);
+    }
+}
