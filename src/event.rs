@@ -180,6 +180,18 @@ mod tests {
     }
 
     #[test]
+    fn maps_a_captured_pg15_row() {
+        use crate::pg::pgoutput::{decode, tests::unhex, tests::CAPTURED_PG15, PgOutputMessage};
+        let PgOutputMessage::Relation(rel) = decode(unhex(CAPTURED_PG15[1])).unwrap() else { panic!() };
+        let PgOutputMessage::Insert(insert) = decode(unhex(CAPTURED_PG15[2])).unwrap() else { panic!() };
+        let event = RowMapping::from_relation(&rel).unwrap().event(&insert).unwrap();
+        assert_eq!(event.event_id, "0b7d6f0e-8f3c-4c1b-9d6e-1f2a3b4c5d6e");
+        assert_eq!(event.aggregate_id, "order-1");
+        assert_eq!(&event.payload[..], br#"{"total": 12.5}"#);
+        assert_eq!(event.created_at, "2026-11-30T05:11:33.435734Z");
+    }
+
+    #[test]
     fn missing_column_is_named() {
         let err = RowMapping::from_relation(&relation(&["event_id", "aggregate_type", "payload"])).unwrap_err();
         assert_eq!(err, MappingError::MissingColumn { table: "public.outbox_event".into(), column: "aggregate_id" });

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rdkafka=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rdkafka=warn,tokio_postgres=warn"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Local Kafka-protocol broker (tansu, in-memory storage) for tests and the demo.
+#   broker.sh start DIR PORT   start it in the background (pid in DIR/tansu.pid) and wait until it answers
+#   broker.sh stop DIR         stop it
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/env.sh"
+
+cmd="${1:?usage: broker.sh start|stop DIR [PORT]}"
+dir="${2:?DIR required}"
+case "$cmd" in
+  start)
+    port="${3:?PORT required}"
+    [ -x "$TANSU_BIN" ] || { echo "tansu not found at $TANSU_BIN: run tests/support/install-deps.sh" >&2; exit 1; }
+    mkdir -p "$dir"
+    nohup "$TANSU_BIN" broker \
+      --listener-url "tcp://127.0.0.1:$port" \
+      --advertised-listener-url "tcp://127.0.0.1:$port" \
+      --storage-engine "${TANSU_STORAGE:-memory://tansu/}" >"$dir/tansu.log" 2>&1 &
+    echo $! >"$dir/tansu.pid"
+    for _ in $(seq 1 100); do
+      if timeout 2 "$TANSU_BIN" topic list --broker "tcp://127.0.0.1:$port" >/dev/null 2>&1; then exit 0; fi
+      kill -0 "$(cat "$dir/tansu.pid")" 2>/dev/null || { cat "$dir/tansu.log" >&2; exit 1; }
+      sleep 0.2
+    done
+    echo "tansu did not become ready on port $port" >&2; cat "$dir/tansu.log" >&2; exit 1
+    ;;
+  stop)
+    if [ -f "$dir/tansu.pid" ]; then
+      pid="$(cat "$dir/tansu.pid")"
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill -9 "$pid" 2>/dev/null || true
+      rm -f "$dir/tansu.pid"
+    fi
+    ;;
+  *) echo "unknown command $cmd" >&2; exit 2 ;;
+esac

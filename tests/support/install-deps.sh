@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what building and testing outboxd needs on a fresh Debian 12 machine (as root):
+# compilers and headers for librdkafka, PostgreSQL 15 server binaries, and the tansu broker (cached).
+# Idempotent: a second run installs nothing.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/env.sh"
+
+need_apt=()
+for pkg in build-essential pkg-config zlib1g-dev libssl-dev postgresql-15 postgresql-client-15; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing packages: ${need_apt[*]} (run this script as root, or install them)" >&2
+    exit 1
+  fi
+  echo "installing: ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # Do not let the package start Debian's own cluster: tests run their own throwaway clusters.
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
+  rm -f /usr/sbin/policy-rc.d
+fi
+
+if ! id postgres >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+  useradd --system --create-home --shell /bin/bash postgres
+fi
+
+if [ ! -x "$TANSU_BIN" ]; then
+  echo "installing tansu $TANSU_VERSION (features: $TANSU_FEATURES) into $TANSU_ROOT; takes several minutes once"
+  mkdir -p "$OUTBOXD_CACHE"
+  CARGO_TARGET_DIR="$OUTBOXD_CACHE/tansu-build" \
+    cargo install --locked tansu --version "$TANSU_VERSION" --features "$TANSU_FEATURES" --root "$TANSU_ROOT"
+  rm -rf "$OUTBOXD_CACHE/tansu-build"
+fi
+echo "dependencies ready: tansu at $TANSU_BIN, PostgreSQL at $PG_BIN"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Throwaway PostgreSQL 15 cluster for tests and the demo.
+#   pg.sh start DIR PORT    initdb (if needed) and start; wal_level=logical unless PG_WAL_LEVEL is set
+#   pg.sh stop DIR          stop it (fast)
+#   pg.sh restart DIR MODE  restart with -m fast|immediate
+# Runs the server as the unprivileged user 'postgres' when invoked as root (PostgreSQL refuses root).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/env.sh"
+
+as_pg() {
+  if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+cmd="${1:?usage: pg.sh start|stop|restart DIR [PORT|MODE]}"
+dir="${2:?DIR required}"
+case "$cmd" in
+  start)
+    port="${3:?PORT required}"
+    mkdir -p "$dir"
+    [ "$(id -u)" -eq 0 ] && chown postgres: "$dir"
+    if [ ! -f "$dir/data/PG_VERSION" ]; then
+      as_pg "$PG_BIN/initdb" -D "$dir/data" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 --no-sync >"$dir/initdb.log" 2>&1 \
+        || { cat "$dir/initdb.log" >&2; exit 1; }
+      cat >>"$dir/data/postgresql.conf" <<CONF
+listen_addresses = '127.0.0.1'
+port = $port
+unix_socket_directories = '$dir'
+wal_level = ${PG_WAL_LEVEL:-logical}
+max_wal_senders = 20
+max_replication_slots = 20
+fsync = off
+full_page_writes = off
+log_min_messages = warning
+CONF
+    fi
+    as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 start >/dev/null \
+      || { tail -20 "$dir/server.log" >&2; exit 1; }
+    ;;
+  stop)
+    [ -f "$dir/data/postmaster.pid" ] && as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null || true
+    ;;
+  restart)
+    as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" -m "${3:-fast}" -w -t 60 restart >/dev/null
+    ;;
+  *) echo "unknown command $cmd" >&2; exit 2 ;;
+esac
