@@ -1,0 +1,306 @@
+//! End-to-end tests of the CDC fast path against a real PostgreSQL 15 and a real Kafka-protocol broker.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use outboxd::lsn::Lsn;
+use support::*;
+
+const TOPIC: &str = "outbox.Order";
+
+fn run_args<'a>(pg: &'a str, brokers: &'a str) -> Vec<&'a str> {
+    vec!["run", "--database-url", pg, "--brokers", brokers, "--topic-replication-factor", "1", "--status-interval", "200ms"]
+}
+
+fn migrate(pg: &Postgres) {
+    let output = run_outboxd(&["migrate", "--database-url", &pg.url()]);
+    assert!(output.status.success(), "migrate failed: {}", stderr_of(&output));
+}
+
+async fn slot_active(client: &tokio_postgres::Client, slot: &str) -> Option<()> {
+    let row = client
+        .query_opt("SELECT active FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+        .await
+        .ok()
+        .flatten()?;
+    row.get::<_, bool>(0).then_some(())
+}
+
+async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str) {
+    wait_for_async(&format!("slot {slot} to be active"), Duration::from_secs(60), || slot_active(client, slot)).await;
+}
+
+async fn unpublished(client: &tokio_postgres::Client) -> i64 {
+    client.query_one("SELECT count(*) FROM outbox_event WHERE published_at IS NULL", &[]).await.unwrap().get(0)
+}
+
+async fn wait_all_published(client: &tokio_postgres::Client, timeout: Duration) {
+    wait_for_async("every row to have published_at", timeout, || async {
+        (unpublished(client).await == 0).then_some(())
+    })
+    .await;
+}
+
+async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> Lsn {
+    let text: Option<String> = client
+        .query_one("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+        .await
+        .unwrap()
+        .get(0);
+    text.unwrap_or_default().parse().unwrap_or_default()
+}
+
+async fn current_wal_lsn(client: &tokio_postgres::Client) -> Lsn {
+    let text: String = client.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0);
+    text.parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn delivers_every_committed_event_in_order_with_headers() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate(&pg);
+    let url = pg.url();
+    let brokers = broker.addr();
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+
+    let started = Instant::now();
+    // 200 committed transactions of 25 events over 50 aggregates, plus 20 rolled-back ones.
+    let (committed, rolled_back) = insert_events(&mut client, 0, 220, 25, 50, Some(11)).await;
+    assert_eq!(committed.len(), 5_000);
+    assert_eq!(rolled_back.len(), 500);
+    let last_commit_end = current_wal_lsn(&client).await;
+
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(120));
+    let report = check_delivery(&records, &committed, &rolled_back);
+    println!(
+        "delivered {} records for {} committed events in {:?}: {report:?}",
+        records.len(),
+        committed.len(),
+        started.elapsed()
+    );
+    assert_eq!(report.missing, 0);
+    assert_eq!(report.from_rolled_back, 0);
+    assert_eq!(report.order_violations, 0);
+    assert_eq!(report.duplicates, 0, "no failures happened, so nothing should be re-sent");
+
+    // Every record carries the key, value and headers a consumer relies on.
+    let rows = client
+        .query("SELECT event_id::text, aggregate_id, event_type, payload FROM outbox_event", &[])
+        .await
+        .unwrap();
+    let by_id: std::collections::HashMap<String, (String, String, serde_json::Value)> =
+        rows.iter().map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3)))).collect();
+    for record in &records {
+        let id = &record.headers["event_id"];
+        assert_eq!(id, &id.to_lowercase());
+        let (aggregate_id, event_type, payload) = &by_id[id];
+        assert_eq!(record.key.as_deref(), Some(aggregate_id.as_str()));
+        assert_eq!(&record.headers["event_type"], event_type);
+        assert_eq!(record.headers["aggregate_type"], "Order");
+        let created_at = &record.headers["created_at"];
+        assert!(created_at.contains('T') && created_at.ends_with('Z'), "not RFC 3339: {created_at}");
+        let value: serde_json::Value = serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
+        assert_eq!(&value, payload);
+    }
+
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let confirmed = wait_for_async("the slot to confirm the last commit", Duration::from_secs(60), || async {
+        let confirmed = confirmed_flush(&client, "outboxd").await;
+        (confirmed >= last_commit_end).then_some(confirmed)
+    })
+    .await;
+    println!("confirmed_flush_lsn {confirmed} >= last commit end {last_commit_end}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_outbox_does_not_hold_wal() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate(&pg);
+    let url = pg.url();
+    let brokers = broker.addr();
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let (committed, _) = insert_events(&mut client, 0, 2, 5, 5, None).await;
+    consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+
+    // 20 MB of writes to another table: the outbox sees no transaction at all.
+    client.batch_execute("CREATE TABLE filler (id bigserial, body text)").await.unwrap();
+    client
+        .batch_execute("INSERT INTO filler (body) SELECT repeat('x', 1000) FROM generate_series(1, 20000)")
+        .await
+        .unwrap();
+    let wal_after_filler = current_wal_lsn(&client).await;
+    let lag = |confirmed: Lsn| wal_after_filler.bytes_since(confirmed);
+    let start_lag = lag(confirmed_flush(&client, "outboxd").await);
+    println!("lag right after 20 MB of other writes: {start_lag} bytes");
+    let lag_bytes: i64 = wait_for_async("slot lag under 1 MB", Duration::from_secs(10), || async {
+        let row = client
+            .query_one(
+                "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::int8 FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                &[],
+            )
+            .await
+            .unwrap();
+        let lag: i64 = row.get(0);
+        (lag < 1_000_000).then_some(lag)
+    })
+    .await;
+    println!("slot lag settled at {lag_bytes} bytes");
+    assert!(start_lag > 1_000_000 || lag_bytes < 1_000_000);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_mid_stream_loses_nothing() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate(&pg);
+    let url = pg.url();
+    let brokers = broker.addr();
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+
+    let mut committed = Vec::new();
+    let mut rolled_back = Vec::new();
+    for round in 0..4 {
+        let (c, r) = insert_events(&mut client, round * 50, 50, 25, 50, Some(13)).await;
+        committed.extend(c);
+        rolled_back.extend(r);
+        // Kill while some, but not all, of this round is published.
+        let total = committed.len() as i64;
+        wait_for_async("part of the round to be published", Duration::from_secs(60), || async {
+            let published = total - unpublished(&client).await;
+            (published > 0).then_some(())
+        })
+        .await;
+        outboxd.kill();
+        outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    }
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(120));
+    let report = check_delivery(&records, &committed, &rolled_back);
+    println!("after 4 SIGKILLs: {} records for {} committed events: {report:?}", records.len(), committed.len());
+    assert_eq!(report.missing, 0);
+    assert_eq!(report.from_rolled_back, 0);
+    assert_eq!(report.order_violations, 0);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    drop(outboxd);
+}
+
+async fn restart_postgres_mid_stream(mode: &str) {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate(&pg);
+    let url = pg.url();
+    let brokers = broker.addr();
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+
+    let (mut committed, mut rolled_back) = insert_events(&mut client, 0, 100, 25, 50, Some(17)).await;
+    pg.restart(mode);
+    let mut client = pg.client().await;
+    let (c, r) = insert_events(&mut client, 100, 100, 25, 50, Some(17)).await;
+    committed.extend(c);
+    rolled_back.extend(r);
+
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(180));
+    let report = check_delivery(&records, &committed, &rolled_back);
+    println!("after restart -m {mode}: {} records for {} committed events: {report:?}", records.len(), committed.len());
+    assert_eq!(report.missing, 0);
+    assert_eq!(report.from_rolled_back, 0);
+    assert_eq!(report.order_violations, 0);
+    assert!(report.duplicates <= 10_000, "re-sent more than the in-flight window: {}", report.duplicates);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_fast_restart_mid_stream_loses_nothing() {
+    restart_postgres_mid_stream("fast").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_immediate_restart_mid_stream_loses_nothing() {
+    restart_postgres_mid_stream("immediate").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn decodes_a_table_with_extra_and_reordered_columns() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.custom_outbox (
+                 note text, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                 event_type text NOT NULL, tenant int, aggregate_id text NOT NULL, published_at timestamptz,
+                 aggregate_type text NOT NULL, event_id uuid PRIMARY KEY);
+             CREATE PUBLICATION custom_pub FOR TABLE public.custom_outbox WITH (publish = 'insert');",
+        )
+        .await
+        .unwrap();
+    let url = pg.url();
+    let brokers = broker.addr();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--table", "public.custom_outbox", "--publication", "custom_pub", "--slot", "custom_slot", "--topic", "custom.{aggregate_type}.{event_type}"]);
+    let _outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "custom_slot").await;
+    let id = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO public.custom_outbox (note, payload, event_type, tenant, aggregate_id, aggregate_type, event_id)
+             VALUES ('n', '{\"k\": [1, 2]}', 'Shipped', 7, 'ship-1', 'Shipment', $1)",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let records = consume_all(&brokers, &["custom.Shipment.Shipped"], 1, Duration::from_secs(60));
+    assert_eq!(records.len(), 1);
+    let record = &records[0];
+    assert_eq!(record.key.as_deref(), Some("ship-1"));
+    assert_eq!(record.headers["event_id"], id.to_string());
+    assert_eq!(record.headers["event_type"], "Shipped");
+    assert_eq!(record.headers["aggregate_type"], "Shipment");
+    let value: serde_json::Value = serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
+    assert_eq!(value, serde_json::json!({"k": [1, 2]}));
+    wait_for_async("published_at on the custom table", Duration::from_secs(30), || async {
+        let n: i64 = client
+            .query_one("SELECT count(*) FROM public.custom_outbox WHERE published_at IS NOT NULL", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (n == 1).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_and_exits_zero() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate(&pg);
+    let url = pg.url();
+    let brokers = broker.addr();
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let (committed, _) = insert_events(&mut client, 0, 20, 25, 10, None).await;
+    consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    let status = outboxd.terminate();
+    assert!(status.success(), "exit status {status:?}\n{}", outboxd.log_text());
+    // A restart after a clean stop re-sends nothing that was confirmed.
+    let last = current_wal_lsn(&client).await;
+    assert!(confirmed_flush(&client, "outboxd").await <= last);
+    let _again = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (more, _) = insert_events(&mut client, 20, 1, 5, 5, None).await;
+    let records = consume_all(&brokers, &[TOPIC], committed.len() + more.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &[committed, more].concat(), &[]);
+    assert_eq!(report.missing, 0);
+    assert_eq!(report.duplicates, 0, "a clean shutdown confirms everything it delivered");
+}

@@ -1,0 +1,406 @@
+//! Test harness: throwaway PostgreSQL clusters and tansu brokers started through the same scripts README and
+//! CI use (`tests/support/*.sh`), the outboxd binary as a child process, and a Kafka consumer that reads
+//! everything back. Everything started here is stopped on drop, by PID.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+fn support_script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support").join(name)
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("no free port")
+}
+
+fn scratch_dir(kind: &str) -> PathBuf {
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("outboxd-test-{}-{kind}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("cannot create scratch dir");
+    dir
+}
+
+fn run_script(script: &str, args: &[&str], envs: &[(&str, &str)]) {
+    let mut command = Command::new("bash");
+    command.arg(support_script(script)).args(args);
+    for (k, v) in envs {
+        command.env(k, v);
+    }
+    let output = command.output().expect("cannot run support script");
+    assert!(
+        output.status.success(),
+        "{script} {args:?} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Polls `check` until it returns `Some`, panicking with `what` after `timeout`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Async flavour of [`wait_for`].
+pub async fn wait_for_async<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub struct Postgres {
+    pub dir: PathBuf,
+    pub port: u16,
+}
+
+impl Postgres {
+    pub fn start() -> Self {
+        Self::start_with_wal_level("logical")
+    }
+
+    pub fn start_with_wal_level(level: &str) -> Self {
+        let dir = scratch_dir("pg");
+        let port = free_port();
+        run_script("pg.sh", &["start", dir.to_str().unwrap(), &port.to_string()], &[("PG_WAL_LEVEL", level)]);
+        Postgres { dir, port }
+    }
+
+    pub fn url(&self) -> String {
+        self.url_for("postgres", None)
+    }
+
+    pub fn url_for(&self, user: &str, password: Option<&str>) -> String {
+        match password {
+            Some(pw) => format!("postgres://{user}:{pw}@127.0.0.1:{}/postgres", self.port),
+            None => format!("postgres://{user}@127.0.0.1:{}/postgres", self.port),
+        }
+    }
+
+    pub fn restart(&self, mode: &str) {
+        run_script("pg.sh", &["restart", self.dir.to_str().unwrap(), mode], &[]);
+    }
+
+    pub async fn client(&self) -> tokio_postgres::Client {
+        let (client, connection) =
+            tokio_postgres::connect(&self.url(), tokio_postgres::NoTls).await.expect("cannot connect to test cluster");
+        tokio::spawn(connection);
+        client
+    }
+
+    /// Appends a pg_hba.conf line before the default trust lines and reloads.
+    pub async fn prepend_hba(&self, line: &str) {
+        let path = self.dir.join("data/pg_hba.conf");
+        let current = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, format!("{line}\n{current}")).unwrap();
+        self.client().await.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        run_script("pg.sh", &["stop", self.dir.to_str().unwrap()], &[]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub struct Broker {
+    pub dir: PathBuf,
+    pub port: u16,
+}
+
+impl Broker {
+    pub fn start() -> Self {
+        let dir = scratch_dir("broker");
+        let port = free_port();
+        run_script("broker.sh", &["start", dir.to_str().unwrap(), &port.to_string()], &[]);
+        Broker { dir, port }
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        run_script("broker.sh", &["stop", self.dir.to_str().unwrap()], &[]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn outboxd_command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outboxd"));
+    command.args(args);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("OUTBOXD_") {
+            command.env_remove(key);
+        }
+    }
+    command.env("RUST_LOG", "info,outboxd=debug,rdkafka=warn,tokio_postgres=warn");
+    command
+}
+
+/// Runs outboxd to completion (for migrate, status and start-up errors), with a safety timeout.
+pub fn run_outboxd(args: &[&str]) -> Output {
+    let mut child = outboxd_command(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("outboxd {args:?} did not exit: {:?}", child.wait_with_output());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub fn stderr_of(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// A running `outboxd run`, logging to a file; SIGKILLed on drop.
+pub struct Outboxd {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Outboxd {
+    pub fn spawn(args: &[&str]) -> Self {
+        let log = scratch_dir("outboxd").join("outboxd.log");
+        let file = std::fs::File::create(&log).unwrap();
+        let child = outboxd_command(args)
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("cannot start outboxd");
+        Outboxd { child, log }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        wait_for("outboxd to exit after SIGTERM", Duration::from_secs(60), || self.child.try_wait().unwrap())
+    }
+
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Outboxd {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("--- outboxd log ({}) ---\n{}", self.log.display(), self.log_text());
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<String>,
+    pub value: Option<Vec<u8>>,
+    pub headers: HashMap<String, String>,
+}
+
+/// Reads every record of `topics` from the beginning: waits until at least `expected` arrived, then keeps
+/// reading until the topics are quiet, so duplicates beyond `expected` are seen too.
+pub fn consume_all(brokers: &str, topics: &[&str], expected: usize, timeout: Duration) -> Vec<Record> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("outboxd-test-{}", uuid::Uuid::new_v4()))
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "6000")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("cannot create consumer");
+    let mut assignment = TopicPartitionList::new();
+    for topic in topics {
+        let metadata = wait_for(&format!("metadata of topic {topic}"), timeout, || {
+            consumer
+                .fetch_metadata(Some(topic), Duration::from_secs(5))
+                .ok()
+                .filter(|m| m.topics().iter().any(|t| t.error().is_none() && !t.partitions().is_empty()))
+        });
+        for t in metadata.topics() {
+            for p in t.partitions() {
+                assignment.add_partition_offset(t.name(), p.id(), Offset::Beginning).unwrap();
+            }
+        }
+    }
+    consumer.assign(&assignment).unwrap();
+    let mut records = Vec::new();
+    let deadline = Instant::now() + timeout;
+    let mut quiet_polls = 0;
+    while quiet_polls < 4 || records.len() < expected {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?}: read {} of {expected} records from {topics:?}",
+            records.len()
+        );
+        match consumer.poll(Duration::from_millis(250)) {
+            Some(Ok(message)) => {
+                quiet_polls = 0;
+                let mut headers = HashMap::new();
+                if let Some(h) = message.headers() {
+                    for header in h.iter() {
+                        let value = header.value.map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+                        headers.insert(header.key.to_string(), value);
+                    }
+                }
+                records.push(Record {
+                    topic: message.topic().to_string(),
+                    partition: message.partition(),
+                    offset: message.offset(),
+                    key: message.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                    value: message.payload().map(|p| p.to_vec()),
+                    headers,
+                });
+            }
+            Some(Err(error)) => panic!("consumer error: {error}"),
+            None => quiet_polls += 1,
+        }
+    }
+    records
+}
+
+/// One committed (or rolled-back) outbox event as the test inserted it.
+#[derive(Debug, Clone)]
+pub struct Inserted {
+    pub event_id: uuid::Uuid,
+    pub aggregate_id: String,
+    pub seq: i64,
+}
+
+/// Inserts `txns` transactions of `per_txn` events over `aggregates` aggregates, the way an order service
+/// does (business write and outbox rows in one transaction). Every `rollback_every`-th transaction rolls
+/// back. Returns (committed in commit order, rolled back).
+pub async fn insert_events(
+    client: &mut tokio_postgres::Client,
+    first_txn: usize,
+    txns: usize,
+    per_txn: usize,
+    aggregates: usize,
+    rollback_every: Option<usize>,
+) -> (Vec<Inserted>, Vec<Inserted>) {
+    let mut committed = Vec::new();
+    let mut rolled_back = Vec::new();
+    for t in first_txn..first_txn + txns {
+        let tx = client.transaction().await.unwrap();
+        let mut events = Vec::new();
+        for i in 0..per_txn {
+            // Several events of one aggregate inside one transaction.
+            let aggregate_id = format!("order-{}", (t * 7 + i / 3) % aggregates);
+            let event_id = uuid::Uuid::new_v4();
+            let seq = (t * per_txn + i) as i64;
+            let payload = serde_json::json!({"order": aggregate_id, "seq": seq, "txn": t, "pad": "x".repeat(100)});
+            tx.execute(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'Order', $2, $3, $4)",
+                &[&event_id, &aggregate_id, &format!("OrderEvent{}", i % 3), &payload],
+            )
+            .await
+            .unwrap();
+            events.push(Inserted { event_id, aggregate_id, seq });
+        }
+        if rollback_every.is_some_and(|n| t % n == n - 1) {
+            tx.rollback().await.unwrap();
+            rolled_back.extend(events);
+        } else {
+            tx.commit().await.unwrap();
+            committed.extend(events);
+        }
+    }
+    (committed, rolled_back)
+}
+
+/// What a delivery check found.
+#[derive(Debug, Default)]
+pub struct DeliveryReport {
+    pub missing: usize,
+    pub from_rolled_back: usize,
+    pub duplicates: usize,
+    pub order_violations: usize,
+}
+
+/// Compares what Kafka holds with what was committed: loss, rolled-back events, duplicates, and per-aggregate
+/// order of first appearances against commit order.
+pub fn check_delivery(records: &[Record], committed: &[Inserted], rolled_back: &[Inserted]) -> DeliveryReport {
+    let mut report = DeliveryReport::default();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    // Records in partition order: per key, a partition preserves produce order.
+    let mut ordered: Vec<&Record> = records.iter().collect();
+    ordered.sort_by_key(|r| (r.topic.clone(), r.partition, r.offset));
+    let mut first_appearance: Vec<&Record> = Vec::new();
+    for record in &ordered {
+        let id = record.headers.get("event_id").cloned().unwrap_or_default();
+        let count = seen.entry(id).or_default();
+        *count += 1;
+        if *count == 1 {
+            first_appearance.push(record);
+        } else {
+            report.duplicates += 1;
+        }
+    }
+    report.missing = committed.iter().filter(|e| !seen.contains_key(&e.event_id.to_string())).count();
+    report.from_rolled_back = rolled_back.iter().filter(|e| seen.contains_key(&e.event_id.to_string())).count();
+    let commit_position: HashMap<String, usize> =
+        committed.iter().enumerate().map(|(i, e)| (e.event_id.to_string(), i)).collect();
+    let mut last_per_aggregate: HashMap<String, usize> = HashMap::new();
+    for record in first_appearance {
+        let Some(&position) = record.headers.get("event_id").and_then(|id| commit_position.get(id)) else { continue };
+        let key = record.key.clone().unwrap_or_default();
+        if let Some(&last) = last_per_aggregate.get(&key) {
+            if position < last {
+                report.order_violations += 1;
+            }
+        }
+        last_per_aggregate.insert(key, position);
+    }
+    report
+}
