@@ -13,7 +13,7 @@ pub enum Error {
     /// A problem with the database or broker set-up that retrying cannot fix.
     #[error("{problem}; fix: {fix}")]
     Setup { problem: String, fix: String },
-    #[error("PostgreSQL: {0}")]
+    #[error("PostgreSQL: {}", postgres_error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("PostgreSQL replication: {0}")]
     Replication(#[from] ReplicationError),
@@ -56,6 +56,17 @@ impl Error {
             },
             Error::Kafka { transient, .. } => *transient,
         }
+    }
+}
+
+/// tokio-postgres displays server errors as just "db error"; show the server's message and SQLSTATE.
+pub fn postgres_error_text(error: &tokio_postgres::Error) -> String {
+    match error.as_db_error() {
+        Some(db) => format!("{} {}: {}", db.severity(), db.code().code(), db.message()),
+        None => match std::error::Error::source(error) {
+            Some(source) => format!("{error}: {source}"),
+            None => error.to_string(),
+        },
     }
 }
 

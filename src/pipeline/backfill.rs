@@ -1,14 +1,15 @@
 //! Backfill: turns broker acknowledgements into `published_at` writes, one UPDATE per batch, and reports
 //! each event as finished only after its row is written (so the slot never runs ahead of the table).
-//! Owns its own SQL connection and reconnects on failure; a failed delivery ends the session.
-
-use std::time::Duration;
+//!
+//! Any failure ends the session instead of being retried here: while PostgreSQL shuts down, its walsender
+//! waits for the client to confirm everything sent, so holding the replication connection open while
+//! waiting for the database would stall the shutdown until `wal_sender_timeout`.
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use uuid::Uuid;
 
-use crate::backoff::Backoff;
 use crate::config::TableName;
+use crate::error::Error;
 use crate::kafka::Delivery;
 use crate::pg::{self, outbox::OutboxSql};
 use crate::pipeline::watermark::TxnId;
@@ -20,8 +21,8 @@ pub const MAX_BATCH: usize = 2_000;
 pub enum Finished {
     /// Acknowledged by the broker and `published_at` written: (transaction, bytes) per event.
     Events(Vec<(TxnId, usize)>),
-    /// The broker refused an event; the session must restart from the last confirmed position.
-    DeliveryFailed { event_id: Uuid, reason: String },
+    /// A delivery or a `published_at` write failed; the session must restart from the confirmed position.
+    Failed(Error),
 }
 
 pub async fn run(
@@ -30,10 +31,9 @@ pub async fn run(
     mut deliveries: UnboundedReceiver<Delivery>,
     finished: UnboundedSender<Finished>,
 ) {
-    let mut connection: Option<(tokio_postgres::Client, OutboxSql)> = None;
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     let mut batch: Vec<Delivery> = Vec::with_capacity(MAX_BATCH);
     let mut ids: Vec<Uuid> = Vec::with_capacity(MAX_BATCH);
+    let mut connection: Option<(tokio_postgres::Client, OutboxSql)> = None;
     loop {
         let Some(first) = deliveries.recv().await else { return };
         batch.push(first);
@@ -45,35 +45,25 @@ pub async fn run(
         }
         if let Some(failed) = batch.iter().find(|d| d.result.is_err()) {
             let reason = failed.result.clone().err().unwrap_or_default();
-            let _ = finished.send(Finished::DeliveryFailed { event_id: failed.event_id, reason });
+            let message = format!("delivery of event {} failed: {reason}", failed.event_id);
+            let _ = finished.send(Finished::Failed(Error::Kafka { message, transient: true }));
             return;
         }
         ids.clear();
         ids.extend(batch.iter().map(|d| d.event_id));
-        loop {
-            if connection.is_none() {
-                match connect(&database_url, &table).await {
-                    Ok(c) => connection = Some(c),
-                    Err(error) => {
-                        let delay = backoff.next_delay();
-                        tracing::warn!(%error, retry_in = ?delay, "backfill cannot connect to PostgreSQL");
-                        tokio::time::sleep(delay).await;
-                        continue;
-                    }
+        if connection.is_none() {
+            match connect(&database_url, &table).await {
+                Ok(c) => connection = Some(c),
+                Err(error) => {
+                    let _ = finished.send(Finished::Failed(error));
+                    return;
                 }
             }
-            let Some((client, sql)) = &connection else { continue };
-            match sql.mark_published(client, &ids).await {
-                Ok(_) => {
-                    backoff.reset();
-                    break;
-                }
-                Err(error) => {
-                    let delay = backoff.next_delay();
-                    tracing::warn!(%error, retry_in = ?delay, "cannot write published_at; retrying");
-                    connection = None;
-                    tokio::time::sleep(delay).await;
-                }
+        }
+        if let Some((client, sql)) = &connection {
+            if let Err(error) = sql.mark_published(client, &ids).await {
+                let _ = finished.send(Finished::Failed(error));
+                return;
             }
         }
         let events = batch.drain(..).map(|d| (d.txn, d.bytes)).collect();

@@ -185,9 +185,7 @@ impl Session<'_> {
                             self.finish_event(txn, bytes);
                         }
                     }
-                    Some(Finished::DeliveryFailed { event_id, reason }) => {
-                        return Err(Error::Kafka { message: format!("delivery of event {event_id} failed: {reason}"), transient: true });
-                    }
+                    Some(Finished::Failed(error)) => return Err(error),
                     None => return Err(Error::Kafka { message: "the backfill task stopped".into(), transient: true }),
                 },
                 message = stream.next_message(), if window_open && drain_deadline.is_none() => {

@@ -28,7 +28,7 @@ pub enum ReplicationError {
     Connect { target: String, source: std::io::Error },
     #[error("replication connection I/O error: {0}")]
     Io(#[from] std::io::Error),
-    #[error("PostgreSQL closed the replication connection")]
+    #[error("PostgreSQL ended the replication stream or closed the connection")]
     Closed,
     #[error("{severity} {code}: {message}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
     Server { severity: String, code: String, message: String, detail: Option<String> },
@@ -299,9 +299,9 @@ impl ReplicationStream {
                             .map_err(|e| protocol_error(&e.to_string()));
                     }
                     backend::Message::ErrorResponse(body) => return Err(server_error(&body)),
-                    backend::Message::CopyDone => return Err(ReplicationError::Closed),
                     backend::Message::NoticeResponse(_) | backend::Message::ParameterStatus(_) => continue,
-                    _ => return Err(protocol_error("unexpected message in the replication stream")),
+                    // CopyDone, CommandComplete, ReadyForQuery: the server ended the stream (e.g. shutting down).
+                    _ => return Err(ReplicationError::Closed),
                 }
             }
             self.conn.fill().await?;
