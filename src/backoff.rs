@@ -14,7 +14,11 @@ pub struct Backoff {
 
 impl Backoff {
     pub fn new(base: Duration, cap: Duration) -> Self {
-        Backoff { base, cap, attempt: 0 }
+        Backoff {
+            base,
+            cap,
+            attempt: 0,
+        }
     }
 
     /// The delay before the next attempt: `base * 2^attempt`, capped, then scaled by a random factor in
@@ -38,7 +42,12 @@ impl Backoff {
 /// A random number in [0, 1) from the standard library's randomly keyed hasher.
 fn random_fraction() -> f64 {
     let mut hasher = RandomState::new().build_hasher();
-    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
     (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
@@ -53,7 +62,10 @@ mod tests {
         for ms in expected {
             assert_eq!(b.delay_without_jitter(), Duration::from_millis(ms));
             let jittered = b.next_delay();
-            assert!(jittered >= Duration::from_millis(ms / 2) && jittered <= Duration::from_millis(ms), "{jittered:?}");
+            assert!(
+                jittered >= Duration::from_millis(ms / 2) && jittered <= Duration::from_millis(ms),
+                "{jittered:?}"
+            );
         }
         b.reset();
         assert_eq!(b.delay_without_jitter(), Duration::from_millis(100));

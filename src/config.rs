@@ -11,7 +11,11 @@ use serde::Deserialize;
 use crate::topic::{TemplateError, TopicTemplate};
 
 #[derive(Debug, Parser)]
-#[command(name = "outboxd", version, about = "Transactional Outbox connector: PostgreSQL logical replication to Kafka")]
+#[command(
+    name = "outboxd",
+    version,
+    about = "Transactional Outbox connector: PostgreSQL logical replication to Kafka"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -106,7 +110,10 @@ pub struct Options {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read --config file {path}: {source}")]
-    ReadFile { path: PathBuf, source: std::io::Error },
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("invalid --config file {path}: {message}")]
     ParseFile { path: PathBuf, message: String },
     #[error("{0}")]
@@ -169,14 +176,22 @@ pub struct RunSettings {
 impl Options {
     /// Fills every option not given by flag or environment from the `--config` file.
     pub fn with_file(self) -> Result<Options, ConfigError> {
-        let Some(path) = self.config.clone() else { return Ok(self) };
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
         let file = Options::from_file(&path)?;
         Ok(self.or(file))
     }
 
     fn from_file(path: &Path) -> Result<Options, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile { path: path.into(), source })?;
-        toml::from_str(&text).map_err(|e| ConfigError::ParseFile { path: path.into(), message: e.to_string() })
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+            path: path.into(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::ParseFile {
+            path: path.into(),
+            message: e.to_string(),
+        })
     }
 
     fn or(self, file: Options) -> Options {
@@ -191,7 +206,9 @@ impl Options {
             publication: self.publication.or(file.publication),
             kafka_option: self.kafka_option.or(file.kafka_option),
             topic_partitions: self.topic_partitions.or(file.topic_partitions),
-            topic_replication_factor: self.topic_replication_factor.or(file.topic_replication_factor),
+            topic_replication_factor: self
+                .topic_replication_factor
+                .or(file.topic_replication_factor),
             no_create_topics: self.no_create_topics || file.no_create_topics,
             startup_timeout: self.startup_timeout.or(file.startup_timeout),
             shutdown_timeout: self.shutdown_timeout.or(file.shutdown_timeout),
@@ -216,7 +233,10 @@ impl Options {
             replication_url,
             table: parse_table(self.table.as_deref().unwrap_or("public.outbox_event"))?,
             slot: parse_slot_name(self.slot.as_deref().unwrap_or("outboxd"))?,
-            publication: parse_identifier("--publication", self.publication.as_deref().unwrap_or("outboxd"))?,
+            publication: parse_identifier(
+                "--publication",
+                self.publication.as_deref().unwrap_or("outboxd"),
+            )?,
         })
     }
 
@@ -226,8 +246,11 @@ impl Options {
             .brokers
             .clone()
             .filter(|b| !b.trim().is_empty())
-            .ok_or_else(|| invalid("--brokers is required (or OUTBOXD_BROKERS), e.g. localhost:9092"))?;
-        let topic = TopicTemplate::parse(self.topic.as_deref().unwrap_or("outbox.{aggregate_type}"))?;
+            .ok_or_else(|| {
+                invalid("--brokers is required (or OUTBOXD_BROKERS), e.g. localhost:9092")
+            })?;
+        let topic =
+            TopicTemplate::parse(self.topic.as_deref().unwrap_or("outbox.{aggregate_type}"))?;
         let kafka_options = self
             .kafka_option
             .iter()
@@ -236,16 +259,24 @@ impl Options {
                 kv.split_once('=')
                     .filter(|(k, _)| !k.trim().is_empty())
                     .map(|(k, v)| (k.trim().to_string(), v.to_string()))
-                    .ok_or_else(|| invalid(format!("--kafka-option {kv:?} must be key=value, e.g. compression.type=lz4")))
+                    .ok_or_else(|| {
+                        invalid(format!(
+                            "--kafka-option {kv:?} must be key=value, e.g. compression.type=lz4"
+                        ))
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let topic_partitions = self.topic_partitions.unwrap_or(6);
         if topic_partitions < 1 {
-            return Err(invalid(format!("--topic-partitions must be at least 1, got {topic_partitions}")));
+            return Err(invalid(format!(
+                "--topic-partitions must be at least 1, got {topic_partitions}"
+            )));
         }
         if let Some(rf) = self.topic_replication_factor {
             if rf < 1 {
-                return Err(invalid(format!("--topic-replication-factor must be at least 1, got {rf}")));
+                return Err(invalid(format!(
+                    "--topic-replication-factor must be at least 1, got {rf}"
+                )));
             }
         }
         let max_in_flight_events = self.max_in_flight_events.unwrap_or(10_000);
@@ -256,9 +287,14 @@ impl Options {
         if max_in_flight_bytes < 1024 {
             return Err(invalid("--max-in-flight-bytes must be at least 1024"));
         }
-        let status_interval = parse_duration("--status-interval", self.status_interval.as_deref().unwrap_or("1s"))?;
+        let status_interval = parse_duration(
+            "--status-interval",
+            self.status_interval.as_deref().unwrap_or("1s"),
+        )?;
         if status_interval.is_zero() || status_interval > Duration::from_secs(20) {
-            return Err(invalid("--status-interval must be between 1ms and 20s (well under wal_sender_timeout/2)"));
+            return Err(invalid(
+                "--status-interval must be between 1ms and 20s (well under wal_sender_timeout/2)",
+            ));
         }
         Ok(RunSettings {
             database,
@@ -268,8 +304,14 @@ impl Options {
             topic_partitions,
             topic_replication_factor: self.topic_replication_factor,
             create_topics: !self.no_create_topics,
-            startup_timeout: parse_duration("--startup-timeout", self.startup_timeout.as_deref().unwrap_or("60s"))?,
-            shutdown_timeout: parse_duration("--shutdown-timeout", self.shutdown_timeout.as_deref().unwrap_or("30s"))?,
+            startup_timeout: parse_duration(
+                "--startup-timeout",
+                self.startup_timeout.as_deref().unwrap_or("60s"),
+            )?,
+            shutdown_timeout: parse_duration(
+                "--shutdown-timeout",
+                self.shutdown_timeout.as_deref().unwrap_or("30s"),
+            )?,
             max_in_flight_events,
             max_in_flight_bytes,
             status_interval,
@@ -279,8 +321,11 @@ impl Options {
 
 /// Parses a duration written like `500ms`, `5s`, `7d`, naming the setting on error.
 pub fn parse_duration(setting: &str, text: &str) -> Result<Duration, ConfigError> {
-    humantime::parse_duration(text.trim())
-        .map_err(|e| invalid(format!("{setting} {text:?} is not a duration ({e}); write it like 500ms, 5s, 10m or 7d")))
+    humantime::parse_duration(text.trim()).map_err(|e| {
+        invalid(format!(
+            "{setting} {text:?} is not a duration ({e}); write it like 500ms, 5s, 10m or 7d"
+        ))
+    })
 }
 
 /// Parses a libpq-style URL or key=value string. The error never repeats the URL (it may hold a password).
@@ -293,8 +338,13 @@ pub fn parse_postgres_url(setting: &str, url: &str) -> Result<tokio_postgres::Co
 /// Identifiers outboxd splices into SQL: letters, digits, `_`, `$`, not starting with a digit or `$`, ≤ 63 bytes.
 pub fn parse_identifier(setting: &str, name: &str) -> Result<String, ConfigError> {
     let mut chars = name.chars();
-    let valid_start = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-    if valid_start && name.len() <= 63 && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$') {
+    let valid_start = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    if valid_start
+        && name.len() <= 63
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$')
+    {
         Ok(name.to_string())
     } else {
         Err(invalid(format!(
@@ -305,7 +355,12 @@ pub fn parse_identifier(setting: &str, name: &str) -> Result<String, ConfigError
 
 /// Replication slot names: lower-case letters, digits and underscores only (PostgreSQL's rule).
 pub fn parse_slot_name(name: &str) -> Result<String, ConfigError> {
-    if !name.is_empty() && name.len() <= 63 && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+    if !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
         Ok(name.to_string())
     } else {
         Err(invalid(format!(
@@ -316,7 +371,10 @@ pub fn parse_slot_name(name: &str) -> Result<String, ConfigError> {
 
 pub fn parse_table(text: &str) -> Result<TableName, ConfigError> {
     let (schema, name) = text.split_once('.').unwrap_or(("public", text));
-    Ok(TableName { schema: parse_identifier("--table", schema)?, name: parse_identifier("--table", name)? })
+    Ok(TableName {
+        schema: parse_identifier("--table", schema)?,
+        name: parse_identifier("--table", name)?,
+    })
 }
 
 /// A URL with its password replaced, for logs and status output.
@@ -348,8 +406,21 @@ mod tests {
 
     #[test]
     fn defaults_fill_everything_but_urls() {
-        let run = options(&["--database-url", "postgres://u:p@localhost/db", "--brokers", "b:9092"]).run().unwrap();
-        assert_eq!(run.database.table, TableName { schema: "public".into(), name: "outbox_event".into() });
+        let run = options(&[
+            "--database-url",
+            "postgres://u:p@localhost/db",
+            "--brokers",
+            "b:9092",
+        ])
+        .run()
+        .unwrap();
+        assert_eq!(
+            run.database.table,
+            TableName {
+                schema: "public".into(),
+                name: "outbox_event".into()
+            }
+        );
         assert_eq!(run.database.slot, "outboxd");
         assert_eq!(run.database.publication, "outboxd");
         assert_eq!(run.topic_partitions, 6);
@@ -362,9 +433,15 @@ mod tests {
 
     #[test]
     fn missing_required_options_are_named() {
-        let err = options(&["--brokers", "b:9092"]).run().unwrap_err().to_string();
+        let err = options(&["--brokers", "b:9092"])
+            .run()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--database-url"), "{err}");
-        let err = options(&["--database-url", "postgres://localhost/db"]).run().unwrap_err().to_string();
+        let err = options(&["--database-url", "postgres://localhost/db"])
+            .run()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--brokers"), "{err}");
     }
 
@@ -377,40 +454,77 @@ mod tests {
             ("--table", "public.outbox event"),
             ("--table", "a.b.c"),
         ] {
-            let err = options(&["--database-url", "postgres://localhost/db", "--brokers", "b", flag, value])
-                .run()
-                .unwrap_err()
-                .to_string();
+            let err = options(&[
+                "--database-url",
+                "postgres://localhost/db",
+                "--brokers",
+                "b",
+                flag,
+                value,
+            ])
+            .run()
+            .unwrap_err()
+            .to_string();
             assert!(err.contains(flag), "{flag} {value}: {err}");
         }
     }
 
     #[test]
     fn parses_durations_and_names_the_setting() {
-        assert_eq!(parse_duration("--x", "500ms").unwrap(), Duration::from_millis(500));
-        assert_eq!(parse_duration("--x", "7d").unwrap(), Duration::from_secs(7 * 86400));
-        let err = parse_duration("--startup-timeout", "soon").unwrap_err().to_string();
+        assert_eq!(
+            parse_duration("--x", "500ms").unwrap(),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            parse_duration("--x", "7d").unwrap(),
+            Duration::from_secs(7 * 86400)
+        );
+        let err = parse_duration("--startup-timeout", "soon")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--startup-timeout"), "{err}");
     }
 
     #[test]
     fn bad_url_error_hides_the_password() {
-        let err = parse_postgres_url("--database-url", "postgres://u:secret@host:notaport/db").unwrap_err().to_string();
+        let err = parse_postgres_url("--database-url", "postgres://u:secret@host:notaport/db")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--database-url"), "{err}");
         assert!(!err.contains("secret"), "{err}");
-        assert_eq!(redact_url("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
+        assert_eq!(
+            redact_url("postgres://u:secret@h:5432/db"),
+            "postgres://u:***@h:5432/db"
+        );
     }
 
     #[test]
     fn kafka_options_must_be_key_value() {
-        let run = options(&["--database-url", "postgres://h/db", "--brokers", "b", "--kafka-option", "linger.ms=5"])
-            .run()
-            .unwrap();
-        assert_eq!(run.kafka_options, vec![("linger.ms".to_string(), "5".to_string())]);
-        let err = options(&["--database-url", "postgres://h/db", "--brokers", "b", "--kafka-option", "nonsense"])
-            .run()
-            .unwrap_err()
-            .to_string();
+        let run = options(&[
+            "--database-url",
+            "postgres://h/db",
+            "--brokers",
+            "b",
+            "--kafka-option",
+            "linger.ms=5",
+        ])
+        .run()
+        .unwrap();
+        assert_eq!(
+            run.kafka_options,
+            vec![("linger.ms".to_string(), "5".to_string())]
+        );
+        let err = options(&[
+            "--database-url",
+            "postgres://h/db",
+            "--brokers",
+            "b",
+            "--kafka-option",
+            "nonsense",
+        ])
+        .run()
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("--kafka-option"), "{err}");
     }
 
@@ -419,19 +533,36 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("outboxd-config-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("outboxd.toml");
-        std::fs::write(&path, "brokers = \"file:9092\"\nslot = \"from_file\"\nkafka-option = [\"acks=all\"]\n").unwrap();
-        let merged = options(&["--config", path.to_str().unwrap(), "--slot", "from_flag", "--database-url", "postgres://h/db"])
-            .with_file()
-            .unwrap();
+        std::fs::write(
+            &path,
+            "brokers = \"file:9092\"\nslot = \"from_file\"\nkafka-option = [\"acks=all\"]\n",
+        )
+        .unwrap();
+        let merged = options(&[
+            "--config",
+            path.to_str().unwrap(),
+            "--slot",
+            "from_flag",
+            "--database-url",
+            "postgres://h/db",
+        ])
+        .with_file()
+        .unwrap();
         assert_eq!(merged.brokers.as_deref(), Some("file:9092"));
         assert_eq!(merged.slot.as_deref(), Some("from_flag"));
         assert_eq!(merged.kafka_option, Some(vec!["acks=all".to_string()]));
 
         std::fs::write(&path, "brokers = \"b\"\nbogus-key = 1\n").unwrap();
-        let err = options(&["--config", path.to_str().unwrap()]).with_file().unwrap_err().to_string();
+        let err = options(&["--config", path.to_str().unwrap()])
+            .with_file()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("bogus-key"), "{err}");
         std::fs::write(&path, "topic-partitions = \"six\"\n").unwrap();
-        let err = options(&["--config", path.to_str().unwrap()]).with_file().unwrap_err().to_string();
+        let err = options(&["--config", path.to_str().unwrap()])
+            .with_file()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("topic-partitions"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -30,12 +30,17 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// SQLSTATEs that mean "try again later": connection failures, server shutting down or starting up,
 /// too many connections, a replication slot still held by a dying walsender.
 fn is_transient_sqlstate(code: &str) -> bool {
-    code.starts_with("08") || code.starts_with("57P") || matches!(code, "53300" | "55006" | "40001" | "40P01")
+    code.starts_with("08")
+        || code.starts_with("57P")
+        || matches!(code, "53300" | "55006" | "40001" | "40P01")
 }
 
 impl Error {
     pub fn setup(problem: impl Into<String>, fix: impl Into<String>) -> Self {
-        Error::Setup { problem: problem.into(), fix: fix.into() }
+        Error::Setup {
+            problem: problem.into(),
+            fix: fix.into(),
+        }
     }
 
     /// True when waiting and retrying can succeed; false when a person must change something first.
@@ -49,10 +54,12 @@ impl Error {
             },
             Error::Replication(e) => match e {
                 ReplicationError::Server { code, .. } => is_transient_sqlstate(code),
-                ReplicationError::Io(_) | ReplicationError::Closed | ReplicationError::Connect { .. } => true,
-                ReplicationError::Protocol(_) | ReplicationError::Unsupported(_) | ReplicationError::PasswordRequired => {
-                    false
-                }
+                ReplicationError::Io(_)
+                | ReplicationError::Closed
+                | ReplicationError::Connect { .. } => true,
+                ReplicationError::Protocol(_)
+                | ReplicationError::Unsupported(_)
+                | ReplicationError::PasswordRequired => false,
             },
             Error::Kafka { transient, .. } => *transient,
         }

@@ -7,7 +7,14 @@ use bytes::Bytes;
 use crate::pg::pgoutput::{ColumnValue, Insert, Relation};
 
 /// The columns outboxd reads from every outbox row.
-pub const REQUIRED_COLUMNS: [&str; 6] = ["event_id", "aggregate_type", "aggregate_id", "event_type", "payload", "created_at"];
+pub const REQUIRED_COLUMNS: [&str; 6] = [
+    "event_id",
+    "aggregate_type",
+    "aggregate_id",
+    "event_type",
+    "payload",
+    "created_at",
+];
 
 /// One outbox row, ready to become a Kafka record. Text fields are UTF-8 as sent by the server.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,9 +51,17 @@ pub enum MappingError {
     )]
     MissingColumn { table: String, column: &'static str },
     #[error("row of {table} has {got} values but its relation has {expected} columns")]
-    ColumnCountMismatch { table: String, expected: usize, got: usize },
+    ColumnCountMismatch {
+        table: String,
+        expected: usize,
+        got: usize,
+    },
     #[error("row {event_id} of {table}: column {column:?} is NULL; outboxd cannot publish an event without it")]
-    NullValue { table: String, event_id: String, column: &'static str },
+    NullValue {
+        table: String,
+        event_id: String,
+        column: &'static str,
+    },
     #[error("row of {table}: column {column:?} is not valid UTF-8 text")]
     NotUtf8 { table: String, column: &'static str },
 }
@@ -69,9 +84,16 @@ impl RowMapping {
                 .columns
                 .iter()
                 .position(|c| c.name == column)
-                .ok_or_else(|| MappingError::MissingColumn { table: table.clone(), column })?;
+                .ok_or_else(|| MappingError::MissingColumn {
+                    table: table.clone(),
+                    column,
+                })?;
         }
-        Ok(RowMapping { table, column_count: relation.columns.len(), indexes })
+        Ok(RowMapping {
+            table,
+            column_count: relation.columns.len(),
+            indexes,
+        })
     }
 
     pub fn event(&self, insert: &Insert) -> Result<OutboxEvent, MappingError> {
@@ -87,10 +109,15 @@ impl RowMapping {
             let column = REQUIRED_COLUMNS[role];
             let bytes = raw(role).ok_or_else(|| MappingError::NullValue {
                 table: self.table.clone(),
-                event_id: raw(0).map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default(),
+                event_id: raw(0)
+                    .map(|b| String::from_utf8_lossy(b).into_owned())
+                    .unwrap_or_default(),
                 column,
             })?;
-            String::from_utf8(bytes.to_vec()).map_err(|_| MappingError::NotUtf8 { table: self.table.clone(), column })
+            String::from_utf8(bytes.to_vec()).map_err(|_| MappingError::NotUtf8 {
+                table: self.table.clone(),
+                column,
+            })
         };
         let payload = match &insert.values[self.indexes[4]] {
             ColumnValue::Text(bytes) => bytes.clone(),
@@ -143,7 +170,13 @@ mod tests {
             id: 1,
             namespace: "public".into(),
             name: "outbox_event".into(),
-            columns: names.iter().map(|n| RelationColumn { name: n.to_string(), type_oid: 25 }).collect(),
+            columns: names
+                .iter()
+                .map(|n| RelationColumn {
+                    name: n.to_string(),
+                    type_oid: 25,
+                })
+                .collect(),
         }
     }
 
@@ -154,7 +187,14 @@ mod tests {
     #[test]
     fn maps_columns_by_name_in_any_order_with_extras() {
         let rel = relation(&[
-            "tenant", "payload", "created_at", "event_type", "aggregate_id", "attempts", "aggregate_type", "event_id",
+            "tenant",
+            "payload",
+            "created_at",
+            "event_type",
+            "aggregate_id",
+            "attempts",
+            "aggregate_type",
+            "event_id",
         ]);
         let mapping = RowMapping::from_relation(&rel).unwrap();
         let insert = Insert {
@@ -182,9 +222,16 @@ mod tests {
     #[test]
     fn maps_a_captured_pg15_row() {
         use crate::pg::pgoutput::{decode, tests::unhex, tests::CAPTURED_PG15, PgOutputMessage};
-        let PgOutputMessage::Relation(rel) = decode(unhex(CAPTURED_PG15[1])).unwrap() else { panic!() };
-        let PgOutputMessage::Insert(insert) = decode(unhex(CAPTURED_PG15[2])).unwrap() else { panic!() };
-        let event = RowMapping::from_relation(&rel).unwrap().event(&insert).unwrap();
+        let PgOutputMessage::Relation(rel) = decode(unhex(CAPTURED_PG15[1])).unwrap() else {
+            panic!()
+        };
+        let PgOutputMessage::Insert(insert) = decode(unhex(CAPTURED_PG15[2])).unwrap() else {
+            panic!()
+        };
+        let event = RowMapping::from_relation(&rel)
+            .unwrap()
+            .event(&insert)
+            .unwrap();
         assert_eq!(event.event_id, "0b7d6f0e-8f3c-4c1b-9d6e-1f2a3b4c5d6e");
         assert_eq!(event.aggregate_id, "order-1");
         assert_eq!(&event.payload[..], br#"{"total": 12.5}"#);
@@ -193,8 +240,15 @@ mod tests {
 
     #[test]
     fn missing_column_is_named() {
-        let err = RowMapping::from_relation(&relation(&["event_id", "aggregate_type", "payload"])).unwrap_err();
-        assert_eq!(err, MappingError::MissingColumn { table: "public.outbox_event".into(), column: "aggregate_id" });
+        let err = RowMapping::from_relation(&relation(&["event_id", "aggregate_type", "payload"]))
+            .unwrap_err();
+        assert_eq!(
+            err,
+            MappingError::MissingColumn {
+                table: "public.outbox_event".into(),
+                column: "aggregate_id"
+            }
+        );
         assert!(err.to_string().contains("outboxd migrate"));
     }
 
@@ -203,19 +257,50 @@ mod tests {
         let mapping = RowMapping::from_relation(&relation(&REQUIRED_COLUMNS)).unwrap();
         let insert = Insert {
             relation_id: 1,
-            values: vec![text("id"), text("A"), ColumnValue::Null, text("E"), text("{}"), text("2026-01-01 00:00:00+00")],
+            values: vec![
+                text("id"),
+                text("A"),
+                ColumnValue::Null,
+                text("E"),
+                text("{}"),
+                text("2026-01-01 00:00:00+00"),
+            ],
         };
-        assert!(matches!(mapping.event(&insert), Err(MappingError::NullValue { column: "aggregate_id", .. })));
-        let short = Insert { relation_id: 1, values: vec![text("id")] };
-        assert!(matches!(mapping.event(&short), Err(MappingError::ColumnCountMismatch { .. })));
+        assert!(matches!(
+            mapping.event(&insert),
+            Err(MappingError::NullValue {
+                column: "aggregate_id",
+                ..
+            })
+        ));
+        let short = Insert {
+            relation_id: 1,
+            values: vec![text("id")],
+        };
+        assert!(matches!(
+            mapping.event(&short),
+            Err(MappingError::ColumnCountMismatch { .. })
+        ));
     }
 
     #[test]
     fn converts_timestamps_to_rfc3339() {
-        assert_eq!(to_rfc3339("2026-11-30 05:02:15.123456+00"), "2026-11-30T05:02:15.123456Z");
-        assert_eq!(to_rfc3339("2026-11-30 05:02:15+05:30"), "2026-11-30T05:02:15+05:30");
-        assert_eq!(to_rfc3339("2026-11-30 05:02:15-08"), "2026-11-30T05:02:15-08:00");
-        assert_eq!(to_rfc3339("1850-01-01 00:00:00+00:53:28"), "1850-01-01T00:00:00+00:53");
+        assert_eq!(
+            to_rfc3339("2026-11-30 05:02:15.123456+00"),
+            "2026-11-30T05:02:15.123456Z"
+        );
+        assert_eq!(
+            to_rfc3339("2026-11-30 05:02:15+05:30"),
+            "2026-11-30T05:02:15+05:30"
+        );
+        assert_eq!(
+            to_rfc3339("2026-11-30 05:02:15-08"),
+            "2026-11-30T05:02:15-08:00"
+        );
+        assert_eq!(
+            to_rfc3339("1850-01-01 00:00:00+00:53:28"),
+            "1850-01-01T00:00:00+00:53"
+        );
         assert_eq!(to_rfc3339("infinity"), "infinity");
     }
 }

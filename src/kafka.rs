@@ -86,9 +86,15 @@ fn config_error(error: KafkaError) -> Error {
 }
 
 impl Publisher {
-    pub fn new(settings: &RunSettings, known_topics: KnownTopics, deliveries: UnboundedSender<Delivery>) -> Result<Self> {
+    pub fn new(
+        settings: &RunSettings,
+        known_topics: KnownTopics,
+        deliveries: UnboundedSender<Delivery>,
+    ) -> Result<Self> {
         let config = client_config(settings);
-        let producer = config.create_with_context(DeliveryContext { deliveries }).map_err(config_error)?;
+        let producer = config
+            .create_with_context(DeliveryContext { deliveries })
+            .map_err(config_error)?;
         let admin = config.create().map_err(config_error)?;
         Ok(Publisher {
             producer,
@@ -103,35 +109,56 @@ impl Publisher {
     /// Fails unless a broker answers a metadata request within `timeout`.
     pub async fn check_brokers(&self, timeout: Duration) -> Result<()> {
         let producer = self.producer.clone();
-        let result = tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
-            .await
-            .map_err(|e| Error::Kafka { message: e.to_string(), transient: true })?;
+        let result =
+            tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
+                .await
+                .map_err(|e| Error::Kafka {
+                    message: e.to_string(),
+                    transient: true,
+                })?;
         result.map(|_| ()).map_err(|e| Error::Kafka {
-            message: format!("no broker answered ({e}); check --brokers and that the brokers are reachable"),
+            message: format!(
+                "no broker answered ({e}); check --brokers and that the brokers are reachable"
+            ),
             transient: true,
         })
     }
 
     /// Makes sure `topic` exists: created on first use, or checked when topic creation is off.
     async fn ensure_topic(&self, topic: &str) -> Result<()> {
-        if self.known_topics.lock().map(|t| t.contains(topic)).unwrap_or(false) {
+        if self
+            .known_topics
+            .lock()
+            .map(|t| t.contains(topic))
+            .unwrap_or(false)
+        {
             return Ok(());
         }
         if self.create_topics {
-            let new_topic = NewTopic::new(topic, self.partitions, TopicReplication::Fixed(self.replication_factor));
+            let new_topic = NewTopic::new(
+                topic,
+                self.partitions,
+                TopicReplication::Fixed(self.replication_factor),
+            );
             let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
             let results = self
                 .admin
                 .create_topics([&new_topic], &options)
                 .await
-                .map_err(|e| Error::Kafka { message: format!("cannot create topic {topic}: {e}"), transient: true })?;
+                .map_err(|e| Error::Kafka {
+                    message: format!("cannot create topic {topic}: {e}"),
+                    transient: true,
+                })?;
             for result in results {
                 match result {
                     Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
                     Err((_, code)) => {
                         return Err(Error::Kafka {
                             message: format!("cannot create topic {topic}: {code}"),
-                            transient: matches!(code, RDKafkaErrorCode::RequestTimedOut | RDKafkaErrorCode::NotController),
+                            transient: matches!(
+                                code,
+                                RDKafkaErrorCode::RequestTimedOut | RDKafkaErrorCode::NotController
+                            ),
                         })
                     }
                 }
@@ -141,16 +168,29 @@ impl Publisher {
             let producer = self.producer.clone();
             let name = topic.to_string();
             let metadata = tokio::task::spawn_blocking(move || {
-                producer.client().fetch_metadata(Some(&name), Duration::from_secs(10))
+                producer
+                    .client()
+                    .fetch_metadata(Some(&name), Duration::from_secs(10))
             })
             .await
-            .map_err(|e| Error::Kafka { message: e.to_string(), transient: true })?
-            .map_err(|e| Error::Kafka { message: format!("cannot read metadata of topic {topic}: {e}"), transient: true })?;
-            let exists = metadata.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty());
+            .map_err(|e| Error::Kafka {
+                message: e.to_string(),
+                transient: true,
+            })?
+            .map_err(|e| Error::Kafka {
+                message: format!("cannot read metadata of topic {topic}: {e}"),
+                transient: true,
+            })?;
+            let exists = metadata
+                .topics()
+                .iter()
+                .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty());
             if !exists {
                 return Err(Error::setup(
                     format!("Kafka topic {topic} does not exist and --no-create-topics is set"),
-                    format!("create topic {topic}, or drop --no-create-topics so outboxd creates it"),
+                    format!(
+                        "create topic {topic}, or drop --no-create-topics so outboxd creates it"
+                    ),
                 ));
             }
         }
@@ -161,14 +201,37 @@ impl Publisher {
     }
 
     /// Hands one event to the producer. Its acknowledgement arrives later on the delivery channel.
-    pub async fn publish(&self, topic: &str, event: &OutboxEvent, txn: TxnId, event_id: Uuid) -> Result<()> {
+    pub async fn publish(
+        &self,
+        topic: &str,
+        event: &OutboxEvent,
+        txn: TxnId,
+        event_id: Uuid,
+    ) -> Result<()> {
         self.ensure_topic(topic).await?;
         let headers = OwnedHeaders::new_with_capacity(4)
-            .insert(Header { key: "event_id", value: Some(event.event_id.as_str()) })
-            .insert(Header { key: "event_type", value: Some(event.event_type.as_str()) })
-            .insert(Header { key: "aggregate_type", value: Some(event.aggregate_type.as_str()) })
-            .insert(Header { key: "created_at", value: Some(event.created_at.as_str()) });
-        let opaque = Box::new(Delivery { txn, event_id, bytes: event.size_bytes(), result: Ok(()) });
+            .insert(Header {
+                key: "event_id",
+                value: Some(event.event_id.as_str()),
+            })
+            .insert(Header {
+                key: "event_type",
+                value: Some(event.event_type.as_str()),
+            })
+            .insert(Header {
+                key: "aggregate_type",
+                value: Some(event.aggregate_type.as_str()),
+            })
+            .insert(Header {
+                key: "created_at",
+                value: Some(event.created_at.as_str()),
+            });
+        let opaque = Box::new(Delivery {
+            txn,
+            event_id,
+            bytes: event.size_bytes(),
+            result: Ok(()),
+        });
         let mut record = BaseRecord::with_opaque_to(topic, opaque)
             .key(event.aggregate_id.as_bytes())
             .payload(&event.payload[..])
@@ -181,7 +244,10 @@ impl Publisher {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 Err((error, _)) => {
-                    return Err(Error::Kafka { message: format!("cannot produce to {topic}: {error}"), transient: true })
+                    return Err(Error::Kafka {
+                        message: format!("cannot produce to {topic}: {error}"),
+                        transient: true,
+                    })
                 }
             }
         }
@@ -189,6 +255,7 @@ impl Publisher {
 
     /// Drops whatever the producer still holds; those events are re-sent from the slot.
     pub fn abandon(self) {
-        self.producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+        self.producer
+            .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
     }
 }

@@ -45,7 +45,9 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
 impl Status {
     pub fn to_table(&self) -> String {
         fn show<T: std::fmt::Display>(value: &Option<T>) -> String {
-            value.as_ref().map_or_else(|| "-".to_string(), |v| v.to_string())
+            value
+                .as_ref()
+                .map_or_else(|| "-".to_string(), |v| v.to_string())
         }
         let rows = [
             ("table", self.table.clone()),
@@ -58,7 +60,14 @@ impl Status {
             ("lag bytes", show(&self.lag_bytes)),
             ("retained WAL bytes", show(&self.retained_wal_bytes)),
             ("unpublished events", self.unpublished_events.to_string()),
-            ("oldest unpublished age (s)", show(&self.oldest_unpublished_age_seconds.map(|s| format!("{s:.1}")))),
+            (
+                "oldest unpublished age (s)",
+                show(
+                    &self
+                        .oldest_unpublished_age_seconds
+                        .map(|s| format!("{s:.1}")),
+                ),
+            ),
         ];
         rows.iter().map(|(k, v)| format!("{k:<28}{v}\n")).collect()
     }

@@ -42,10 +42,14 @@ impl TopicTemplate {
         let mut rest = template;
         while !rest.is_empty() {
             match rest.find(['{', '}']) {
-                Some(at) if rest.as_bytes()[at] == b'}' => return Err(TemplateError::Unbalanced(template.into())),
+                Some(at) if rest.as_bytes()[at] == b'}' => {
+                    return Err(TemplateError::Unbalanced(template.into()))
+                }
                 Some(at) => {
                     push_literal(&mut parts, &rest[..at], template)?;
-                    let close = rest[at..].find('}').ok_or_else(|| TemplateError::Unbalanced(template.into()))?;
+                    let close = rest[at..]
+                        .find('}')
+                        .ok_or_else(|| TemplateError::Unbalanced(template.into()))?;
                     let name = &rest[at + 1..at + close];
                     parts.push(match name {
                         "aggregate_type" => Part::AggregateType,
@@ -89,7 +93,10 @@ impl TopicTemplate {
 
 fn push_literal(parts: &mut Vec<Part>, literal: &str, template: &str) -> Result<(), TemplateError> {
     if let Some(ch) = literal.chars().find(|&c| !is_legal_topic_char(c)) {
-        return Err(TemplateError::IllegalCharacter { template: template.into(), ch });
+        return Err(TemplateError::IllegalCharacter {
+            template: template.into(),
+            ch,
+        });
     }
     if !literal.is_empty() {
         parts.push(Part::Literal(literal.into()));
@@ -98,7 +105,11 @@ fn push_literal(parts: &mut Vec<Part>, literal: &str, template: &str) -> Result<
 }
 
 fn push_sanitized(topic: &mut String, value: &str) {
-    topic.extend(value.chars().map(|c| if is_legal_topic_char(c) { c } else { '_' }));
+    topic.extend(
+        value
+            .chars()
+            .map(|c| if is_legal_topic_char(c) { c } else { '_' }),
+    );
 }
 
 #[cfg(test)]
@@ -120,9 +131,18 @@ mod tests {
         let err = TopicTemplate::parse("outbox.{aggregate}").unwrap_err();
         assert!(err.to_string().contains("{aggregate}"), "{err}");
         assert!(err.to_string().contains("{aggregate_type}"), "{err}");
-        assert!(matches!(TopicTemplate::parse("a{b"), Err(TemplateError::Unbalanced(_))));
-        assert!(matches!(TopicTemplate::parse("a}b"), Err(TemplateError::Unbalanced(_))));
-        assert!(matches!(TopicTemplate::parse("a b"), Err(TemplateError::IllegalCharacter { ch: ' ', .. })));
+        assert!(matches!(
+            TopicTemplate::parse("a{b"),
+            Err(TemplateError::Unbalanced(_))
+        ));
+        assert!(matches!(
+            TopicTemplate::parse("a}b"),
+            Err(TemplateError::Unbalanced(_))
+        ));
+        assert!(matches!(
+            TopicTemplate::parse("a b"),
+            Err(TemplateError::IllegalCharacter { ch: ' ', .. })
+        ));
         assert_eq!(TopicTemplate::parse(""), Err(TemplateError::Empty));
     }
 

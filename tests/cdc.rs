@@ -10,17 +10,34 @@ use support::*;
 const TOPIC: &str = "outbox.Order";
 
 fn run_args<'a>(pg: &'a str, brokers: &'a str) -> Vec<&'a str> {
-    vec!["run", "--database-url", pg, "--brokers", brokers, "--topic-replication-factor", "1", "--status-interval", "200ms"]
+    vec![
+        "run",
+        "--database-url",
+        pg,
+        "--brokers",
+        brokers,
+        "--topic-replication-factor",
+        "1",
+        "--status-interval",
+        "200ms",
+    ]
 }
 
 fn migrate(pg: &Postgres) {
     let output = run_outboxd(&["migrate", "--database-url", &pg.url()]);
-    assert!(output.status.success(), "migrate failed: {}", stderr_of(&output));
+    assert!(
+        output.status.success(),
+        "migrate failed: {}",
+        stderr_of(&output)
+    );
 }
 
 async fn slot_active(client: &tokio_postgres::Client, slot: &str) -> Option<()> {
     let row = client
-        .query_opt("SELECT active FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+        .query_opt(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
         .await
         .ok()
         .flatten()?;
@@ -28,11 +45,23 @@ async fn slot_active(client: &tokio_postgres::Client, slot: &str) -> Option<()> 
 }
 
 async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str) {
-    wait_for_async(&format!("slot {slot} to be active"), Duration::from_secs(60), || slot_active(client, slot)).await;
+    wait_for_async(
+        &format!("slot {slot} to be active"),
+        Duration::from_secs(60),
+        || slot_active(client, slot),
+    )
+    .await;
 }
 
 async fn unpublished(client: &tokio_postgres::Client) -> i64 {
-    client.query_one("SELECT count(*) FROM outbox_event WHERE published_at IS NULL", &[]).await.unwrap().get(0)
+    client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }
 
 async fn wait_all_published(client: &tokio_postgres::Client, timeout: Duration) {
@@ -44,7 +73,10 @@ async fn wait_all_published(client: &tokio_postgres::Client, timeout: Duration) 
 
 async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> Lsn {
     let text: Option<String> = client
-        .query_one("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
         .await
         .unwrap()
         .get(0);
@@ -52,7 +84,11 @@ async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> Lsn {
 }
 
 async fn current_wal_lsn(client: &tokio_postgres::Client) -> Lsn {
-    let text: String = client.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0);
+    let text: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
     text.parse().unwrap()
 }
 
@@ -74,7 +110,12 @@ async fn delivers_every_committed_event_in_order_with_headers() {
     assert_eq!(rolled_back.len(), 500);
     let last_commit_end = current_wal_lsn(&client).await;
 
-    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(120));
+    let records = consume_all(
+        &brokers,
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(120),
+    );
     let report = check_delivery(&records, &committed, &rolled_back);
     println!(
         "delivered {} records for {} committed events in {:?}: {report:?}",
@@ -85,15 +126,23 @@ async fn delivers_every_committed_event_in_order_with_headers() {
     assert_eq!(report.missing, 0);
     assert_eq!(report.from_rolled_back, 0);
     assert_eq!(report.order_violations, 0);
-    assert_eq!(report.duplicates, 0, "no failures happened, so nothing should be re-sent");
+    assert_eq!(
+        report.duplicates, 0,
+        "no failures happened, so nothing should be re-sent"
+    );
 
     // Every record carries the key, value and headers a consumer relies on.
     let rows = client
-        .query("SELECT event_id::text, aggregate_id, event_type, payload FROM outbox_event", &[])
+        .query(
+            "SELECT event_id::text, aggregate_id, event_type, payload FROM outbox_event",
+            &[],
+        )
         .await
         .unwrap();
-    let by_id: std::collections::HashMap<String, (String, String, serde_json::Value)> =
-        rows.iter().map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3)))).collect();
+    let by_id: std::collections::HashMap<String, (String, String, serde_json::Value)> = rows
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3))))
+        .collect();
     for record in &records {
         let id = &record.headers["event_id"];
         assert_eq!(id, &id.to_lowercase());
@@ -102,18 +151,50 @@ async fn delivers_every_committed_event_in_order_with_headers() {
         assert_eq!(&record.headers["event_type"], event_type);
         assert_eq!(record.headers["aggregate_type"], "Order");
         let created_at = &record.headers["created_at"];
-        assert!(created_at.contains('T') && created_at.ends_with('Z'), "not RFC 3339: {created_at}");
-        let value: serde_json::Value = serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
+        assert!(
+            created_at.contains('T') && created_at.ends_with('Z'),
+            "not RFC 3339: {created_at}"
+        );
+        let value: serde_json::Value =
+            serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
         assert_eq!(&value, payload);
+        // Keys land on the partition a Java producer (murmur2) would choose; the topic has 6 partitions.
+        assert_eq!(
+            record.partition,
+            java_partition(aggregate_id.as_bytes(), 6),
+            "key {aggregate_id}"
+        );
     }
 
     wait_all_published(&client, Duration::from_secs(60)).await;
-    let confirmed = wait_for_async("the slot to confirm the last commit", Duration::from_secs(60), || async {
-        let confirmed = confirmed_flush(&client, "outboxd").await;
-        (confirmed >= last_commit_end).then_some(confirmed)
-    })
+    let confirmed = wait_for_async(
+        "the slot to confirm the last commit",
+        Duration::from_secs(60),
+        || async {
+            let confirmed = confirmed_flush(&client, "outboxd").await;
+            (confirmed >= last_commit_end).then_some(confirmed)
+        },
+    )
     .await;
     println!("confirmed_flush_lsn {confirmed} >= last commit end {last_commit_end}");
+}
+
+#[test]
+fn java_partitioner_reference_matches_kafka_test_vectors() {
+    // From Kafka's UtilsTest.testMurmur2.
+    for (key, hash) in [
+        ("21", -973_932_308),
+        ("foobar", -790_332_482),
+        ("a-little-bit-long-string", -985_981_536),
+        ("a-little-bit-longer-string", -1_486_304_829),
+        (
+            "lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
+            -58_897_971,
+        ),
+        ("abc", 479_470_107),
+    ] {
+        assert_eq!(java_murmur2(key.as_bytes()), hash, "{key}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -130,9 +211,14 @@ async fn idle_outbox_does_not_hold_wal() {
     consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
 
     // 20 MB of writes to another table: the outbox sees no transaction at all.
-    client.batch_execute("CREATE TABLE filler (id bigserial, body text)").await.unwrap();
     client
-        .batch_execute("INSERT INTO filler (body) SELECT repeat('x', 1000) FROM generate_series(1, 20000)")
+        .batch_execute("CREATE TABLE filler (id bigserial, body text)")
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO filler (body) SELECT repeat('x', 1000) FROM generate_series(1, 20000)",
+        )
         .await
         .unwrap();
     let wal_after_filler = current_wal_lsn(&client).await;
@@ -175,21 +261,38 @@ async fn sigkill_mid_stream_loses_nothing() {
         rolled_back.extend(r);
         // Kill while some, but not all, of this round is published.
         let total = committed.len() as i64;
-        wait_for_async("part of the round to be published", Duration::from_secs(60), || async {
-            let published = total - unpublished(&client).await;
-            (published > 0).then_some(())
-        })
+        wait_for_async(
+            "part of the round to be published",
+            Duration::from_secs(60),
+            || async {
+                let published = total - unpublished(&client).await;
+                (published > 0).then_some(())
+            },
+        )
         .await;
         outboxd.kill();
         outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
     }
-    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(120));
+    let records = consume_all(
+        &brokers,
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(120),
+    );
     let report = check_delivery(&records, &committed, &rolled_back);
-    println!("after 4 SIGKILLs: {} records for {} committed events: {report:?}", records.len(), committed.len());
+    println!(
+        "after 4 SIGKILLs: {} records for {} committed events: {report:?}",
+        records.len(),
+        committed.len()
+    );
     assert_eq!(report.missing, 0);
     assert_eq!(report.from_rolled_back, 0);
     assert_eq!(report.order_violations, 0);
-    assert!(report.duplicates <= 4 * WINDOW, "re-sent more than the in-flight window per kill: {}", report.duplicates);
+    assert!(
+        report.duplicates <= 4 * WINDOW,
+        "re-sent more than the in-flight window per kill: {}",
+        report.duplicates
+    );
     wait_all_published(&client, Duration::from_secs(60)).await;
     drop(outboxd);
 }
@@ -216,28 +319,48 @@ async fn restart_postgres_mid_stream(mode: &str) {
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
     outboxd.kill();
-    let (mut committed, mut rolled_back) = insert_events(&mut client, 0, 100, 25, 50, Some(17)).await;
+    let (mut committed, mut rolled_back) =
+        insert_events(&mut client, 0, 100, 25, 50, Some(17)).await;
     let _outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
     let total = committed.len() as i64;
-    let published_before = wait_for_async("some events to be published", Duration::from_secs(60), || async {
-        let published = total - unpublished(&client).await;
-        (published > 0).then_some(published)
-    })
+    let published_before = wait_for_async(
+        "some events to be published",
+        Duration::from_secs(60),
+        || async {
+            let published = total - unpublished(&client).await;
+            (published > 0).then_some(published)
+        },
+    )
     .await;
     pg.restart(mode);
-    println!("restarted PostgreSQL (-m {mode}) with {published_before} of {total} events published");
+    println!(
+        "restarted PostgreSQL (-m {mode}) with {published_before} of {total} events published"
+    );
     let mut client = pg.client().await;
     let (c, r) = insert_events(&mut client, 100, 100, 25, 50, Some(17)).await;
     committed.extend(c);
     rolled_back.extend(r);
 
-    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(180));
+    let records = consume_all(
+        &brokers,
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(180),
+    );
     let report = check_delivery(&records, &committed, &rolled_back);
-    println!("after restart -m {mode}: {} records for {} committed events: {report:?}", records.len(), committed.len());
+    println!(
+        "after restart -m {mode}: {} records for {} committed events: {report:?}",
+        records.len(),
+        committed.len()
+    );
     assert_eq!(report.missing, 0);
     assert_eq!(report.from_rolled_back, 0);
     assert_eq!(report.order_violations, 0);
-    assert!(report.duplicates <= WINDOW, "re-sent more than the in-flight window: {}", report.duplicates);
+    assert!(
+        report.duplicates <= WINDOW,
+        "re-sent more than the in-flight window: {}",
+        report.duplicates
+    );
     wait_all_published(&client, Duration::from_secs(60)).await;
 }
 
@@ -269,7 +392,16 @@ async fn decodes_a_table_with_extra_and_reordered_columns() {
     let url = pg.url();
     let brokers = broker.addr();
     let mut args = run_args(&url, &brokers);
-    args.extend(["--table", "public.custom_outbox", "--publication", "custom_pub", "--slot", "custom_slot", "--topic", "custom.{aggregate_type}.{event_type}"]);
+    args.extend([
+        "--table",
+        "public.custom_outbox",
+        "--publication",
+        "custom_pub",
+        "--slot",
+        "custom_slot",
+        "--topic",
+        "custom.{aggregate_type}.{event_type}",
+    ]);
     let _outboxd = Outboxd::spawn(&args);
     wait_slot_active(&client, "custom_slot").await;
     let id = uuid::Uuid::new_v4();
@@ -281,23 +413,36 @@ async fn decodes_a_table_with_extra_and_reordered_columns() {
         )
         .await
         .unwrap();
-    let records = consume_all(&brokers, &["custom.Shipment.Shipped"], 1, Duration::from_secs(60));
+    let records = consume_all(
+        &brokers,
+        &["custom.Shipment.Shipped"],
+        1,
+        Duration::from_secs(60),
+    );
     assert_eq!(records.len(), 1);
     let record = &records[0];
     assert_eq!(record.key.as_deref(), Some("ship-1"));
     assert_eq!(record.headers["event_id"], id.to_string());
     assert_eq!(record.headers["event_type"], "Shipped");
     assert_eq!(record.headers["aggregate_type"], "Shipment");
-    let value: serde_json::Value = serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
+    let value: serde_json::Value =
+        serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
     assert_eq!(value, serde_json::json!({"k": [1, 2]}));
-    wait_for_async("published_at on the custom table", Duration::from_secs(30), || async {
-        let n: i64 = client
-            .query_one("SELECT count(*) FROM public.custom_outbox WHERE published_at IS NOT NULL", &[])
-            .await
-            .unwrap()
-            .get(0);
-        (n == 1).then_some(())
-    })
+    wait_for_async(
+        "published_at on the custom table",
+        Duration::from_secs(30),
+        || async {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM public.custom_outbox WHERE published_at IS NOT NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (n == 1).then_some(())
+        },
+    )
     .await;
 }
 
@@ -314,15 +459,27 @@ async fn sigterm_drains_and_exits_zero() {
     let (committed, _) = insert_events(&mut client, 0, 20, 25, 10, None).await;
     consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
     let status = outboxd.terminate();
-    assert!(status.success(), "exit status {status:?}\n{}", outboxd.log_text());
+    assert!(
+        status.success(),
+        "exit status {status:?}\n{}",
+        outboxd.log_text()
+    );
     // A restart after a clean stop re-sends nothing that was confirmed.
     let last = current_wal_lsn(&client).await;
     assert!(confirmed_flush(&client, "outboxd").await <= last);
     let _again = Outboxd::spawn(&run_args(&url, &brokers));
     wait_slot_active(&client, "outboxd").await;
     let (more, _) = insert_events(&mut client, 20, 1, 5, 5, None).await;
-    let records = consume_all(&brokers, &[TOPIC], committed.len() + more.len(), Duration::from_secs(60));
+    let records = consume_all(
+        &brokers,
+        &[TOPIC],
+        committed.len() + more.len(),
+        Duration::from_secs(60),
+    );
     let report = check_delivery(&records, &[committed, more].concat(), &[]);
     assert_eq!(report.missing, 0);
-    assert_eq!(report.duplicates, 0, "a clean shutdown confirms everything it delivered");
+    assert_eq!(
+        report.duplicates, 0,
+        "a clean shutdown confirms everything it delivered"
+    );
 }

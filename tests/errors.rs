@@ -9,11 +9,22 @@ use support::*;
 
 /// Runs `outboxd run` against `url` expecting failure; returns stderr.
 fn run_expecting_failure(url: &str, brokers: &str, extra: &[&str]) -> String {
-    let mut args = vec!["run", "--database-url", url, "--brokers", brokers, "--startup-timeout", "2s"];
+    let mut args = vec![
+        "run",
+        "--database-url",
+        url,
+        "--brokers",
+        brokers,
+        "--startup-timeout",
+        "2s",
+    ];
     args.extend_from_slice(extra);
     let output = run_outboxd(&args);
     let stderr = stderr_of(&output);
-    assert!(!output.status.success(), "outboxd {extra:?} should have failed:\n{stderr}");
+    assert!(
+        !output.status.success(),
+        "outboxd {extra:?} should have failed:\n{stderr}"
+    );
     stderr
 }
 
@@ -34,7 +45,11 @@ const NO_BROKER: &str = "127.0.0.1:1";
 
 #[test]
 fn malformed_url_names_the_flag_and_hides_the_password() {
-    let stderr = run_expecting_failure("postgres://u:hunter2secret@host:notaport/db", NO_BROKER, &[]);
+    let stderr = run_expecting_failure(
+        "postgres://u:hunter2secret@host:notaport/db",
+        NO_BROKER,
+        &[],
+    );
     assert_mentions(&stderr, &["--database-url"]);
     assert!(!stderr.contains("hunter2secret"), "{stderr}");
 }
@@ -42,8 +57,13 @@ fn malformed_url_names_the_flag_and_hides_the_password() {
 #[tokio::test(flavor = "multi_thread")]
 async fn wrong_password_is_a_clear_error() {
     let pg = migrated();
-    pg.client().await.batch_execute("CREATE ROLE app LOGIN REPLICATION PASSWORD 'right-password'").await.unwrap();
-    pg.prepend_hba("host all app 127.0.0.1/32 scram-sha-256").await;
+    pg.client()
+        .await
+        .batch_execute("CREATE ROLE app LOGIN REPLICATION PASSWORD 'right-password'")
+        .await
+        .unwrap();
+    pg.prepend_hba("host all app 127.0.0.1/32 scram-sha-256")
+        .await;
     let stderr = run_expecting_failure(&pg.url_for("app", Some("hunter2wrong")), NO_BROKER, &[]);
     assert_mentions(&stderr, &["password", "fix"]);
     assert!(!stderr.contains("hunter2wrong"), "{stderr}");
@@ -66,19 +86,41 @@ async fn replication_connection_authenticates_with_scram_md5_and_cleartext() {
         .await
         .unwrap();
     pg.prepend_hba("host all scram_user 127.0.0.1/32 scram-sha-256\nhost all md5_user 127.0.0.1/32 md5\nhost all plain_user 127.0.0.1/32 password").await;
-    for (user, password, slot) in [("scram_user", "pw-scram", "s_scram"), ("md5_user", "pw-md5", "s_md5"), ("plain_user", "pw-plain", "s_plain")] {
+    for (user, password, slot) in [
+        ("scram_user", "pw-scram", "s_scram"),
+        ("md5_user", "pw-md5", "s_md5"),
+        ("plain_user", "pw-plain", "s_plain"),
+    ] {
         let url = pg.url_for(user, Some(password));
         let brokers = broker.addr();
-        let outboxd = Outboxd::spawn(&["run", "--database-url", &url, "--brokers", &brokers, "--slot", slot]);
-        wait_for_async(&format!("{user} to stream from slot {slot}"), Duration::from_secs(60), || async {
-            let row = client
-                .query_opt("SELECT active FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
-                .await
-                .unwrap();
-            row.filter(|r| r.get::<_, bool>(0)).map(|_| ())
-        })
+        let outboxd = Outboxd::spawn(&[
+            "run",
+            "--database-url",
+            &url,
+            "--brokers",
+            &brokers,
+            "--slot",
+            slot,
+        ]);
+        wait_for_async(
+            &format!("{user} to stream from slot {slot}"),
+            Duration::from_secs(60),
+            || async {
+                let row = client
+                    .query_opt(
+                        "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                        &[&slot],
+                    )
+                    .await
+                    .unwrap();
+                row.filter(|r| r.get::<_, bool>(0)).map(|_| ())
+            },
+        )
         .await;
-        assert!(!outboxd.log_text().contains(password), "password leaked into the log");
+        assert!(
+            !outboxd.log_text().contains(password),
+            "password leaked into the log"
+        );
     }
 }
 
@@ -110,7 +152,11 @@ fn wal_level_replica_is_named() {
 #[tokio::test(flavor = "multi_thread")]
 async fn missing_replication_permission_names_the_grant() {
     let pg = migrated();
-    pg.client().await.batch_execute("CREATE ROLE norepl LOGIN; GRANT SELECT, UPDATE ON outbox_event TO norepl").await.unwrap();
+    pg.client()
+        .await
+        .batch_execute("CREATE ROLE norepl LOGIN; GRANT SELECT, UPDATE ON outbox_event TO norepl")
+        .await
+        .unwrap();
     let stderr = run_expecting_failure(&pg.url_for("norepl", None), NO_BROKER, &[]);
     assert_mentions(&stderr, &["replication", "REPLICATION"]);
 }
@@ -119,7 +165,10 @@ async fn missing_replication_permission_names_the_grant() {
 fn missing_table() {
     let pg = migrated();
     let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &["--table", "public.no_such_table"]);
-    assert_mentions(&stderr, &["public.no_such_table", "does not exist", "outboxd migrate"]);
+    assert_mentions(
+        &stderr,
+        &["public.no_such_table", "does not exist", "outboxd migrate"],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -145,15 +194,25 @@ async fn missing_or_mistyped_column() {
 fn missing_publication() {
     let pg = migrated();
     let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &["--publication", "nopub"]);
-    assert_mentions(&stderr, &["publication nopub does not exist", "CREATE PUBLICATION"]);
+    assert_mentions(
+        &stderr,
+        &["publication nopub does not exist", "CREATE PUBLICATION"],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slot_with_another_plugin() {
     let pg = migrated();
-    pg.client().await.batch_execute("SELECT pg_create_logical_replication_slot('outboxd', 'test_decoding')").await.unwrap();
+    pg.client()
+        .await
+        .batch_execute("SELECT pg_create_logical_replication_slot('outboxd', 'test_decoding')")
+        .await
+        .unwrap();
     let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &[]);
-    assert_mentions(&stderr, &["test_decoding", "pgoutput", "pg_drop_replication_slot"]);
+    assert_mentions(
+        &stderr,
+        &["test_decoding", "pgoutput", "pg_drop_replication_slot"],
+    );
 }
 
 #[test]
@@ -179,7 +238,11 @@ fn invalid_names_and_injection_attempts() {
 #[test]
 fn unknown_librdkafka_property() {
     let pg = migrated();
-    let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &["--kafka-option", "no.such.property=1"]);
+    let stderr = run_expecting_failure(
+        &pg.url(),
+        NO_BROKER,
+        &["--kafka-option", "no.such.property=1"],
+    );
     assert_mentions(&stderr, &["no.such.property", "--kafka-option"]);
 }
 
@@ -196,7 +259,10 @@ fn toml_unknown_key_or_wrong_type() {
     let dir = std::env::temp_dir().join(format!("outboxd-toml-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("outboxd.toml");
-    for (content, needle) in [("brokers = \"b:9092\"\nslott = \"x\"\n", "slott"), ("topic-partitions = \"six\"\n", "topic-partitions")] {
+    for (content, needle) in [
+        ("brokers = \"b:9092\"\nslott = \"x\"\n", "slott"),
+        ("topic-partitions = \"six\"\n", "topic-partitions"),
+    ] {
         std::fs::write(&path, content).unwrap();
         let output = run_outboxd(&["run", "--config", path.to_str().unwrap()]);
         let stderr = stderr_of(&output);
@@ -212,10 +278,23 @@ async fn no_create_topics_names_the_missing_topic() {
     let broker = Broker::start();
     let url = pg.url();
     let brokers = broker.addr();
-    let mut outboxd = Outboxd::spawn(&["run", "--database-url", &url, "--brokers", &brokers, "--no-create-topics"]);
+    let mut outboxd = Outboxd::spawn(&[
+        "run",
+        "--database-url",
+        &url,
+        "--brokers",
+        &brokers,
+        "--no-create-topics",
+    ]);
     let client = pg.client().await;
     wait_for_async("slot active", Duration::from_secs(60), || async {
-        let row = client.query_opt("SELECT active FROM pg_replication_slots WHERE slot_name = 'outboxd'", &[]).await.unwrap();
+        let row = client
+            .query_opt(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                &[],
+            )
+            .await
+            .unwrap();
         row.filter(|r| r.get::<_, bool>(0)).map(|_| ())
     })
     .await;
@@ -226,11 +305,26 @@ async fn no_create_topics_names_the_missing_topic() {
         )
         .await
         .unwrap();
-    let status = wait_for("outboxd to exit", Duration::from_secs(60), || outboxd.try_wait());
+    let status = wait_for("outboxd to exit", Duration::from_secs(60), || {
+        outboxd.try_wait()
+    });
     assert!(!status.success());
-    assert_mentions(&outboxd.log_text(), &["outbox.Invoice", "--no-create-topics"]);
-    let unpublished: i64 = client.query_one("SELECT count(*) FROM outbox_event WHERE published_at IS NULL", &[]).await.unwrap().get(0);
-    assert_eq!(unpublished, 1, "the event must stay unpublished, not be skipped");
+    assert_mentions(
+        &outboxd.log_text(),
+        &["outbox.Invoice", "--no-create-topics"],
+    );
+    let unpublished: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        unpublished, 1,
+        "the event must stay unpublished, not be skipped"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -238,16 +332,29 @@ async fn migrate_is_idempotent_and_safe_concurrently() {
     let pg = Postgres::start();
     let url = pg.url();
     let children: Vec<_> = (0..3)
-        .map(|_| outboxd_command(&["migrate", "--database-url", &url]).stderr(std::process::Stdio::piped()).spawn().unwrap())
+        .map(|_| {
+            outboxd_command(&["migrate", "--database-url", &url])
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
         .collect();
     for child in children {
         let output = child.wait_with_output().unwrap();
-        assert!(output.status.success(), "concurrent migrate failed: {}", stderr_of(&output));
+        assert!(
+            output.status.success(),
+            "concurrent migrate failed: {}",
+            stderr_of(&output)
+        );
     }
     let again = run_outboxd(&["migrate", "--database-url", &url]);
     assert!(again.status.success(), "{}", stderr_of(&again));
     let client = pg.client().await;
-    let versions: i64 = client.query_one("SELECT count(*) FROM outboxd_migrations", &[]).await.unwrap().get(0);
+    let versions: i64 = client
+        .query_one("SELECT count(*) FROM outboxd_migrations", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(versions, 1);
     let publishes: String = client
         .query_one(
@@ -260,7 +367,11 @@ async fn migrate_is_idempotent_and_safe_concurrently() {
         .get(0);
     assert_eq!(publishes, "t,f,f", "publish = insert only");
     for table in ["outbox_event", "consumed_event"] {
-        let exists: bool = client.query_one("SELECT to_regclass($1) IS NOT NULL", &[&table]).await.unwrap().get(0);
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+            .await
+            .unwrap()
+            .get(0);
         assert!(exists, "{table} missing");
     }
 }
@@ -269,7 +380,10 @@ async fn migrate_is_idempotent_and_safe_concurrently() {
 async fn status_reports_slot_and_backlog_as_json() {
     let pg = migrated();
     let client = pg.client().await;
-    client.batch_execute("SELECT pg_create_logical_replication_slot('outboxd', 'pgoutput')").await.unwrap();
+    client
+        .batch_execute("SELECT pg_create_logical_replication_slot('outboxd', 'pgoutput')")
+        .await
+        .unwrap();
     client
         .execute(
             "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES (gen_random_uuid(), 'A', '1', 'E', '{}')",
@@ -277,17 +391,26 @@ async fn status_reports_slot_and_backlog_as_json() {
         )
         .await
         .unwrap();
-    let output = run_outboxd(&["status", "--json", "--database-url", &pg.url_for("postgres", Some("pw-not-shown"))]);
+    let output = run_outboxd(&[
+        "status",
+        "--json",
+        "--database-url",
+        &pg.url_for("postgres", Some("pw-not-shown")),
+    ]);
     assert!(output.status.success(), "{}", stderr_of(&output));
     let stdout = String::from_utf8(output.stdout).unwrap();
-    let status: serde_json::Value = serde_json::from_str(&stdout).expect("stdout must be only JSON");
+    let status: serde_json::Value =
+        serde_json::from_str(&stdout).expect("stdout must be only JSON");
     assert_eq!(status["slot_name"], "outboxd");
     assert_eq!(status["slot_exists"], true);
     assert_eq!(status["active"], false);
     assert_eq!(status["unpublished_events"], 1);
     assert!(status["lag_bytes"].as_i64().unwrap() > 0);
     assert!(status["retained_wal_bytes"].as_i64().is_some());
-    assert!(status["confirmed_flush_lsn"].as_str().unwrap().contains('/'));
+    assert!(status["confirmed_flush_lsn"]
+        .as_str()
+        .unwrap()
+        .contains('/'));
     assert!(!stdout.contains("pw-not-shown"));
     let table = run_outboxd(&["status", "--database-url", &pg.url()]);
     assert!(String::from_utf8_lossy(&table.stdout).contains("unpublished events"));

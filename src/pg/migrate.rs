@@ -8,8 +8,11 @@ use crate::config::DatabaseSettings;
 use crate::error::Result;
 
 /// Embedded migrations, applied in order. Never edit one that has shipped: add a new one.
-const MIGRATIONS: &[(i32, &str, &str)] =
-    &[(1, "outbox_tables", include_str!("../../migrations/0001_outbox_tables.sql"))];
+const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "outbox_tables",
+    include_str!("../../migrations/0001_outbox_tables.sql"),
+)];
 
 /// Arbitrary constant naming outboxd's migration lock.
 const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d67; // "outboxmg"
@@ -25,7 +28,8 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
     let table = &settings.table;
     let target = table.to_string();
     let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY]).await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
+        .await?;
     tx.batch_execute(
         "CREATE TABLE IF NOT EXISTS public.outboxd_migrations (
              target text NOT NULL, version integer NOT NULL, name text NOT NULL,
@@ -35,7 +39,10 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
     let mut report = MigrationReport::default();
     for (version, name, sql) in MIGRATIONS {
         let done = tx
-            .query_opt("SELECT 1 FROM public.outboxd_migrations WHERE target = $1 AND version = $2", &[&target, version])
+            .query_opt(
+                "SELECT 1 FROM public.outboxd_migrations WHERE target = $1 AND version = $2",
+                &[&target, version],
+            )
             .await?;
         if done.is_some() {
             continue;
@@ -53,7 +60,13 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
         report.applied.push(format!("{version:04}_{name}"));
     }
     let publication = &settings.publication;
-    let exists = tx.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[publication]).await?.is_some();
+    let exists = tx
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[publication],
+        )
+        .await?
+        .is_some();
     if !exists {
         tx.batch_execute(&format!(
             "CREATE PUBLICATION \"{publication}\" FOR TABLE {} WITH (publish = 'insert')",
@@ -70,7 +83,11 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
             .await?
             .is_some();
         if !covered {
-            tx.batch_execute(&format!("ALTER PUBLICATION \"{publication}\" ADD TABLE {}", table.quoted())).await?;
+            tx.batch_execute(&format!(
+                "ALTER PUBLICATION \"{publication}\" ADD TABLE {}",
+                table.quoted()
+            ))
+            .await?;
         }
     }
     tx.commit().await?;

@@ -11,7 +11,10 @@ use crate::error::{Error, Result};
 
 /// Opens an ordinary SQL connection and drives it on a background task.
 pub async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::Client> {
-    let (client, connection) = config.connect(tokio_postgres::NoTls).await.map_err(classify_connect_error)?;
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(classify_connect_error)?;
     tokio::spawn(async move {
         if let Err(error) = connection.await {
             tracing::debug!(%error, "SQL connection closed");
@@ -25,7 +28,10 @@ pub fn classify_connect_error(error: tokio_postgres::Error) -> Error {
     let Some(code) = error.code().map(|c| c.code().to_string()) else {
         return Error::Postgres(error);
     };
-    let message = error.as_db_error().map(|e| e.message().to_string()).unwrap_or_else(|| error.to_string());
+    let message = error
+        .as_db_error()
+        .map(|e| e.message().to_string())
+        .unwrap_or_else(|| error.to_string());
     match code.as_str() {
         "28P01" => Error::setup(
             format!("PostgreSQL rejected the password ({message})"),

@@ -26,7 +26,10 @@ impl OutboxSql {
                 "SELECT event_id FROM {table} WHERE event_id = ANY($1::uuid[]) AND published_at IS NOT NULL"
             ))
             .await?;
-        Ok(OutboxSql { mark_published, find_published })
+        Ok(OutboxSql {
+            mark_published,
+            find_published,
+        })
     }
 
     /// Sets `published_at` for the given events (one statement); rows already published are left alone.
@@ -58,5 +61,8 @@ pub async fn backlog(client: &Client, table: &TableName) -> Result<Backlog> {
             &[],
         )
         .await?;
-    Ok(Backlog { unpublished_events: row.get(0), oldest_unpublished_age_seconds: row.get(1) })
+    Ok(Backlog {
+        unpublished_events: row.get(0),
+        oldest_unpublished_age_seconds: row.get(1),
+    })
 }

@@ -77,8 +77,14 @@ impl ColumnValue {
 pub enum DecodeError {
     #[error("pgoutput message is empty")]
     Empty,
-    #[error("pgoutput message {tag:?} is truncated: needed {needed} more bytes at offset {offset}")]
-    Truncated { tag: char, needed: usize, offset: usize },
+    #[error(
+        "pgoutput message {tag:?} is truncated: needed {needed} more bytes at offset {offset}"
+    )]
+    Truncated {
+        tag: char,
+        needed: usize,
+        offset: usize,
+    },
     #[error("pgoutput message {tag:?} has a string without its terminating NUL")]
     UnterminatedString { tag: char },
     #[error("pgoutput message {tag:?} has a string that is not UTF-8")]
@@ -94,7 +100,11 @@ pub enum DecodeError {
 /// Decodes one pgoutput message (the payload of an XLogData message).
 pub fn decode(data: Bytes) -> Result<PgOutputMessage, DecodeError> {
     let tag = *data.first().ok_or(DecodeError::Empty)?;
-    let mut reader = Reader { data, offset: 1, tag };
+    let mut reader = Reader {
+        data,
+        offset: 1,
+        tag,
+    };
     let message = match tag {
         b'B' => PgOutputMessage::Begin(Begin {
             final_lsn: Lsn(reader.u64()?),
@@ -123,7 +133,12 @@ pub fn decode(data: Bytes) -> Result<PgOutputMessage, DecodeError> {
                 let _type_modifier = reader.u32()?;
                 columns.push(RelationColumn { name, type_oid });
             }
-            PgOutputMessage::Relation(Relation { id, namespace, name, columns })
+            PgOutputMessage::Relation(Relation {
+                id,
+                namespace,
+                name,
+                columns,
+            })
         }
         b'I' => {
             let relation_id = reader.u32()?;
@@ -136,7 +151,10 @@ pub fn decode(data: Bytes) -> Result<PgOutputMessage, DecodeError> {
             for _ in 0..count {
                 values.push(reader.column_value()?);
             }
-            PgOutputMessage::Insert(Insert { relation_id, values })
+            PgOutputMessage::Insert(Insert {
+                relation_id,
+                values,
+            })
         }
         other => PgOutputMessage::Skipped(other),
     };
@@ -182,14 +200,22 @@ impl Reader {
 
     fn count(&mut self) -> Result<usize, DecodeError> {
         let value = self.take(2)?.get_i16();
-        usize::try_from(value).map_err(|_| DecodeError::NegativeLength { tag: self.tag as char, value: value.into() })
+        usize::try_from(value).map_err(|_| DecodeError::NegativeLength {
+            tag: self.tag as char,
+            value: value.into(),
+        })
     }
 
     fn string(&mut self) -> Result<String, DecodeError> {
         let tag = self.tag as char;
         let rest = &self.data[self.offset..];
-        let len = rest.iter().position(|&b| b == 0).ok_or(DecodeError::UnterminatedString { tag })?;
-        let text = std::str::from_utf8(&rest[..len]).map_err(|_| DecodeError::NotUtf8 { tag })?.to_string();
+        let len = rest
+            .iter()
+            .position(|&b| b == 0)
+            .ok_or(DecodeError::UnterminatedString { tag })?;
+        let text = std::str::from_utf8(&rest[..len])
+            .map_err(|_| DecodeError::NotUtf8 { tag })?
+            .to_string();
         self.offset += len + 1;
         Ok(text)
     }
@@ -200,11 +226,16 @@ impl Reader {
             b'u' => Ok(ColumnValue::UnchangedToast),
             b't' => {
                 let len = self.take(4)?.get_i32();
-                let len = usize::try_from(len)
-                    .map_err(|_| DecodeError::NegativeLength { tag: self.tag as char, value: len.into() })?;
+                let len = usize::try_from(len).map_err(|_| DecodeError::NegativeLength {
+                    tag: self.tag as char,
+                    value: len.into(),
+                })?;
                 Ok(ColumnValue::Text(self.take(len)?))
             }
-            kind => Err(DecodeError::UnknownColumnKind { tag: self.tag as char, kind: kind as char }),
+            kind => Err(DecodeError::UnknownColumnKind {
+                tag: self.tag as char,
+                kind: kind as char,
+            }),
         }
     }
 }
@@ -252,7 +283,6 @@ pub(crate) mod tests {
         b
     }
 
-
     /// One transaction captured from PostgreSQL 15 with
     /// `pg_logical_slot_peek_binary_changes(slot, NULL, NULL, 'proto_version', '1', 'publication_names', 'outboxd')`
     /// after inserting one row into the standard outbox table.
@@ -264,25 +294,46 @@ pub(crate) mod tests {
     ];
 
     pub(crate) fn unhex(text: &str) -> Bytes {
-        (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap()).collect::<Vec<u8>>().into()
+        (0..text.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+            .collect::<Vec<u8>>()
+            .into()
     }
 
     #[test]
     fn decodes_a_captured_pg15_transaction() {
-        let messages: Vec<_> = CAPTURED_PG15.iter().map(|hex| decode(unhex(hex)).unwrap()).collect();
-        let PgOutputMessage::Begin(begin) = &messages[0] else { panic!("{:?}", messages[0]) };
+        let messages: Vec<_> = CAPTURED_PG15
+            .iter()
+            .map(|hex| decode(unhex(hex)).unwrap())
+            .collect();
+        let PgOutputMessage::Begin(begin) = &messages[0] else {
+            panic!("{:?}", messages[0])
+        };
         assert_eq!(begin.final_lsn, "0/15132B8".parse().unwrap());
         assert_eq!(begin.xid, 725);
-        let PgOutputMessage::Relation(relation) = &messages[1] else { panic!("{:?}", messages[1]) };
-        assert_eq!((relation.namespace.as_str(), relation.name.as_str()), ("public", "outbox_event"));
+        let PgOutputMessage::Relation(relation) = &messages[1] else {
+            panic!("{:?}", messages[1])
+        };
+        assert_eq!(
+            (relation.namespace.as_str(), relation.name.as_str()),
+            ("public", "outbox_event")
+        );
         assert_eq!(relation.columns.len(), 11);
         assert_eq!(relation.columns[0].name, "event_id");
         assert_eq!(relation.columns[0].type_oid, 2950);
-        let PgOutputMessage::Insert(insert) = &messages[2] else { panic!("{:?}", messages[2]) };
+        let PgOutputMessage::Insert(insert) = &messages[2] else {
+            panic!("{:?}", messages[2])
+        };
         assert_eq!(insert.relation_id, relation.id);
-        assert_eq!(insert.values[3], ColumnValue::Text(Bytes::from_static(b"OrderCreated")));
+        assert_eq!(
+            insert.values[3],
+            ColumnValue::Text(Bytes::from_static(b"OrderCreated"))
+        );
         assert_eq!(insert.values[10], ColumnValue::Null);
-        let PgOutputMessage::Commit(commit) = &messages[3] else { panic!("{:?}", messages[3]) };
+        let PgOutputMessage::Commit(commit) = &messages[3] else {
+            panic!("{:?}", messages[3])
+        };
         assert_eq!(commit.commit_lsn, begin.final_lsn);
         assert_eq!(commit.end_lsn, "0/15132E8".parse().unwrap());
     }
@@ -292,7 +343,11 @@ pub(crate) mod tests {
         let msg = decode(Bytes::from(begin_bytes())).unwrap();
         assert_eq!(
             msg,
-            PgOutputMessage::Begin(Begin { final_lsn: Lsn(0x153_E2F8), commit_time_micros: 847_000_000_000_000, xid: 742 })
+            PgOutputMessage::Begin(Begin {
+                final_lsn: Lsn(0x153_E2F8),
+                commit_time_micros: 847_000_000_000_000,
+                xid: 742
+            })
         );
     }
 
@@ -305,7 +360,11 @@ pub(crate) mod tests {
         let msg = decode(Bytes::from(b)).unwrap();
         assert_eq!(
             msg,
-            PgOutputMessage::Commit(Commit { commit_lsn: Lsn(10), end_lsn: Lsn(20), commit_time_micros: 30 })
+            PgOutputMessage::Commit(Commit {
+                commit_lsn: Lsn(10),
+                end_lsn: Lsn(20),
+                commit_time_micros: 30
+            })
         );
     }
 
@@ -330,14 +389,21 @@ pub(crate) mod tests {
         assert_eq!(insert.relation_id, 16390);
         assert_eq!(
             insert.values,
-            vec![ColumnValue::Text(Bytes::from_static(b"abcd")), ColumnValue::Null, ColumnValue::UnchangedToast]
+            vec![
+                ColumnValue::Text(Bytes::from_static(b"abcd")),
+                ColumnValue::Null,
+                ColumnValue::UnchangedToast
+            ]
         );
     }
 
     #[test]
     fn skips_other_message_types() {
         for tag in [b'U', b'D', b'T', b'O', b'Y', b'M', b'S', b'E'] {
-            assert_eq!(decode(Bytes::from(vec![tag, 1, 2, 3])).unwrap(), PgOutputMessage::Skipped(tag));
+            assert_eq!(
+                decode(Bytes::from(vec![tag, 1, 2, 3])).unwrap(),
+                PgOutputMessage::Skipped(tag)
+            );
         }
     }
 
@@ -345,7 +411,11 @@ pub(crate) mod tests {
     fn every_truncation_is_an_error_not_a_panic() {
         for full in [begin_bytes(), relation_bytes(), insert_bytes()] {
             for cut in 0..full.len() {
-                assert!(decode(Bytes::copy_from_slice(&full[..cut])).is_err(), "cut at {cut} of {:?}", full[0]);
+                assert!(
+                    decode(Bytes::copy_from_slice(&full[..cut])).is_err(),
+                    "cut at {cut} of {:?}",
+                    full[0]
+                );
             }
         }
     }
@@ -378,10 +448,16 @@ pub(crate) mod tests {
         bad_kind[len - 1] = b'x';
         assert_eq!(
             decode(Bytes::from(bad_kind)),
-            Err(DecodeError::UnknownColumnKind { tag: 'I', kind: 'x' })
+            Err(DecodeError::UnknownColumnKind {
+                tag: 'I',
+                kind: 'x'
+            })
         );
         let mut bad_marker = insert_bytes();
         bad_marker[5] = b'K';
-        assert_eq!(decode(Bytes::from(bad_marker)), Err(DecodeError::BadTupleMarker('K')));
+        assert_eq!(
+            decode(Bytes::from(bad_marker)),
+            Err(DecodeError::BadTupleMarker('K'))
+        );
     }
 }

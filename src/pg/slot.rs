@@ -38,7 +38,12 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<()> {
         ));
     }
     let columns: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-    let type_of = |name: &str| columns.iter().find(|(n, _)| n == name).map(|(_, t)| t.as_str());
+    let type_of = |name: &str| {
+        columns
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.as_str())
+    };
     for column in REQUIRED_COLUMNS.iter().copied().chain(["published_at"]) {
         if type_of(column).is_none() {
             return Err(Error::setup(
@@ -56,8 +61,14 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<()> {
         let actual = type_of(column).unwrap_or_default();
         if !allowed.contains(&actual) {
             return Err(Error::setup(
-                format!("column {column} of {table} has type {actual}, expected {}", allowed.join(" or ")),
-                format!("ALTER TABLE {table} ALTER COLUMN {column} TYPE {}", allowed[0]),
+                format!(
+                    "column {column} of {table} has type {actual}, expected {}",
+                    allowed.join(" or ")
+                ),
+                format!(
+                    "ALTER TABLE {table} ALTER COLUMN {column} TYPE {}",
+                    allowed[0]
+                ),
             ));
         }
     }
@@ -71,9 +82,17 @@ pub async fn check_publication(client: &Client, settings: &DatabaseSettings) -> 
     let create = format!(
         "run `outboxd migrate --publication {publication}`, or CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert')"
     );
-    let row = client.query_opt("SELECT pubinsert FROM pg_publication WHERE pubname = $1", &[publication]).await?;
+    let row = client
+        .query_opt(
+            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
+            &[publication],
+        )
+        .await?;
     let Some(row) = row else {
-        return Err(Error::setup(format!("publication {publication} does not exist"), create));
+        return Err(Error::setup(
+            format!("publication {publication} does not exist"),
+            create,
+        ));
     };
     if !row.get::<_, bool>(0) {
         return Err(Error::setup(
@@ -116,7 +135,9 @@ pub struct SlotState {
 
 impl SlotState {
     pub fn confirmed_flush(&self) -> Option<Lsn> {
-        self.confirmed_flush_lsn.as_deref().and_then(|l| l.parse().ok())
+        self.confirmed_flush_lsn
+            .as_deref()
+            .and_then(|l| l.parse().ok())
     }
 }
 
@@ -148,9 +169,15 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
 
 /// An existing slot must be a logical pgoutput slot of this database and not lost.
 pub async fn check_existing_slot(client: &Client, slot: &str) -> Result<Option<SlotState>> {
-    let Some(state) = slot_state(client, slot).await? else { return Ok(None) };
-    let database: String = client.query_one("SELECT current_database()::text", &[]).await?.get(0);
-    let drop_it = format!("pick another --slot, or drop it with SELECT pg_drop_replication_slot('{slot}')");
+    let Some(state) = slot_state(client, slot).await? else {
+        return Ok(None);
+    };
+    let database: String = client
+        .query_one("SELECT current_database()::text", &[])
+        .await?
+        .get(0);
+    let drop_it =
+        format!("pick another --slot, or drop it with SELECT pg_drop_replication_slot('{slot}')");
     if state.slot_type != "logical" || state.plugin.as_deref() != Some("pgoutput") {
         return Err(Error::setup(
             format!(
@@ -163,7 +190,10 @@ pub async fn check_existing_slot(client: &Client, slot: &str) -> Result<Option<S
     }
     if state.database.as_deref() != Some(database.as_str()) {
         return Err(Error::setup(
-            format!("replication slot {slot} belongs to database {}, not {database}", state.database.as_deref().unwrap_or("?")),
+            format!(
+                "replication slot {slot} belongs to database {}, not {database}",
+                state.database.as_deref().unwrap_or("?")
+            ),
             drop_it,
         ));
     }

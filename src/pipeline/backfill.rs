@@ -35,7 +35,9 @@ pub async fn run(
     let mut ids: Vec<Uuid> = Vec::with_capacity(MAX_BATCH);
     let mut connection: Option<(tokio_postgres::Client, OutboxSql)> = None;
     loop {
-        let Some(first) = deliveries.recv().await else { return };
+        let Some(first) = deliveries.recv().await else {
+            return;
+        };
         batch.push(first);
         while batch.len() < MAX_BATCH {
             match deliveries.try_recv() {
@@ -46,7 +48,10 @@ pub async fn run(
         if let Some(failed) = batch.iter().find(|d| d.result.is_err()) {
             let reason = failed.result.clone().err().unwrap_or_default();
             let message = format!("delivery of event {} failed: {reason}", failed.event_id);
-            let _ = finished.send(Finished::Failed(Error::Kafka { message, transient: true }));
+            let _ = finished.send(Finished::Failed(Error::Kafka {
+                message,
+                transient: true,
+            }));
             return;
         }
         ids.clear();

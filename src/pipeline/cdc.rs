@@ -23,8 +23,8 @@ use crate::pg::pgoutput::{self, PgOutputMessage};
 use crate::pg::replication::{ReplicationConnection, ReplicationStream, ServerMessage};
 use crate::pg::{self, slot};
 use crate::pipeline::backfill::{self, Finished};
-use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::pipeline::replication_error;
+use crate::pipeline::watermark::{TxnId, Watermark};
 
 /// Rows of re-sent transactions are checked against `published_at` in batches of this size.
 const REPLAY_BATCH: usize = 1_000;
@@ -66,7 +66,11 @@ struct Session<'a> {
 
 impl CdcPipeline {
     pub fn new(settings: Arc<RunSettings>) -> Self {
-        CdcPipeline { settings, watermark: Watermark::new(Lsn::ZERO), known_topics: KnownTopics::default() }
+        CdcPipeline {
+            settings,
+            watermark: Watermark::new(Lsn::ZERO),
+            known_topics: KnownTopics::default(),
+        }
     }
 
     /// Runs sessions until `shutdown` turns true. Transient failures reconnect with capped backoff, forever.
@@ -97,7 +101,9 @@ impl CdcPipeline {
         let db = &settings.database;
         let sql = pg::connect(&db.database_url).await?;
         let outbox_sql = OutboxSql::prepare(&sql, &db.table).await?;
-        let mut conn = ReplicationConnection::connect(&db.replication_url).await.map_err(replication_error)?;
+        let mut conn = ReplicationConnection::connect(&db.replication_url)
+            .await
+            .map_err(replication_error)?;
         let identity = conn.identify_system().await?;
         match slot::check_existing_slot(&sql, &db.slot).await? {
             Some(state) => {
@@ -114,13 +120,21 @@ impl CdcPipeline {
         }
         self.watermark.restart();
         let start = self.watermark.confirmed();
-        let mut stream = conn.start_replication(&db.slot, start, &db.publication).await.map_err(replication_error)?;
+        let mut stream = conn
+            .start_replication(&db.slot, start, &db.publication)
+            .await
+            .map_err(replication_error)?;
         tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
         let publisher = Publisher::new(&settings, self.known_topics.clone(), delivery_tx)?;
-        let backfill = tokio::spawn(backfill::run(db.database_url.clone(), db.table.clone(), delivery_rx, finished_tx));
+        let backfill = tokio::spawn(backfill::run(
+            db.database_url.clone(),
+            db.table.clone(),
+            delivery_rx,
+            finished_tx,
+        ));
 
         let mut session = Session {
             settings: &settings,
@@ -139,7 +153,9 @@ impl CdcPipeline {
             published: 0,
             skipped_already_published: 0,
         };
-        let result = session.stream(&mut stream, &mut finished_rx, shutdown).await;
+        let result = session
+            .stream(&mut stream, &mut finished_rx, shutdown)
+            .await;
         backfill.abort();
         tracing::info!(
             published = session.published,
@@ -197,7 +213,9 @@ impl Session<'_> {
                     break;
                 }
             }
-            if !self.replay_buffer.is_empty() && (self.replay_buffer.len() >= REPLAY_BATCH || !window_open) {
+            if !self.replay_buffer.is_empty()
+                && (self.replay_buffer.len() >= REPLAY_BATCH || !window_open)
+            {
                 self.flush_replay_buffer().await?;
             }
             let confirmed = self.watermark.advance();
@@ -220,7 +238,10 @@ impl Session<'_> {
     /// Handles one server message; returns true when the server wants a status update now.
     async fn handle(&mut self, message: ServerMessage) -> Result<bool> {
         match message {
-            ServerMessage::Keepalive { wal_end, reply_requested } => {
+            ServerMessage::Keepalive {
+                wal_end,
+                reply_requested,
+            } => {
                 self.flush_replay_buffer().await?;
                 self.watermark.keepalive(wal_end);
                 Ok(reply_requested)
@@ -267,20 +288,31 @@ impl Session<'_> {
                 if self.skipping_resent_txn {
                     return Ok(());
                 }
-                let (Some(txn), Some(mapping)) = (self.current_txn, self.mappings.get(&insert.relation_id)) else {
+                let (Some(txn), Some(mapping)) =
+                    (self.current_txn, self.mappings.get(&insert.relation_id))
+                else {
                     return Err(Error::setup(
                         format!("the replication stream sent a row of relation {} outside a transaction or before its Relation message", insert.relation_id),
                         "report this as an outboxd bug, with the server version",
                     ));
                 };
-                let Some(mapping) = mapping else { return Ok(()) };
+                let Some(mapping) = mapping else {
+                    return Ok(());
+                };
                 let event = mapping.event(&insert)?;
                 let event_id = event.event_id.parse::<Uuid>().map_err(|_| {
-                    Error::setup(format!("event_id {:?} is not a UUID", event.event_id), "make event_id a uuid column")
+                    Error::setup(
+                        format!("event_id {:?} is not a UUID", event.event_id),
+                        "make event_id a uuid column",
+                    )
                 })?;
                 self.start_event(txn, event.size_bytes());
                 if self.in_replay_region {
-                    self.replay_buffer.push(Pending { txn, event, event_id });
+                    self.replay_buffer.push(Pending {
+                        txn,
+                        event,
+                        event_id,
+                    });
                 } else {
                     self.publish(txn, &event, event_id).await?;
                 }
@@ -303,7 +335,10 @@ impl Session<'_> {
     }
 
     async fn publish(&mut self, txn: TxnId, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
-        let topic = self.settings.topic.render(&event.aggregate_type, &event.event_type);
+        let topic = self
+            .settings
+            .topic
+            .render(&event.aggregate_type, &event.event_type);
         self.publisher.publish(&topic, event, txn, event_id).await?;
         self.published += 1;
         Ok(())
@@ -315,13 +350,19 @@ impl Session<'_> {
             return Ok(());
         }
         let ids: Vec<Uuid> = self.replay_buffer.iter().map(|p| p.event_id).collect();
-        let already: HashSet<Uuid> = self.outbox_sql.find_published(&self.sql, &ids).await?.into_iter().collect();
+        let already: HashSet<Uuid> = self
+            .outbox_sql
+            .find_published(&self.sql, &ids)
+            .await?
+            .into_iter()
+            .collect();
         for pending in std::mem::take(&mut self.replay_buffer) {
             if already.contains(&pending.event_id) {
                 self.finish_event(pending.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
             } else {
-                self.publish(pending.txn, &pending.event, pending.event_id).await?;
+                self.publish(pending.txn, &pending.event, pending.event_id)
+                    .await?;
             }
         }
         Ok(())
@@ -331,7 +372,9 @@ impl Session<'_> {
     fn drop_replay_buffer(&mut self) {
         for pending in std::mem::take(&mut self.replay_buffer) {
             self.in_flight_events = self.in_flight_events.saturating_sub(1);
-            self.in_flight_bytes = self.in_flight_bytes.saturating_sub(pending.event.size_bytes());
+            self.in_flight_bytes = self
+                .in_flight_bytes
+                .saturating_sub(pending.event.size_bytes());
         }
     }
 }

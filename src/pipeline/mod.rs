@@ -56,7 +56,9 @@ async fn preflight(settings: &RunSettings) -> Result<()> {
     slot::check_publication(&sql, db).await?;
     slot::check_existing_slot(&sql, &db.slot).await?;
     // Replication permission is tested by trying it: managed services grant it through roles.
-    let mut conn = ReplicationConnection::connect(&db.replication_url).await.map_err(replication_error)?;
+    let mut conn = ReplicationConnection::connect(&db.replication_url)
+        .await
+        .map_err(replication_error)?;
     conn.identify_system().await.map_err(replication_error)?;
     let (deliveries, _) = mpsc::unbounded_channel();
     let publisher = Publisher::new(settings, KnownTopics::default(), deliveries)?;
@@ -72,13 +74,18 @@ pub async fn run(settings: RunSettings, shutdown: watch::Receiver<bool>) -> Resu
         match preflight(&settings).await {
             Ok(()) => break,
             Err(error) if error.is_transient() && Instant::now() < deadline => {
-                let delay = backoff.next_delay().min(deadline.saturating_duration_since(Instant::now()));
+                let delay = backoff
+                    .next_delay()
+                    .min(deadline.saturating_duration_since(Instant::now()));
                 tracing::warn!(%error, retry_in = ?delay, "start-up check failed; retrying");
                 tokio::time::sleep(delay).await;
             }
             Err(error) if error.is_transient() => {
                 return Err(Error::setup(
-                    format!("gave up after --startup-timeout {:?}: {error}", settings.startup_timeout),
+                    format!(
+                        "gave up after --startup-timeout {:?}: {error}",
+                        settings.startup_timeout
+                    ),
                     "make PostgreSQL and the brokers reachable, or raise --startup-timeout",
                 ))
             }
@@ -91,5 +98,7 @@ pub async fn run(settings: RunSettings, shutdown: watch::Receiver<bool>) -> Resu
         publication = %settings.database.publication,
         "start-up checks passed"
     );
-    cdc::CdcPipeline::new(Arc::new(settings)).run(shutdown).await
+    cdc::CdcPipeline::new(Arc::new(settings))
+        .run(shutdown)
+        .await
 }

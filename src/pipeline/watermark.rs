@@ -36,7 +36,10 @@ pub struct Watermark {
 impl Watermark {
     /// Starts from a position already confirmed (for example the slot's `confirmed_flush_lsn`).
     pub fn new(confirmed: Lsn) -> Self {
-        Watermark { confirmed, ..Default::default() }
+        Watermark {
+            confirmed,
+            ..Default::default()
+        }
     }
 
     /// The highest position confirmed so far; never moves backwards.
@@ -65,7 +68,10 @@ impl Watermark {
     /// A Begin arrived.
     pub fn begin(&mut self) -> TxnId {
         let id = TxnId(self.first_id + self.entries.len() as u64);
-        self.entries.push_back(Entry { position: None, pending_events: 0 });
+        self.entries.push_back(Entry {
+            position: None,
+            pending_events: 0,
+        });
         self.open = Some(id);
         id
     }
@@ -101,11 +107,16 @@ impl Watermark {
             return;
         }
         match self.entries.back_mut() {
-            Some(last) if last.pending_events == 0 && last.position.is_some_and(|p| p <= wal_end) => {
+            Some(last)
+                if last.pending_events == 0 && last.position.is_some_and(|p| p <= wal_end) =>
+            {
                 // A trailing finished entry can simply be moved forward; keeps the queue short while idle.
                 last.position = Some(wal_end);
             }
-            _ => self.entries.push_back(Entry { position: Some(wal_end), pending_events: 0 }),
+            _ => self.entries.push_back(Entry {
+                position: Some(wal_end),
+                pending_events: 0,
+            }),
         }
     }
 

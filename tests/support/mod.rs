@@ -18,11 +18,16 @@ use rdkafka::{Offset, TopicPartitionList};
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 fn support_script(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/support")
+        .join(name)
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("no free port")
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
 }
 
 fn scratch_dir(kind: &str) -> PathBuf {
@@ -55,7 +60,10 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Opt
         if let Some(value) = check() {
             return value;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -71,7 +79,10 @@ where
         if let Some(value) = check().await {
             return value;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -89,7 +100,11 @@ impl Postgres {
     pub fn start_with_wal_level(level: &str) -> Self {
         let dir = scratch_dir("pg");
         let port = free_port();
-        run_script("pg.sh", &["start", dir.to_str().unwrap(), &port.to_string()], &[("PG_WAL_LEVEL", level)]);
+        run_script(
+            "pg.sh",
+            &["start", dir.to_str().unwrap(), &port.to_string()],
+            &[("PG_WAL_LEVEL", level)],
+        );
         Postgres { dir, port }
     }
 
@@ -109,8 +124,9 @@ impl Postgres {
     }
 
     pub async fn client(&self) -> tokio_postgres::Client {
-        let (client, connection) =
-            tokio_postgres::connect(&self.url(), tokio_postgres::NoTls).await.expect("cannot connect to test cluster");
+        let (client, connection) = tokio_postgres::connect(&self.url(), tokio_postgres::NoTls)
+            .await
+            .expect("cannot connect to test cluster");
         tokio::spawn(connection);
         client
     }
@@ -120,7 +136,11 @@ impl Postgres {
         let path = self.dir.join("data/pg_hba.conf");
         let current = std::fs::read_to_string(&path).unwrap();
         std::fs::write(&path, format!("{line}\n{current}")).unwrap();
-        self.client().await.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
+        self.client()
+            .await
+            .execute("SELECT pg_reload_conf()", &[])
+            .await
+            .unwrap();
     }
 }
 
@@ -140,7 +160,11 @@ impl Broker {
     pub fn start() -> Self {
         let dir = scratch_dir("broker");
         let port = free_port();
-        run_script("broker.sh", &["start", dir.to_str().unwrap(), &port.to_string()], &[]);
+        run_script(
+            "broker.sh",
+            &["start", dir.to_str().unwrap(), &port.to_string()],
+            &[],
+        );
         Broker { dir, port }
     }
 
@@ -164,13 +188,20 @@ pub fn outboxd_command(args: &[&str]) -> Command {
             command.env_remove(key);
         }
     }
-    command.env("RUST_LOG", "info,outboxd=debug,rdkafka=warn,tokio_postgres=warn");
+    command.env(
+        "RUST_LOG",
+        "info,outboxd=debug,rdkafka=warn,tokio_postgres=warn",
+    );
     command
 }
 
 /// Runs outboxd to completion (for migrate, status and start-up errors), with a safety timeout.
 pub fn run_outboxd(args: &[&str]) -> Output {
-    let mut child = outboxd_command(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = outboxd_command(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         if child.try_wait().unwrap().is_some() {
@@ -178,7 +209,10 @@ pub fn run_outboxd(args: &[&str]) -> Output {
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("outboxd {args:?} did not exit: {:?}", child.wait_with_output());
+            panic!(
+                "outboxd {args:?} did not exit: {:?}",
+                child.wait_with_output()
+            );
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -217,8 +251,14 @@ impl Outboxd {
 
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
-        wait_for("outboxd to exit after SIGTERM", Duration::from_secs(60), || self.child.try_wait().unwrap())
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        wait_for(
+            "outboxd to exit after SIGTERM",
+            Duration::from_secs(60),
+            || self.child.try_wait().unwrap(),
+        )
     }
 
     pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
@@ -234,7 +274,11 @@ impl Drop for Outboxd {
     fn drop(&mut self) {
         self.kill();
         if std::thread::panicking() {
-            eprintln!("--- outboxd log ({}) ---\n{}", self.log.display(), self.log_text());
+            eprintln!(
+                "--- outboxd log ({}) ---\n{}",
+                self.log.display(),
+                self.log_text()
+            );
         }
     }
 }
@@ -251,7 +295,12 @@ pub struct Record {
 
 /// Reads every record of `topics` from the beginning: waits until at least `expected` arrived, then keeps
 /// reading until the topics are quiet, so duplicates beyond `expected` are seen too.
-pub fn consume_all(brokers: &str, topics: &[&str], expected: usize, timeout: Duration) -> Vec<Record> {
+pub fn consume_all(
+    brokers: &str,
+    topics: &[&str],
+    expected: usize,
+    timeout: Duration,
+) -> Vec<Record> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", format!("outboxd-test-{}", uuid::Uuid::new_v4()))
@@ -266,11 +315,17 @@ pub fn consume_all(brokers: &str, topics: &[&str], expected: usize, timeout: Dur
             consumer
                 .fetch_metadata(Some(topic), Duration::from_secs(5))
                 .ok()
-                .filter(|m| m.topics().iter().any(|t| t.error().is_none() && !t.partitions().is_empty()))
+                .filter(|m| {
+                    m.topics()
+                        .iter()
+                        .any(|t| t.error().is_none() && !t.partitions().is_empty())
+                })
         });
         for t in metadata.topics() {
             for p in t.partitions() {
-                assignment.add_partition_offset(t.name(), p.id(), Offset::Beginning).unwrap();
+                assignment
+                    .add_partition_offset(t.name(), p.id(), Offset::Beginning)
+                    .unwrap();
             }
         }
     }
@@ -290,7 +345,10 @@ pub fn consume_all(brokers: &str, topics: &[&str], expected: usize, timeout: Dur
                 let mut headers = HashMap::new();
                 if let Some(h) = message.headers() {
                     for header in h.iter() {
-                        let value = header.value.map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+                        let value = header
+                            .value
+                            .map(|v| String::from_utf8_lossy(v).into_owned())
+                            .unwrap_or_default();
                         headers.insert(header.key.to_string(), value);
                     }
                 }
@@ -298,7 +356,9 @@ pub fn consume_all(brokers: &str, topics: &[&str], expected: usize, timeout: Dur
                     topic: message.topic().to_string(),
                     partition: message.partition(),
                     offset: message.offset(),
-                    key: message.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                    key: message
+                        .key()
+                        .map(|k| String::from_utf8_lossy(k).into_owned()),
                     value: message.payload().map(|p| p.to_vec()),
                     headers,
                 });
@@ -346,7 +406,11 @@ pub async fn insert_events(
             )
             .await
             .unwrap();
-            events.push(Inserted { event_id, aggregate_id, seq });
+            events.push(Inserted {
+                event_id,
+                aggregate_id,
+                seq,
+            });
         }
         if rollback_every.is_some_and(|n| t % n == n - 1) {
             tx.rollback().await.unwrap();
@@ -370,7 +434,11 @@ pub struct DeliveryReport {
 
 /// Compares what Kafka holds with what was committed: loss, rolled-back events, duplicates, and per-aggregate
 /// order of first appearances against commit order.
-pub fn check_delivery(records: &[Record], committed: &[Inserted], rolled_back: &[Inserted]) -> DeliveryReport {
+pub fn check_delivery(
+    records: &[Record],
+    committed: &[Inserted],
+    rolled_back: &[Inserted],
+) -> DeliveryReport {
     let mut report = DeliveryReport::default();
     let mut seen: HashMap<String, usize> = HashMap::new();
     // Records in partition order: per key, a partition preserves produce order.
@@ -387,13 +455,28 @@ pub fn check_delivery(records: &[Record], committed: &[Inserted], rolled_back: &
             report.duplicates += 1;
         }
     }
-    report.missing = committed.iter().filter(|e| !seen.contains_key(&e.event_id.to_string())).count();
-    report.from_rolled_back = rolled_back.iter().filter(|e| seen.contains_key(&e.event_id.to_string())).count();
-    let commit_position: HashMap<String, usize> =
-        committed.iter().enumerate().map(|(i, e)| (e.event_id.to_string(), i)).collect();
+    report.missing = committed
+        .iter()
+        .filter(|e| !seen.contains_key(&e.event_id.to_string()))
+        .count();
+    report.from_rolled_back = rolled_back
+        .iter()
+        .filter(|e| seen.contains_key(&e.event_id.to_string()))
+        .count();
+    let commit_position: HashMap<String, usize> = committed
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.event_id.to_string(), i))
+        .collect();
     let mut last_per_aggregate: HashMap<String, usize> = HashMap::new();
     for record in first_appearance {
-        let Some(&position) = record.headers.get("event_id").and_then(|id| commit_position.get(id)) else { continue };
+        let Some(&position) = record
+            .headers
+            .get("event_id")
+            .and_then(|id| commit_position.get(id))
+        else {
+            continue;
+        };
         let key = record.key.clone().unwrap_or_default();
         if let Some(&last) = last_per_aggregate.get(&key) {
             if position < last {
@@ -403,4 +486,39 @@ pub fn check_delivery(records: &[Record], committed: &[Inserted], rolled_back: &
         last_per_aggregate.insert(key, position);
     }
     report
+}
+
+/// The partition the Java producer's default partitioner picks for `key`.
+pub fn java_partition(key: &[u8], partitions: i32) -> i32 {
+    ((java_murmur2(key) as u32 & 0x7fff_ffff) % partitions as u32) as i32
+}
+
+/// Kafka's `Utils.murmur2`.
+pub fn java_murmur2(key: &[u8]) -> i32 {
+    const M: u32 = 0x5bd1_e995;
+    let mut h: u32 = 0x9747_b28c ^ key.len() as u32;
+    let mut chunks = key.chunks_exact(4);
+    for chunk in &mut chunks {
+        let mut k = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> 24;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let rest = chunks.remainder();
+    if rest.len() >= 3 {
+        h ^= u32::from(rest[2]) << 16;
+    }
+    if rest.len() >= 2 {
+        h ^= u32::from(rest[1]) << 8;
+    }
+    if !rest.is_empty() {
+        h ^= u32::from(rest[0]);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h as i32
 }

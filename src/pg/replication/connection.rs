@@ -20,18 +20,27 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Socket for T {}
 
 /// Session settings sent in the startup packet, as PostgreSQL's own subscriber does, so pgoutput's text
 /// values have one known format.
-const SESSION_OPTIONS: &str = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c TimeZone=UTC";
+const SESSION_OPTIONS: &str =
+    "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c TimeZone=UTC";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicationError {
     #[error("cannot connect to PostgreSQL at {target}: {source}")]
-    Connect { target: String, source: std::io::Error },
+    Connect {
+        target: String,
+        source: std::io::Error,
+    },
     #[error("replication connection I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("PostgreSQL ended the replication stream or closed the connection")]
     Closed,
     #[error("{severity} {code}: {message}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
-    Server { severity: String, code: String, message: String, detail: Option<String> },
+    Server {
+        severity: String,
+        code: String,
+        message: String,
+        detail: Option<String>,
+    },
     #[error("replication protocol error: {0}")]
     Protocol(String),
     #[error("{0}")]
@@ -95,7 +104,10 @@ impl ReplicationConnection {
             ("client_encoding", "UTF8"),
             ("options", SESSION_OPTIONS),
         ];
-        params.push(("application_name", config.get_application_name().unwrap_or("outboxd")));
+        params.push((
+            "application_name",
+            config.get_application_name().unwrap_or("outboxd"),
+        ));
         frontend::startup_message(params.iter().copied(), &mut self.write_buf)?;
         self.flush().await?;
 
@@ -165,7 +177,10 @@ impl ReplicationConnection {
     }
 
     /// Runs a replication command and returns its rows as text.
-    pub async fn simple_query(&mut self, sql: &str) -> Result<Vec<Vec<Option<String>>>, ReplicationError> {
+    pub async fn simple_query(
+        &mut self,
+        sql: &str,
+    ) -> Result<Vec<Vec<Option<String>>>, ReplicationError> {
         frontend::query(sql, &mut self.write_buf)?;
         self.flush().await?;
         let mut rows = Vec::new();
@@ -176,7 +191,9 @@ impl ReplicationConnection {
                     let buffer = body.buffer();
                     let row = body
                         .ranges()
-                        .map(|range| Ok(range.map(|r| String::from_utf8_lossy(&buffer[r]).into_owned())))
+                        .map(|range| {
+                            Ok(range.map(|r| String::from_utf8_lossy(&buffer[r]).into_owned()))
+                        })
                         .collect()?;
                     rows.push(row);
                 }
@@ -193,7 +210,9 @@ impl ReplicationConnection {
 
     pub async fn identify_system(&mut self) -> Result<SystemIdentity, ReplicationError> {
         let rows = self.simple_query("IDENTIFY_SYSTEM").await?;
-        let row = rows.first().ok_or_else(|| protocol_error("IDENTIFY_SYSTEM returned no row"))?;
+        let row = rows
+            .first()
+            .ok_or_else(|| protocol_error("IDENTIFY_SYSTEM returned no row"))?;
         let field = |i: usize| row.get(i).cloned().flatten();
         let xlog_position = field(2)
             .ok_or_else(|| protocol_error("IDENTIFY_SYSTEM returned no xlogpos"))?
@@ -210,13 +229,19 @@ impl ReplicationConnection {
     /// Creates a logical slot using pgoutput; returns its consistent point. `slot` must be a validated name.
     pub async fn create_logical_slot(&mut self, slot: &str) -> Result<Lsn, ReplicationError> {
         let rows = self
-            .simple_query(&format!("CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'nothing')"))
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'nothing')"
+            ))
             .await?;
         let point = rows
             .first()
             .and_then(|row| row.get(1).cloned().flatten())
-            .ok_or_else(|| protocol_error("CREATE_REPLICATION_SLOT returned no consistent_point"))?;
-        point.parse::<Lsn>().map_err(|e| protocol_error(&e.to_string()))
+            .ok_or_else(|| {
+                protocol_error("CREATE_REPLICATION_SLOT returned no consistent_point")
+            })?;
+        point
+            .parse::<Lsn>()
+            .map_err(|e| protocol_error(&e.to_string()))
     }
 
     /// Starts streaming pgoutput (proto 1) from `start` for `publication`. Names must be validated identifiers.
@@ -299,7 +324,9 @@ impl ReplicationStream {
                             .map_err(|e| protocol_error(&e.to_string()));
                     }
                     backend::Message::ErrorResponse(body) => return Err(server_error(&body)),
-                    backend::Message::NoticeResponse(_) | backend::Message::ParameterStatus(_) => continue,
+                    backend::Message::NoticeResponse(_) | backend::Message::ParameterStatus(_) => {
+                        continue
+                    }
                     // CopyDone, CommandComplete, ReadyForQuery: the server ended the stream (e.g. shutting down).
                     _ => return Err(ReplicationError::Closed),
                 }
@@ -325,25 +352,37 @@ impl ReplicationStream {
 
 async fn open_socket(config: &tokio_postgres::Config) -> Result<Box<dyn Socket>, ReplicationError> {
     let default_host = [Host::Tcp("localhost".to_string())];
-    let hosts = if config.get_hosts().is_empty() { &default_host[..] } else { config.get_hosts() };
+    let hosts = if config.get_hosts().is_empty() {
+        &default_host[..]
+    } else {
+        config.get_hosts()
+    };
     let ports = config.get_ports();
     let mut last_error = None;
     for (index, host) in hosts.iter().enumerate() {
-        let port = ports.get(index).or_else(|| ports.first()).copied().unwrap_or(5432);
+        let port = ports
+            .get(index)
+            .or_else(|| ports.first())
+            .copied()
+            .unwrap_or(5432);
         let (target, result): (String, std::io::Result<Box<dyn Socket>>) = match host {
             Host::Tcp(name) => {
                 let target = format!("{name}:{port}");
-                let result = tokio::net::TcpStream::connect((name.as_str(), port)).await.map(|s| {
-                    let _ = s.set_nodelay(true);
-                    Box::new(s) as Box<dyn Socket>
-                });
+                let result = tokio::net::TcpStream::connect((name.as_str(), port))
+                    .await
+                    .map(|s| {
+                        let _ = s.set_nodelay(true);
+                        Box::new(s) as Box<dyn Socket>
+                    });
                 (target, result)
             }
             #[cfg(unix)]
             Host::Unix(dir) => {
                 let path = dir.join(format!(".s.PGSQL.{port}"));
                 let target = path.display().to_string();
-                let result = tokio::net::UnixStream::connect(&path).await.map(|s| Box::new(s) as Box<dyn Socket>);
+                let result = tokio::net::UnixStream::connect(&path)
+                    .await
+                    .map(|s| Box::new(s) as Box<dyn Socket>);
                 (target, result)
             }
         };
@@ -352,8 +391,9 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<Box<dyn Socket>,
             Err(source) => last_error = Some(ReplicationError::Connect { target, source }),
         }
     }
-    Err(last_error.unwrap_or_else(|| {
-        ReplicationError::Connect { target: "localhost:5432".into(), source: std::io::ErrorKind::NotFound.into() }
+    Err(last_error.unwrap_or_else(|| ReplicationError::Connect {
+        target: "localhost:5432".into(),
+        source: std::io::ErrorKind::NotFound.into(),
     }))
 }
 
@@ -362,7 +402,8 @@ fn protocol_error(what: &str) -> ReplicationError {
 }
 
 fn server_error(body: &backend::ErrorResponseBody) -> ReplicationError {
-    let (mut severity, mut code, mut message, mut detail) = (String::new(), String::new(), String::new(), None);
+    let (mut severity, mut code, mut message, mut detail) =
+        (String::new(), String::new(), String::new(), None);
     let mut fields = body.fields();
     while let Ok(Some(field)) = fields.next() {
         let value = || String::from_utf8_lossy(field.value_bytes()).into_owned();
@@ -374,5 +415,10 @@ fn server_error(body: &backend::ErrorResponseBody) -> ReplicationError {
             _ => {}
         }
     }
-    ReplicationError::Server { severity, code, message, detail }
+    ReplicationError::Server {
+        severity,
+        code,
+        message,
+        detail,
+    }
 }

@@ -14,7 +14,11 @@ const PG_EPOCH_OFFSET_SECS: u64 = 946_684_800;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ServerMessage {
     /// WAL data: for logical replication, one pgoutput message. Header positions are not ack positions.
-    XLogData { wal_start: Lsn, wal_end: Lsn, data: Bytes },
+    XLogData {
+        wal_start: Lsn,
+        wal_end: Lsn,
+        data: Bytes,
+    },
     /// The server's current WAL end, and whether it wants a status update now.
     Keepalive { wal_end: Lsn, reply_requested: bool },
 }
@@ -39,13 +43,20 @@ pub fn decode_server_message(mut data: Bytes) -> Result<ServerMessage, ProtocolE
             let wal_start = Lsn(data.get_u64());
             let wal_end = Lsn(data.get_u64());
             let _send_time = data.get_i64();
-            Ok(ServerMessage::XLogData { wal_start, wal_end, data })
+            Ok(ServerMessage::XLogData {
+                wal_start,
+                wal_end,
+                data,
+            })
         }
         b'k' if len >= 18 => {
             data.advance(1);
             let wal_end = Lsn(data.get_u64());
             let _send_time = data.get_i64();
-            Ok(ServerMessage::Keepalive { wal_end, reply_requested: data.get_u8() != 0 })
+            Ok(ServerMessage::Keepalive {
+                wal_end,
+                reply_requested: data.get_u8() != 0,
+            })
         }
         b'w' | b'k' => Err(ProtocolError::Truncated(len)),
         other => Err(ProtocolError::UnknownType(other as char)),
@@ -95,7 +106,11 @@ mod tests {
         raw.extend_from_slice(b"Bpayload");
         assert_eq!(
             decode_server_message(Bytes::from(raw)).unwrap(),
-            ServerMessage::XLogData { wal_start: Lsn(1), wal_end: Lsn(2), data: Bytes::from_static(b"Bpayload") }
+            ServerMessage::XLogData {
+                wal_start: Lsn(1),
+                wal_end: Lsn(2),
+                data: Bytes::from_static(b"Bpayload")
+            }
         );
     }
 
@@ -107,27 +122,49 @@ mod tests {
         raw.push(1);
         assert_eq!(
             decode_server_message(Bytes::from(raw)).unwrap(),
-            ServerMessage::Keepalive { wal_end: Lsn(0x1_0000_0010), reply_requested: true }
+            ServerMessage::Keepalive {
+                wal_end: Lsn(0x1_0000_0010),
+                reply_requested: true
+            }
         );
     }
 
     #[test]
     fn rejects_short_and_unknown_messages() {
-        assert_eq!(decode_server_message(Bytes::from_static(b"k123")), Err(ProtocolError::Truncated(4)));
-        assert_eq!(decode_server_message(Bytes::new()), Err(ProtocolError::Truncated(0)));
-        assert_eq!(decode_server_message(Bytes::from_static(b"z")), Err(ProtocolError::UnknownType('z')));
+        assert_eq!(
+            decode_server_message(Bytes::from_static(b"k123")),
+            Err(ProtocolError::Truncated(4))
+        );
+        assert_eq!(
+            decode_server_message(Bytes::new()),
+            Err(ProtocolError::Truncated(0))
+        );
+        assert_eq!(
+            decode_server_message(Bytes::from_static(b"z")),
+            Err(ProtocolError::UnknownType('z'))
+        );
     }
 
     #[test]
     fn status_update_reports_confirmed_position_three_times() {
-        let msg = encode_status_update(Lsn(0xABCD), UNIX_EPOCH + Duration::from_secs(PG_EPOCH_OFFSET_SECS + 1), true);
+        let msg = encode_status_update(
+            Lsn(0xABCD),
+            UNIX_EPOCH + Duration::from_secs(PG_EPOCH_OFFSET_SECS + 1),
+            true,
+        );
         assert_eq!(msg.len(), 34);
         assert_eq!(msg[0], b'r');
         for field in 0..3 {
             let start = 1 + field * 8;
-            assert_eq!(u64::from_be_bytes(msg[start..start + 8].try_into().unwrap()), 0xABCD);
+            assert_eq!(
+                u64::from_be_bytes(msg[start..start + 8].try_into().unwrap()),
+                0xABCD
+            );
         }
-        assert_eq!(i64::from_be_bytes(msg[25..33].try_into().unwrap()), 1_000_000);
+        assert_eq!(
+            i64::from_be_bytes(msg[25..33].try_into().unwrap()),
+            1_000_000
+        );
         assert_eq!(msg[33], 1);
     }
 

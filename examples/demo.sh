@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The whole thing, end to end, on this machine: a local PostgreSQL 15 with logical replication, a local
+# Kafka-protocol broker (tansu), migrations, outboxd, and an "order service" inserting orders with their
+# outbox events in one transaction. Shows the events arriving in Kafka and outboxd's status, then stops
+# everything it started.
+#   bash examples/demo.sh            (ports: DEMO_PG_PORT=55432, DEMO_BROKER_PORT=59092)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+support=tests/support
+bash "$support/install-deps.sh"
+
+work="$PWD/.tmp/demo"
+pg_port="${DEMO_PG_PORT:-55432}"
+broker_port="${DEMO_BROKER_PORT:-59092}"
+db="postgres://postgres@127.0.0.1:$pg_port/postgres"
+brokers="127.0.0.1:$broker_port"
+outboxd_pid=""
+
+cleanup() {
+  [ -n "$outboxd_pid" ] && kill "$outboxd_pid" 2>/dev/null && wait "$outboxd_pid" 2>/dev/null || true
+  bash "$support/broker.sh" stop "$work/broker" || true
+  bash "$support/pg.sh" stop "$work/pg" || true
+}
+trap cleanup EXIT
+
+rm -rf "$work" && mkdir -p "$work"
+echo "== building outboxd (release)"
+cargo build --release --bin outboxd --example tail
+echo "== starting PostgreSQL on $pg_port and the broker on $broker_port"
+bash "$support/pg.sh" start "$work/pg" "$pg_port"
+bash "$support/broker.sh" start "$work/broker" "$broker_port"
+
+echo "== outboxd migrate"
+target/release/outboxd migrate --database-url "$db"
+
+echo "== outboxd run (log: $work/outboxd.log)"
+target/release/outboxd run --database-url "$db" --brokers "$brokers" --topic-replication-factor 1 >"$work/outboxd.log" 2>&1 &
+outboxd_pid=$!
+for _ in $(seq 1 200); do
+  active=$(psql "$db" -Atc "SELECT active FROM pg_replication_slots WHERE slot_name = 'outboxd'" 2>/dev/null || true)
+  [ "$active" = "t" ] && break
+  kill -0 "$outboxd_pid" || { cat "$work/outboxd.log"; exit 1; }
+  sleep 0.1
+done
+
+echo "== an order service places 20 orders (business row + outbox row in one transaction; one rolls back)"
+psql "$db" -q <<'SQL'
+CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY, customer text, total numeric);
+DO $$
+BEGIN
+  FOR i IN 1..20 LOOP
+    INSERT INTO orders VALUES ('order-' || i, 'customer-' || (i % 5), i * 10.5);
+    INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+    VALUES (gen_random_uuid(), 'Order', 'order-' || i, 'OrderPlaced',
+            jsonb_build_object('orderId', 'order-' || i, 'customer', 'customer-' || (i % 5), 'total', i * 10.5));
+    COMMIT;
+  END LOOP;
+END $$;
+BEGIN;
+INSERT INTO orders VALUES ('order-rolled-back', 'nobody', 0);
+INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+VALUES (gen_random_uuid(), 'Order', 'order-rolled-back', 'OrderPlaced', '{"never": "published"}');
+ROLLBACK;
+SQL
+
+echo "== the events in Kafka (topic outbox.Order)"
+target/release/examples/tail --brokers "$brokers" --topic outbox.Order --count 20 --timeout-secs 60
+
+for _ in $(seq 1 100); do
+  left=$(psql "$db" -Atc "SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
+  [ "$left" = "0" ] && break
+  sleep 0.1
+done
+echo "== outboxd status"
+target/release/outboxd status --database-url "$db"
+echo "== demo done: 20 committed orders published, the rolled-back one never was"
