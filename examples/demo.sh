@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 support=tests/support
 bash "$support/install-deps.sh"
 
-work="$PWD/.tmp/demo"
+work="${DEMO_DIR:-/tmp/outboxd-demo}"
 pg_port="${DEMO_PG_PORT:-55432}"
 broker_port="${DEMO_BROKER_PORT:-59092}"
 db="postgres://postgres@127.0.0.1:$pg_port/postgres"

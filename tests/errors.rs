@@ -415,3 +415,22 @@ async fn status_reports_slot_and_backlog_as_json() {
     let table = run_outboxd(&["status", "--database-url", &pg.url()]);
     assert!(String::from_utf8_lossy(&table.stdout).contains("unpublished events"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn environment_configures_and_flags_override_it() {
+    let pg = migrated();
+    let status = |extra: &[&str]| {
+        let mut args = vec!["status", "--json"];
+        args.extend_from_slice(extra);
+        let output = outboxd_command(&args)
+            .env("OUTBOXD_DATABASE_URL", pg.url())
+            .env("OUTBOXD_SLOT", "from_env")
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", stderr_of(&output));
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        json["slot_name"].as_str().unwrap().to_string()
+    };
+    assert_eq!(status(&[]), "from_env");
+    assert_eq!(status(&["--slot", "from_flag"]), "from_flag");
+}
