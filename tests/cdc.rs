@@ -483,3 +483,40 @@ async fn sigterm_drains_and_exits_zero() {
         "a clean shutdown confirms everything it delivered"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn restart_skips_replayed_rows_that_already_have_published_at() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate(&pg);
+    let url = pg.url();
+    let brokers = broker.addr();
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    outboxd.kill();
+
+    // As if an earlier run had published half of these and died before confirming them to the slot.
+    let (committed, _) = insert_events(&mut client, 0, 10, 10, 10, None).await;
+    let (already, fresh): (Vec<_>, Vec<_>) =
+        committed.iter().cloned().partition(|e| e.seq % 2 == 0);
+    let already_ids: Vec<uuid::Uuid> = already.iter().map(|e| e.event_id).collect();
+    client
+        .execute(
+            "UPDATE outbox_event SET published_at = now() WHERE event_id = ANY($1)",
+            &[&already_ids],
+        )
+        .await
+        .unwrap();
+
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let records = consume_all(&brokers, &[TOPIC], fresh.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &fresh, &already);
+    assert_eq!(records.len(), fresh.len());
+    assert_eq!(report.missing, 0);
+    assert_eq!(
+        report.from_rolled_back, 0,
+        "rows with published_at were published again"
+    );
+}

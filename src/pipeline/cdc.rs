@@ -185,8 +185,7 @@ impl Session<'_> {
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         stream.send_status(last_sent).await?;
         loop {
-            let window_open = self.in_flight_events < self.settings.max_in_flight_events
-                && self.in_flight_bytes < self.settings.max_in_flight_bytes;
+            let window_open = self.window_open();
             let mut reply_now = false;
             tokio::select! {
                 biased;
@@ -213,8 +212,9 @@ impl Session<'_> {
                     break;
                 }
             }
+            // Buffered replayed rows count against the window: flush them before it can block reading.
             if !self.replay_buffer.is_empty()
-                && (self.replay_buffer.len() >= REPLAY_BATCH || !window_open)
+                && (self.replay_buffer.len() >= REPLAY_BATCH || !self.window_open())
             {
                 self.flush_replay_buffer().await?;
             }
@@ -320,6 +320,11 @@ impl Session<'_> {
             PgOutputMessage::Skipped(_) => {}
         }
         Ok(())
+    }
+
+    fn window_open(&self) -> bool {
+        self.in_flight_events < self.settings.max_in_flight_events
+            && self.in_flight_bytes < self.settings.max_in_flight_bytes
     }
 
     fn start_event(&mut self, txn: TxnId, bytes: usize) {
