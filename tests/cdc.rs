@@ -32,6 +32,47 @@ fn migrate(pg: &Postgres) {
     );
 }
 
+/// Reads everything back and checks nothing committed is missing, nothing rolled back is present, and each
+/// aggregate's events first appear in commit order. Returns the records and the report (for duplicates).
+fn verify_delivery(
+    brokers: &str,
+    committed: &[Inserted],
+    rolled_back: &[Inserted],
+    timeout_secs: u64,
+    what: &str,
+) -> (Vec<Record>, DeliveryReport) {
+    let records = consume_all(
+        brokers,
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(timeout_secs),
+    );
+    let report = check_delivery(&records, committed, rolled_back);
+    println!(
+        "{what}: {} records for {} committed events: {report:?}",
+        records.len(),
+        committed.len()
+    );
+    assert_eq!(report.missing, 0, "{what}: committed events missing");
+    assert_eq!(
+        report.from_rolled_back, 0,
+        "{what}: rolled-back events published"
+    );
+    assert_eq!(
+        report.order_violations, 0,
+        "{what}: per-aggregate order violated"
+    );
+    (records, report)
+}
+
+/// A migrated PostgreSQL cluster and a broker, both stopped on drop.
+fn migrated_stack() -> (Postgres, Broker) {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate(&pg);
+    (pg, broker)
+}
+
 async fn slot_active(client: &tokio_postgres::Client, slot: &str) -> Option<()> {
     let row = client
         .query_opt(
@@ -94,11 +135,8 @@ async fn current_wal_lsn(client: &tokio_postgres::Client) -> Lsn {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn delivers_every_committed_event_in_order_with_headers() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    migrate(&pg);
-    let url = pg.url();
-    let brokers = broker.addr();
+    let (pg, _broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), _broker.addr());
     let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
@@ -110,22 +148,13 @@ async fn delivers_every_committed_event_in_order_with_headers() {
     assert_eq!(rolled_back.len(), 500);
     let last_commit_end = current_wal_lsn(&client).await;
 
-    let records = consume_all(
+    let (records, report) = verify_delivery(
         &brokers,
-        &[TOPIC],
-        committed.len(),
-        Duration::from_secs(120),
+        &committed,
+        &rolled_back,
+        120,
+        &format!("delivered in {:?}", started.elapsed()),
     );
-    let report = check_delivery(&records, &committed, &rolled_back);
-    println!(
-        "delivered {} records for {} committed events in {:?}: {report:?}",
-        records.len(),
-        committed.len(),
-        started.elapsed()
-    );
-    assert_eq!(report.missing, 0);
-    assert_eq!(report.from_rolled_back, 0);
-    assert_eq!(report.order_violations, 0);
     assert_eq!(
         report.duplicates, 0,
         "no failures happened, so nothing should be re-sent"
@@ -199,11 +228,8 @@ fn java_partitioner_reference_matches_kafka_test_vectors() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_outbox_does_not_hold_wal() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    migrate(&pg);
-    let url = pg.url();
-    let brokers = broker.addr();
+    let (pg, _broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), _broker.addr());
     let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
@@ -243,11 +269,8 @@ async fn idle_outbox_does_not_hold_wal() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_mid_stream_loses_nothing() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    migrate(&pg);
-    let url = pg.url();
-    let brokers = broker.addr();
+    let (pg, _broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), _broker.addr());
     let window = WINDOW.to_string();
     let mut outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
     let mut client = pg.client().await;
@@ -273,21 +296,7 @@ async fn sigkill_mid_stream_loses_nothing() {
         outboxd.kill();
         outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
     }
-    let records = consume_all(
-        &brokers,
-        &[TOPIC],
-        committed.len(),
-        Duration::from_secs(120),
-    );
-    let report = check_delivery(&records, &committed, &rolled_back);
-    println!(
-        "after 4 SIGKILLs: {} records for {} committed events: {report:?}",
-        records.len(),
-        committed.len()
-    );
-    assert_eq!(report.missing, 0);
-    assert_eq!(report.from_rolled_back, 0);
-    assert_eq!(report.order_violations, 0);
+    let (_, report) = verify_delivery(&brokers, &committed, &rolled_back, 120, "after 4 SIGKILLs");
     assert!(
         report.duplicates <= 4 * WINDOW,
         "re-sent more than the in-flight window per kill: {}",
@@ -308,11 +317,8 @@ fn windowed_args<'a>(pg: &'a str, brokers: &'a str, window: &'a str) -> Vec<&'a 
 }
 
 async fn restart_postgres_mid_stream(mode: &str) {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    migrate(&pg);
-    let url = pg.url();
-    let brokers = broker.addr();
+    let (pg, _broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), _broker.addr());
     let window = WINDOW.to_string();
     // Create the slot, then stop outboxd so that a backlog builds up and the restart lands mid-stream.
     let mut outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
@@ -341,21 +347,13 @@ async fn restart_postgres_mid_stream(mode: &str) {
     committed.extend(c);
     rolled_back.extend(r);
 
-    let records = consume_all(
+    let (_, report) = verify_delivery(
         &brokers,
-        &[TOPIC],
-        committed.len(),
-        Duration::from_secs(180),
+        &committed,
+        &rolled_back,
+        180,
+        &format!("after restart -m {mode}"),
     );
-    let report = check_delivery(&records, &committed, &rolled_back);
-    println!(
-        "after restart -m {mode}: {} records for {} committed events: {report:?}",
-        records.len(),
-        committed.len()
-    );
-    assert_eq!(report.missing, 0);
-    assert_eq!(report.from_rolled_back, 0);
-    assert_eq!(report.order_violations, 0);
     assert!(
         report.duplicates <= WINDOW,
         "re-sent more than the in-flight window: {}",
@@ -448,11 +446,8 @@ async fn decodes_a_table_with_extra_and_reordered_columns() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_drains_and_exits_zero() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    migrate(&pg);
-    let url = pg.url();
-    let brokers = broker.addr();
+    let (pg, _broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), _broker.addr());
     let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
@@ -486,11 +481,8 @@ async fn sigterm_drains_and_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn restart_skips_replayed_rows_that_already_have_published_at() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    migrate(&pg);
-    let url = pg.url();
-    let brokers = broker.addr();
+    let (pg, _broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), _broker.addr());
     let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;

@@ -6,6 +6,7 @@ use tokio_postgres::Client;
 
 use crate::config::DatabaseSettings;
 use crate::error::Result;
+use crate::pg::slot;
 
 /// Embedded migrations, applied in order. Never edit one that has shipped: add a new one.
 const MIGRATIONS: &[(i32, &str, &str)] = &[(
@@ -60,35 +61,23 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
         report.applied.push(format!("{version:04}_{name}"));
     }
     let publication = &settings.publication;
-    let exists = tx
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[publication],
-        )
-        .await?
-        .is_some();
-    if !exists {
-        tx.batch_execute(&format!(
-            "CREATE PUBLICATION \"{publication}\" FOR TABLE {} WITH (publish = 'insert')",
-            table.quoted()
-        ))
-        .await?;
-        report.publication_created = true;
-    } else {
-        let covered = tx
-            .query_opt(
-                "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-                &[publication, &table.schema, &table.name],
-            )
-            .await?
-            .is_some();
-        if !covered {
+    match slot::publication_state(&tx, publication, table).await? {
+        None => {
+            tx.batch_execute(&format!(
+                "CREATE PUBLICATION \"{publication}\" FOR TABLE {} WITH (publish = 'insert')",
+                table.quoted()
+            ))
+            .await?;
+            report.publication_created = true;
+        }
+        Some(state) if !state.covers_table => {
             tx.batch_execute(&format!(
                 "ALTER PUBLICATION \"{publication}\" ADD TABLE {}",
                 table.quoted()
             ))
             .await?;
         }
+        Some(_) => {}
     }
     tx.commit().await?;
     Ok(report)

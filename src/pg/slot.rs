@@ -2,7 +2,7 @@
 //! the publication, and the replication slot's state. Each failed check names the problem and the fix.
 //! Creating the slot itself needs the replication connection (see `pipeline::cdc`).
 
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use crate::config::{DatabaseSettings, TableName};
 use crate::error::{Error, Result};
@@ -75,38 +75,51 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<()> {
     Ok(())
 }
 
+/// What the catalog says about a publication, relative to the outbox table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublicationState {
+    pub publishes_inserts: bool,
+    pub covers_table: bool,
+}
+
+pub async fn publication_state(
+    client: &impl GenericClient,
+    publication: &str,
+    table: &TableName,
+) -> Result<Option<PublicationState>> {
+    let row = client
+        .query_opt(
+            "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t
+                 WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
+             FROM pg_publication p WHERE p.pubname = $1",
+            &[&publication, &table.schema, &table.name],
+        )
+        .await?;
+    Ok(row.map(|r| PublicationState {
+        publishes_inserts: r.get(0),
+        covers_table: r.get(1),
+    }))
+}
+
 /// The publication exists, publishes inserts and covers the outbox table.
 pub async fn check_publication(client: &Client, settings: &DatabaseSettings) -> Result<()> {
     let publication = &settings.publication;
     let table = &settings.table;
-    let create = format!(
-        "run `outboxd migrate --publication {publication}`, or CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert')"
-    );
-    let row = client
-        .query_opt(
-            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
-            &[publication],
-        )
-        .await?;
-    let Some(row) = row else {
+    let Some(state) = publication_state(client, publication, table).await? else {
         return Err(Error::setup(
             format!("publication {publication} does not exist"),
-            create,
+            format!(
+                "run `outboxd migrate --publication {publication}`, or CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert')"
+            ),
         ));
     };
-    if !row.get::<_, bool>(0) {
+    if !state.publishes_inserts {
         return Err(Error::setup(
             format!("publication {publication} does not publish inserts"),
             format!("ALTER PUBLICATION {publication} SET (publish = 'insert')"),
         ));
     }
-    let covered = client
-        .query_opt(
-            "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-            &[publication, &table.schema, &table.name],
-        )
-        .await?;
-    if covered.is_none() {
+    if !state.covers_table {
         return Err(Error::setup(
             format!("publication {publication} does not include {table}"),
             format!("ALTER PUBLICATION {publication} ADD TABLE {table}"),
