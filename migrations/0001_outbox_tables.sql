@@ -1,5 +1,5 @@
 -- The outbox table (the pattern's reference schema) and the consumers' inbox table.
--- {{table}}, {{index}} and {{schema}} are replaced by quoted identifiers from --table.
+-- {{table}} and {{schema}} are replaced by quoted identifiers from --table.
 CREATE SCHEMA IF NOT EXISTS {{schema}};
 
 CREATE TABLE IF NOT EXISTS {{table}} (
@@ -15,8 +15,6 @@ CREATE TABLE IF NOT EXISTS {{table}} (
     lease_until    timestamptz,
     published_at   timestamptz
 );
-
-CREATE INDEX IF NOT EXISTS {{index}} ON {{table}} (available_at, created_at, event_id) WHERE published_at IS NULL;
 
 CREATE TABLE IF NOT EXISTS {{schema}}.consumed_event (
     consumer_name text NOT NULL,

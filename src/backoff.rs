@@ -80,3 +80,30 @@ mod tests {
         assert_eq!(b.delay_without_jitter(), Duration::from_secs(30));
     }
 }
+
+/// Delay before retry number `attempts` (1-based) of a failed event: `base * 2^(attempts-1)`, capped, with
+/// jitter in [0.5, 1.0] of that.
+pub fn retry_delay(base: Duration, cap: Duration, attempts: i32) -> Duration {
+    let mut backoff = Backoff::new(base, cap);
+    backoff.attempt = attempts.saturating_sub(1).max(0) as u32;
+    backoff.next_delay()
+}
+
+#[cfg(test)]
+mod retry_tests {
+    use super::*;
+
+    #[test]
+    fn retry_delay_doubles_per_attempt_and_is_capped() {
+        let base = Duration::from_secs(1);
+        let cap = Duration::from_secs(60);
+        for (attempts, full) in [(1, 1), (2, 2), (3, 4), (7, 60), (40, 60)] {
+            let delay = retry_delay(base, cap, attempts);
+            let full = Duration::from_secs(full);
+            assert!(
+                delay >= full / 2 && delay <= full,
+                "attempt {attempts}: {delay:?}"
+            );
+        }
+    }
+}

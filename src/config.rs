@@ -27,6 +27,20 @@ pub enum Command {
     Migrate(Options),
     /// Stream committed outbox events to Kafka until stopped (SIGINT/SIGTERM).
     Run(Options),
+    /// Re-queue dead-lettered events (they are retried from scratch by the polling path).
+    Replay {
+        #[command(flatten)]
+        options: Options,
+        /// Re-queue this dead event.
+        #[arg(long, group = "which")]
+        event_id: Option<uuid::Uuid>,
+        /// Re-queue every dead event of this aggregate.
+        #[arg(long, group = "which")]
+        aggregate_id: Option<String>,
+        /// Re-queue every dead event.
+        #[arg(long, group = "which")]
+        all_dead: bool,
+    },
     /// Show the slot and the backlog (needs no broker).
     Status {
         #[command(flatten)]
@@ -43,6 +57,27 @@ pub enum LogFormat {
     #[default]
     Text,
     Json,
+}
+
+/// Which path moves events: the slot (cdc), the table (poll), or the slot when the server allows it (auto).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Auto,
+    Cdc,
+    Poll,
+}
+
+/// Ordering rule of the polling path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum PollOrder {
+    /// Never publish an event while an earlier event of its aggregate is unpublished (and not dead).
+    #[default]
+    PerAggregate,
+    /// The pattern's plain claim query: fastest, no ordering guarantee.
+    None,
 }
 
 /// Every option, as given by flag, environment or file. The same names are the TOML keys (kebab-case).
@@ -102,6 +137,33 @@ pub struct Options {
     /// Interval of standby status updates; keep it well under wal_sender_timeout/2 [default: 1s].
     #[arg(long, env = "OUTBOXD_STATUS_INTERVAL")]
     pub status_interval: Option<String>,
+    /// auto (slot when the server allows it, else polling), cdc (slot only) or poll (table only) [default: auto].
+    #[arg(long, env = "OUTBOXD_MODE", value_enum)]
+    pub mode: Option<Mode>,
+    /// Polling interval; doubles while idle up to 16x [default: 200ms].
+    #[arg(long, env = "OUTBOXD_POLL_INTERVAL")]
+    pub poll_interval: Option<String>,
+    /// Rows claimed per polling round [default: 500].
+    #[arg(long, env = "OUTBOXD_POLL_BATCH_SIZE")]
+    pub poll_batch_size: Option<i64>,
+    /// How long a claimed row is leased to one worker; renewed while a slow send is in flight [default: 30s].
+    #[arg(long, env = "OUTBOXD_LEASE")]
+    pub lease: Option<String>,
+    /// Polling order: per-aggregate or none [default: per-aggregate].
+    #[arg(long, env = "OUTBOXD_POLL_ORDER", value_enum)]
+    pub poll_order: Option<PollOrder>,
+    /// First retry delay after a failed publish; doubles per attempt, with jitter [default: 1s].
+    #[arg(long, env = "OUTBOXD_RETRY_BASE")]
+    pub retry_base: Option<String>,
+    /// Longest retry delay [default: 5m].
+    #[arg(long, env = "OUTBOXD_RETRY_CAP")]
+    pub retry_cap: Option<String>,
+    /// Attempts before an event is dead-lettered [default: 10].
+    #[arg(long, env = "OUTBOXD_MAX_ATTEMPTS")]
+    pub max_attempts: Option<i32>,
+    /// Also produce dead-lettered events to this topic (with an `error` header).
+    #[arg(long, env = "OUTBOXD_DEAD_LETTER_TOPIC")]
+    pub dead_letter_topic: Option<String>,
     /// Log format: text or json [default: text]. Filter with RUST_LOG (e.g. RUST_LOG=outboxd=debug).
     #[arg(long, env = "OUTBOXD_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -171,6 +233,21 @@ pub struct RunSettings {
     pub max_in_flight_events: usize,
     pub max_in_flight_bytes: usize,
     pub status_interval: Duration,
+    pub mode: Mode,
+    pub poll: PollSettings,
+}
+
+/// Settings of the polling path.
+#[derive(Debug, Clone)]
+pub struct PollSettings {
+    pub interval: Duration,
+    pub batch_size: i64,
+    pub lease: Duration,
+    pub order: PollOrder,
+    pub retry_base: Duration,
+    pub retry_cap: Duration,
+    pub max_attempts: i32,
+    pub dead_letter_topic: Option<String>,
 }
 
 impl Options {
@@ -216,6 +293,15 @@ impl Options {
             max_in_flight_bytes: self.max_in_flight_bytes.or(file.max_in_flight_bytes),
             status_interval: self.status_interval.or(file.status_interval),
             log_format: self.log_format.or(file.log_format),
+            mode: self.mode.or(file.mode),
+            poll_interval: self.poll_interval.or(file.poll_interval),
+            poll_batch_size: self.poll_batch_size.or(file.poll_batch_size),
+            lease: self.lease.or(file.lease),
+            poll_order: self.poll_order.or(file.poll_order),
+            retry_base: self.retry_base.or(file.retry_base),
+            retry_cap: self.retry_cap.or(file.retry_cap),
+            max_attempts: self.max_attempts.or(file.max_attempts),
+            dead_letter_topic: self.dead_letter_topic.or(file.dead_letter_topic),
         }
     }
 
@@ -296,7 +382,10 @@ impl Options {
                 "--status-interval must be between 1ms and 20s (well under wal_sender_timeout/2)",
             ));
         }
+        let poll = self.poll()?;
         Ok(RunSettings {
+            mode: self.mode.unwrap_or_default(),
+            poll,
             database,
             brokers,
             topic,
@@ -315,6 +404,55 @@ impl Options {
             max_in_flight_events,
             max_in_flight_bytes,
             status_interval,
+        })
+    }
+}
+
+impl Options {
+    fn poll(&self) -> Result<PollSettings, ConfigError> {
+        let duration = |flag: &str, value: &Option<String>, default: &str| {
+            parse_duration(flag, value.as_deref().unwrap_or(default))
+        };
+        let interval = duration("--poll-interval", &self.poll_interval, "200ms")?;
+        let lease = duration("--lease", &self.lease, "30s")?;
+        let retry_base = duration("--retry-base", &self.retry_base, "1s")?;
+        let retry_cap = duration("--retry-cap", &self.retry_cap, "5m")?;
+        let batch_size = self.poll_batch_size.unwrap_or(500);
+        let max_attempts = self.max_attempts.unwrap_or(10);
+        if interval.is_zero() {
+            return Err(invalid("--poll-interval must be above zero, e.g. 200ms"));
+        }
+        if lease < Duration::from_secs(2) {
+            return Err(invalid(
+                "--lease must be at least 2s (it must outlast a normal send)",
+            ));
+        }
+        if !(1..=100_000).contains(&batch_size) {
+            return Err(invalid(format!(
+                "--poll-batch-size must be between 1 and 100000, got {batch_size}"
+            )));
+        }
+        if max_attempts < 1 {
+            return Err(invalid(format!(
+                "--max-attempts must be at least 1, got {max_attempts}"
+            )));
+        }
+        if retry_cap < retry_base {
+            return Err(invalid("--retry-cap must not be shorter than --retry-base"));
+        }
+        if let Some(topic) = &self.dead_letter_topic {
+            TopicTemplate::parse(topic)
+                .map_err(|e| invalid(format!("--dead-letter-topic: {e}")))?;
+        }
+        Ok(PollSettings {
+            interval,
+            batch_size,
+            lease,
+            order: self.poll_order.unwrap_or_default(),
+            retry_base,
+            retry_cap,
+            max_attempts,
+            dead_letter_topic: self.dead_letter_topic.clone(),
         })
     }
 }

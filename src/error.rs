@@ -13,6 +13,9 @@ pub enum Error {
     /// A problem with the database or broker set-up that retrying cannot fix.
     #[error("{problem}; fix: {fix}")]
     Setup { problem: String, fix: String },
+    /// The server does not let us use logical replication (wal_level, permission, pg_hba): `auto` polls.
+    #[error("{problem}; fix: {fix}")]
+    ReplicationUnavailable { problem: String, fix: String },
     #[error("PostgreSQL: {}", postgres_error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("PostgreSQL replication: {0}")]
@@ -43,10 +46,21 @@ impl Error {
         }
     }
 
+    pub fn replication_unavailable(problem: impl Into<String>, fix: impl Into<String>) -> Self {
+        Error::ReplicationUnavailable {
+            problem: problem.into(),
+            fix: fix.into(),
+        }
+    }
+
     /// True when waiting and retrying can succeed; false when a person must change something first.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Config(_) | Error::Setup { .. } | Error::Mapping(_) | Error::Decode(_) => false,
+            Error::Config(_)
+            | Error::Setup { .. }
+            | Error::ReplicationUnavailable { .. }
+            | Error::Mapping(_)
+            | Error::Decode(_) => false,
             Error::Postgres(e) => match e.code() {
                 Some(code) => is_transient_sqlstate(code.code()),
                 // No SQLSTATE: the connection itself failed or closed.

@@ -19,31 +19,79 @@ use uuid::Uuid;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
-use crate::pipeline::watermark::TxnId;
 
-/// What travels with a record to its delivery report.
+/// Why the broker (or librdkafka) refused an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub reason: String,
+    /// Retrying cannot fix it (too large, invalid topic, not authorized): counts toward dead-lettering.
+    pub permanent: bool,
+}
+
+impl Rejection {
+    fn from_kafka(error: &KafkaError) -> Self {
+        let permanent = matches!(
+            error.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::MessageSizeTooLarge
+                    | RDKafkaErrorCode::InvalidMessageSize
+                    | RDKafkaErrorCode::InvalidMessage
+                    | RDKafkaErrorCode::InvalidRecord
+                    | RDKafkaErrorCode::MessageBatchTooLarge
+                    | RDKafkaErrorCode::InvalidTopic
+                    | RDKafkaErrorCode::TopicAuthorizationFailed
+            )
+        );
+        Rejection {
+            reason: error.to_string(),
+            permanent,
+        }
+    }
+}
+
+/// Why an event could not be handed to the producer.
 #[derive(Debug)]
-pub struct Delivery {
-    pub txn: TxnId,
+pub enum PublishError {
+    /// librdkafka refused this event (e.g. larger than message.max.bytes).
+    Rejected(Rejection),
+    /// The topic could not be created or checked.
+    Failed(Error),
+}
+
+impl From<PublishError> for Error {
+    fn from(error: PublishError) -> Self {
+        match error {
+            PublishError::Rejected(r) => Error::Kafka {
+                message: r.reason,
+                transient: !r.permanent,
+            },
+            PublishError::Failed(e) => e,
+        }
+    }
+}
+
+/// What travels with a record to its delivery report. `T` tells the caller which event it was.
+#[derive(Debug)]
+pub struct Delivery<T> {
+    pub tag: T,
     pub event_id: Uuid,
     pub bytes: usize,
-    /// `Err` holds librdkafka's reason.
-    pub result: Result<(), String>,
+    pub result: Result<(), Rejection>,
 }
 
-pub struct DeliveryContext {
-    deliveries: UnboundedSender<Delivery>,
+pub struct DeliveryContext<T> {
+    deliveries: UnboundedSender<Delivery<T>>,
 }
 
-impl ClientContext for DeliveryContext {}
+impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {}
 
-impl ProducerContext for DeliveryContext {
-    type DeliveryOpaque = Box<Delivery>;
+impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
+    type DeliveryOpaque = Box<Delivery<T>>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
         let mut delivery = *opaque;
         if let Err((error, _)) = result {
-            delivery.result = Err(error.to_string());
+            delivery.result = Err(Rejection::from_kafka(error));
         }
         // The receiver is gone only when the session ended; its events will be re-sent.
         let _ = self.deliveries.send(delivery);
@@ -53,8 +101,8 @@ impl ProducerContext for DeliveryContext {
 /// Topics known to exist, shared by every session of the process.
 pub type KnownTopics = Arc<Mutex<HashSet<String>>>;
 
-pub struct Publisher {
-    producer: ThreadedProducer<DeliveryContext>,
+pub struct Publisher<T: Send + Sync + 'static> {
+    producer: ThreadedProducer<DeliveryContext<T>>,
     admin: AdminClient<DefaultClientContext>,
     known_topics: KnownTopics,
     create_topics: bool,
@@ -85,13 +133,20 @@ fn config_error(error: KafkaError) -> Error {
     )
 }
 
-impl Publisher {
+impl<T: Send + Sync + 'static> Publisher<T> {
+    /// `overrides` are applied after `--kafka-option`s the user did not set themselves.
     pub fn new(
         settings: &RunSettings,
         known_topics: KnownTopics,
-        deliveries: UnboundedSender<Delivery>,
+        deliveries: UnboundedSender<Delivery<T>>,
+        overrides: &[(&str, String)],
     ) -> Result<Self> {
-        let config = client_config(settings);
+        let mut config = client_config(settings);
+        for (key, value) in overrides {
+            if !settings.kafka_options.iter().any(|(k, _)| k == key) {
+                config.set(*key, value);
+            }
+        }
         let producer = config
             .create_with_context(DeliveryContext { deliveries })
             .map_err(config_error)?;
@@ -200,34 +255,36 @@ impl Publisher {
         Ok(())
     }
 
-    /// Hands one event to the producer. Its acknowledgement arrives later on the delivery channel.
+    /// Hands one event to the producer; its acknowledgement arrives later on the delivery channel, tagged
+    /// with `tag`. `error` adds an `error` header (dead letters).
     pub async fn publish(
         &self,
         topic: &str,
         event: &OutboxEvent,
-        txn: TxnId,
         event_id: Uuid,
-    ) -> Result<()> {
-        self.ensure_topic(topic).await?;
-        let headers = OwnedHeaders::new_with_capacity(4)
-            .insert(Header {
-                key: "event_id",
-                value: Some(event.event_id.as_str()),
-            })
-            .insert(Header {
-                key: "event_type",
-                value: Some(event.event_type.as_str()),
-            })
-            .insert(Header {
-                key: "aggregate_type",
-                value: Some(event.aggregate_type.as_str()),
-            })
-            .insert(Header {
-                key: "created_at",
-                value: Some(event.created_at.as_str()),
+        tag: T,
+        error: Option<&str>,
+    ) -> Result<(), PublishError> {
+        self.ensure_topic(topic)
+            .await
+            .map_err(PublishError::Failed)?;
+        let mut headers = OwnedHeaders::new_with_capacity(5);
+        for (key, value) in [
+            ("event_id", event.event_id.as_str()),
+            ("event_type", event.event_type.as_str()),
+            ("aggregate_type", event.aggregate_type.as_str()),
+            ("created_at", event.created_at.as_str()),
+        ]
+        .into_iter()
+        .chain(error.map(|e| ("error", e)))
+        {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
             });
+        }
         let opaque = Box::new(Delivery {
-            txn,
+            tag,
             event_id,
             bytes: event.size_bytes(),
             result: Ok(()),
@@ -244,10 +301,7 @@ impl Publisher {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 Err((error, _)) => {
-                    return Err(Error::Kafka {
-                        message: format!("cannot produce to {topic}: {error}"),
-                        transient: true,
-                    })
+                    return Err(PublishError::Rejected(Rejection::from_kafka(&error)))
                 }
             }
         }

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use outboxd::config::{Cli, Command, LogFormat, Options};
+use outboxd::pg::outbox::ReplayFilter;
 use outboxd::{pg, pipeline, status};
 use tokio::sync::watch;
 
@@ -25,7 +26,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let options = match &cli.command {
         Command::Migrate(options) | Command::Run(options) => options.clone(),
-        Command::Status { options, .. } => options.clone(),
+        Command::Status { options, .. } | Command::Replay { options, .. } => options.clone(),
     };
     let options = match options.with_file() {
         Ok(options) => options,
@@ -76,6 +77,29 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                 std::future::pending::<()>().await;
             });
             pipeline::run(settings, stop_rx).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Replay {
+            event_id,
+            aggregate_id,
+            all_dead,
+            ..
+        } => {
+            let settings = options.database()?;
+            let filter = match (event_id, aggregate_id, all_dead) {
+                (Some(id), _, _) => ReplayFilter::EventId(id),
+                (_, Some(aggregate), _) => ReplayFilter::AggregateId(aggregate),
+                (_, _, true) => ReplayFilter::AllDead,
+                _ => {
+                    return Err(outboxd::config::ConfigError::Invalid(
+                        "replay needs one of --event-id ID, --aggregate-id ID or --all-dead".into(),
+                    )
+                    .into())
+                }
+            };
+            let client = pg::connect(&settings.database_url).await?;
+            let count = pg::outbox::replay_dead(&client, &settings.table, &filter).await?;
+            println!("re-queued {count} dead event(s)");
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { json, .. } => {

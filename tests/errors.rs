@@ -145,7 +145,8 @@ fn wal_level_replica_is_named() {
     // migrate works without logical decoding.
     let output = run_outboxd(&["migrate", "--database-url", &pg.url()]);
     assert!(output.status.success(), "{}", stderr_of(&output));
-    let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &[]);
+    // `auto` would poll instead; `cdc` must refuse clearly.
+    let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &["--mode", "cdc"]);
     assert_mentions(&stderr, &["wal_level", "logical"]);
 }
 
@@ -157,7 +158,7 @@ async fn missing_replication_permission_names_the_grant() {
         .batch_execute("CREATE ROLE norepl LOGIN; GRANT SELECT, UPDATE ON outbox_event TO norepl")
         .await
         .unwrap();
-    let stderr = run_expecting_failure(&pg.url_for("norepl", None), NO_BROKER, &[]);
+    let stderr = run_expecting_failure(&pg.url_for("norepl", None), NO_BROKER, &["--mode", "cdc"]);
     assert_mentions(&stderr, &["replication", "REPLICATION"]);
 }
 
@@ -355,7 +356,7 @@ async fn migrate_is_idempotent_and_safe_concurrently() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(versions, 1);
+    assert_eq!(versions, 2);
     let publishes: String = client
         .query_one(
             "SELECT concat_ws(',', pubinsert, pubupdate, pubdelete) FROM pg_publication p JOIN pg_publication_tables t USING (pubname)

@@ -4,16 +4,23 @@
 
 use tokio_postgres::Client;
 
-use crate::config::DatabaseSettings;
+use crate::config::{DatabaseSettings, TableName};
 use crate::error::Result;
 use crate::pg::slot;
 
 /// Embedded migrations, applied in order. Never edit one that has shipped: add a new one.
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "outbox_tables",
-    include_str!("../../migrations/0001_outbox_tables.sql"),
-)];
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "outbox_tables",
+        include_str!("../../migrations/0001_outbox_tables.sql"),
+    ),
+    (
+        2,
+        "polling",
+        include_str!("../../migrations/0002_polling.sql"),
+    ),
+];
 
 /// Arbitrary constant naming outboxd's migration lock.
 const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d67; // "outboxmg"
@@ -23,6 +30,21 @@ const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d67; // "outboxmg"
 pub struct MigrationReport {
     pub applied: Vec<String>,
     pub publication_created: bool,
+}
+
+/// Fills a migration's placeholders with quoted identifiers derived from the (validated) table name.
+fn render_migration(sql: &str, table: &TableName) -> String {
+    let schema = format!("\"{}\"", table.schema);
+    let position_seq = format!("{schema}.\"{}_position_seq\"", table.name);
+    sql.replace("{{table}}", &table.quoted())
+        .replace("{{schema}}", &schema)
+        .replace("{{position_seq_text}}", &position_seq)
+        .replace("{{position_seq}}", &position_seq)
+        .replace("{{claim_index}}", &format!("\"{}_claim_idx\"", table.name))
+        .replace(
+            "{{handoff_index}}",
+            &format!("\"{}_handoff_idx\"", table.name),
+        )
 }
 
 pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result<MigrationReport> {
@@ -48,10 +70,7 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
         if done.is_some() {
             continue;
         }
-        let sql = sql
-            .replace("{{table}}", &table.quoted())
-            .replace("{{schema}}", &format!("\"{}\"", table.schema))
-            .replace("{{index}}", &format!("\"{}_ready_idx\"", table.name));
+        let sql = render_migration(sql, table);
         tx.batch_execute(&sql).await?;
         tx.execute(
             "INSERT INTO public.outboxd_migrations (target, version, name) VALUES ($1, $2, $3)",

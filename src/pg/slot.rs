@@ -13,7 +13,7 @@ use crate::lsn::Lsn;
 pub async fn check_wal_level(client: &Client) -> Result<()> {
     let level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
     if level != "logical" {
-        return Err(Error::setup(
+        return Err(Error::replication_unavailable(
             format!("PostgreSQL has wal_level = {level}, but logical replication needs wal_level = logical"),
             "run ALTER SYSTEM SET wal_level = logical; and restart PostgreSQL (managed services: enable logical replication in the parameter group)",
         ));
@@ -71,6 +71,30 @@ pub async fn check_table(client: &Client, table: &TableName) -> Result<()> {
                 ),
             ));
         }
+    }
+    Ok(())
+}
+
+/// The columns of the polling path exist (added by `outboxd migrate`).
+pub async fn check_polling_columns(client: &Client, table: &TableName) -> Result<()> {
+    let missing: Vec<String> = client
+        .query(
+            "SELECT c FROM unnest(ARRAY['available_at','attempts','lease_token','lease_until','last_error',
+                                        'dead_at','handoff_at','position']) AS c
+             WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class r ON r.oid = a.attrelid
+                               JOIN pg_namespace n ON n.oid = r.relnamespace
+                               WHERE n.nspname = $1 AND r.relname = $2 AND a.attname = c AND NOT a.attisdropped)",
+            &[&table.schema, &table.name],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if !missing.is_empty() {
+        return Err(Error::setup(
+            format!("the outbox table {table} lacks the polling columns {}", missing.join(", ")),
+            format!("run `outboxd migrate --table {table}` (adds them without rewriting the table), or use --mode cdc"),
+        ));
     }
     Ok(())
 }
@@ -178,6 +202,27 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
         lag_bytes: r.get(9),
         retained_wal_bytes: r.get(10),
     }))
+}
+
+/// Drops the slot if PostgreSQL invalidated it (`wal_status = lost`): it can never stream again. Only safe
+/// when the polling path will publish what the slot missed (the next slot's snapshot hands those rows off).
+pub async fn drop_if_lost(client: &Client, slot: &str) -> Result<bool> {
+    let Some(state) = slot_state(client, slot).await? else {
+        return Ok(false);
+    };
+    if state.wal_status.as_deref() != Some("lost") {
+        return Ok(false);
+    }
+    tracing::warn!(slot, "replication slot was invalidated (wal_status = lost); dropping it so a new one can be created; rows committed meanwhile go through the polling path");
+    if let Some(pid) = state.active_pid {
+        client
+            .execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .await?;
+    }
+    client
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await?;
+    Ok(true)
 }
 
 /// An existing slot must be a logical pgoutput slot of this database and not lost.

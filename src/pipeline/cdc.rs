@@ -16,13 +16,14 @@ use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, RowMapping};
-use crate::kafka::{KnownTopics, Publisher};
+use crate::kafka::{Delivery, KnownTopics, PublishError, Publisher};
 use crate::lsn::Lsn;
-use crate::pg::outbox::OutboxSql;
+use crate::pg::outbox::{self, AggregateKey, ClaimScope, OutboxSql};
 use crate::pg::pgoutput::{self, PgOutputMessage};
 use crate::pg::replication::{ReplicationConnection, ReplicationStream, ServerMessage};
 use crate::pg::{self, slot};
-use crate::pipeline::backfill::{self, Finished};
+use crate::pipeline::backfill::{self, CdcTag, Finished};
+use crate::pipeline::poll::PollWorker;
 use crate::pipeline::replication_error;
 use crate::pipeline::watermark::{TxnId, Watermark};
 
@@ -50,7 +51,7 @@ struct Session<'a> {
     watermark: &'a mut Watermark,
     sql: tokio_postgres::Client,
     outbox_sql: OutboxSql,
-    publisher: Publisher,
+    publisher: Publisher<CdcTag>,
     /// Transactions committed before this session connected may have been published by an earlier run.
     replay_end: Lsn,
     replay_buffer: Vec<Pending>,
@@ -62,19 +63,49 @@ struct Session<'a> {
     in_flight_bytes: usize,
     published: u64,
     skipped_already_published: u64,
+    /// Events handed to the polling path travel to the backfill task on the delivery channel.
+    hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
+    /// Aggregates with rows waiting in the polling path: their later events are handed off too, never
+    /// published ahead.
+    blocked: HashSet<AggregateKey>,
+    hand_offs_in_flight: usize,
+    handed_off: u64,
 }
 
 impl CdcPipeline {
-    pub fn new(settings: Arc<RunSettings>) -> Self {
+    pub fn new(settings: Arc<RunSettings>, known_topics: KnownTopics) -> Self {
         CdcPipeline {
             settings,
             watermark: Watermark::new(Lsn::ZERO),
-            known_topics: KnownTopics::default(),
+            known_topics,
         }
     }
 
-    /// Runs sessions until `shutdown` turns true. Transient failures reconnect with capped backoff, forever.
-    pub async fn run(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
+    /// Runs sessions until `shutdown` turns true, with the sweeper (the polling path restricted to rows
+    /// handed off to it) alongside. Transient failures reconnect with capped backoff, forever.
+    pub async fn run(&mut self, shutdown: watch::Receiver<bool>) -> Result<()> {
+        if !super::has_polling_columns(&self.settings).await? {
+            tracing::warn!("the outbox table has no polling columns: CDC only, no sweeper and no retry queue (run `outboxd migrate`)");
+            return self.sessions(shutdown).await;
+        }
+        let (stop_sweeper, sweeper_shutdown) = watch::channel(false);
+        let sweeper = PollWorker::new(
+            self.settings.clone(),
+            ClaimScope::HandedOff,
+            self.known_topics.clone(),
+        );
+        let sweeper = tokio::spawn(async move { sweeper.run(sweeper_shutdown).await });
+        let result = self.sessions(shutdown).await;
+        let _ = stop_sweeper.send(true);
+        match sweeper.await {
+            Ok(Err(error)) => tracing::warn!(%error, "sweeper stopped"),
+            Err(error) => tracing::warn!(%error, "sweeper task failed"),
+            Ok(Ok(())) => {}
+        }
+        result
+    }
+
+    async fn sessions(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         loop {
             let started = Instant::now();
@@ -99,12 +130,15 @@ impl CdcPipeline {
     async fn session(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<()> {
         let settings = self.settings.clone();
         let db = &settings.database;
-        let sql = pg::connect(&db.database_url).await?;
+        let mut sql = pg::connect(&db.database_url).await?;
         let outbox_sql = OutboxSql::prepare(&sql, &db.table).await?;
         let mut conn = ReplicationConnection::connect(&db.replication_url)
             .await
             .map_err(replication_error)?;
         let identity = conn.identify_system().await?;
+        if outbox_sql.can_hand_off() {
+            slot::drop_if_lost(&sql, &db.slot).await?;
+        }
         match slot::check_existing_slot(&sql, &db.slot).await? {
             Some(state) => {
                 if let Some(lsn) = state.confirmed_flush() {
@@ -113,11 +147,42 @@ impl CdcPipeline {
             }
             None => {
                 slot::check_publication(&sql, db).await?;
-                let consistent_point = conn.create_logical_slot(&db.slot).await?;
-                tracing::info!(slot = %db.slot, %consistent_point, "created replication slot");
-                self.watermark.raise_confirmed(consistent_point);
+                let created = conn.create_logical_slot(&db.slot).await?;
+                let handed_off = if outbox_sql.can_hand_off() {
+                    match outbox::hand_off_rows_older_than_slot(
+                        &mut sql,
+                        &db.table,
+                        &created.snapshot_name,
+                    )
+                    .await
+                    {
+                        Ok(count) => count,
+                        Err(error) => {
+                            // Without the hand-off, rows older than the slot would never be published: drop the
+                            // slot so that the next attempt creates it (and exports a snapshot) again.
+                            drop(conn);
+                            drop_slot_after_failed_creation(&sql, &db.slot).await;
+                            return Err(error);
+                        }
+                    }
+                } else {
+                    tracing::warn!("the table has no polling columns: rows older than the slot are not published (run `outboxd migrate`)");
+                    0
+                };
+                tracing::info!(
+                    slot = %db.slot,
+                    consistent_point = %created.consistent_point,
+                    handed_off_to_polling = handed_off,
+                    "created replication slot"
+                );
+                self.watermark.raise_confirmed(created.consistent_point);
             }
         }
+        let blocked = if outbox_sql.can_hand_off() {
+            outbox::aggregates_pending_hand_off(&sql, &db.table).await?
+        } else {
+            HashSet::new()
+        };
         self.watermark.restart();
         let start = self.watermark.confirmed();
         let mut stream = conn
@@ -128,7 +193,12 @@ impl CdcPipeline {
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
-        let publisher = Publisher::new(&settings, self.known_topics.clone(), delivery_tx)?;
+        let publisher = Publisher::new(
+            &settings,
+            self.known_topics.clone(),
+            delivery_tx.clone(),
+            &[],
+        )?;
         let backfill = tokio::spawn(backfill::run(
             db.database_url.clone(),
             db.table.clone(),
@@ -152,6 +222,10 @@ impl CdcPipeline {
             in_flight_bytes: 0,
             published: 0,
             skipped_already_published: 0,
+            hand_offs: delivery_tx,
+            blocked,
+            hand_offs_in_flight: 0,
+            handed_off: 0,
         };
         let result = session
             .stream(&mut stream, &mut finished_rx, shutdown)
@@ -160,6 +234,7 @@ impl CdcPipeline {
         tracing::info!(
             published = session.published,
             skipped_already_published = session.skipped_already_published,
+            handed_off = session.handed_off,
             confirmed = %session.watermark.confirmed(),
             "replication session ended"
         );
@@ -196,8 +271,11 @@ impl Session<'_> {
                 }
                 finished = finished_rx.recv() => match finished {
                     Some(Finished::Events(events)) => {
-                        for (txn, bytes) in events {
-                            self.finish_event(txn, bytes);
+                        for (tag, bytes) in events {
+                            if tag.hand_off {
+                                self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
+                            }
+                            self.finish_event(tag.txn, bytes);
                         }
                     }
                     Some(Finished::Failed(error)) => return Err(error),
@@ -206,7 +284,10 @@ impl Session<'_> {
                 message = stream.next_message(), if window_open && drain_deadline.is_none() => {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
-                _ = status_timer.tick() => reply_now = true,
+                _ = status_timer.tick() => {
+                    reply_now = true;
+                    self.unblock_finished_aggregates().await?;
+                }
                 _ = sleep_until_opt(drain_deadline) => {
                     tracing::warn!(in_flight = self.in_flight_events, "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
                     break;
@@ -339,13 +420,71 @@ impl Session<'_> {
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(bytes);
     }
 
+    /// Publishes one event, or hands it to the polling path when its aggregate has events waiting there or
+    /// the producer refuses it for good (e.g. too large): the polling path retries and dead-letters it, and
+    /// the aggregate's later events follow it there, so order per aggregate holds.
     async fn publish(&mut self, txn: TxnId, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+        let aggregate = (event.aggregate_type.clone(), event.aggregate_id.clone());
+        if self.blocked.contains(&aggregate) {
+            return self.hand_off(txn, event, event_id);
+        }
         let topic = self
             .settings
             .topic
             .render(&event.aggregate_type, &event.event_type);
-        self.publisher.publish(&topic, event, txn, event_id).await?;
-        self.published += 1;
+        let tag = CdcTag {
+            txn,
+            hand_off: false,
+        };
+        match self
+            .publisher
+            .publish(&topic, event, event_id, tag, None)
+            .await
+        {
+            Ok(()) => {
+                self.published += 1;
+                Ok(())
+            }
+            Err(PublishError::Rejected(rejection))
+                if rejection.permanent && self.outbox_sql.can_hand_off() =>
+            {
+                tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
+                self.blocked.insert(aggregate);
+                self.hand_off(txn, event, event_id)
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    fn hand_off(&mut self, txn: TxnId, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+        let tag = CdcTag {
+            txn,
+            hand_off: true,
+        };
+        let item = Delivery {
+            tag,
+            event_id,
+            bytes: event.size_bytes(),
+            result: Ok(()),
+        };
+        self.hand_offs.send(item).map_err(|_| Error::Kafka {
+            message: "the backfill task stopped".into(),
+            transient: true,
+        })?;
+        self.hand_offs_in_flight += 1;
+        self.handed_off += 1;
+        Ok(())
+    }
+
+    /// Lets the CDC path publish an aggregate again once the polling path has nothing of it left. Only asked
+    /// while none of this session's hand-offs are unwritten, so the query sees all of them.
+    async fn unblock_finished_aggregates(&mut self) -> Result<()> {
+        if self.blocked.is_empty() || self.hand_offs_in_flight > 0 {
+            return Ok(());
+        }
+        let pending =
+            outbox::aggregates_pending_hand_off(&self.sql, &self.settings.database.table).await?;
+        self.blocked.retain(|aggregate| pending.contains(aggregate));
         Ok(())
     }
 
@@ -382,6 +521,25 @@ impl Session<'_> {
                 .saturating_sub(pending.event.size_bytes());
         }
     }
+}
+
+/// Drops a slot whose creation could not be completed; failures are only logged (the next session sees a
+/// slot without hand-off and the operator is told).
+async fn drop_slot_after_failed_creation(sql: &tokio_postgres::Client, slot: &str) {
+    for _ in 0..20 {
+        match sql
+            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+        {
+            Ok(_) => return,
+            // The walsender that created it may still hold it for a moment.
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+    tracing::error!(
+        slot,
+        "could not drop the half-created slot; drop it by hand and restart outboxd"
+    );
 }
 
 async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {

@@ -4,6 +4,7 @@
 
 pub mod backfill;
 pub mod cdc;
+pub mod poll;
 pub mod watermark;
 
 use std::sync::Arc;
@@ -12,21 +13,23 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 use crate::backoff::Backoff;
-use crate::config::RunSettings;
+use crate::config::{Mode, RunSettings};
 use crate::error::{Error, Result};
-use crate::kafka::{KnownTopics, Publisher};
+use crate::kafka::{self, KnownTopics, Publisher};
+use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::{ReplicationConnection, ReplicationError};
 use crate::pg::{self, slot};
+use poll::PollWorker;
 
 /// Maps replication-connection failures a person must fix to setup errors that say how.
 pub fn replication_error(error: ReplicationError) -> Error {
     let message = error.to_string();
     match error.code() {
-        Some("42501") => Error::setup(
+        Some("42501") => Error::replication_unavailable(
             format!("the user may not open a replication connection ({message})"),
             "ALTER ROLE <user> WITH REPLICATION (managed services: GRANT rds_replication TO <user> or the provider's equivalent)",
         ),
-        Some("28000") => Error::setup(
+        Some("28000") => Error::replication_unavailable(
             format!("PostgreSQL refused the replication connection ({message})"),
             "add a pg_hba.conf line for this user and database (a logical replication connection matches the database column)",
         ),
@@ -35,7 +38,7 @@ pub fn replication_error(error: ReplicationError) -> Error {
             "check the password in --replication-url / --database-url",
         ),
         Some("3D000") => Error::setup(format!("the database does not exist ({message})"), "fix the database name in the URL"),
-        Some("55000") if message.contains("wal_level") => Error::setup(
+        Some("55000") if message.contains("wal_level") => Error::replication_unavailable(
             format!("logical decoding is not enabled ({message})"),
             "set wal_level = logical and restart PostgreSQL",
         ),
@@ -47,32 +50,90 @@ pub fn replication_error(error: ReplicationError) -> Error {
     }
 }
 
-/// Everything `run` checks before streaming. Each failure is either transient (retried) or names its fix.
-async fn preflight(settings: &RunSettings) -> Result<()> {
+/// Database checks every mode needs: it answers, and the table has the columns outboxd reads.
+async fn preflight_database(settings: &RunSettings) -> Result<()> {
     let db = &settings.database;
     let sql = pg::connect(&db.database_url).await?;
-    slot::check_wal_level(&sql).await?;
     slot::check_table(&sql, &db.table).await?;
-    slot::check_publication(&sql, db).await?;
-    slot::check_existing_slot(&sql, &db.slot).await?;
-    // Replication permission is tested by trying it: managed services grant it through roles.
-    let mut conn = ReplicationConnection::connect(&db.replication_url)
-        .await
-        .map_err(replication_error)?;
-    conn.identify_system().await.map_err(replication_error)?;
-    let (deliveries, _) = mpsc::unbounded_channel();
-    let publisher = Publisher::new(settings, KnownTopics::default(), deliveries)?;
-    publisher.check_brokers(Duration::from_secs(5)).await?;
+    if settings.mode == Mode::Poll {
+        slot::check_polling_columns(&sql, &db.table).await?;
+    }
     Ok(())
 }
 
-/// `outboxd run`: retries transient start-up failures for `--startup-timeout`, then streams until shutdown.
-pub async fn run(settings: RunSettings, shutdown: watch::Receiver<bool>) -> Result<()> {
-    let deadline = Instant::now() + settings.startup_timeout;
+/// A broker answers a metadata request (and the Kafka options are valid).
+async fn preflight_brokers(settings: &RunSettings) -> Result<()> {
+    let (deliveries, _) = mpsc::unbounded_channel::<kafka::Delivery<()>>();
+    let publisher = Publisher::new(settings, KnownTopics::default(), deliveries, &[])?;
+    publisher.check_brokers(Duration::from_secs(5)).await
+}
+
+/// Whether the CDC path can run here.
+enum Availability {
+    Available,
+    /// The server does not allow logical replication for us (wal_level, permission, pg_hba): `auto` polls.
+    Unavailable(Error),
+}
+
+/// Can the CDC path run? Configuration mistakes (missing publication, a slot of another plugin) are errors;
+/// what `auto` may work around by polling is `Unavailable`. A lost slot is dropped when the polling path
+/// can cover what it missed (`can_sweep`).
+async fn replication_availability(settings: &RunSettings, can_sweep: bool) -> Result<Availability> {
+    let db = &settings.database;
+    let sql = pg::connect(&db.database_url).await?;
+    if let Err(error) = slot::check_wal_level(&sql).await {
+        return unavailable(error);
+    }
+    slot::check_publication(&sql, db).await?;
+    if can_sweep {
+        slot::drop_if_lost(&sql, &db.slot).await?;
+    }
+    slot::check_existing_slot(&sql, &db.slot).await?;
+    // Replication permission is tested by trying it: managed services grant it through roles.
+    let identified = async {
+        let mut conn = ReplicationConnection::connect(&db.replication_url).await?;
+        conn.identify_system().await
+    };
+    match identified.await.map_err(replication_error) {
+        Ok(_) => Ok(Availability::Available),
+        Err(error) => unavailable(error),
+    }
+}
+
+fn unavailable(error: Error) -> Result<Availability> {
+    match error {
+        Error::ReplicationUnavailable { .. } => Ok(Availability::Unavailable(error)),
+        other => Err(other),
+    }
+}
+
+/// `--mode cdc` (or `auto` without polling columns): replication must be available.
+async fn require_replication(settings: &RunSettings, can_sweep: bool) -> Result<()> {
+    match replication_availability(settings, can_sweep).await? {
+        Availability::Available => Ok(()),
+        Availability::Unavailable(error) => Err(error),
+    }
+}
+
+async fn has_polling_columns(settings: &RunSettings) -> Result<bool> {
+    let sql = pg::connect(&settings.database.database_url).await?;
+    match slot::check_polling_columns(&sql, &settings.database.table).await {
+        Ok(()) => Ok(true),
+        Err(Error::Setup { .. }) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// Runs `check` until it succeeds, retrying transient failures until `deadline`.
+async fn retry_until<F, Fut>(settings: &RunSettings, deadline: Instant, mut check: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(5));
     loop {
-        match preflight(&settings).await {
-            Ok(()) => break,
+        match check().await {
+            Ok(()) => return Ok(()),
             Err(error) if error.is_transient() && Instant::now() < deadline => {
                 let delay = backoff
                     .next_delay()
@@ -92,13 +153,125 @@ pub async fn run(settings: RunSettings, shutdown: watch::Receiver<bool>) -> Resu
             Err(error) => return Err(error),
         }
     }
+}
+
+/// `outboxd run`: retries transient start-up failures for `--startup-timeout`, then moves events until
+/// shutdown in the configured mode.
+pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> Result<()> {
+    let deadline = Instant::now() + settings.startup_timeout;
+    retry_until(&settings, deadline, || preflight_database(&settings)).await?;
+    let can_sweep = has_polling_columns(&settings).await?;
+    if settings.mode == Mode::Auto && !can_sweep {
+        tracing::warn!(
+            "the outbox table has no polling columns: running CDC only (no polling fallback, no sweeper); run `outboxd migrate` to add them"
+        );
+        settings.mode = Mode::Cdc;
+    }
+    match settings.mode {
+        Mode::Cdc => {
+            retry_until(&settings, deadline, || {
+                require_replication(&settings, can_sweep)
+            })
+            .await?
+        }
+        // Configuration mistakes (missing publication, a slot of another plugin) stop `auto` too.
+        Mode::Auto => {
+            retry_until(&settings, deadline, || async {
+                replication_availability(&settings, can_sweep)
+                    .await
+                    .map(|_| ())
+            })
+            .await?
+        }
+        Mode::Poll => {}
+    }
+    retry_until(&settings, deadline, || preflight_brokers(&settings)).await?;
     tracing::info!(
         table = %settings.database.table,
+        mode = ?settings.mode,
         slot = %settings.database.slot,
         publication = %settings.database.publication,
         "start-up checks passed"
     );
-    cdc::CdcPipeline::new(Arc::new(settings))
-        .run(shutdown)
-        .await
+    let settings = Arc::new(settings);
+    let topics = KnownTopics::default();
+    match settings.mode {
+        Mode::Poll => {
+            tracing::info!(mode = "poll", "polling the outbox table");
+            PollWorker::new(settings, ClaimScope::All, topics)
+                .run(shutdown)
+                .await
+        }
+        Mode::Cdc => cdc::CdcPipeline::new(settings, topics).run(shutdown).await,
+        Mode::Auto => run_auto(settings, topics, shutdown).await,
+    }
+}
+
+/// How often `auto` checks whether replication has become available while it polls.
+const REPLICATION_RECHECK: Duration = Duration::from_secs(10);
+
+/// `--mode auto`: the slot when the server allows it, otherwise polling; switches both ways, logging each
+/// switch once with its reason.
+async fn run_auto(
+    settings: Arc<RunSettings>,
+    topics: KnownTopics,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<()> {
+    let mut cdc = cdc::CdcPipeline::new(settings.clone(), topics.clone());
+    loop {
+        let reason = match replication_availability(&settings, true).await {
+            Ok(Availability::Available) => {
+                tracing::info!(
+                    mode = "cdc",
+                    "mode switch: streaming from the replication slot"
+                );
+                match cdc.run(shutdown.clone()).await {
+                    Ok(()) => return Ok(()),
+                    Err(error) if is_replication_setup_error(&error) => error,
+                    Err(error) => return Err(error),
+                }
+            }
+            Err(error) if error.is_transient() => {
+                tracing::warn!(%error, "cannot tell whether replication is available; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(REPLICATION_RECHECK) => continue,
+                    _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                }
+            }
+            Err(error) => return Err(error),
+            Ok(Availability::Unavailable(error)) => error,
+        };
+        tracing::warn!(mode = "poll", reason = %reason, "mode switch: replication unavailable, polling the outbox table");
+        let (stop_poll, poll_shutdown) = watch::channel(false);
+        let worker = PollWorker::new(settings.clone(), ClaimScope::All, topics.clone());
+        let mut polling = tokio::spawn(async move { worker.run(poll_shutdown).await });
+        let stop_for_good = loop {
+            tokio::select! {
+                result = &mut polling => {
+                    return result.map_err(|e| Error::setup(format!("polling task failed: {e}"), "report this as an outboxd bug"))?;
+                }
+                _ = shutdown.wait_for(|stop| *stop) => break true,
+                _ = tokio::time::sleep(REPLICATION_RECHECK) => {
+                    if matches!(replication_availability(&settings, true).await, Ok(Availability::Available)) {
+                        break false;
+                    }
+                }
+            }
+        };
+        let _ = stop_poll.send(true);
+        polling.await.map_err(|e| {
+            Error::setup(
+                format!("polling task failed: {e}"),
+                "report this as an outboxd bug",
+            )
+        })??;
+        if stop_for_good {
+            return Ok(());
+        }
+    }
+}
+
+/// Errors after which `auto` polls instead of streaming: replication itself became unusable.
+fn is_replication_setup_error(error: &Error) -> bool {
+    matches!(error, Error::ReplicationUnavailable { .. })
 }

@@ -69,6 +69,13 @@ pub struct SystemIdentity {
     pub database: Option<String>,
 }
 
+/// Result of CREATE_REPLICATION_SLOT with an exported snapshot.
+#[derive(Debug, Clone)]
+pub struct CreatedSlot {
+    pub consistent_point: Lsn,
+    pub snapshot_name: String,
+}
+
 /// A replication connection before START_REPLICATION.
 pub struct ReplicationConnection {
     socket: Box<dyn Socket>,
@@ -226,22 +233,29 @@ impl ReplicationConnection {
         })
     }
 
-    /// Creates a logical slot using pgoutput; returns its consistent point. `slot` must be a validated name.
-    pub async fn create_logical_slot(&mut self, slot: &str) -> Result<Lsn, ReplicationError> {
+    /// Creates a logical slot using pgoutput and exports its snapshot. `slot` must be a validated name.
+    /// The snapshot stays importable (`SET TRANSACTION SNAPSHOT`) until this connection runs another command:
+    /// rows visible in it are exactly the rows the new slot will never send.
+    pub async fn create_logical_slot(
+        &mut self,
+        slot: &str,
+    ) -> Result<CreatedSlot, ReplicationError> {
         let rows = self
             .simple_query(&format!(
-                "CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'nothing')"
+                "CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'export')"
             ))
             .await?;
-        let point = rows
-            .first()
-            .and_then(|row| row.get(1).cloned().flatten())
-            .ok_or_else(|| {
-                protocol_error("CREATE_REPLICATION_SLOT returned no consistent_point")
-            })?;
-        point
+        let field = |i: usize| rows.first().and_then(|row| row.get(i).cloned().flatten());
+        let consistent_point = field(1)
+            .ok_or_else(|| protocol_error("CREATE_REPLICATION_SLOT returned no consistent_point"))?
             .parse::<Lsn>()
-            .map_err(|e| protocol_error(&e.to_string()))
+            .map_err(|e| protocol_error(&e.to_string()))?;
+        let snapshot_name = field(2)
+            .ok_or_else(|| protocol_error("CREATE_REPLICATION_SLOT returned no snapshot name"))?;
+        Ok(CreatedSlot {
+            consistent_point,
+            snapshot_name,
+        })
     }
 
     /// Starts streaming pgoutput (proto 1) from `start` for `publication`. Names must be validated identifiers.

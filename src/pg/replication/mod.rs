@@ -4,5 +4,7 @@
 pub mod connection;
 pub mod protocol;
 
-pub use connection::{ReplicationConnection, ReplicationError, ReplicationStream, SystemIdentity};
+pub use connection::{
+    CreatedSlot, ReplicationConnection, ReplicationError, ReplicationStream, SystemIdentity,
+};
 pub use protocol::ServerMessage;

@@ -1,0 +1,24 @@
+-- Columns and indexes of the polling path. Cheap on a large existing table: every column is added without a
+-- table rewrite (nullable, or with a non-volatile default), and older rows keep a NULL position, ordering first.
+-- Works on a table the user created (--table): missing polling columns are added.
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS available_at timestamptz NOT NULL DEFAULT now();
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0;
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS lease_token uuid;
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS lease_until timestamptz;
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS published_at timestamptz;
+-- Dead letters: the last error, and when retrying stopped. Dead rows are never claimed.
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS last_error text;
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS dead_at timestamptz;
+-- Rows the replication slot will never deliver (older than the slot, or handed over by the CDC path) are the
+-- polling path's while outboxd runs in cdc/auto mode.
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS handoff_at timestamptz;
+-- Insert-time position: per-aggregate order in the polling path.
+CREATE SEQUENCE IF NOT EXISTS {{position_seq}};
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS position bigint;
+ALTER TABLE {{table}} ALTER COLUMN position SET DEFAULT nextval('{{position_seq_text}}');
+ALTER SEQUENCE {{position_seq}} OWNED BY {{table}}.position;
+
+CREATE INDEX IF NOT EXISTS {{claim_index}} ON {{table}} (position, created_at, event_id)
+    WHERE published_at IS NULL AND dead_at IS NULL;
+CREATE INDEX IF NOT EXISTS {{handoff_index}} ON {{table}} (aggregate_type, aggregate_id)
+    WHERE handoff_at IS NOT NULL AND published_at IS NULL AND dead_at IS NULL;

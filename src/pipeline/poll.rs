@@ -1,0 +1,266 @@
+//! The lease-based polling path: claim a batch in a short transaction (lease token, `attempts + 1`), publish
+//! outside any transaction, then mark `published_at` guarded by `event_id` AND the lease token. Failures go
+//! back with capped exponential backoff; events refused for a reason retrying cannot fix are dead-lettered
+//! after `--max-attempts`. Leases are renewed while a slow send is in flight.
+//!
+//! Used as the whole pipeline in `--mode poll` (and `auto` without replication), and as the sweeper for
+//! handed-off rows next to the CDC path.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use uuid::Uuid;
+
+use crate::backoff::{retry_delay, Backoff};
+use crate::config::{PollOrder, RunSettings};
+use crate::error::Result;
+use crate::kafka::{KnownTopics, PublishError, Publisher, Rejection};
+use crate::pg;
+use crate::pg::outbox::{ClaimScope, ClaimedRow, PollSql};
+
+/// What happened to one claimed row.
+#[derive(Debug)]
+enum Outcome {
+    InFlight,
+    Delivered,
+    /// Not sent because an earlier event of its aggregate failed in this batch.
+    HeldBack,
+    Failed(Rejection),
+}
+
+/// Counts of one batch, for logs and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BatchReport {
+    pub published: usize,
+    pub retried: usize,
+    pub dead: usize,
+    pub held_back: usize,
+}
+
+pub struct PollWorker {
+    settings: Arc<RunSettings>,
+    scope: ClaimScope,
+    known_topics: KnownTopics,
+}
+
+impl PollWorker {
+    pub fn new(settings: Arc<RunSettings>, scope: ClaimScope, known_topics: KnownTopics) -> Self {
+        PollWorker {
+            settings,
+            scope,
+            known_topics,
+        }
+    }
+
+    /// Polls until `shutdown` turns true; transient failures reconnect with capped backoff, forever.
+    pub async fn run(&self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
+        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        loop {
+            match self.session(&mut shutdown, &mut backoff).await {
+                Ok(()) => return Ok(()),
+                Err(error) if error.is_transient() => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(%error, retry_in = ?delay, "polling interrupted; reconnecting");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                    }
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    async fn session(
+        &self,
+        shutdown: &mut watch::Receiver<bool>,
+        backoff: &mut Backoff,
+    ) -> Result<()> {
+        let poll = &self.settings.poll;
+        let mut client = pg::connect(&self.settings.database.database_url).await?;
+        // created_at is read as text: make it ISO and UTC, as on the replication connection.
+        client
+            .batch_execute("SET datestyle = 'ISO'; SET TIME ZONE 'UTC'")
+            .await?;
+        let sql = PollSql::prepare(
+            &client,
+            &self.settings.database.table,
+            poll.order,
+            self.scope,
+        )
+        .await?;
+        let (delivery_tx, mut deliveries) = mpsc::unbounded_channel();
+        // Let a send fail well within the lease, so a broker outage shows up as retries with backoff.
+        let send_timeout = (poll.lease / 2).as_millis().max(1000).to_string();
+        let publisher = Publisher::new(
+            &self.settings,
+            self.known_topics.clone(),
+            delivery_tx,
+            &[("message.timeout.ms", send_timeout)],
+        )?;
+        let mut idle_delay = poll.interval;
+        loop {
+            if *shutdown.borrow() {
+                return Ok(());
+            }
+            let token = Uuid::new_v4();
+            let rows = sql
+                .claim(&mut client, token, poll.lease, poll.batch_size)
+                .await?;
+            backoff.reset();
+            if rows.is_empty() {
+                tokio::select! {
+                    _ = tokio::time::sleep(idle_delay) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                }
+                idle_delay = (idle_delay * 2).min(poll.interval * 16);
+                continue;
+            }
+            idle_delay = poll.interval;
+            let report = self
+                .publish_batch(&client, &sql, &publisher, &mut deliveries, token, rows)
+                .await?;
+            tracing::debug!(?report, "polling batch done");
+        }
+    }
+
+    async fn publish_batch(
+        &self,
+        client: &tokio_postgres::Client,
+        sql: &PollSql,
+        publisher: &Publisher<Option<usize>>,
+        deliveries: &mut mpsc::UnboundedReceiver<crate::kafka::Delivery<Option<usize>>>,
+        token: Uuid,
+        rows: Vec<ClaimedRow>,
+    ) -> Result<BatchReport> {
+        let poll = &self.settings.poll;
+        let mut outcomes: Vec<Outcome> = Vec::with_capacity(rows.len());
+        let mut failed_aggregates: HashSet<(&str, &str)> = HashSet::new();
+        let mut in_flight = 0usize;
+        for (index, row) in rows.iter().enumerate() {
+            let aggregate = (
+                row.event.aggregate_type.as_str(),
+                row.event.aggregate_id.as_str(),
+            );
+            if poll.order == PollOrder::PerAggregate && failed_aggregates.contains(&aggregate) {
+                outcomes.push(Outcome::HeldBack);
+                continue;
+            }
+            let topic = self
+                .settings
+                .topic
+                .render(&row.event.aggregate_type, &row.event.event_type);
+            let outcome = match publisher
+                .publish(&topic, &row.event, row.event_id, Some(index), None)
+                .await
+            {
+                Ok(()) => {
+                    in_flight += 1;
+                    Outcome::InFlight
+                }
+                Err(PublishError::Rejected(rejection)) => Outcome::Failed(rejection),
+                // A configuration problem (e.g. a missing topic with --no-create-topics) stops the worker.
+                Err(PublishError::Failed(error)) if !error.is_transient() => return Err(error),
+                Err(PublishError::Failed(error)) => Outcome::Failed(Rejection {
+                    reason: error.to_string(),
+                    permanent: false,
+                }),
+            };
+            if matches!(outcome, Outcome::Failed(_)) {
+                failed_aggregates.insert(aggregate);
+            }
+            outcomes.push(outcome);
+        }
+
+        // Wait for every delivery report, renewing the lease while the broker is slow.
+        let renew_every = poll.lease / 2;
+        let mut renew_at = tokio::time::Instant::now() + renew_every;
+        while in_flight > 0 {
+            tokio::select! {
+                delivery = deliveries.recv() => {
+                    let Some(delivery) = delivery else { break };
+                    let Some(index) = delivery.tag else { continue };
+                    if let Some(outcome @ Outcome::InFlight) = outcomes.get_mut(index) {
+                        *outcome = match delivery.result {
+                            Ok(()) => Outcome::Delivered,
+                            Err(rejection) => Outcome::Failed(rejection),
+                        };
+                        in_flight -= 1;
+                    }
+                }
+                _ = tokio::time::sleep_until(renew_at) => {
+                    sql.renew(client, token, poll.lease).await?;
+                    renew_at += renew_every;
+                }
+            }
+        }
+
+        let mut report = BatchReport::default();
+        let delivered: Vec<Uuid> = rows
+            .iter()
+            .zip(&outcomes)
+            .filter(|(_, o)| matches!(o, Outcome::Delivered))
+            .map(|(row, _)| row.event_id)
+            .collect();
+        if !delivered.is_empty() {
+            sql.mark_published(client, &delivered, token).await?;
+            report.published = delivered.len();
+        }
+        let held_back: Vec<Uuid> = rows
+            .iter()
+            .zip(&outcomes)
+            .filter(|(_, o)| matches!(o, Outcome::HeldBack))
+            .map(|(row, _)| row.event_id)
+            .collect();
+        if !held_back.is_empty() {
+            sql.release(client, &held_back, token).await?;
+            report.held_back = held_back.len();
+        }
+        for (row, outcome) in rows.iter().zip(&outcomes) {
+            let Outcome::Failed(rejection) = outcome else {
+                continue;
+            };
+            if rejection.permanent && row.attempts >= poll.max_attempts {
+                sql.dead_letter(client, row.event_id, token, &rejection.reason)
+                    .await?;
+                report.dead += 1;
+                tracing::error!(
+                    event_id = %row.event_id,
+                    aggregate_id = %row.event.aggregate_id,
+                    attempts = row.attempts,
+                    error = %rejection.reason,
+                    "event dead-lettered; later events of its aggregate proceed; re-queue with `outboxd replay`"
+                );
+                if let Some(topic) = &poll.dead_letter_topic {
+                    let sent = publisher
+                        .publish(
+                            topic,
+                            &row.event,
+                            row.event_id,
+                            None,
+                            Some(&rejection.reason),
+                        )
+                        .await;
+                    if let Err(error) = sent {
+                        tracing::warn!(event_id = %row.event_id, ?error, "could not produce to the dead-letter topic");
+                    }
+                }
+            } else {
+                let delay = retry_delay(poll.retry_base, poll.retry_cap, row.attempts);
+                sql.retry_later(client, row.event_id, token, &rejection.reason, delay)
+                    .await?;
+                report.retried += 1;
+                tracing::warn!(
+                    event_id = %row.event_id,
+                    attempts = row.attempts,
+                    retry_in = ?delay,
+                    error = %rejection.reason,
+                    "publish failed; will retry"
+                );
+            }
+        }
+        Ok(report)
+    }
+}
