@@ -522,3 +522,131 @@ pub fn java_murmur2(key: &[u8]) -> i32 {
     h ^= h >> 15;
     h as i32
 }
+
+// ---- shared scenario helpers ----
+
+pub const TOPIC: &str = "outbox.Order";
+
+pub fn run_args<'a>(pg: &'a str, brokers: &'a str) -> Vec<&'a str> {
+    vec![
+        "run",
+        "--database-url",
+        pg,
+        "--brokers",
+        brokers,
+        "--topic-replication-factor",
+        "1",
+        "--status-interval",
+        "200ms",
+    ]
+}
+
+pub fn migrate(pg: &Postgres) {
+    let output = run_outboxd(&["migrate", "--database-url", &pg.url()]);
+    assert!(
+        output.status.success(),
+        "migrate failed: {}",
+        stderr_of(&output)
+    );
+}
+
+/// Reads everything back and checks nothing committed is missing, nothing rolled back is present, and each
+/// aggregate's events first appear in commit order. Returns the records and the report (for duplicates).
+pub fn verify_delivery(
+    brokers: &str,
+    committed: &[Inserted],
+    rolled_back: &[Inserted],
+    timeout_secs: u64,
+    what: &str,
+) -> (Vec<Record>, DeliveryReport) {
+    let records = consume_all(
+        brokers,
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(timeout_secs),
+    );
+    let report = check_delivery(&records, committed, rolled_back);
+    println!(
+        "{what}: {} records for {} committed events: {report:?}",
+        records.len(),
+        committed.len()
+    );
+    assert_eq!(report.missing, 0, "{what}: committed events missing");
+    assert_eq!(
+        report.from_rolled_back, 0,
+        "{what}: rolled-back events published"
+    );
+    assert_eq!(
+        report.order_violations, 0,
+        "{what}: per-aggregate order violated"
+    );
+    (records, report)
+}
+
+/// A migrated PostgreSQL cluster and a broker, both stopped on drop.
+pub fn migrated_stack() -> (Postgres, Broker) {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate(&pg);
+    (pg, broker)
+}
+
+pub async fn slot_active(client: &tokio_postgres::Client, slot: &str) -> Option<()> {
+    let row = client
+        .query_opt(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ok()
+        .flatten()?;
+    row.get::<_, bool>(0).then_some(())
+}
+
+pub async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str) {
+    wait_for_async(
+        &format!("slot {slot} to be active"),
+        Duration::from_secs(60),
+        || slot_active(client, slot),
+    )
+    .await;
+}
+
+pub async fn unpublished(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+pub async fn wait_all_published(client: &tokio_postgres::Client, timeout: Duration) {
+    wait_for_async("every row to have published_at", timeout, || async {
+        (unpublished(client).await == 0).then_some(())
+    })
+    .await;
+}
+
+pub async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> outboxd::lsn::Lsn {
+    let text: Option<String> = client
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    text.unwrap_or_default().parse().unwrap_or_default()
+}
+
+pub async fn current_wal_lsn(client: &tokio_postgres::Client) -> outboxd::lsn::Lsn {
+    let text: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    text.parse().unwrap()
+}

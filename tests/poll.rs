@@ -1,0 +1,322 @@
+//! The polling path, modes, the sweeper and poison events, against a real PostgreSQL 15 and a real broker.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+fn args<'a>(url: &'a str, brokers: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = run_args(url, brokers);
+    args.extend_from_slice(extra);
+    args
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_polls_when_the_server_has_no_logical_decoding() {
+    let pg = Postgres::start_with_wal_level("replica");
+    let broker = Broker::start();
+    migrate(&pg);
+    let (url, brokers) = (pg.url(), broker.addr());
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    // Transactions of 20 events: most carry several events of one aggregate.
+    let (committed, _) = insert_events(&mut client, 0, 250, 20, 50, None).await;
+    assert_eq!(committed.len(), 5_000);
+    let (_, report) = verify_delivery(&brokers, &committed, &[], 120, "auto on wal_level=replica");
+    assert_eq!(report.duplicates, 0);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("mode switch") && log.contains("wal_level"),
+        "the switch and its reason are logged:\n{log}"
+    );
+}
+
+async fn concurrent_poll_instances(instances: usize) {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let (committed, _) = insert_events(&mut client, 0, 250, 20, 50, None).await;
+    let workers: Vec<Outboxd> = (0..instances)
+        .map(|_| {
+            Outboxd::spawn(&args(
+                &url,
+                &brokers,
+                &["--mode", "poll", "--poll-batch-size", "100"],
+            ))
+        })
+        .collect();
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let (_, report) = verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        120,
+        &format!("{instances} poll instances"),
+    );
+    assert_eq!(
+        report.duplicates, 0,
+        "no event may be produced twice while its lease is valid"
+    );
+    let slots: i64 = client
+        .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(slots, 0, "poll mode never touches replication");
+    drop(workers);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_poll_instances_share_the_work_in_order() {
+    concurrent_poll_instances(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn four_poll_instances_share_the_work_in_order() {
+    concurrent_poll_instances(4).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sweeper_publishes_rows_older_than_the_slot_exactly_once() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    // Committed before any slot exists: the slot will never send these.
+    let (mut committed, _) = insert_events(&mut client, 0, 50, 20, 50, None).await;
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    // And these the slot sends; aggregates overlap with the old rows, so the paths must not reorder them.
+    let (newer, _) = insert_events(&mut client, 50, 50, 20, 50, None).await;
+    committed.extend(newer);
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let (_, report) = verify_delivery(&brokers, &committed, &[], 120, "sweeper + CDC");
+    assert_eq!(report.duplicates, 0);
+    let handed_off: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE handoff_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        handed_off >= 1_000,
+        "the 1,000 rows older than the slot went through the polling path: {handed_off}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn backlog_built_while_down_goes_through_cdc_not_the_sweeper() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    outboxd.kill();
+    let (committed, _) = insert_events(&mut client, 0, 1_000, 20, 100, None).await;
+    assert_eq!(committed.len(), 20_000);
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_all_published(&client, Duration::from_secs(180)).await;
+    let (_, report) = verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        180,
+        "backlog of 20,000 built while down",
+    );
+    assert_eq!(
+        report.duplicates, 0,
+        "the sweeper must not republish what the slot delivers"
+    );
+    let handed_off: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE handoff_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(handed_off, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dropped_slot_is_recreated_and_the_gap_is_covered() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let (mut committed, _) = insert_events(&mut client, 0, 20, 20, 20, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+
+    // Terminate the walsender, drop the slot, and keep writing while it is gone.
+    let gap = async {
+        loop {
+            let dropped = client
+                .batch_execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outboxd' AND active_pid IS NOT NULL;
+                     SELECT pg_drop_replication_slot('outboxd');",
+                )
+                .await;
+            if dropped.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), gap)
+        .await
+        .expect("could not drop the slot");
+    let (during, _) = insert_events(&mut client, 20, 20, 20, 20, None).await;
+    committed.extend(during);
+    wait_slot_active(&client, "outboxd").await;
+    let (after, _) = insert_events(&mut client, 40, 20, 20, 20, None).await;
+    committed.extend(after);
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let (_, report) = verify_delivery(&brokers, &committed, &[], 120, "slot dropped while running");
+    println!(
+        "duplicates after the slot was dropped: {}",
+        report.duplicates
+    );
+}
+
+async fn poison_event_is_dead_lettered(mode: &str) {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let _outboxd = Outboxd::spawn(&args(
+        &url,
+        &brokers,
+        &[
+            "--mode",
+            mode,
+            "--max-attempts",
+            "3",
+            "--retry-base",
+            "300ms",
+            "--retry-cap",
+            "600ms",
+        ],
+    ));
+    let client = pg.client().await;
+    if mode == "auto" {
+        wait_slot_active(&client, "outboxd").await;
+    }
+    let insert = |aggregate: &'static str, n: i32, big: bool| {
+        let client = &client;
+        async move {
+            let id = uuid::Uuid::new_v4();
+            let pad = if big { 1_500_000 } else { 10 };
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, 'Order', $2, 'E', jsonb_build_object('n', $3::int, 'pad', repeat('x', $4::int)))",
+                    &[&id, &aggregate, &n, &pad],
+                )
+                .await
+                .unwrap();
+            id
+        }
+    };
+    let a1 = insert("A", 1, false).await;
+    let poison = insert("A", 2, true).await;
+    let a3 = insert("A", 3, false).await;
+    let b: Vec<uuid::Uuid> = [insert("B", 1, false).await, insert("B", 2, false).await].to_vec();
+
+    let (dead_at, attempts, error): (std::time::SystemTime, i32, String) = wait_for_async(
+        "the poison event to be dead",
+        Duration::from_secs(60),
+        || async {
+            let row = client
+                .query_one(
+                    "SELECT dead_at, attempts, last_error FROM outbox_event WHERE event_id = $1",
+                    &[&poison],
+                )
+                .await
+                .unwrap();
+            row.get::<_, Option<std::time::SystemTime>>(0)
+                .map(|d| (d, row.get(1), row.get(2)))
+        },
+    )
+    .await;
+    assert_eq!(attempts, 3);
+    assert!(error.to_lowercase().contains("size"), "last_error: {error}");
+    wait_for_async("every live event to be published", Duration::from_secs(60), || async {
+        let n: i64 = client
+            .query_one("SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND dead_at IS NULL", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (n == 0).then_some(())
+    })
+    .await;
+    let published_at = |id: uuid::Uuid| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    "SELECT published_at FROM outbox_event WHERE event_id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .get::<_, Option<std::time::SystemTime>>(0)
+                .unwrap()
+        }
+    };
+    assert!(
+        published_at(a3).await > dead_at,
+        "A's later event waited for the poison event to die"
+    );
+    for id in &b {
+        assert!(
+            published_at(*id).await < dead_at,
+            "aggregate B was not delayed by A's poison event"
+        );
+    }
+    let records = consume_all(&brokers, &[TOPIC], 4, Duration::from_secs(60));
+    let ids: Vec<&str> = records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some("A"))
+        .map(|r| r.headers["event_id"].as_str())
+        .collect();
+    assert_eq!(
+        ids,
+        [a1.to_string(), a3.to_string()],
+        "A's events in order, without the poison one"
+    );
+    let _ = published_at(a1).await;
+
+    let replay = run_outboxd(&[
+        "replay",
+        "--database-url",
+        &url,
+        "--event-id",
+        &poison.to_string(),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&replay.stdout).contains("re-queued 1"),
+        "{}",
+        stderr_of(&replay)
+    );
+    let row = client
+        .query_one(
+            "SELECT attempts, dead_at IS NULL FROM outbox_event WHERE event_id = $1",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    // Re-queued: it is being retried again (and will die again: it is still too large).
+    assert!(row.get::<_, i32>(0) <= 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn poison_event_is_dead_lettered_in_poll_mode() {
+    poison_event_is_dead_lettered("poll").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn poison_event_is_handed_off_and_dead_lettered_from_cdc() {
+    poison_event_is_dead_lettered("auto").await;
+}
