@@ -320,3 +320,100 @@ async fn poison_event_is_dead_lettered_in_poll_mode() {
 async fn poison_event_is_handed_off_and_dead_lettered_from_cdc() {
     poison_event_is_dead_lettered("auto").await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.user_outbox (event_id uuid PRIMARY KEY, aggregate_type text NOT NULL,
+                 aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz)",
+        )
+        .await
+        .unwrap();
+    // Older rows, one per transaction (distinct created_at), before the polling columns exist.
+    let mut committed = Vec::new();
+    for n in 0..100i64 {
+        let id = uuid::Uuid::new_v4();
+        let aggregate = format!("order-{}", n % 7);
+        client
+            .execute(
+                "INSERT INTO public.user_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ($1, 'Order', $2, 'E', jsonb_build_object('n', $3::int8))",
+                &[&id, &aggregate, &n],
+            )
+            .await
+            .unwrap();
+        committed.push(Inserted {
+            event_id: id,
+            aggregate_id: aggregate,
+            seq: n,
+        });
+    }
+    let file_before: String = client
+        .query_one("SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let migrate = run_outboxd(&[
+        "migrate",
+        "--database-url",
+        &url,
+        "--table",
+        "public.user_outbox",
+        "--publication",
+        "user_pub",
+    ]);
+    assert!(migrate.status.success(), "{}", stderr_of(&migrate));
+    let file_after: String = client
+        .query_one("SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        file_before, file_after,
+        "adding the polling columns must not rewrite the table"
+    );
+    let null_positions: i64 = client
+        .query_one(
+            "SELECT count(*) FROM public.user_outbox WHERE position IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        null_positions, 100,
+        "older rows keep a NULL position (and go first)"
+    );
+
+    let _outboxd = Outboxd::spawn(&args(
+        &url,
+        &brokers,
+        &["--mode", "poll", "--table", "public.user_outbox"],
+    ));
+    wait_for_async("every row published", Duration::from_secs(60), || async {
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM public.user_outbox WHERE published_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (n == 0).then_some(())
+    })
+    .await;
+    let (_, report) = verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        60,
+        "user-created table after migrate",
+    );
+    assert_eq!(report.duplicates, 0);
+}
