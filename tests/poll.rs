@@ -355,7 +355,10 @@ async fn migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite() {
         });
     }
     let file_before: String = client
-        .query_one("SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass", &[])
+        .query_one(
+            "SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -370,7 +373,10 @@ async fn migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite() {
     ]);
     assert!(migrate.status.success(), "{}", stderr_of(&migrate));
     let file_after: String = client
-        .query_one("SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass", &[])
+        .query_one(
+            "SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -416,4 +422,49 @@ async fn migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite() {
         "user-created table after migrate",
     );
     assert_eq!(report.duplicates, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_switches_from_polling_to_cdc_when_replication_is_granted() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let mut client = pg.client().await;
+    client
+        .batch_execute("CREATE ROLE app LOGIN; GRANT SELECT, UPDATE ON outbox_event TO app")
+        .await
+        .unwrap();
+    let url = pg.url_for("app", None);
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let (mut committed, _) = insert_events(&mut client, 0, 25, 20, 20, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    assert!(
+        outboxd.log_text().contains("replication unavailable"),
+        "{}",
+        outboxd.log_text()
+    );
+
+    client
+        .batch_execute("ALTER ROLE app REPLICATION")
+        .await
+        .unwrap();
+    let granted = std::time::Instant::now();
+    wait_slot_active(&client, "outboxd").await;
+    println!(
+        "switched from polling to CDC {:?} after the grant",
+        granted.elapsed()
+    );
+    let (more, _) = insert_events(&mut client, 25, 25, 20, 20, None).await;
+    committed.extend(more);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let (_, report) = verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        60,
+        "poll, then CDC after the grant",
+    );
+    assert_eq!(report.duplicates, 0);
+    assert!(outboxd
+        .log_text()
+        .contains("streaming from the replication slot"));
 }
