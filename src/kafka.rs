@@ -26,6 +26,9 @@ pub struct Rejection {
     pub reason: String,
     /// Retrying cannot fix it (too large, invalid topic, not authorized): counts toward dead-lettering.
     pub permanent: bool,
+    /// The producer's idempotence state is broken (fenced, epoch or sequence lost, e.g. after an outage):
+    /// only a new producer recovers.
+    pub producer_broken: bool,
 }
 
 impl Rejection {
@@ -42,9 +45,20 @@ impl Rejection {
                     | RDKafkaErrorCode::TopicAuthorizationFailed
             )
         );
+        let producer_broken = matches!(
+            error.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::ProducerFenced
+                    | RDKafkaErrorCode::InvalidProducerEpoch
+                    | RDKafkaErrorCode::OutOfOrderSequenceNumber
+                    | RDKafkaErrorCode::UnknownProducerId
+                    | RDKafkaErrorCode::InvalidProducerIdMapping
+            )
+        );
         Rejection {
             reason: error.to_string(),
             permanent,
+            producer_broken,
         }
     }
 }
@@ -305,6 +319,15 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 }
             }
         }
+    }
+
+    /// A fatal producer error (e.g. the idempotent producer was fenced after an outage): the producer must be
+    /// replaced; every later send would fail.
+    pub fn fatal_error(&self) -> Option<String> {
+        self.producer
+            .client()
+            .fatal_error()
+            .map(|(code, reason)| format!("{code:?}: {reason}"))
     }
 
     /// Drops whatever the producer still holds; those events are re-sent from the slot.

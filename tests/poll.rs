@@ -468,3 +468,69 @@ async fn auto_switches_from_polling_to_cdc_when_replication_is_granted() {
         .log_text()
         .contains("streaming from the replication slot"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn broker_outage_in_poll_mode_backs_off_then_delivers_everything() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let (_broker, proxy) = Broker::start_behind_proxy();
+    let (url, brokers) = (pg.url(), Broker::proxied_addr(&proxy));
+    let _outboxd = Outboxd::spawn(&args(
+        &url,
+        &brokers,
+        &[
+            "--mode",
+            "poll",
+            "--lease",
+            "4s",
+            "--retry-base",
+            "500ms",
+            "--retry-cap",
+            "2s",
+        ],
+    ));
+    let mut client = pg.client().await;
+    let (mut committed, _) = insert_events(&mut client, 0, 10, 20, 20, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+
+    proxy.cut();
+    let cut_at = std::time::Instant::now();
+    let (during, _) = insert_events(&mut client, 10, 10, 20, 20, None).await;
+    committed.extend(during);
+    // Backoff is visible in the table while the broker is unreachable.
+    let (retried, max_attempts): (i64, i32) = wait_for_async("failed sends to back off", Duration::from_secs(60), || async {
+        let row = client
+            .query_one(
+                "SELECT count(*), coalesce(max(attempts), 0) FROM outbox_event
+                 WHERE published_at IS NULL AND attempts >= 2 AND last_error IS NOT NULL AND dead_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap();
+        let (count, attempts): (i64, i32) = (row.get(0), row.get(1));
+        (count > 0).then_some((count, attempts))
+    })
+    .await;
+    println!("while the broker was down: {retried} rows retrying, up to {max_attempts} attempts");
+    let dead: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, 0, "an outage never dead-letters");
+    let down_for = Duration::from_secs(20).saturating_sub(cut_at.elapsed());
+    tokio::time::sleep(down_for).await; // the outage itself: 20 s of broker downtime, not a synchronisation
+    proxy.restore();
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let (_, report) = verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        60,
+        "after a 20 s broker outage in poll mode",
+    );
+    println!("duplicates after the outage: {}", report.duplicates);
+}

@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use crate::backoff::{retry_delay, Backoff};
 use crate::config::{PollOrder, RunSettings};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kafka::{KnownTopics, PublishError, Publisher, Rejection};
 use crate::pg;
 use crate::pg::outbox::{ClaimScope, ClaimedRow, PollSql};
@@ -166,6 +166,7 @@ impl PollWorker {
                 Err(PublishError::Failed(error)) => Outcome::Failed(Rejection {
                     reason: error.to_string(),
                     permanent: false,
+                    producer_broken: false,
                 }),
             };
             if matches!(outcome, Outcome::Failed(_)) {
@@ -260,6 +261,16 @@ impl PollWorker {
                     "publish failed; will retry"
                 );
             }
+        }
+        let broken = outcomes.iter().find_map(|o| match o {
+            Outcome::Failed(r) if r.producer_broken => Some(r.reason.clone()),
+            _ => None,
+        });
+        if let Some(reason) = publisher.fatal_error().or(broken) {
+            return Err(Error::Kafka {
+                message: format!("the producer failed fatally ({reason}); starting a new one"),
+                transient: true,
+            });
         }
         Ok(report)
     }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Local Kafka-protocol broker (tansu, in-memory storage) for tests and the demo.
-#   broker.sh start DIR PORT   start it in the background (pid in DIR/tansu.pid) and wait until it answers
+#   broker.sh start DIR PORT [ADVERTISED_PORT]   start it in the background (pid in DIR/tansu.pid) and wait
+#                              until it answers; clients are sent to ADVERTISED_PORT (e.g. a test's proxy)
 #   broker.sh stop DIR         stop it
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -11,11 +12,12 @@ dir="${2:?DIR required}"
 case "$cmd" in
   start)
     port="${3:?PORT required}"
+    advertised="${4:-$port}"
     [ -x "$TANSU_BIN" ] || { echo "tansu not found at $TANSU_BIN: run tests/support/install-deps.sh" >&2; exit 1; }
     mkdir -p "$dir"
     nohup "$TANSU_BIN" broker \
       --listener-url "tcp://127.0.0.1:$port" \
-      --advertised-listener-url "tcp://127.0.0.1:$port" \
+      --advertised-listener-url "tcp://127.0.0.1:$advertised" \
       --storage-engine "${TANSU_STORAGE:-memory://tansu/}" >"$dir/tansu.log" 2>&1 &
     echo $! >"$dir/tansu.pid"
     for _ in $(seq 1 100); do

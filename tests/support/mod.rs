@@ -650,3 +650,105 @@ pub async fn current_wal_lsn(client: &tokio_postgres::Client) -> outboxd::lsn::L
         .get(0);
     text.parse().unwrap()
 }
+
+/// A TCP proxy the tests own, for cutting the network between outboxd and a server: `cut` drops every
+/// connection and refuses new ones until `restore`.
+pub struct Proxy {
+    pub port: u16,
+    accepting: std::sync::Arc<tokio::sync::watch::Sender<bool>>,
+    connections: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Listens on a free port and forwards to `target_port` (call `forward_to` later if unknown yet).
+    pub fn start(target_port: std::sync::Arc<std::sync::atomic::AtomicU16>) -> Self {
+        let port = free_port();
+        let (accepting, mut state) = tokio::sync::watch::channel(true);
+        let accepting = std::sync::Arc::new(accepting);
+        let connections =
+            std::sync::Arc::new(std::sync::Mutex::new(Vec::<tokio::task::AbortHandle>::new()));
+        let conns = connections.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                if state.wait_for(|on| *on).await.is_err() {
+                    return;
+                }
+                let listener = match tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
+                    Ok(listener) => listener,
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                loop {
+                    tokio::select! {
+                        accepted = listener.accept() => {
+                            let Ok((mut inbound, _)) = accepted else { continue };
+                            let target = target_port.load(std::sync::atomic::Ordering::SeqCst);
+                            let pipe = tokio::spawn(async move {
+                                if let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await {
+                                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                                }
+                            });
+                            conns.lock().unwrap().push(pipe.abort_handle());
+                        }
+                        _ = state.wait_for(|on| !*on) => break,
+                    }
+                }
+                // Listener dropped here: new connections are refused until restored.
+            }
+        });
+        Proxy {
+            port,
+            accepting,
+            connections,
+            task,
+        }
+    }
+
+    pub fn cut(&self) {
+        let _ = self.accepting.send(false);
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.abort();
+        }
+    }
+
+    pub fn restore(&self) {
+        let _ = self.accepting.send(true);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.cut();
+        self.task.abort();
+    }
+}
+
+impl Broker {
+    /// A broker whose clients all go through a [`Proxy`] (it advertises the proxy's address).
+    pub fn start_behind_proxy() -> (Broker, Proxy) {
+        let target = std::sync::Arc::new(std::sync::atomic::AtomicU16::new(0));
+        let proxy = Proxy::start(target.clone());
+        let dir = scratch_dir("broker");
+        let port = free_port();
+        target.store(port, std::sync::atomic::Ordering::SeqCst);
+        run_script(
+            "broker.sh",
+            &[
+                "start",
+                dir.to_str().unwrap(),
+                &port.to_string(),
+                &proxy.port.to_string(),
+            ],
+            &[],
+        );
+        (Broker { dir, port }, proxy)
+    }
+
+    /// The address clients should use when the broker is behind a proxy.
+    pub fn proxied_addr(proxy: &Proxy) -> String {
+        format!("127.0.0.1:{}", proxy.port)
+    }
+}
