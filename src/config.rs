@@ -161,6 +161,11 @@ pub struct Options {
     /// Attempts before an event is dead-lettered [default: 10].
     #[arg(long, env = "OUTBOXD_MAX_ATTEMPTS")]
     pub max_attempts: Option<i32>,
+    /// Wake the polling path with LISTEN/NOTIFY (migrate: install the statement-level trigger). NOTIFY
+    /// serialises committing transactions: use it only with --mode poll and a modest insert rate.
+    #[arg(long, env = "OUTBOXD_POLL_NOTIFY")]
+    #[serde(default)]
+    pub poll_notify: bool,
     /// Also produce dead-lettered events to this topic (with an `error` header).
     #[arg(long, env = "OUTBOXD_DEAD_LETTER_TOPIC")]
     pub dead_letter_topic: Option<String>,
@@ -248,6 +253,7 @@ pub struct PollSettings {
     pub retry_cap: Duration,
     pub max_attempts: i32,
     pub dead_letter_topic: Option<String>,
+    pub notify: bool,
 }
 
 impl Options {
@@ -302,6 +308,7 @@ impl Options {
             retry_cap: self.retry_cap.or(file.retry_cap),
             max_attempts: self.max_attempts.or(file.max_attempts),
             dead_letter_topic: self.dead_letter_topic.or(file.dead_letter_topic),
+            poll_notify: self.poll_notify || file.poll_notify,
         }
     }
 
@@ -453,6 +460,7 @@ impl Options {
             retry_cap,
             max_attempts,
             dead_letter_topic: self.dead_letter_topic.clone(),
+            notify: self.poll_notify,
         })
     }
 }

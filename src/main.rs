@@ -63,6 +63,10 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             let settings = options.database()?;
             let mut client = pg::connect(&settings.database_url).await?;
             let report = pg::migrate::migrate(&mut client, &settings).await?;
+            if options.poll_notify {
+                pg::migrate::install_notify_trigger(&client, &settings.table).await?;
+                tracing::warn!(table = %settings.table, "installed the LISTEN/NOTIFY trigger: every insert now notifies (serialising commits); drop it with DROP TRIGGER outboxd_notify ON <table>");
+            }
             tracing::info!(applied = ?report.applied, publication_created = report.publication_created, table = %settings.table, publication = %settings.publication, "migrations done");
             Ok(ExitCode::SUCCESS)
         }

@@ -534,3 +534,50 @@ async fn broker_outage_in_poll_mode_backs_off_then_delivers_everything() {
     );
     println!("duplicates after the outage: {}", report.duplicates);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn poll_notify_wakes_an_idle_poller_and_is_off_by_default() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let triggers = || async {
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_trigger WHERE tgname = 'outboxd_notify'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        n
+    };
+    assert_eq!(
+        triggers().await,
+        0,
+        "NOTIFY is never installed unless asked"
+    );
+    let migrate = run_outboxd(&["migrate", "--database-url", &url, "--poll-notify"]);
+    assert!(migrate.status.success(), "{}", stderr_of(&migrate));
+    assert_eq!(triggers().await, 1);
+
+    // A 10-minute polling interval: only the notification can deliver the event within the wait below.
+    let outboxd = Outboxd::spawn(&args(
+        &url,
+        &brokers,
+        &["--mode", "poll", "--poll-notify", "--poll-interval", "10m"],
+    ));
+    wait_for(
+        "the poller to start listening",
+        Duration::from_secs(60),
+        || {
+            outboxd
+                .log_text()
+                .contains("polling the outbox table")
+                .then_some(())
+        },
+    );
+    let mut client = pg.client().await;
+    let (committed, _) = insert_events(&mut client, 0, 1, 3, 1, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    verify_delivery(&brokers, &committed, &[], 30, "woken by NOTIFY");
+}

@@ -101,3 +101,24 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
     tx.commit().await?;
     Ok(report)
 }
+
+/// The NOTIFY channel of an outbox table's insert trigger.
+pub fn notify_channel(table: &TableName) -> String {
+    format!("outboxd_{}_{}", table.schema, table.name)
+}
+
+/// Installs the statement-level trigger that wakes `--poll-notify` pollers (only when asked: NOTIFY takes a
+/// database-wide lock at commit and serialises every committing transaction that notifies).
+pub async fn install_notify_trigger(client: &Client, table: &TableName) -> Result<()> {
+    let channel = notify_channel(table);
+    let function = format!("\"{}\".\"{channel}\"", table.schema);
+    client
+        .batch_execute(&format!(
+            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$;
+             CREATE OR REPLACE TRIGGER outboxd_notify AFTER INSERT ON {} FOR EACH STATEMENT EXECUTE FUNCTION {function}();",
+            table.quoted()
+        ))
+        .await?;
+    Ok(())
+}

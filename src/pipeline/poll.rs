@@ -39,6 +39,46 @@ pub struct BatchReport {
     pub held_back: usize,
 }
 
+/// LISTENs on the table's NOTIFY channel on a dedicated connection; the returned `Notify` fires on every
+/// notification (and when the connection ends, so the poller never sleeps on a dead listener).
+async fn listen(
+    settings: &RunSettings,
+) -> Result<(tokio_postgres::Client, Arc<tokio::sync::Notify>)> {
+    let table = &settings.database.table;
+    let (client, mut connection) = settings
+        .database
+        .database_url
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(pg::classify_connect_error)?;
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let wake = notify.clone();
+    tokio::spawn(async move {
+        loop {
+            match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(tokio_postgres::AsyncMessage::Notification(_))) => wake.notify_one(),
+                Some(Ok(_)) => {}
+                _ => {
+                    wake.notify_one();
+                    return;
+                }
+            }
+        }
+    });
+    let channel = pg::migrate::notify_channel(table);
+    client
+        .batch_execute(&format!("LISTEN \"{channel}\""))
+        .await?;
+    let installed: bool = client
+        .query_one("SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'outboxd_notify' AND tgrelid = to_regclass($1))", &[&table.quoted()])
+        .await?
+        .get(0);
+    if !installed {
+        tracing::warn!(%table, "--poll-notify is set but the trigger is missing: run `outboxd migrate --poll-notify`; polling on the interval meanwhile");
+    }
+    Ok((client, notify))
+}
+
 pub struct PollWorker {
     settings: Arc<RunSettings>,
     scope: ClaimScope,
@@ -100,6 +140,10 @@ impl PollWorker {
             delivery_tx,
             &[("message.timeout.ms", send_timeout)],
         )?;
+        let wake = match (poll.notify, self.scope) {
+            (true, ClaimScope::All) => Some(listen(&self.settings).await?),
+            _ => None,
+        };
         let mut idle_delay = poll.interval;
         loop {
             if *shutdown.borrow() {
@@ -111,8 +155,15 @@ impl PollWorker {
                 .await?;
             backoff.reset();
             if rows.is_empty() {
+                let notified = async {
+                    match &wake {
+                        Some((_, notify)) => notify.notified().await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     _ = tokio::time::sleep(idle_delay) => {}
+                    _ = notified => {}
                     _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
                 }
                 idle_delay = (idle_delay * 2).min(poll.interval * 16);
