@@ -224,11 +224,18 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                     Err((_, code)) => {
                         return Err(Error::Kafka {
                             message: format!("cannot create topic {topic}: {code}"),
-                            transient: matches!(
+                            // Only what a person must fix is permanent; anything else (timeouts, a
+                            // controller moving, a concurrent creation) is retried.
+                            transient: !matches!(
                                 code,
-                                RDKafkaErrorCode::RequestTimedOut | RDKafkaErrorCode::NotController
+                                RDKafkaErrorCode::InvalidTopic
+                                    | RDKafkaErrorCode::TopicAuthorizationFailed
+                                    | RDKafkaErrorCode::ClusterAuthorizationFailed
+                                    | RDKafkaErrorCode::PolicyViolation
+                                    | RDKafkaErrorCode::InvalidReplicationFactor
+                                    | RDKafkaErrorCode::InvalidPartitions
                             ),
-                        })
+                        });
                     }
                 }
             }

@@ -88,19 +88,29 @@ impl CdcPipeline {
             tracing::warn!("the outbox table has no polling columns: CDC only, no sweeper and no retry queue (run `outboxd migrate`)");
             return self.sessions(shutdown).await;
         }
-        let (stop_sweeper, sweeper_shutdown) = watch::channel(false);
+        let (stop_sweeper, mut sweeper_shutdown) = watch::channel(false);
         let sweeper = PollWorker::new(
             self.settings.clone(),
             ClaimScope::HandedOff,
             self.known_topics.clone(),
         );
-        let sweeper = tokio::spawn(async move { sweeper.run(sweeper_shutdown).await });
+        // The sweeper outlives its errors: it logs them and starts again, so handed-off rows are never stranded.
+        let sweeper = tokio::spawn(async move {
+            loop {
+                match sweeper.run(sweeper_shutdown.clone()).await {
+                    Ok(()) => return,
+                    Err(error) => tracing::error!(%error, "sweeper failed; restarting it in 5s"),
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                    _ = sweeper_shutdown.wait_for(|stop| *stop) => return,
+                }
+            }
+        });
         let result = self.sessions(shutdown).await;
         let _ = stop_sweeper.send(true);
-        match sweeper.await {
-            Ok(Err(error)) => tracing::warn!(%error, "sweeper stopped"),
-            Err(error) => tracing::warn!(%error, "sweeper task failed"),
-            Ok(Ok(())) => {}
+        if let Err(error) = sweeper.await {
+            tracing::warn!(%error, "sweeper task failed");
         }
         result
     }

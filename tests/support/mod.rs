@@ -624,10 +624,36 @@ pub async fn unpublished(client: &tokio_postgres::Client) -> i64 {
 }
 
 pub async fn wait_all_published(client: &tokio_postgres::Client, timeout: Duration) {
-    wait_for_async("every row to have published_at", timeout, || async {
-        (unpublished(client).await == 0).then_some(())
-    })
-    .await;
+    let deadline = std::time::Instant::now() + timeout;
+    while unpublished(client).await > 0 {
+        if std::time::Instant::now() > deadline {
+            let state = client
+                .query_one(
+                    "SELECT count(*), count(*) FILTER (WHERE handoff_at IS NOT NULL),
+                            count(*) FILTER (WHERE lease_until > now()), count(*) FILTER (WHERE dead_at IS NOT NULL),
+                            max(attempts), max(last_error)
+                     FROM outbox_event WHERE published_at IS NULL",
+                    &[],
+                )
+                .await
+                .ok()
+                .map(|r| {
+                    format!(
+                        "unpublished {}, handed off {}, leased {}, dead {}, max attempts {:?}, an error {:?}",
+                        r.get::<_, i64>(0),
+                        r.get::<_, i64>(1),
+                        r.get::<_, i64>(2),
+                        r.get::<_, i64>(3),
+                        r.get::<_, Option<i32>>(4),
+                        r.get::<_, Option<String>>(5)
+                    )
+                });
+            panic!(
+                "timed out after {timeout:?} waiting for every row to have published_at: {state:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 pub async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> outboxd::lsn::Lsn {
