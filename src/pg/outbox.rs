@@ -19,7 +19,8 @@ impl OutboxSql {
         let table = table_name.quoted();
         let mark_published = client
             .prepare(&format!(
-                "UPDATE {table} SET published_at = now() WHERE event_id = ANY($1::uuid[]) AND published_at IS NULL"
+                "UPDATE {table} SET published_at = now() WHERE event_id = ANY($1::uuid[]) AND published_at IS NULL
+                 RETURNING event_id"
             ))
             .await?;
         let find_published = client
@@ -31,11 +32,13 @@ impl OutboxSql {
             Ok(()) => Some(
                 client
                     .prepare(&format!(
-                        "UPDATE {table} SET handoff_at = now() WHERE event_id = ANY($1::uuid[]) AND published_at IS NULL"
+                        "UPDATE {table} SET handoff_at = now() WHERE event_id = ANY($1::uuid[]) AND published_at IS NULL
+                         RETURNING event_id"
                     ))
                     .await?,
             ),
-            Err(_) => None,
+            Err(crate::error::Error::Setup { .. }) => None,
+            Err(error) => return Err(error),
         };
         Ok(OutboxSql {
             mark_published,
@@ -45,8 +48,10 @@ impl OutboxSql {
     }
 
     /// Sets `published_at` for the given events (one statement); rows already published are left alone.
-    pub async fn mark_published(&self, client: &Client, event_ids: &[Uuid]) -> Result<u64> {
-        Ok(client.execute(&self.mark_published, &[&event_ids]).await?)
+    /// Returns the rows it changed.
+    pub async fn mark_published(&self, client: &Client, event_ids: &[Uuid]) -> Result<Vec<Uuid>> {
+        let rows = client.query(&self.mark_published, &[&event_ids]).await?;
+        Ok(rows.iter().map(|row| row.get(0)).collect())
     }
 
     /// True when the table has the polling columns, so events can be handed to the polling path.
@@ -54,11 +59,18 @@ impl OutboxSql {
         self.hand_off.is_some()
     }
 
-    /// Hands events to the polling path (sets `handoff_at`); a no-op without the polling columns.
-    pub async fn hand_off(&self, client: &Client, event_ids: &[Uuid]) -> Result<u64> {
+    /// Hands events to the polling path (sets `handoff_at`); an error without the polling columns.
+    /// Returns the rows it changed.
+    pub async fn hand_off(&self, client: &Client, event_ids: &[Uuid]) -> Result<Vec<Uuid>> {
         match &self.hand_off {
-            Some(statement) => Ok(client.execute(statement, &[&event_ids]).await?),
-            None => Ok(0),
+            Some(statement) => {
+                let rows = client.query(statement, &[&event_ids]).await?;
+                Ok(rows.iter().map(|row| row.get(0)).collect())
+            }
+            None => Err(crate::error::Error::setup(
+                "cannot hand events to the polling path: the table has no polling columns",
+                "run `outboxd migrate`",
+            )),
         }
     }
 
@@ -67,6 +79,27 @@ impl OutboxSql {
         let rows = client.query(&self.find_published, &[&event_ids]).await?;
         Ok(rows.iter().map(|row| row.get(0)).collect())
     }
+}
+
+/// True when transaction `xid` (32-bit, as pgoutput's Begin reports it) is visible to a snapshot taken now.
+///
+/// A logical walsender sends a transaction as soon as its commit record is flushed, which can be before the
+/// committing backend makes it visible to other sessions (and, with synchronous replication, long before):
+/// an UPDATE of its rows issued right away may find nothing. Waiting for visibility tells "not visible yet"
+/// apart from "gone" (already published, or deleted by its own transaction).
+pub async fn transaction_visible(client: &Client, xid: u32) -> Result<bool> {
+    let row = client
+        .query_one(
+            "WITH s AS (SELECT pg_current_snapshot() AS snap),
+                  x AS (SELECT snap, pg_snapshot_xmax(snap)::text::int8 AS xmax FROM s),
+                  c AS (SELECT snap, CASE WHEN ((xmax >> 32) << 32) | $1::int8 > xmax
+                                          THEN (((xmax >> 32) - 1) << 32) | $1::int8
+                                          ELSE ((xmax >> 32) << 32) | $1::int8 END AS full_xid FROM x)
+             SELECT pg_visible_in_snapshot(full_xid::text::xid8, snap) FROM c",
+            &[&i64::from(xid)],
+        )
+        .await?;
+    Ok(row.get(0))
 }
 
 /// Marks, as handed to the polling path, every unpublished row visible in the snapshot exported when the

@@ -5,19 +5,24 @@
 //! waits for the client to confirm everything sent, so holding the replication connection open while
 //! waiting for the database would stall the shutdown until `wal_sender_timeout`.
 
+use std::collections::HashSet;
+use std::time::Duration;
+
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use uuid::Uuid;
 
 use crate::config::TableName;
 use crate::error::Error;
 use crate::kafka::Delivery;
-use crate::pg::{self, outbox::OutboxSql};
+use crate::pg::{self, outbox, outbox::OutboxSql};
 use crate::pipeline::watermark::TxnId;
 
 /// What the CDC path attaches to each event it hands to the producer or to the polling path.
 #[derive(Debug, Clone, Copy)]
 pub struct CdcTag {
     pub txn: TxnId,
+    /// The PostgreSQL transaction that inserted the event.
+    pub xid: u32,
     /// True: not published; set `handoff_at` so the polling path publishes it.
     pub hand_off: bool,
 }
@@ -41,8 +46,6 @@ pub async fn run(
     finished: UnboundedSender<Finished>,
 ) {
     let mut batch: Vec<Delivery<CdcTag>> = Vec::with_capacity(MAX_BATCH);
-    let mut ids: Vec<Uuid> = Vec::with_capacity(MAX_BATCH);
-    let mut handed_off: Vec<Uuid> = Vec::new();
     let mut connection: Option<(tokio_postgres::Client, OutboxSql)> = None;
     loop {
         let Some(first) = deliveries.recv().await else {
@@ -69,10 +72,6 @@ pub async fn run(
             }));
             return;
         }
-        ids.clear();
-        ids.extend(batch.iter().filter(|d| !d.tag.hand_off).map(|d| d.event_id));
-        handed_off.clear();
-        handed_off.extend(batch.iter().filter(|d| d.tag.hand_off).map(|d| d.event_id));
         if connection.is_none() {
             match connect(&database_url, &table).await {
                 Ok(c) => connection = Some(c),
@@ -83,16 +82,7 @@ pub async fn run(
             }
         }
         if let Some((client, sql)) = &connection {
-            let written = async {
-                if !ids.is_empty() {
-                    sql.mark_published(client, &ids).await?;
-                }
-                if !handed_off.is_empty() {
-                    sql.hand_off(client, &handed_off).await?;
-                }
-                Ok::<_, Error>(())
-            };
-            if let Err(error) = written.await {
+            if let Err(error) = write_batch(client, sql, &batch).await {
                 let _ = finished.send(Finished::Failed(error));
                 return;
             }
@@ -101,6 +91,47 @@ pub async fn run(
         if finished.send(Finished::Events(events)).is_err() {
             return;
         }
+    }
+}
+
+/// Writes `published_at` (or `handoff_at`) for every event of the batch. Rows not yet visible (their
+/// transaction's commit was decoded before it became visible here) are retried until their transaction is
+/// visible; rows still missing then are gone (already published, or deleted by their own transaction).
+async fn write_batch(
+    client: &tokio_postgres::Client,
+    sql: &OutboxSql,
+    batch: &[Delivery<CdcTag>],
+) -> Result<(), Error> {
+    let mut pending: Vec<(Uuid, u32, bool)> = batch
+        .iter()
+        .map(|d| (d.event_id, d.tag.xid, d.tag.hand_off))
+        .collect();
+    let mut delay = Duration::from_millis(2);
+    loop {
+        // Which transactions are visible *before* the UPDATE: their rows, if missing, are gone for good.
+        let mut visible: HashSet<u32> = HashSet::new();
+        if delay > Duration::from_millis(2) {
+            for xid in pending.iter().map(|p| p.1).collect::<HashSet<u32>>() {
+                if outbox::transaction_visible(client, xid).await? {
+                    visible.insert(xid);
+                }
+            }
+        }
+        let publish: Vec<Uuid> = pending.iter().filter(|p| !p.2).map(|p| p.0).collect();
+        let hand_off: Vec<Uuid> = pending.iter().filter(|p| p.2).map(|p| p.0).collect();
+        let mut written: HashSet<Uuid> = HashSet::new();
+        if !publish.is_empty() {
+            written.extend(sql.mark_published(client, &publish).await?);
+        }
+        if !hand_off.is_empty() {
+            written.extend(sql.hand_off(client, &hand_off).await?);
+        }
+        pending.retain(|(id, xid, _)| !written.contains(id) && !visible.contains(xid));
+        if pending.is_empty() {
+            return Ok(());
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(200));
     }
 }
 

@@ -41,6 +41,7 @@ pub struct CdcPipeline {
 /// An event decoded in the replay region, waiting for the `published_at` lookup.
 struct Pending {
     txn: TxnId,
+    xid: u32,
     event: OutboxEvent,
     event_id: Uuid,
 }
@@ -57,6 +58,8 @@ struct Session<'a> {
     replay_buffer: Vec<Pending>,
     mappings: HashMap<u32, Option<RowMapping>>,
     current_txn: Option<TxnId>,
+    /// xid of the transaction being decoded (from Begin).
+    current_xid: u32,
     in_replay_region: bool,
     skipping_resent_txn: bool,
     in_flight_events: usize,
@@ -226,6 +229,7 @@ impl CdcPipeline {
             replay_buffer: Vec::new(),
             mappings: HashMap::new(),
             current_txn: None,
+            current_xid: 0,
             in_replay_region: false,
             skipping_resent_txn: false,
             in_flight_events: 0,
@@ -356,12 +360,14 @@ impl Session<'_> {
                         self.flush_replay_buffer().await?;
                     }
                     self.current_txn = Some(self.watermark.begin());
+                    self.current_xid = begin.xid;
                 }
             }
             PgOutputMessage::Commit(commit) => {
                 if self.skipping_resent_txn {
                     self.skipping_resent_txn = false;
                 } else if let Some(txn) = self.current_txn.take() {
+                    tracing::trace!(end_lsn = %commit.end_lsn, published = self.published, handed_off = self.handed_off, "transaction decoded");
                     self.watermark.commit(txn, commit.end_lsn);
                 }
             }
@@ -401,11 +407,13 @@ impl Session<'_> {
                 if self.in_replay_region {
                     self.replay_buffer.push(Pending {
                         txn,
+                        xid: self.current_xid,
                         event,
                         event_id,
                     });
                 } else {
-                    self.publish(txn, &event, event_id).await?;
+                    self.publish(txn, self.current_xid, &event, event_id)
+                        .await?;
                 }
             }
             PgOutputMessage::Skipped(_) => {}
@@ -433,10 +441,16 @@ impl Session<'_> {
     /// Publishes one event, or hands it to the polling path when its aggregate has events waiting there or
     /// the producer refuses it for good (e.g. too large): the polling path retries and dead-letters it, and
     /// the aggregate's later events follow it there, so order per aggregate holds.
-    async fn publish(&mut self, txn: TxnId, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+    async fn publish(
+        &mut self,
+        txn: TxnId,
+        xid: u32,
+        event: &OutboxEvent,
+        event_id: Uuid,
+    ) -> Result<()> {
         let aggregate = (event.aggregate_type.clone(), event.aggregate_id.clone());
         if self.blocked.contains(&aggregate) {
-            return self.hand_off(txn, event, event_id);
+            return self.hand_off(txn, xid, event, event_id);
         }
         let topic = self
             .settings
@@ -444,6 +458,7 @@ impl Session<'_> {
             .render(&event.aggregate_type, &event.event_type);
         let tag = CdcTag {
             txn,
+            xid,
             hand_off: false,
         };
         match self
@@ -460,15 +475,22 @@ impl Session<'_> {
             {
                 tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
                 self.blocked.insert(aggregate);
-                self.hand_off(txn, event, event_id)
+                self.hand_off(txn, xid, event, event_id)
             }
             Err(error) => Err(error.into()),
         }
     }
 
-    fn hand_off(&mut self, txn: TxnId, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+    fn hand_off(
+        &mut self,
+        txn: TxnId,
+        xid: u32,
+        event: &OutboxEvent,
+        event_id: Uuid,
+    ) -> Result<()> {
         let tag = CdcTag {
             txn,
+            xid,
             hand_off: true,
         };
         let item = Delivery {
@@ -515,7 +537,7 @@ impl Session<'_> {
                 self.finish_event(pending.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
             } else {
-                self.publish(pending.txn, &pending.event, pending.event_id)
+                self.publish(pending.txn, pending.xid, &pending.event, pending.event_id)
                     .await?;
             }
         }

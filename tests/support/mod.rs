@@ -190,7 +190,7 @@ pub fn outboxd_command(args: &[&str]) -> Command {
     }
     command.env(
         "RUST_LOG",
-        "info,outboxd=debug,rdkafka=warn,tokio_postgres=warn",
+        "info,outboxd=trace,rdkafka=warn,tokio_postgres=warn",
     );
     command
 }
