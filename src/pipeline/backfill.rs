@@ -130,7 +130,10 @@ async fn write_batch(
         if pending.is_empty() {
             return Ok(());
         }
-        tracing::debug!(rows = pending.len(), "rows of a decoded transaction are not visible yet; waiting");
+        tracing::debug!(
+            rows = pending.len(),
+            "rows of a decoded transaction are not visible yet; waiting"
+        );
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_millis(200));
     }
