@@ -581,3 +581,79 @@ async fn poll_notify_wakes_an_idle_poller_and_is_off_by_default() {
     wait_all_published(&client, Duration::from_secs(60)).await;
     verify_delivery(&brokers, &committed, &[], 30, "woken by NOTIFY");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_are_renewed_while_a_slow_send_is_in_flight() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let (_broker, proxy) = Broker::start_behind_proxy();
+    let (url, brokers) = (pg.url(), Broker::proxied_addr(&proxy));
+    // Sends may take far longer than a lease; a second instance would take over any row whose lease lapsed.
+    let worker_args = args(
+        &url,
+        &brokers,
+        &[
+            "--mode",
+            "poll",
+            "--lease",
+            "3s",
+            "--kafka-option",
+            "message.timeout.ms=120000",
+        ],
+    );
+    let _first = Outboxd::spawn(&worker_args);
+    let mut client = pg.client().await;
+    let (mut committed, _) = insert_events(&mut client, 0, 1, 5, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let _second = Outboxd::spawn(&worker_args);
+
+    proxy.stall();
+    let (slow, _) = insert_events(&mut client, 1, 5, 20, 10, None).await;
+    committed.extend(slow);
+    let first_lease: std::time::SystemTime =
+        wait_for_async("rows to be claimed", Duration::from_secs(30), || async {
+            client
+                .query_one(
+                    "SELECT max(lease_until) FROM outbox_event WHERE published_at IS NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, Option<std::time::SystemTime>>(0)
+        })
+        .await;
+    // Three lease lengths later the lease has been extended, and no row was ever left without one.
+    let renewed: std::time::SystemTime = wait_for_async(
+        "the lease to be renewed",
+        Duration::from_secs(30),
+        || async {
+            let row = client
+                .query_one(
+                    "SELECT min(lease_until), count(*) FILTER (WHERE lease_until < now())
+                 FROM outbox_event WHERE published_at IS NULL AND lease_token IS NOT NULL",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let lapsed: i64 = row.get(1);
+            assert_eq!(lapsed, 0, "a claimed row's lease lapsed during a slow send");
+            row.get::<_, Option<std::time::SystemTime>>(0)
+                .filter(|min| *min > first_lease + Duration::from_secs(6))
+        },
+    )
+    .await;
+    println!("lease extended to {renewed:?} (first {first_lease:?})");
+    proxy.resume();
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let (_, report) = verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        60,
+        "slow sends with renewed leases",
+    );
+    assert_eq!(
+        report.duplicates, 0,
+        "no row was produced twice while its lease was valid"
+    );
+}

@@ -682,6 +682,8 @@ pub async fn current_wal_lsn(client: &tokio_postgres::Client) -> outboxd::lsn::L
 pub struct Proxy {
     pub port: u16,
     accepting: std::sync::Arc<tokio::sync::watch::Sender<bool>>,
+    /// While true, connections stay open but no byte is forwarded (a stalled network or broker).
+    stalled: tokio::sync::watch::Sender<bool>,
     connections: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -695,6 +697,7 @@ impl Proxy {
         let connections =
             std::sync::Arc::new(std::sync::Mutex::new(Vec::<tokio::task::AbortHandle>::new()));
         let conns = connections.clone();
+        let (stalled, stall_state) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(async move {
             loop {
                 if state.wait_for(|on| *on).await.is_err() {
@@ -710,11 +713,17 @@ impl Proxy {
                 loop {
                     tokio::select! {
                         accepted = listener.accept() => {
-                            let Ok((mut inbound, _)) = accepted else { continue };
+                            let Ok((inbound, _)) = accepted else { continue };
                             let target = target_port.load(std::sync::atomic::Ordering::SeqCst);
+                            let stall = stall_state.clone();
                             let pipe = tokio::spawn(async move {
-                                if let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await {
-                                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                                if let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await {
+                                    let (in_read, in_write) = inbound.into_split();
+                                    let (out_read, out_write) = outbound.into_split();
+                                    tokio::select! {
+                                        _ = pump(in_read, out_write, stall.clone()) => {}
+                                        _ = pump(out_read, in_write, stall) => {}
+                                    }
                                 }
                             });
                             conns.lock().unwrap().push(pipe.abort_handle());
@@ -728,9 +737,19 @@ impl Proxy {
         Proxy {
             port,
             accepting,
+            stalled,
             connections,
             task,
         }
+    }
+
+    /// Holds every byte in both directions until `resume`, keeping connections open.
+    pub fn stall(&self) {
+        let _ = self.stalled.send(true);
+    }
+
+    pub fn resume(&self) {
+        let _ = self.stalled.send(false);
     }
 
     pub fn cut(&self) {
@@ -742,6 +761,28 @@ impl Proxy {
 
     pub fn restore(&self) {
         let _ = self.accepting.send(true);
+    }
+}
+
+/// Copies bytes from `from` to `to`, holding them while `stalled` is true.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut stalled: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if stalled.wait_for(|s| !*s).await.is_err() {
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
     }
 }
 
