@@ -191,6 +191,8 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         &[
             "--mode",
             mode,
+            "--dead-letter-topic",
+            "outbox.dead",
             "--max-attempts",
             "3",
             "--retry-base",
@@ -288,6 +290,18 @@ async fn poison_event_is_dead_lettered(mode: &str) {
     );
     let _ = published_at(a1).await;
 
+    // The dead-letter topic lists it, with the reason (its payload was too large for any topic).
+    let dead_letters = consume_all(&brokers, &["outbox.dead"], 1, Duration::from_secs(60));
+    assert_eq!(dead_letters.len(), 1);
+    assert_eq!(dead_letters[0].headers["event_id"], poison.to_string());
+    assert!(
+        dead_letters[0].headers["error"]
+            .to_lowercase()
+            .contains("size"),
+        "{:?}",
+        dead_letters[0].headers
+    );
+
     let replay = run_outboxd(&[
         "replay",
         "--database-url",
@@ -309,6 +323,32 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         .unwrap();
     // Re-queued: it is being retried again (and will die again: it is still too large).
     assert!(row.get::<_, i32>(0) <= 3);
+    for selector in [vec!["--aggregate-id", "A"], vec!["--all-dead"]] {
+        wait_for_async(
+            "the event to die again",
+            Duration::from_secs(60),
+            || async {
+                let dead: bool = client
+                    .query_one(
+                        "SELECT dead_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+                        &[&poison],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                dead.then_some(())
+            },
+        )
+        .await;
+        let mut replay_args = vec!["replay", "--database-url", url.as_str()];
+        replay_args.extend(selector.iter().copied());
+        let replay = run_outboxd(&replay_args);
+        assert!(
+            String::from_utf8_lossy(&replay.stdout).contains("re-queued 1"),
+            "{selector:?}: {}",
+            stderr_of(&replay)
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

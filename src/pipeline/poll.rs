@@ -177,6 +177,35 @@ impl PollWorker {
         }
     }
 
+    /// Best effort: the event with an `error` header; when the event itself is refused (usually for its
+    /// size), the same record without its payload, so the dead-letter topic still lists every dead event.
+    async fn produce_dead_letter(
+        &self,
+        publisher: &Publisher<Option<usize>>,
+        topic: &str,
+        row: &ClaimedRow,
+        reason: &str,
+    ) {
+        let sent = publisher
+            .publish(topic, &row.event, row.event_id, None, Some(reason))
+            .await;
+        let sent = match sent {
+            Err(PublishError::Rejected(_)) => {
+                let mut without_payload = row.event.clone();
+                without_payload.payload = bytes::Bytes::new();
+                let reason =
+                    format!("{reason} (payload omitted: refused for the dead-letter topic too)");
+                publisher
+                    .publish(topic, &without_payload, row.event_id, None, Some(&reason))
+                    .await
+            }
+            other => other,
+        };
+        if let Err(error) = sent {
+            tracing::warn!(event_id = %row.event_id, ?error, "could not produce to the dead-letter topic");
+        }
+    }
+
     async fn publish_batch(
         &self,
         client: &tokio_postgres::Client,
@@ -286,18 +315,8 @@ impl PollWorker {
                     "event dead-lettered; later events of its aggregate proceed; re-queue with `outboxd replay`"
                 );
                 if let Some(topic) = &poll.dead_letter_topic {
-                    let sent = publisher
-                        .publish(
-                            topic,
-                            &row.event,
-                            row.event_id,
-                            None,
-                            Some(&rejection.reason),
-                        )
+                    self.produce_dead_letter(publisher, topic, row, &rejection.reason)
                         .await;
-                    if let Err(error) = sent {
-                        tracing::warn!(event_id = %row.event_id, ?error, "could not produce to the dead-letter topic");
-                    }
                 }
             } else {
                 let delay = retry_delay(poll.retry_base, poll.retry_cap, row.attempts);
