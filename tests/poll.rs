@@ -93,14 +93,7 @@ async fn sweeper_publishes_rows_older_than_the_slot_exactly_once() {
     wait_all_published(&client, Duration::from_secs(120)).await;
     let (_, report) = verify_delivery(&brokers, &committed, &[], 120, "sweeper + CDC");
     assert_eq!(report.duplicates, 0);
-    let handed_off: i64 = client
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE handoff_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let handed_off = handed_off_count(&client).await;
     assert!(
         handed_off >= 1_000,
         "the 1,000 rows older than the slot went through the polling path: {handed_off}"
@@ -130,14 +123,7 @@ async fn backlog_built_while_down_goes_through_cdc_not_the_sweeper() {
         report.duplicates, 0,
         "the sweeper must not republish what the slot delivers"
     );
-    let handed_off: i64 = client
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE handoff_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let handed_off = handed_off_count(&client).await;
     assert_eq!(handed_off, 0);
 }
 

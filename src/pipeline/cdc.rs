@@ -448,8 +448,9 @@ impl Session<'_> {
         event: &OutboxEvent,
         event_id: Uuid,
     ) -> Result<()> {
-        let aggregate = (event.aggregate_type.clone(), event.aggregate_id.clone());
-        if self.blocked.contains(&aggregate) {
+        let aggregate = || (event.aggregate_type.clone(), event.aggregate_id.clone());
+        // Checked without allocating while nothing is blocked (the common case).
+        if !self.blocked.is_empty() && self.blocked.contains(&aggregate()) {
             return self.hand_off(txn, xid, event, event_id);
         }
         let topic = self
@@ -474,7 +475,7 @@ impl Session<'_> {
                 if rejection.permanent && self.outbox_sql.can_hand_off() =>
             {
                 tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
-                self.blocked.insert(aggregate);
+                self.blocked.insert(aggregate());
                 self.hand_off(txn, xid, event, event_id)
             }
             Err(error) => Err(error.into()),

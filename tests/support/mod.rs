@@ -819,3 +819,15 @@ impl Broker {
         format!("127.0.0.1:{}", proxy.port)
     }
 }
+
+/// Rows handed to the polling path (`handoff_at` set), published or not.
+pub async fn handed_off_count(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE handoff_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
