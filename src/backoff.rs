@@ -51,6 +51,14 @@ fn random_fraction() -> f64 {
     (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// Delay before retry number `attempts` (1-based) of a failed event: `base * 2^(attempts-1)`, capped, with
+/// jitter in [0.5, 1.0] of that.
+pub fn retry_delay(base: Duration, cap: Duration, attempts: i32) -> Duration {
+    let mut backoff = Backoff::new(base, cap);
+    backoff.attempt = attempts.saturating_sub(1).max(0) as u32;
+    backoff.next_delay()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,19 +87,6 @@ mod tests {
         }
         assert_eq!(b.delay_without_jitter(), Duration::from_secs(30));
     }
-}
-
-/// Delay before retry number `attempts` (1-based) of a failed event: `base * 2^(attempts-1)`, capped, with
-/// jitter in [0.5, 1.0] of that.
-pub fn retry_delay(base: Duration, cap: Duration, attempts: i32) -> Duration {
-    let mut backoff = Backoff::new(base, cap);
-    backoff.attempt = attempts.saturating_sub(1).max(0) as u32;
-    backoff.next_delay()
-}
-
-#[cfg(test)]
-mod retry_tests {
-    use super::*;
 
     #[test]
     fn retry_delay_doubles_per_attempt_and_is_capped() {

@@ -1,6 +1,8 @@
 //! Pipelines that move events from PostgreSQL to Kafka. `cdc` is the logical-replication fast path,
-//! `backfill` writes `published_at` after broker acks, `watermark` decides what the slot may confirm.
-//! `run` is `outboxd run`: pre-flight checks (retried for `--startup-timeout`), then the CDC pipeline.
+//! `backfill` writes `published_at` (or `handoff_at`) after broker acks, `watermark` decides what the slot
+//! may confirm, `poll` is the lease-based polling path (fallback, sweeper, retry queue).
+//! `run` is `outboxd run`: pre-flight checks (retried for `--startup-timeout`), then the configured mode —
+//! `poll`, `cdc`, or `auto`, which switches between them as replication becomes (un)available.
 
 pub mod backfill;
 pub mod cdc;
