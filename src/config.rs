@@ -169,6 +169,9 @@ pub struct Options {
     /// Also produce dead-lettered events to this topic (with an `error` header).
     #[arg(long, env = "OUTBOXD_DEAD_LETTER_TOPIC")]
     pub dead_letter_topic: Option<String>,
+    /// Address of /metrics, /healthz and /readyz, or `off` [default: 127.0.0.1:9187].
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
     /// Log format: text or json [default: text]. Filter with RUST_LOG (e.g. RUST_LOG=outboxd=debug).
     #[arg(long, env = "OUTBOXD_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -240,6 +243,8 @@ pub struct RunSettings {
     pub status_interval: Duration,
     pub mode: Mode,
     pub poll: PollSettings,
+    /// `None`: `--metrics-addr off`.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// Settings of the polling path.
@@ -309,6 +314,7 @@ impl Options {
             max_attempts: self.max_attempts.or(file.max_attempts),
             dead_letter_topic: self.dead_letter_topic.or(file.dead_letter_topic),
             poll_notify: self.poll_notify || file.poll_notify,
+            metrics_addr: self.metrics_addr.or(file.metrics_addr),
         }
     }
 
@@ -390,7 +396,16 @@ impl Options {
             ));
         }
         let poll = self.poll()?;
+        let metrics_addr = match self.metrics_addr.as_deref().unwrap_or("127.0.0.1:9187") {
+            "off" => None,
+            addr => Some(addr.parse().map_err(|_| {
+                invalid(format!(
+                    "--metrics-addr {addr:?} is not host:port (e.g. 0.0.0.0:9187) or off"
+                ))
+            })?),
+        };
         Ok(RunSettings {
+            metrics_addr,
             mode: self.mode.unwrap_or_default(),
             poll,
             database,

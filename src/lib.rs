@@ -6,10 +6,13 @@ pub mod backoff;
 pub mod config;
 pub mod error;
 pub mod event;
+pub mod http;
 pub mod kafka;
 pub mod lsn;
+pub mod metrics;
 pub mod pg;
 pub mod pipeline;
+pub mod stats;
 pub mod status;
 pub mod topic;
 

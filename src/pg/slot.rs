@@ -168,6 +168,8 @@ pub struct SlotState {
     pub lag_bytes: Option<i64>,
     /// `pg_current_wal_lsn() - restart_lsn`: WAL the slot keeps on disk.
     pub retained_wal_bytes: Option<i64>,
+    /// `safe_wal_size`: WAL that can still be written before the slot is lost (NULL without a limit).
+    pub safe_wal_bytes: Option<i64>,
 }
 
 impl SlotState {
@@ -184,7 +186,7 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
             "SELECT slot_name::text, plugin::text, slot_type, database::text, active, active_pid,
                     confirmed_flush_lsn::text, restart_lsn::text, wal_status,
                     (pg_current_wal_lsn() - confirmed_flush_lsn)::int8,
-                    (pg_current_wal_lsn() - restart_lsn)::int8
+                    (pg_current_wal_lsn() - restart_lsn)::int8, safe_wal_size
              FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
@@ -201,6 +203,7 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
         wal_status: r.get(8),
         lag_bytes: r.get(9),
         retained_wal_bytes: r.get(10),
+        safe_wal_bytes: r.get(11),
     }))
 }
 

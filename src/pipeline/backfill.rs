@@ -23,6 +23,8 @@ pub struct CdcTag {
     pub txn: TxnId,
     /// The PostgreSQL transaction that inserted the event.
     pub xid: u32,
+    /// Its commit time (microseconds since 2000-01-01), for commit-to-ack latency.
+    pub commit_micros: i64,
     /// True: not published; set `handoff_at` so the polling path publishes it.
     pub hand_off: bool,
 }

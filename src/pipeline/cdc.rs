@@ -20,7 +20,7 @@ use crate::kafka::{Delivery, KnownTopics, PublishError, Publisher};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, ClaimScope, OutboxSql};
 use crate::pg::pgoutput::{self, PgOutputMessage};
-use crate::pg::replication::{ReplicationConnection, ReplicationStream, ServerMessage};
+use crate::pg::replication::{protocol, ReplicationConnection, ReplicationStream, ServerMessage};
 use crate::pg::{self, slot};
 use crate::pipeline::backfill::{self, CdcTag, Finished};
 use crate::pipeline::poll::PollWorker;
@@ -40,8 +40,7 @@ pub struct CdcPipeline {
 
 /// An event decoded in the replay region, waiting for the `published_at` lookup.
 struct Pending {
-    txn: TxnId,
-    xid: u32,
+    tag: CdcTag,
     event: OutboxEvent,
     event_id: Uuid,
 }
@@ -60,6 +59,8 @@ struct Session<'a> {
     current_txn: Option<TxnId>,
     /// xid of the transaction being decoded (from Begin).
     current_xid: u32,
+    /// Commit time of that transaction (from Begin), for commit-to-ack latency.
+    current_commit_micros: i64,
     in_replay_region: bool,
     skipping_resent_txn: bool,
     in_flight_events: usize,
@@ -203,6 +204,7 @@ impl CdcPipeline {
             .await
             .map_err(replication_error)?;
         tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
+        crate::http::READINESS.set_mode("cdc");
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
@@ -230,6 +232,7 @@ impl CdcPipeline {
             mappings: HashMap::new(),
             current_txn: None,
             current_xid: 0,
+            current_commit_micros: 0,
             in_replay_region: false,
             skipping_resent_txn: false,
             in_flight_events: 0,
@@ -275,6 +278,7 @@ impl Session<'_> {
         stream.send_status(last_sent).await?;
         loop {
             let window_open = self.window_open();
+            crate::metrics::in_flight(self.in_flight_events);
             let mut reply_now = false;
             tokio::select! {
                 biased;
@@ -285,12 +289,18 @@ impl Session<'_> {
                 }
                 finished = finished_rx.recv() => match finished {
                     Some(Finished::Events(events)) => {
+                        let now = protocol::pg_timestamp_micros(std::time::SystemTime::now());
+                        let mut published = 0;
                         for (tag, bytes) in events {
                             if tag.hand_off {
                                 self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
+                            } else {
+                                published += 1;
+                                crate::metrics::commit_to_ack((now - tag.commit_micros).max(0) as f64 / 1e6);
                             }
                             self.finish_event(tag.txn, bytes);
                         }
+                        crate::metrics::published("cdc", published);
                     }
                     Some(Finished::Failed(error)) => return Err(error),
                     None => return Err(Error::Kafka { message: "the backfill task stopped".into(), transient: true }),
@@ -361,6 +371,7 @@ impl Session<'_> {
                     }
                     self.current_txn = Some(self.watermark.begin());
                     self.current_xid = begin.xid;
+                    self.current_commit_micros = begin.commit_time_micros;
                 }
             }
             PgOutputMessage::Commit(commit) => {
@@ -406,19 +417,27 @@ impl Session<'_> {
                 self.start_event(txn, event.size_bytes());
                 if self.in_replay_region {
                     self.replay_buffer.push(Pending {
-                        txn,
-                        xid: self.current_xid,
+                        tag: self.tag_for(txn),
                         event,
                         event_id,
                     });
                 } else {
-                    self.publish(txn, self.current_xid, &event, event_id)
-                        .await?;
+                    self.publish(self.tag_for(txn), &event, event_id).await?;
                 }
             }
             PgOutputMessage::Skipped(_) => {}
         }
         Ok(())
+    }
+
+    /// The tag of an event of `txn`, the transaction being decoded.
+    fn tag_for(&self, txn: TxnId) -> CdcTag {
+        CdcTag {
+            txn,
+            xid: self.current_xid,
+            commit_micros: self.current_commit_micros,
+            hand_off: false,
+        }
     }
 
     fn window_open(&self) -> bool {
@@ -441,27 +460,16 @@ impl Session<'_> {
     /// Publishes one event, or hands it to the polling path when its aggregate has events waiting there or
     /// the producer refuses it for good (e.g. too large): the polling path retries and dead-letters it, and
     /// the aggregate's later events follow it there, so order per aggregate holds.
-    async fn publish(
-        &mut self,
-        txn: TxnId,
-        xid: u32,
-        event: &OutboxEvent,
-        event_id: Uuid,
-    ) -> Result<()> {
+    async fn publish(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
         let aggregate = || (event.aggregate_type.clone(), event.aggregate_id.clone());
         // Checked without allocating while nothing is blocked (the common case).
         if !self.blocked.is_empty() && self.blocked.contains(&aggregate()) {
-            return self.hand_off(txn, xid, event, event_id);
+            return self.hand_off(tag, event, event_id);
         }
         let topic = self
             .settings
             .topic
             .render(&event.aggregate_type, &event.event_type);
-        let tag = CdcTag {
-            txn,
-            xid,
-            hand_off: false,
-        };
         match self
             .publisher
             .publish(&topic, event, event_id, tag, None)
@@ -476,23 +484,16 @@ impl Session<'_> {
             {
                 tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
                 self.blocked.insert(aggregate());
-                self.hand_off(txn, xid, event, event_id)
+                self.hand_off(tag, event, event_id)
             }
             Err(error) => Err(error.into()),
         }
     }
 
-    fn hand_off(
-        &mut self,
-        txn: TxnId,
-        xid: u32,
-        event: &OutboxEvent,
-        event_id: Uuid,
-    ) -> Result<()> {
+    fn hand_off(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
         let tag = CdcTag {
-            txn,
-            xid,
             hand_off: true,
+            ..tag
         };
         let item = Delivery {
             tag,
@@ -535,10 +536,10 @@ impl Session<'_> {
             .collect();
         for pending in std::mem::take(&mut self.replay_buffer) {
             if already.contains(&pending.event_id) {
-                self.finish_event(pending.txn, pending.event.size_bytes());
+                self.finish_event(pending.tag.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
             } else {
-                self.publish(pending.txn, pending.xid, &pending.event, pending.event_id)
+                self.publish(pending.tag, &pending.event, pending.event_id)
                     .await?;
             }
         }

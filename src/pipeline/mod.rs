@@ -200,6 +200,7 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
     match settings.mode {
         Mode::Poll => {
             tracing::info!(mode = "poll", "polling the outbox table");
+            crate::http::READINESS.set_mode("poll");
             PollWorker::new(settings, ClaimScope::All, topics)
                 .run(shutdown)
                 .await
@@ -244,6 +245,7 @@ async fn run_auto(
             Ok(Availability::Unavailable(error)) => error,
         };
         tracing::warn!(mode = "poll", reason = %reason, "mode switch: replication unavailable, polling the outbox table");
+        crate::http::READINESS.set_mode("poll");
         let (stop_poll, poll_shutdown) = watch::channel(false);
         let worker = PollWorker::new(settings.clone(), ClaimScope::All, topics.clone());
         let mut polling = tokio::spawn(async move { worker.run(poll_shutdown).await });

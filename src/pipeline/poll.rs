@@ -174,6 +174,8 @@ impl PollWorker {
                 .publish_batch(&client, &sql, &publisher, &mut deliveries, token, rows)
                 .await?;
             tracing::debug!(?report, "polling batch done");
+            crate::metrics::published("poll", report.published as u64);
+            crate::metrics::dead(report.dead as u64);
         }
     }
 
@@ -323,6 +325,7 @@ impl PollWorker {
                 sql.retry_later(client, row.event_id, token, &rejection.reason, delay)
                     .await?;
                 report.retried += 1;
+                crate::metrics::publish_error("refused");
                 tracing::warn!(
                     event_id = %row.event_id,
                     attempts = row.attempts,

@@ -188,6 +188,8 @@ pub fn outboxd_command(args: &[&str]) -> Command {
             command.env_remove(key);
         }
     }
+    // Many outboxd processes run at once in tests: no metrics listener unless a test asks for one.
+    command.env("OUTBOXD_METRICS_ADDR", "off");
     command.env(
         "RUST_LOG",
         "info,outboxd=trace,rdkafka=warn,tokio_postgres=warn",
@@ -830,4 +832,39 @@ pub async fn handed_off_count(client: &tokio_postgres::Client) -> i64 {
         .await
         .unwrap()
         .get(0)
+}
+
+/// A plain HTTP/1.1 GET: (status code, body), or `None` when nothing answers.
+pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.split(' ').nth(1)?.parse().ok()?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// The value of the first sample line of `metric` (with `labels`, e.g. `path="cdc"`), from Prometheus text.
+pub fn metric_value(text: &str, metric: &str, labels: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            let matches = if labels.is_empty() {
+                name == metric
+            } else {
+                name.starts_with(&format!("{metric}{{")) && name.contains(labels)
+            };
+            matches.then(|| value.parse().ok()).flatten()
+        })
 }

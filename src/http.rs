@@ -1,0 +1,99 @@
+//! The HTTP endpoints: `/metrics` (Prometheus text), `/healthz` (the process is alive) and `/readyz`
+//! (connected to PostgreSQL and the broker, and a pipeline is active; 503 with a JSON reason otherwise).
+//! Owns the listener and the readiness flags; what sets the flags is `stats` and the pipelines.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::error::{Error, Result};
+
+/// What `/readyz` reports. Process-wide, like the metrics recorder.
+pub struct Readiness {
+    database: AtomicBool,
+    broker: AtomicBool,
+    /// 0 starting, 1 cdc, 2 poll.
+    mode: AtomicU8,
+}
+
+pub static READINESS: Readiness = Readiness {
+    database: AtomicBool::new(false),
+    broker: AtomicBool::new(false),
+    mode: AtomicU8::new(0),
+};
+
+impl Readiness {
+    pub fn set_database(&self, ok: bool) {
+        self.database.store(ok, Ordering::Relaxed);
+    }
+
+    pub fn set_broker(&self, ok: bool) {
+        self.broker.store(ok, Ordering::Relaxed);
+    }
+
+    /// Records the active pipeline (`cdc` or `poll`) for `/readyz` and `outboxd_mode`.
+    pub fn set_mode(&self, mode: &str) {
+        let code = match mode {
+            "cdc" => 1,
+            "poll" => 2,
+            _ => 0,
+        };
+        self.mode.store(code, Ordering::Relaxed);
+        crate::metrics::set_mode(mode);
+    }
+
+    /// `Ok(mode)` when ready, else the reason.
+    pub fn check(&self) -> std::result::Result<&'static str, &'static str> {
+        if !self.database.load(Ordering::Relaxed) {
+            return Err("PostgreSQL is unreachable");
+        }
+        if !self.broker.load(Ordering::Relaxed) {
+            return Err("no Kafka broker answers");
+        }
+        match self.mode.load(Ordering::Relaxed) {
+            1 => Ok("cdc"),
+            2 => Ok("poll"),
+            _ => Err("starting: no pipeline is active yet"),
+        }
+    }
+}
+
+/// Binds `addr` now (so a port in use is a start-up error naming the flag) and serves in the background.
+pub async fn serve(addr: SocketAddr, metrics: PrometheusHandle) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        Error::setup(
+            format!("cannot listen on --metrics-addr {addr}: {e}"),
+            "choose a free address with --metrics-addr, or turn the endpoint off with --metrics-addr off",
+        )
+    })?;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || std::future::ready(metrics.render())),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz));
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "the metrics endpoint stopped");
+        }
+    });
+    Ok(())
+}
+
+async fn readyz() -> impl IntoResponse {
+    match READINESS.check() {
+        Ok(mode) => (
+            StatusCode::OK,
+            format!("{{\"status\":\"ready\",\"mode\":\"{mode}\"}}\n"),
+        ),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{{\"status\":\"not ready\",\"reason\":\"{reason}\"}}\n"),
+        ),
+    }
+}

@@ -1,0 +1,148 @@
+//! Prometheus metrics: names, descriptions and the recorder. Every metric has a sample line from start-up
+//! on (counters at 0, gauges at their initial value). Owns no I/O; `http` serves the rendered text and
+//! `stats` fills the gauges that need SQL.
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+pub const SLOT_LAG_BYTES: &str = "outboxd_slot_lag_bytes";
+pub const SLOT_RETAINED_WAL_BYTES: &str = "outboxd_slot_retained_wal_bytes";
+pub const SLOT_SAFE_WAL_BYTES: &str = "outboxd_slot_safe_wal_bytes";
+pub const SLOT_WAL_STATUS: &str = "outboxd_slot_wal_status";
+pub const EVENTS_PUBLISHED: &str = "outboxd_events_published_total";
+pub const PUBLISH_ERRORS: &str = "outboxd_publish_errors_total";
+pub const EVENTS_DEAD: &str = "outboxd_events_dead_total";
+pub const UNPUBLISHED_EVENTS: &str = "outboxd_unpublished_events";
+pub const OLDEST_UNPUBLISHED_AGE: &str = "outboxd_oldest_unpublished_age_seconds";
+pub const INFLIGHT_EVENTS: &str = "outboxd_inflight_events";
+pub const COMMIT_TO_ACK: &str = "outboxd_commit_to_ack_seconds";
+pub const MODE: &str = "outboxd_mode";
+pub const UP: &str = "outboxd_up";
+
+/// Every metric name `/metrics` exports (the Grafana dashboard may only use these).
+pub const ALL: [&str; 13] = [
+    SLOT_LAG_BYTES,
+    SLOT_RETAINED_WAL_BYTES,
+    SLOT_SAFE_WAL_BYTES,
+    SLOT_WAL_STATUS,
+    EVENTS_PUBLISHED,
+    PUBLISH_ERRORS,
+    EVENTS_DEAD,
+    UNPUBLISHED_EVENTS,
+    OLDEST_UNPUBLISHED_AGE,
+    INFLIGHT_EVENTS,
+    COMMIT_TO_ACK,
+    MODE,
+    UP,
+];
+
+/// Kinds of publish errors counted in `outboxd_publish_errors_total{kind}`.
+pub const ERROR_KINDS: [&str; 3] = ["refused", "delivery", "database"];
+const MODES: [&str; 3] = ["cdc", "poll", "starting"];
+/// `outboxd_slot_wal_status` values, as in pg_replication_slots.wal_status.
+const WAL_STATUSES: [&str; 5] = ["reserved", "extended", "unreserved", "lost", "none"];
+
+/// Installs the global recorder and gives every metric its first sample.
+pub fn install() -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full(COMMIT_TO_ACK.to_string()),
+            &[
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ],
+        )
+        .map_err(|e| e.to_string())?
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    describe_gauge!(
+        SLOT_LAG_BYTES,
+        "pg_current_wal_lsn() - confirmed_flush_lsn of the slot"
+    );
+    describe_gauge!(
+        SLOT_RETAINED_WAL_BYTES,
+        "pg_current_wal_lsn() - restart_lsn: WAL the slot keeps"
+    );
+    describe_gauge!(
+        SLOT_SAFE_WAL_BYTES,
+        "safe_wal_size: WAL that may still be written before the slot is lost"
+    );
+    describe_gauge!(SLOT_WAL_STATUS, "1 for the slot's current wal_status");
+    describe_counter!(
+        EVENTS_PUBLISHED,
+        "events acknowledged by the broker, once each"
+    );
+    describe_counter!(PUBLISH_ERRORS, "failed publish attempts by kind");
+    describe_counter!(EVENTS_DEAD, "events dead-lettered");
+    describe_gauge!(
+        UNPUBLISHED_EVENTS,
+        "rows with published_at IS NULL (not dead)"
+    );
+    describe_gauge!(OLDEST_UNPUBLISHED_AGE, "age of the oldest unpublished row");
+    describe_gauge!(
+        INFLIGHT_EVENTS,
+        "events handed to the broker and not yet finished"
+    );
+    describe_histogram!(
+        COMMIT_TO_ACK,
+        "from the transaction's commit to the broker's acknowledgement"
+    );
+    describe_gauge!(MODE, "1 for the current mode");
+    describe_gauge!(UP, "1 while outboxd runs");
+    for path in ["cdc", "poll"] {
+        counter!(EVENTS_PUBLISHED, "path" => path).increment(0);
+    }
+    for kind in ERROR_KINDS {
+        counter!(PUBLISH_ERRORS, "kind" => kind).increment(0);
+    }
+    counter!(EVENTS_DEAD).increment(0);
+    for name in [
+        SLOT_LAG_BYTES,
+        SLOT_RETAINED_WAL_BYTES,
+        SLOT_SAFE_WAL_BYTES,
+        UNPUBLISHED_EVENTS,
+        OLDEST_UNPUBLISHED_AGE,
+        INFLIGHT_EVENTS,
+    ] {
+        gauge!(name).set(0.0);
+    }
+    set_wal_status(None);
+    set_mode("starting");
+    gauge!(UP).set(1.0);
+    // A histogram has no sample line until its first value; register it so HELP/TYPE appear, and let the
+    // dashboard treat an empty histogram as "no traffic yet".
+    let _ = histogram!(COMMIT_TO_ACK);
+    Ok(handle)
+}
+
+pub fn set_mode(mode: &str) {
+    for m in MODES {
+        gauge!(MODE, "mode" => m).set(if m == mode { 1.0 } else { 0.0 });
+    }
+}
+
+pub fn set_wal_status(status: Option<&str>) {
+    let status = status.unwrap_or("none");
+    for s in WAL_STATUSES {
+        gauge!(SLOT_WAL_STATUS, "status" => s).set(if s == status { 1.0 } else { 0.0 });
+    }
+}
+
+pub fn published(path: &'static str, events: u64) {
+    counter!(EVENTS_PUBLISHED, "path" => path).increment(events);
+}
+
+pub fn publish_error(kind: &'static str) {
+    counter!(PUBLISH_ERRORS, "kind" => kind).increment(1);
+}
+
+pub fn dead(events: u64) {
+    counter!(EVENTS_DEAD).increment(events);
+}
+
+pub fn in_flight(events: usize) {
+    gauge!(INFLIGHT_EVENTS).set(events as f64);
+}
+
+pub fn commit_to_ack(seconds: f64) {
+    histogram!(COMMIT_TO_ACK).record(seconds);
+}

@@ -1,0 +1,53 @@
+//! Periodic figures that need SQL or a broker round trip: slot lag, retained and safe WAL, wal_status,
+//! backlog and its oldest age; and the readiness flags. Runs on its own interval, never per event.
+
+use std::time::Duration;
+
+use metrics::gauge;
+use tokio::sync::mpsc;
+
+use crate::config::RunSettings;
+use crate::http::READINESS;
+use crate::kafka::{Delivery, KnownTopics, Publisher};
+use crate::metrics as m;
+use crate::pg::{self, outbox, slot};
+
+pub const INTERVAL: Duration = Duration::from_secs(5);
+
+/// Refreshes the gauges and readiness every [`INTERVAL`] until the process ends.
+pub async fn run(settings: std::sync::Arc<RunSettings>) {
+    let (deliveries, _) = mpsc::unbounded_channel::<Delivery<()>>();
+    let publisher = Publisher::new(&settings, KnownTopics::default(), deliveries, &[]).ok();
+    let mut client: Option<tokio_postgres::Client> = None;
+    loop {
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = pg::connect(&settings.database.database_url).await.ok();
+        }
+        let database_ok = match &client {
+            Some(client) => refresh(client, &settings).await.is_ok(),
+            None => false,
+        };
+        READINESS.set_database(database_ok);
+        let broker_ok = match &publisher {
+            Some(p) => p.check_brokers(Duration::from_secs(2)).await.is_ok(),
+            None => false,
+        };
+        READINESS.set_broker(broker_ok);
+        tokio::time::sleep(INTERVAL).await;
+    }
+}
+
+async fn refresh(client: &tokio_postgres::Client, settings: &RunSettings) -> crate::Result<()> {
+    let db = &settings.database;
+    let state = slot::slot_state(client, &db.slot).await?;
+    let bytes = |v: Option<i64>| v.unwrap_or(0) as f64;
+    gauge!(m::SLOT_LAG_BYTES).set(bytes(state.as_ref().and_then(|s| s.lag_bytes)));
+    gauge!(m::SLOT_RETAINED_WAL_BYTES)
+        .set(bytes(state.as_ref().and_then(|s| s.retained_wal_bytes)));
+    gauge!(m::SLOT_SAFE_WAL_BYTES).set(bytes(state.as_ref().and_then(|s| s.safe_wal_bytes)));
+    m::set_wal_status(state.as_ref().and_then(|s| s.wal_status.as_deref()));
+    let backlog = outbox::backlog(client, &db.table).await?;
+    gauge!(m::UNPUBLISHED_EVENTS).set(backlog.unpublished_events as f64);
+    gauge!(m::OLDEST_UNPUBLISHED_AGE).set(backlog.oldest_unpublished_age_seconds.unwrap_or(0.0));
+    Ok(())
+}
