@@ -48,7 +48,23 @@ pub enum Command {
         /// Print only JSON on stdout.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        thresholds: Thresholds,
     },
+}
+
+/// When `outboxd status` says WARNING or CRITICAL (exit codes 1 and 2, as monitoring plugins expect).
+#[derive(Debug, Clone, Copy, Args)]
+pub struct Thresholds {
+    /// Slot lag (bytes) above which the verdict is WARNING.
+    #[arg(long, default_value_t = 256 * 1024 * 1024)]
+    pub warn_lag: i64,
+    /// Slot lag (bytes) above which the verdict is CRITICAL.
+    #[arg(long, default_value_t = 4 * 1024 * 1024 * 1024)]
+    pub crit_lag: i64,
+    /// Age (seconds) of the oldest unpublished event above which the verdict is WARNING.
+    #[arg(long, default_value_t = 300.0)]
+    pub warn_age: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]

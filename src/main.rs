@@ -116,18 +116,42 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             println!("re-queued {count} dead event(s)");
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { json, .. } => {
+        Command::Status {
+            json, thresholds, ..
+        } => {
             let settings = options.database()?;
-            let status = status::read(&settings).await?;
+            // Exit codes as monitoring plugins expect: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
+            let (status, verdict) = match status::read(&settings).await {
+                Ok(status) => {
+                    let verdict = status::verdict(&status, &thresholds);
+                    (Some(status), verdict)
+                }
+                Err(error) => (
+                    None,
+                    status::Verdict {
+                        level: status::Level::Unknown,
+                        reason: format!("cannot tell: {error}"),
+                    },
+                ),
+            };
             if json {
+                // The status fields at the top level, plus the verdict.
+                let mut value = serde_json::to_value(&status).unwrap_or_default();
+                if !value.is_object() {
+                    value = serde_json::json!({});
+                }
+                value["verdict"] = serde_json::json!({ "level": verdict.level.as_str(), "reason": verdict.reason });
                 println!(
                     "{}",
-                    serde_json::to_string_pretty(&status).unwrap_or_default()
+                    serde_json::to_string_pretty(&value).unwrap_or_default()
                 );
             } else {
-                print!("{}", status.to_table());
+                if let Some(status) = &status {
+                    print!("{}", status.to_table());
+                }
+                println!("{}: {}", verdict.level.as_str(), verdict.reason);
             }
-            Ok(ExitCode::SUCCESS)
+            Ok(ExitCode::from(verdict.level as u8))
         }
     }
 }

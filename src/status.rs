@@ -20,6 +20,123 @@ pub struct Status {
     pub retained_wal_bytes: Option<i64>,
     pub unpublished_events: i64,
     pub oldest_unpublished_age_seconds: Option<f64>,
+    /// Dead-lettered events (0 without the polling columns).
+    pub dead_events: i64,
+}
+
+/// The one-line judgement of `outboxd status`, with its exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Level {
+    Ok = 0,
+    Warning = 1,
+    Critical = 2,
+    Unknown = 3,
+}
+
+impl Level {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Ok => "OK",
+            Level::Warning => "WARNING",
+            Level::Critical => "CRITICAL",
+            Level::Unknown => "UNKNOWN",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Verdict {
+    pub level: Level,
+    pub reason: String,
+}
+
+/// Judges a status: the worst finding wins. Pure.
+pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdict {
+    let mut findings: Vec<(Level, String)> = Vec::new();
+    match status.wal_status.as_deref() {
+        Some("lost") => findings.push((Level::Critical, "slot is lost (wal_status = lost)".into())),
+        Some("unreserved") => findings.push((
+            Level::Warning,
+            "slot WAL is unreserved: it will be lost at the next checkpoint unless it catches up"
+                .into(),
+        )),
+        _ => {}
+    }
+    if let Some(lag) = status.lag_bytes {
+        if lag > thresholds.crit_lag {
+            findings.push((
+                Level::Critical,
+                format!("slot lag {lag} bytes > --crit-lag {}", thresholds.crit_lag),
+            ));
+        } else if lag > thresholds.warn_lag {
+            findings.push((
+                Level::Warning,
+                format!("slot lag {lag} bytes > --warn-lag {}", thresholds.warn_lag),
+            ));
+        }
+    }
+    if !status.slot_exists {
+        findings.push((
+            Level::Warning,
+            format!(
+                "slot {} does not exist (outboxd never ran, or polls)",
+                status.slot_name
+            ),
+        ));
+    } else if status.active == Some(false) {
+        findings.push((
+            Level::Warning,
+            format!(
+                "slot {} is not in use: is outboxd running?",
+                status.slot_name
+            ),
+        ));
+    }
+    if let Some(age) = status.oldest_unpublished_age_seconds {
+        if age > thresholds.warn_age {
+            findings.push((
+                Level::Warning,
+                format!(
+                    "oldest unpublished event is {age:.0}s old > --warn-age {}",
+                    thresholds.warn_age
+                ),
+            ));
+        }
+    }
+    if status.dead_events > 0 {
+        findings.push((
+            Level::Warning,
+            format!(
+                "{} dead-lettered event(s): see README, `outboxd replay`",
+                status.dead_events
+            ),
+        ));
+    }
+    let worst = findings
+        .iter()
+        .map(|(level, _)| *level as u8)
+        .max()
+        .unwrap_or(0);
+    let reasons: Vec<&str> = findings
+        .iter()
+        .filter(|(level, _)| *level as u8 == worst)
+        .map(|(_, r)| r.as_str())
+        .collect();
+    match worst {
+        0 => Verdict {
+            level: Level::Ok,
+            reason: "slot streaming and backlog within limits".into(),
+        },
+        1 => Verdict {
+            level: Level::Warning,
+            reason: reasons.join("; "),
+        },
+        _ => Verdict {
+            level: Level::Critical,
+            reason: reasons.join("; "),
+        },
+    }
 }
 
 pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
@@ -27,6 +144,10 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
     slot::check_table(&client, &settings.table).await?;
     let state = slot::slot_state(&client, &settings.slot).await?;
     let backlog = outbox::backlog(&client, &settings.table).await?;
+    let dead_events = match slot::check_polling_columns(&client, &settings.table).await {
+        Ok(()) => outbox::dead_count(&client, &settings.table).await?,
+        Err(_) => 0,
+    };
     Ok(Status {
         table: settings.table.to_string(),
         slot_name: settings.slot.clone(),
@@ -39,6 +160,7 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
         retained_wal_bytes: state.as_ref().and_then(|s| s.retained_wal_bytes),
         unpublished_events: backlog.unpublished_events,
         oldest_unpublished_age_seconds: backlog.oldest_unpublished_age_seconds,
+        dead_events,
     })
 }
 
@@ -60,6 +182,7 @@ impl Status {
             ("lag bytes", show(&self.lag_bytes)),
             ("retained WAL bytes", show(&self.retained_wal_bytes)),
             ("unpublished events", self.unpublished_events.to_string()),
+            ("dead events", self.dead_events.to_string()),
             (
                 "oldest unpublished age (s)",
                 show(
@@ -70,5 +193,118 @@ impl Status {
             ),
         ];
         rows.iter().map(|(k, v)| format!("{k:<28}{v}\n")).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Thresholds;
+
+    fn healthy() -> Status {
+        Status {
+            table: "public.outbox_event".into(),
+            slot_name: "outboxd".into(),
+            slot_exists: true,
+            active: Some(true),
+            active_pid: Some(7),
+            confirmed_flush_lsn: Some("0/1".into()),
+            wal_status: Some("reserved".into()),
+            lag_bytes: Some(1000),
+            retained_wal_bytes: Some(2000),
+            unpublished_events: 0,
+            oldest_unpublished_age_seconds: None,
+            dead_events: 0,
+        }
+    }
+
+    const LIMITS: Thresholds = Thresholds {
+        warn_lag: 1_000_000,
+        crit_lag: 10_000_000,
+        warn_age: 60.0,
+    };
+
+    #[test]
+    fn healthy_is_ok() {
+        assert_eq!(verdict(&healthy(), &LIMITS).level, Level::Ok);
+    }
+
+    #[test]
+    fn warnings_and_criticals_name_their_reason() {
+        let cases = [
+            (
+                Status {
+                    lag_bytes: Some(2_000_000),
+                    ..healthy()
+                },
+                Level::Warning,
+                "--warn-lag",
+            ),
+            (
+                Status {
+                    lag_bytes: Some(20_000_000),
+                    ..healthy()
+                },
+                Level::Critical,
+                "--crit-lag",
+            ),
+            (
+                Status {
+                    wal_status: Some("unreserved".into()),
+                    ..healthy()
+                },
+                Level::Warning,
+                "unreserved",
+            ),
+            (
+                Status {
+                    wal_status: Some("lost".into()),
+                    ..healthy()
+                },
+                Level::Critical,
+                "lost",
+            ),
+            (
+                Status {
+                    active: Some(false),
+                    ..healthy()
+                },
+                Level::Warning,
+                "not in use",
+            ),
+            (
+                Status {
+                    oldest_unpublished_age_seconds: Some(600.0),
+                    ..healthy()
+                },
+                Level::Warning,
+                "--warn-age",
+            ),
+            (
+                Status {
+                    dead_events: 2,
+                    ..healthy()
+                },
+                Level::Warning,
+                "dead",
+            ),
+        ];
+        for (status, level, needle) in cases {
+            let v = verdict(&status, &LIMITS);
+            assert_eq!(v.level, level, "{v:?}");
+            assert!(v.reason.contains(needle), "{v:?}");
+        }
+    }
+
+    #[test]
+    fn the_worst_finding_wins() {
+        let status = Status {
+            lag_bytes: Some(20_000_000),
+            active: Some(false),
+            ..healthy()
+        };
+        let v = verdict(&status, &LIMITS);
+        assert_eq!(v.level, Level::Critical);
+        assert!(!v.reason.contains("not in use"));
     }
 }

@@ -398,10 +398,16 @@ async fn status_reports_slot_and_backlog_as_json() {
         "--database-url",
         &pg.url_for("postgres", Some("pw-not-shown")),
     ]);
-    assert!(output.status.success(), "{}", stderr_of(&output));
+    // A slot nobody streams from: WARNING, exit code 1 (as monitoring plugins expect).
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
     let stdout = String::from_utf8(output.stdout).unwrap();
     let status: serde_json::Value =
         serde_json::from_str(&stdout).expect("stdout must be only JSON");
+    assert_eq!(status["verdict"]["level"], "WARNING");
+    assert!(status["verdict"]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("not in use"));
     assert_eq!(status["slot_name"], "outboxd");
     assert_eq!(status["slot_exists"], true);
     assert_eq!(status["active"], false);
@@ -415,6 +421,21 @@ async fn status_reports_slot_and_backlog_as_json() {
     assert!(!stdout.contains("pw-not-shown"));
     let table = run_outboxd(&["status", "--database-url", &pg.url()]);
     assert!(String::from_utf8_lossy(&table.stdout).contains("unpublished events"));
+    assert!(String::from_utf8_lossy(&table.stdout).contains("WARNING: "));
+    // Lag above --crit-lag: CRITICAL, exit 2.
+    let critical = run_outboxd(&["status", "--database-url", &pg.url(), "--crit-lag", "1"]);
+    assert_eq!(
+        critical.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&critical.stdout)
+    );
+    assert!(String::from_utf8_lossy(&critical.stdout).contains("CRITICAL: slot lag"));
+    // Cannot reach the database: UNKNOWN, exit 3.
+    let unreachable = format!("postgres://postgres@127.0.0.1:{}/postgres", free_port());
+    let unknown = run_outboxd(&["status", "--database-url", &unreachable]);
+    assert_eq!(unknown.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&unknown.stdout).contains("UNKNOWN: cannot tell"));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -428,7 +449,6 @@ async fn environment_configures_and_flags_override_it() {
             .env("OUTBOXD_SLOT", "from_env")
             .output()
             .unwrap();
-        assert!(output.status.success(), "{}", stderr_of(&output));
         let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
         json["slot_name"].as_str().unwrap().to_string()
     };

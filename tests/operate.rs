@@ -75,6 +75,16 @@ async fn metrics_and_readiness_follow_a_real_run() {
         },
     );
 
+    // Streaming, caught up: `status` says OK and exits 0.
+    let ok = run_outboxd(&["status", "--database-url", &url]);
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ok.stdout)
+    );
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("OK: "));
+
     // The broker goes away: not ready, and the oldest unpublished event ages; it comes back: ready again.
     proxy.cut();
     insert_events(&mut client, 20, 1, 5, 5, None).await;

@@ -161,6 +161,20 @@ pub async fn aggregates_pending_hand_off(
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// Dead-lettered events (needs the polling columns).
+pub async fn dead_count(client: &Client, table: &TableName) -> Result<i64> {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE dead_at IS NOT NULL AND published_at IS NULL",
+                table.quoted()
+            ),
+            &[],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
 /// Backlog figures of the outbox table.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Backlog {
