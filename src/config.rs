@@ -185,6 +185,15 @@ pub struct Options {
     /// Also produce dead-lettered events to this topic (with an `error` header).
     #[arg(long, env = "OUTBOXD_DEAD_LETTER_TOPIC")]
     pub dead_letter_topic: Option<String>,
+    /// Delete published rows older than this (e.g. 7d), in small batches; off by default.
+    #[arg(long, env = "OUTBOXD_RETENTION")]
+    pub retention: Option<String>,
+    /// With --retention: move old published rows to this table instead of deleting them.
+    #[arg(long, env = "OUTBOXD_ARCHIVE_TABLE")]
+    pub archive_table: Option<String>,
+    /// How often retention runs [default: 1m].
+    #[arg(long, env = "OUTBOXD_RETENTION_INTERVAL")]
+    pub retention_interval: Option<String>,
     /// Address of /metrics, /healthz and /readyz, or `off` [default: 127.0.0.1:9187].
     #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
     pub metrics_addr: Option<String>,
@@ -261,6 +270,15 @@ pub struct RunSettings {
     pub poll: PollSettings,
     /// `None`: `--metrics-addr off`.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    pub retention: Option<Retention>,
+}
+
+/// Deleting (or archiving) published rows by age.
+#[derive(Debug, Clone)]
+pub struct Retention {
+    pub keep: Duration,
+    pub archive_table: Option<TableName>,
+    pub interval: Duration,
 }
 
 /// Settings of the polling path.
@@ -331,6 +349,9 @@ impl Options {
             dead_letter_topic: self.dead_letter_topic.or(file.dead_letter_topic),
             poll_notify: self.poll_notify || file.poll_notify,
             metrics_addr: self.metrics_addr.or(file.metrics_addr),
+            retention: self.retention.or(file.retention),
+            archive_table: self.archive_table.or(file.archive_table),
+            retention_interval: self.retention_interval.or(file.retention_interval),
         }
     }
 
@@ -420,7 +441,34 @@ impl Options {
                 ))
             })?),
         };
+        let retention = match &self.retention {
+            None => {
+                if self.archive_table.is_some() {
+                    return Err(invalid(
+                        "--archive-table needs --retention (e.g. --retention 7d)",
+                    ));
+                }
+                None
+            }
+            Some(keep) => Some(Retention {
+                keep: parse_duration("--retention", keep)?,
+                archive_table: self
+                    .archive_table
+                    .as_deref()
+                    .map(|t| {
+                        parse_table(t).map_err(|_| {
+                            invalid(format!("--archive-table {t:?} is not a valid table name"))
+                        })
+                    })
+                    .transpose()?,
+                interval: parse_duration(
+                    "--retention-interval",
+                    self.retention_interval.as_deref().unwrap_or("1m"),
+                )?,
+            }),
+        };
         Ok(RunSettings {
+            retention,
             metrics_addr,
             mode: self.mode.unwrap_or_default(),
             poll,

@@ -12,6 +12,7 @@ pub mod lsn;
 pub mod metrics;
 pub mod pg;
 pub mod pipeline;
+pub mod retention;
 pub mod stats;
 pub mod status;
 pub mod topic;

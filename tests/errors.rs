@@ -356,7 +356,7 @@ async fn migrate_is_idempotent_and_safe_concurrently() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(versions, 2);
+    assert_eq!(versions, 3);
     let publishes: String = client
         .query_one(
             "SELECT concat_ws(',', pubinsert, pubupdate, pubdelete) FROM pg_publication p JOIN pg_publication_tables t USING (pubname)

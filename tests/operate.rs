@@ -131,3 +131,85 @@ fn a_metrics_port_in_use_is_a_clear_error() {
         stderr_of(&output)
     );
 }
+
+async fn retention_removes_only_old_published_rows(archive: Option<&str>) {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--retention", "10m", "--retention-interval", "200ms"]);
+    if let Some(table) = archive {
+        args.extend(["--archive-table", table]);
+    }
+    let _outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    // Old published rows (published an hour ago), recent ones, and rows the connector publishes now.
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT gen_random_uuid(), 'Old', 'o-' || i, 'E', '{}', now() - interval '1 hour' FROM generate_series(1, 30) i;
+             INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT gen_random_uuid(), 'Recent', 'r-' || i, 'E', '{}', now() FROM generate_series(1, 20) i;",
+        )
+        .await
+        .unwrap();
+    let (fresh, _) = insert_events(&mut client, 0, 2, 10, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let count = |sql: &'static str| {
+        let client = &client;
+        async move { client.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    wait_for_async(
+        "old published rows to go",
+        Duration::from_secs(60),
+        || async {
+            (count("SELECT count(*) FROM outbox_event WHERE aggregate_type = 'Old'").await == 0)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        count("SELECT count(*) FROM outbox_event WHERE aggregate_type = 'Recent'").await,
+        20
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM outbox_event WHERE aggregate_type = 'Order'").await,
+        fresh.len() as i64
+    );
+    if let Some(table) = archive {
+        let archived: i64 = client
+            .query_one(
+                &format!("SELECT count(*) FROM {table} WHERE aggregate_type = 'Old'"),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(archived, 30, "archived instead of deleted");
+    }
+    // Deletes are not streamed (publish = 'insert'): each insert appears once, and nothing for the deletes.
+    let records = consume_all(
+        &brokers,
+        &[TOPIC, "outbox.Old"],
+        fresh.len() + 30,
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        records.iter().filter(|r| r.topic == TOPIC).count(),
+        fresh.len()
+    );
+    assert_eq!(
+        records.iter().filter(|r| r.topic == "outbox.Old").count(),
+        30
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_deletes_only_published_rows_older_than_the_window() {
+    retention_removes_only_old_published_rows(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_can_archive_instead_of_delete() {
+    retention_removes_only_old_published_rows(Some("public.outbox_archive")).await;
+}
