@@ -12,11 +12,14 @@ bash "$support/install-deps.sh"
 work="${DEMO_DIR:-/tmp/outboxd-demo}"
 pg_port="${DEMO_PG_PORT:-55432}"
 broker_port="${DEMO_BROKER_PORT:-59092}"
+metrics_port="${DEMO_METRICS_PORT:-59187}"
 db="postgres://postgres@127.0.0.1:$pg_port/postgres"
 brokers="127.0.0.1:$broker_port"
 outboxd_pid=""
+sampler_pid=""
 
 cleanup() {
+  [ -n "$sampler_pid" ] && kill "$sampler_pid" 2>/dev/null || true
   [ -n "$outboxd_pid" ] && kill "$outboxd_pid" 2>/dev/null && wait "$outboxd_pid" 2>/dev/null || true
   bash "$support/broker.sh" stop "$work/broker" || true
   bash "$support/pg.sh" stop "$work/pg" || true
@@ -34,8 +37,25 @@ echo "== outboxd migrate"
 target/release/outboxd migrate --database-url "$db"
 
 echo "== outboxd run (log: $work/outboxd.log)"
-target/release/outboxd run --database-url "$db" --brokers "$brokers" --topic-replication-factor 1 >"$work/outboxd.log" 2>&1 &
+target/release/outboxd run --database-url "$db" --brokers "$brokers" --topic-replication-factor 1 \
+  --metrics-addr "127.0.0.1:$metrics_port" >"$work/outboxd.log" 2>&1 &
 outboxd_pid=$!
+# Sample /metrics twice a second into a CSV (examples/plot_metrics.py turns it into the README picture).
+echo "t,published,unpublished,lag_bytes,inflight,ack_count,ack_sum" >"$work/metrics.csv"
+(
+  while kill -0 "$outboxd_pid" 2>/dev/null; do
+    curl -s "http://127.0.0.1:$metrics_port/metrics" | awk -v t="$(date +%s.%N)" '
+      /^outboxd_events_published_total\{path="cdc"\}/ { p = $2 }
+      /^outboxd_unpublished_events / { u = $2 }
+      /^outboxd_slot_lag_bytes / { l = $2 }
+      /^outboxd_inflight_events / { i = $2 }
+      /^outboxd_commit_to_ack_seconds_count/ { c = $2 }
+      /^outboxd_commit_to_ack_seconds_sum/ { s = $2 }
+      END { if (p != "") printf "%s,%s,%s,%s,%s,%s,%s\n", t, p, u, l, i, c + 0, s + 0 }' >>"$work/metrics.csv"
+    sleep 0.5
+  done
+) &
+sampler_pid=$!
 for _ in $(seq 1 200); do
   active=$(psql "$db" -Atc "SELECT active FROM pg_replication_slots WHERE slot_name = 'outboxd'" 2>/dev/null || true)
   [ "$active" = "t" ] && break
@@ -71,6 +91,27 @@ for _ in $(seq 1 100); do
   [ "$left" = "0" ] && break
   sleep 0.1
 done
+echo "== steady traffic for ~15 s: 60 transactions of 50 events, 4 per second (metrics sampled meanwhile)"
+psql "$db" -q <<'SQL'
+DO $$
+BEGIN
+  FOR t IN 1..60 LOOP
+    INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+    SELECT gen_random_uuid(), 'Order', 'order-' || (t * 50 + i) % 200, 'OrderUpdated',
+           jsonb_build_object('n', t * 50 + i, 'pad', repeat('x', 150))
+    FROM generate_series(1, 50) i;
+    COMMIT;
+    PERFORM pg_sleep(0.25);
+  END LOOP;
+END $$;
+SQL
+for _ in $(seq 1 100); do
+  left=$(psql "$db" -Atc "SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
+  [ "$left" = "0" ] && break
+  sleep 0.1
+done
+sleep 6  # let the 5 s gauges and the sampler catch the drained state
+echo "== metrics sampled during the demo: $work/metrics.csv ($(wc -l <"$work/metrics.csv") lines)"
 echo "== outboxd status"
 target/release/outboxd status --database-url "$db"
 echo "== demo done: 20 committed orders published, the rolled-back one never was"
