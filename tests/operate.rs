@@ -105,10 +105,16 @@ async fn metrics_and_readiness_follow_a_real_run() {
     wait_for("/readyz to be 200 again", Duration::from_secs(90), || {
         http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
     });
-    wait_for("the backlog to drain", Duration::from_secs(120), || {
-        let (_, text) = http_get(&metrics_addr, "/metrics")?;
-        (metric_value(&text, "outboxd_unpublished_events", "")? == 0.0).then_some(())
-    });
+    wait_for(
+        "the backlog to drain and its age to fall to 0",
+        Duration::from_secs(120),
+        || {
+            let (_, text) = http_get(&metrics_addr, "/metrics")?;
+            let backlog = metric_value(&text, "outboxd_unpublished_events", "")?;
+            let age = metric_value(&text, "outboxd_oldest_unpublished_age_seconds", "")?;
+            (backlog == 0.0 && age == 0.0).then_some(())
+        },
+    );
 }
 
 #[test]
@@ -212,4 +218,41 @@ async fn retention_deletes_only_published_rows_older_than_the_window() {
 #[tokio::test(flavor = "multi_thread")]
 async fn retention_can_archive_instead_of_delete() {
     retention_removes_only_old_published_rows(Some("public.outbox_archive")).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_logs_are_one_object_per_line_without_secrets() {
+    let (pg, broker) = migrated_stack();
+    pg.client()
+        .await
+        .batch_execute("ALTER ROLE postgres PASSWORD 'hunter2-secret'")
+        .await
+        .unwrap();
+    let url = pg.url_for("postgres", Some("hunter2-secret"));
+    let brokers = broker.addr();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--log-format", "json"]);
+    let outboxd = Outboxd::spawn(&args);
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let log = wait_for(
+        "the mode switch to be logged",
+        Duration::from_secs(30),
+        || {
+            let log = outboxd.log_text();
+            log.contains("mode switch").then_some(log)
+        },
+    );
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let value: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(
+            value["level"].is_string() && value["fields"].is_object(),
+            "{line}"
+        );
+    }
+    assert!(
+        !log.contains("hunter2-secret"),
+        "a password reached the log"
+    );
 }

@@ -302,7 +302,13 @@ impl Session<'_> {
                         }
                         crate::metrics::published("cdc", published);
                     }
-                    Some(Finished::Failed(error)) => return Err(error),
+                    Some(Finished::Failed(error)) => {
+                        crate::metrics::publish_error(match error {
+                            Error::Kafka { .. } => "delivery",
+                            _ => "database",
+                        });
+                        return Err(error);
+                    }
                     None => return Err(Error::Kafka { message: "the backfill task stopped".into(), transient: true }),
                 },
                 message = stream.next_message(), if window_open && drain_deadline.is_none() => {
