@@ -20,6 +20,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "polling",
         include_str!("../../migrations/0002_polling.sql"),
     ),
+    (
+        3,
+        "retention",
+        include_str!("../../migrations/0003_retention.sql"),
+    ),
 ];
 
 /// Arbitrary constant naming outboxd's migration lock.
@@ -35,16 +40,22 @@ pub struct MigrationReport {
 /// Fills a migration's placeholders with quoted identifiers derived from the (validated) table name.
 fn render_migration(sql: &str, table: &TableName) -> String {
     let schema = format!("\"{}\"", table.schema);
-    let position_seq = format!("{schema}.\"{}_position_seq\"", table.name);
-    sql.replace("{{table}}", &table.quoted())
-        .replace("{{schema}}", &schema)
-        .replace("{{position_seq_text}}", &position_seq)
-        .replace("{{position_seq}}", &position_seq)
-        .replace("{{claim_index}}", &format!("\"{}_claim_idx\"", table.name))
-        .replace(
-            "{{handoff_index}}",
-            &format!("\"{}_handoff_idx\"", table.name),
-        )
+    let name = &table.name;
+    let position_seq = format!("{schema}.\"{name}_position_seq\"");
+    let placeholders = [
+        ("{{table}}", table.quoted()),
+        ("{{schema}}", schema.clone()),
+        ("{{position_seq_text}}", position_seq.clone()),
+        ("{{position_seq}}", position_seq),
+        ("{{claim_index}}", format!("\"{name}_claim_idx\"")),
+        ("{{handoff_index}}", format!("\"{name}_handoff_idx\"")),
+        ("{{published_index}}", format!("\"{name}_published_idx\"")),
+    ];
+    placeholders
+        .iter()
+        .fold(sql.to_string(), |sql, (placeholder, value)| {
+            sql.replace(placeholder, value)
+        })
 }
 
 pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result<MigrationReport> {
@@ -121,4 +132,48 @@ pub async fn install_notify_trigger(client: &Client, table: &TableName) -> Resul
         ))
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_placeholder_of_every_migration_is_filled() {
+        let table = TableName {
+            schema: "app".into(),
+            name: "outbox".into(),
+        };
+        for (version, name, sql) in MIGRATIONS {
+            let rendered = render_migration(sql, &table);
+            assert!(
+                !rendered.contains("{{"),
+                "migration {version} {name} keeps a placeholder:\n{rendered}"
+            );
+        }
+        assert_eq!(
+            MIGRATIONS.iter().map(|m| m.0).collect::<Vec<_>>(),
+            (1..=MIGRATIONS.len() as i32).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn every_migration_file_is_embedded() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        let files = std::fs::read_dir(dir)
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|x| x == "sql")
+            })
+            .count();
+        assert_eq!(
+            files,
+            MIGRATIONS.len(),
+            "a file in migrations/ is not listed in MIGRATIONS"
+        );
+    }
 }
