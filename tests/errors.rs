@@ -102,21 +102,7 @@ async fn replication_connection_authenticates_with_scram_md5_and_cleartext() {
             "--slot",
             slot,
         ]);
-        wait_for_async(
-            &format!("{user} to stream from slot {slot}"),
-            Duration::from_secs(60),
-            || async {
-                let row = client
-                    .query_opt(
-                        "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
-                        &[&slot],
-                    )
-                    .await
-                    .unwrap();
-                row.filter(|r| r.get::<_, bool>(0)).map(|_| ())
-            },
-        )
-        .await;
+        wait_slot_active(&client, slot).await;
         assert!(
             !outboxd.log_text().contains(password),
             "password leaked into the log"
@@ -288,17 +274,7 @@ async fn no_create_topics_names_the_missing_topic() {
         "--no-create-topics",
     ]);
     let client = pg.client().await;
-    wait_for_async("slot active", Duration::from_secs(60), || async {
-        let row = client
-            .query_opt(
-                "SELECT active FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-                &[],
-            )
-            .await
-            .unwrap();
-        row.filter(|r| r.get::<_, bool>(0)).map(|_| ())
-    })
-    .await;
+    wait_slot_active(&client, "outboxd").await;
     client
         .execute(
             "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES (gen_random_uuid(), 'Invoice', 'i-1', 'Issued', '{}')",
