@@ -108,8 +108,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
     set_wal_status(None);
     set_mode("starting");
     gauge!(UP).set(1.0);
-    // A histogram has no sample line until its first value; register it so HELP/TYPE appear, and let the
-    // dashboard treat an empty histogram as "no traffic yet".
+    // Registering the histogram renders its (empty) buckets from start-up on.
     let _ = histogram!(COMMIT_TO_ACK);
     Ok(handle)
 }

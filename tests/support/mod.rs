@@ -119,6 +119,19 @@ impl Postgres {
         }
     }
 
+    /// Stops the server (fast); `start_again` brings the same cluster back on the same port.
+    pub fn stop(&self) {
+        run_script("pg.sh", &["stop", self.dir.to_str().unwrap()], &[]);
+    }
+
+    pub fn start_again(&self) {
+        run_script(
+            "pg.sh",
+            &["start", self.dir.to_str().unwrap(), &self.port.to_string()],
+            &[],
+        );
+    }
+
     pub fn restart(&self, mode: &str) {
         run_script("pg.sh", &["restart", self.dir.to_str().unwrap(), mode], &[]);
     }
