@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 pub struct Readiness {
     database: AtomicBool,
     broker: AtomicBool,
-    /// 0 starting, 1 cdc, 2 poll.
+    /// 0 starting, 1 cdc, 2 poll, 3 standby.
     mode: AtomicU8,
 }
 
@@ -40,6 +40,7 @@ impl Readiness {
         let code = match mode {
             "cdc" => 1,
             "poll" => 2,
+            "standby" => 3,
             _ => 0,
         };
         self.mode.store(code, Ordering::Relaxed);
@@ -57,6 +58,7 @@ impl Readiness {
         match self.mode.load(Ordering::Relaxed) {
             1 => Ok("cdc"),
             2 => Ok("poll"),
+            3 => Err("standby: another outboxd instance is active for this slot"),
             _ => Err("starting: no pipeline is active yet"),
         }
     }

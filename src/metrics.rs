@@ -38,7 +38,7 @@ pub const ALL: [&str; 13] = [
 
 /// Kinds of publish errors counted in `outboxd_publish_errors_total{kind}`.
 pub const ERROR_KINDS: [&str; 3] = ["refused", "delivery", "database"];
-const MODES: [&str; 3] = ["cdc", "poll", "starting"];
+const MODES: [&str; 4] = ["cdc", "poll", "standby", "starting"];
 /// `outboxd_slot_wal_status` values, as in pg_replication_slots.wal_status.
 const WAL_STATUSES: [&str; 5] = ["reserved", "extended", "unreserved", "lost", "none"];
 

@@ -387,3 +387,61 @@ async fn restart_skips_replayed_rows_that_already_have_published_at() {
         "rows with published_at were published again"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_instance_streams_and_a_standby_takes_over_when_it_dies() {
+    let (pg, _broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), _broker.addr());
+    let metrics = [
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    ];
+    let spawn = |metrics_addr: &str| {
+        let mut args = run_args(&url, &brokers);
+        args.extend(["--metrics-addr", metrics_addr]);
+        Outboxd::spawn(&args)
+    };
+    let mut first = spawn(&metrics[0]);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let second = spawn(&metrics[1]);
+    wait_for(
+        "the second instance to stand by",
+        Duration::from_secs(30),
+        || second.log_text().contains("standing by").then_some(()),
+    );
+    let standby = wait_for("/readyz of the standby", Duration::from_secs(30), || {
+        http_get(&metrics[1], "/readyz")
+    });
+    assert_eq!(standby.0, 503);
+    assert!(standby.1.contains("standby"), "{}", standby.1);
+    let walsenders: i64 = client
+        .query_one("SELECT count(*) FROM pg_stat_replication", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(walsenders, 1, "exactly one instance streams");
+
+    let (mut committed, _) = insert_events(&mut client, 0, 20, 25, 10, None).await;
+    first.kill();
+    let killed = std::time::Instant::now();
+    wait_for("the standby to take over", Duration::from_secs(10), || {
+        second.log_text().contains("took over").then_some(())
+    });
+    wait_slot_active(&client, "outboxd").await;
+    println!(
+        "standby streaming {:?} after the leader was killed",
+        killed.elapsed()
+    );
+    let (more, _) = insert_events(&mut client, 20, 20, 25, 10, None).await;
+    committed.extend(more);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let (_, report) = verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        60,
+        "leader killed, standby took over",
+    );
+    assert!(report.duplicates <= 10_000);
+}

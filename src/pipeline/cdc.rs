@@ -23,6 +23,7 @@ use crate::pg::pgoutput::{self, PgOutputMessage};
 use crate::pg::replication::{protocol, ReplicationConnection, ReplicationStream, ServerMessage};
 use crate::pg::{self, slot};
 use crate::pipeline::backfill::{self, CdcTag, Finished};
+use crate::pipeline::leader;
 use crate::pipeline::poll::PollWorker;
 use crate::pipeline::replication_error;
 use crate::pipeline::watermark::{TxnId, Watermark};
@@ -87,7 +88,42 @@ impl CdcPipeline {
 
     /// Runs sessions until `shutdown` turns true, with the sweeper (the polling path restricted to rows
     /// handed off to it) alongside. Transient failures reconnect with capped backoff, forever.
-    pub async fn run(&mut self, shutdown: watch::Receiver<bool>) -> Result<()> {
+    pub async fn run(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
+        loop {
+            let Some(mut leadership) = leader::acquire(&self.settings, &mut shutdown).await? else {
+                return Ok(());
+            };
+            // Stop streaming when the process stops or when leadership is lost (another instance may lead).
+            let (stop, stop_rx) = watch::channel(false);
+            let mut parent = shutdown.clone();
+            let watcher = tokio::spawn(async move {
+                let lost = tokio::select! {
+                    _ = parent.wait_for(|stop| *stop) => false,
+                    _ = leadership.lost() => true,
+                };
+                let _ = stop.send(true);
+                lost
+            });
+            let result = self.run_as_leader(stop_rx).await;
+            // Ok means a stop was signalled, so the watcher has finished or is about to.
+            let lost = match &result {
+                Ok(()) => watcher.await.unwrap_or(false),
+                Err(_) => {
+                    watcher.abort();
+                    false
+                }
+            };
+            if lost {
+                tracing::warn!(
+                    "lost the leadership lock (its connection ended); standing by again"
+                );
+                continue;
+            }
+            return result;
+        }
+    }
+
+    async fn run_as_leader(&mut self, shutdown: watch::Receiver<bool>) -> Result<()> {
         if !super::has_polling_columns(&self.settings).await? {
             tracing::warn!("the outbox table has no polling columns: CDC only, no sweeper and no retry queue (run `outboxd migrate`)");
             return self.sessions(shutdown).await;

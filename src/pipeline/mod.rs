@@ -6,6 +6,7 @@
 
 pub mod backfill;
 pub mod cdc;
+pub mod leader;
 pub mod poll;
 pub mod watermark;
 

@@ -1,0 +1,99 @@
+//! Leadership among outboxd instances sharing one slot: a session-level advisory lock held on a dedicated
+//! connection. Exactly one instance streams; the others stand by and take over when the leader's session
+//! ends (a dead leader's connection closes, and PostgreSQL releases its lock).
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::backoff::Backoff;
+use crate::config::RunSettings;
+use crate::error::Result;
+use crate::http::READINESS;
+use crate::pg;
+
+/// How often a standby asks for the lock.
+const STANDBY_POLL: Duration = Duration::from_secs(1);
+
+/// Held while this instance leads; dropping it releases the lock.
+pub struct Leadership {
+    _client: tokio_postgres::Client,
+    lost: watch::Receiver<bool>,
+}
+
+impl Leadership {
+    /// Resolves when the leader's connection ends (its lock is gone: another instance may take over).
+    pub async fn lost(&mut self) {
+        let _ = self.lost.wait_for(|lost| *lost).await;
+    }
+}
+
+/// Waits until this instance holds the lock for `settings`' slot. `None` when `shutdown` came first.
+pub async fn acquire(
+    settings: &RunSettings,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<Option<Leadership>> {
+    let key = format!(
+        "outboxd.leader.{}.{}",
+        settings.database.table, settings.database.slot
+    );
+    let mut standing_by = false;
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    loop {
+        let (client, connection) = match settings
+            .database
+            .database_url
+            .connect(tokio_postgres::NoTls)
+            .await
+        {
+            Ok(pair) => pair,
+            Err(error) => {
+                let error = pg::classify_connect_error(error);
+                if !error.is_transient() {
+                    return Err(error);
+                }
+                tracing::warn!(%error, "cannot reach PostgreSQL for the leadership lock; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff.next_delay()) => continue,
+                    _ = shutdown.wait_for(|stop| *stop) => return Ok(None),
+                }
+            }
+        };
+        let (lost_tx, mut lost) = watch::channel(false);
+        tokio::spawn(async move {
+            let _ = connection.await;
+            let _ = lost_tx.send(true);
+        });
+        loop {
+            let held: bool = match client
+                .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
+                .await
+            {
+                Ok(row) => row.get(0),
+                Err(_) => break, // connection trouble: reconnect
+            };
+            if held {
+                if standing_by {
+                    tracing::info!("took over as the active instance for this slot");
+                }
+                return Ok(Some(Leadership {
+                    _client: client,
+                    lost,
+                }));
+            }
+            if !standing_by {
+                tracing::info!(
+                    mode = "standby",
+                    "another outboxd instance is active for this slot; standing by"
+                );
+                READINESS.set_mode("standby");
+                standing_by = true;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(STANDBY_POLL) => {}
+                _ = lost.wait_for(|lost| *lost) => break,
+                _ = shutdown.wait_for(|stop| *stop) => return Ok(None),
+            }
+        }
+    }
+}
