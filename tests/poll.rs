@@ -683,3 +683,58 @@ async fn leases_are_renewed_while_a_slow_send_is_in_flight() {
         "no row was produced twice while its lease was valid"
     );
 }
+
+async fn null_aggregate_id_is_dead_lettered(mode: &str) {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute("ALTER TABLE outbox_event ALTER COLUMN aggregate_id DROP NOT NULL")
+        .await
+        .unwrap();
+    let mut outboxd = Outboxd::spawn(&args(&url, &brokers, &["--mode", mode]));
+    if mode == "auto" {
+        wait_slot_active(&client, "outboxd").await;
+    }
+    let bad = uuid::Uuid::new_v4();
+    let good = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', NULL, 'E', '{}'), ($2, 'Order', 'order-1', 'E', '{}')",
+            &[&bad, &good],
+        )
+        .await
+        .unwrap();
+    let error: String = wait_for_async("the row to be dead-lettered", Duration::from_secs(60), || async {
+        client
+            .query_one("SELECT last_error FROM outbox_event WHERE event_id = $1 AND dead_at IS NOT NULL", &[&bad])
+            .await
+            .ok()
+            .map(|r| r.get(0))
+    })
+    .await;
+    assert!(error.contains("aggregate_id is NULL"), "{error}");
+    wait_for_async("the valid row to be published", Duration::from_secs(60), || async {
+        let n: i64 = client
+            .query_one("SELECT count(*) FROM outbox_event WHERE event_id = $1 AND published_at IS NOT NULL", &[&good])
+            .await
+            .unwrap()
+            .get(0);
+        (n == 1).then_some(())
+    })
+    .await;
+    let records = consume_all(&brokers, &[TOPIC], 1, Duration::from_secs(30));
+    assert_eq!(records.len(), 1, "only the valid event is published");
+    assert!(outboxd.try_wait().is_none(), "outboxd keeps running");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn null_aggregate_id_is_dead_lettered_in_poll_mode() {
+    null_aggregate_id_is_dead_lettered("poll").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn null_aggregate_id_is_dead_lettered_from_cdc() {
+    null_aggregate_id_is_dead_lettered("auto").await;
+}

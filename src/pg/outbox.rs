@@ -213,6 +213,8 @@ pub struct ClaimedRow {
     pub event_id: Uuid,
     pub event: crate::event::OutboxEvent,
     pub attempts: i32,
+    /// Why this row can never be published (a required column is NULL in a user's table): dead-letter it.
+    pub invalid: Option<String>,
 }
 
 /// Statements of the lease-based polling path for one outbox table.
@@ -342,22 +344,41 @@ impl PollSql {
             .iter()
             .map(|row| {
                 let event_id: Uuid = row.get(0);
-                let created_at: String = row.get(5);
+                let created_at: Option<String> = row.get(5);
+                let text = |index: usize| row.get::<_, Option<String>>(index);
+                let null_columns: Vec<&str> = [
+                    (1, "aggregate_type"),
+                    (2, "aggregate_id"),
+                    (3, "event_type"),
+                    (4, "payload"),
+                    (5, "created_at"),
+                ]
+                .into_iter()
+                .filter(|(index, _)| text(*index).is_none())
+                .map(|(_, name)| name)
+                .collect();
+                let invalid = (!null_columns.is_empty()).then(|| {
+                    format!(
+                        "{} is NULL: an event cannot be published without it",
+                        null_columns.join(", ")
+                    )
+                });
                 let event = crate::event::OutboxEvent {
                     event_id: event_id.to_string(),
-                    aggregate_type: row.get(1),
-                    aggregate_id: row.get(2),
-                    event_type: row.get(3),
-                    payload: bytes::Bytes::from(row.get::<_, String>(4)),
-                    created_at: crate::event::to_rfc3339(&created_at),
+                    aggregate_type: text(1).unwrap_or_default(),
+                    aggregate_id: text(2).unwrap_or_default(),
+                    event_type: text(3).unwrap_or_default(),
+                    payload: bytes::Bytes::from(text(4).unwrap_or_default()),
+                    created_at: crate::event::to_rfc3339(created_at.as_deref().unwrap_or_default()),
                 };
                 (
                     row.get(7),
-                    created_at,
+                    created_at.unwrap_or_default(),
                     ClaimedRow {
                         event_id,
                         event,
                         attempts: row.get(6),
+                        invalid,
                     },
                 )
             })

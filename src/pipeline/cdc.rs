@@ -15,7 +15,7 @@ use uuid::Uuid;
 use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
-use crate::event::{OutboxEvent, RowMapping};
+use crate::event::{MappingError, OutboxEvent, RowMapping};
 use crate::kafka::{Delivery, KnownTopics, PublishError, Publisher};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, ClaimScope, OutboxSql};
@@ -449,7 +449,27 @@ impl Session<'_> {
                 let Some(mapping) = mapping else {
                     return Ok(());
                 };
-                let event = mapping.event(&insert)?;
+                let event = match mapping.event(&insert) {
+                    Ok(event) => event,
+                    // A user's table with a nullable column: the polling path dead-letters the row, in place.
+                    Err(MappingError::NullValue {
+                        event_id, column, ..
+                    }) if self.outbox_sql.can_hand_off() && event_id.parse::<Uuid>().is_ok() => {
+                        tracing::warn!(%event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
+                        let placeholder = OutboxEvent {
+                            event_id: event_id.clone(),
+                            aggregate_type: String::new(),
+                            aggregate_id: String::new(),
+                            event_type: String::new(),
+                            payload: Bytes::new(),
+                            created_at: String::new(),
+                        };
+                        let id = event_id.parse::<Uuid>().unwrap_or_default();
+                        self.start_event(txn, placeholder.size_bytes());
+                        return self.hand_off(self.tag_for(txn), &placeholder, id);
+                    }
+                    Err(error) => return Err(error.into()),
+                };
                 let event_id = event.event_id.parse::<Uuid>().map_err(|_| {
                     Error::setup(
                         format!("event_id {:?} is not a UUID", event.event_id),

@@ -28,6 +28,8 @@ enum Outcome {
     /// Not sent because an earlier event of its aggregate failed in this batch.
     HeldBack,
     Failed(Rejection),
+    /// Can never be published (NULL required column): dead-lettered at once.
+    Invalid(String),
 }
 
 /// Counts of one batch, for logs and tests.
@@ -230,6 +232,10 @@ impl PollWorker {
                 outcomes.push(Outcome::HeldBack);
                 continue;
             }
+            if let Some(reason) = &row.invalid {
+                outcomes.push(Outcome::Invalid(reason.clone()));
+                continue;
+            }
             let topic = self
                 .settings
                 .topic
@@ -302,6 +308,12 @@ impl PollWorker {
             report.held_back = held_back.len();
         }
         for (row, outcome) in rows.iter().zip(&outcomes) {
+            if let Outcome::Invalid(reason) = outcome {
+                sql.dead_letter(client, row.event_id, token, reason).await?;
+                report.dead += 1;
+                tracing::error!(event_id = %row.event_id, error = %reason, "event dead-lettered: it can never be published");
+                continue;
+            }
             let Outcome::Failed(rejection) = outcome else {
                 continue;
             };
