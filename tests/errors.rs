@@ -431,3 +431,45 @@ async fn environment_configures_and_flags_override_it() {
     assert_eq!(status(&[]), "from_env");
     assert_eq!(status(&["--slot", "from_flag"]), "from_flag");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slot_held_by_another_client_is_a_clear_error_after_startup_timeout() {
+    let pg = migrated();
+    let broker = Broker::start();
+    pg.client()
+        .await
+        .batch_execute("SELECT pg_create_logical_replication_slot('outboxd', 'pgoutput')")
+        .await
+        .unwrap();
+    // Another client streams from the slot.
+    let mut other = std::process::Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &pg.port.to_string(),
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+        ])
+        .args([
+            "--slot",
+            "outboxd",
+            "--start",
+            "-f",
+            "/dev/null",
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=outboxd",
+        ])
+        .spawn()
+        .expect("pg_recvlogical");
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let stderr = run_expecting_failure(&pg.url(), &broker.addr(), &[]);
+    let _ = other.kill();
+    let _ = other.wait();
+    assert_mentions(&stderr, &["in use by another client", "--slot"]);
+}

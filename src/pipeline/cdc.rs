@@ -37,6 +37,8 @@ pub struct CdcPipeline {
     settings: Arc<RunSettings>,
     watermark: Watermark,
     known_topics: KnownTopics,
+    /// Whether a session of this process ever reached streaming (a slot held since start-up is an error).
+    ever_streamed: bool,
 }
 
 /// An event decoded in the replay region, waiting for the `published_at` lookup.
@@ -83,6 +85,7 @@ impl CdcPipeline {
             settings,
             watermark: Watermark::new(Lsn::ZERO),
             known_topics,
+            ever_streamed: false,
         }
     }
 
@@ -157,10 +160,22 @@ impl CdcPipeline {
 
     async fn sessions(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        let first_attempt = Instant::now();
         loop {
             let started = Instant::now();
             match self.session(&mut shutdown).await {
                 Ok(()) => return Ok(()),
+                // Held by another client since start-up (not a walsender that is still dying): say so.
+                Err(Error::Replication(error))
+                    if error.code() == Some("55006")
+                        && !self.ever_streamed
+                        && first_attempt.elapsed() > self.settings.startup_timeout =>
+                {
+                    return Err(Error::setup(
+                        format!("replication slot {} is in use by another client ({error})", self.settings.database.slot),
+                        "stop that client (see pg_stat_replication / pg_replication_slots.active_pid), or give outboxd its own --slot",
+                    ));
+                }
                 Err(error) if error.is_transient() => {
                     if started.elapsed() > Duration::from_secs(60) {
                         backoff.reset();
@@ -241,6 +256,7 @@ impl CdcPipeline {
             .map_err(replication_error)?;
         tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
         crate::http::READINESS.set_mode("cdc");
+        self.ever_streamed = true;
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
