@@ -357,10 +357,8 @@ async fn sigterm_drains_and_exits_zero() {
 async fn restart_skips_replayed_rows_that_already_have_published_at() {
     let (pg, _broker) = migrated_stack();
     let (url, brokers) = (pg.url(), _broker.addr());
-    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     let mut client = pg.client().await;
-    wait_slot_active(&client, "outboxd").await;
-    outboxd.kill();
+    create_slot_then_stop(&url, &brokers, &client).await;
 
     // As if an earlier run had published half of these and died before confirming them to the slot.
     let (committed, _) = insert_events(&mut client, 0, 10, 10, 10, None).await;

@@ -104,10 +104,8 @@ async fn sweeper_publishes_rows_older_than_the_slot_exactly_once() {
 async fn backlog_built_while_down_goes_through_cdc_not_the_sweeper() {
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
-    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     let mut client = pg.client().await;
-    wait_slot_active(&client, "outboxd").await;
-    outboxd.kill();
+    create_slot_then_stop(&url, &brokers, &client).await;
     let (committed, _) = insert_events(&mut client, 0, 1_000, 20, 100, None).await;
     assert_eq!(committed.len(), 20_000);
     let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));

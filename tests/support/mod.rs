@@ -884,3 +884,10 @@ pub fn metric_value(text: &str, metric: &str, labels: &str) -> Option<f64> {
             matches.then(|| value.parse().ok()).flatten()
         })
 }
+
+/// Runs outboxd until a walsender streams from its new slot, then SIGKILLs it: the slot exists, nothing streams.
+pub async fn create_slot_then_stop(url: &str, brokers: &str, client: &tokio_postgres::Client) {
+    let mut outboxd = Outboxd::spawn(&run_args(url, brokers));
+    wait_slot_active(client, "outboxd").await;
+    outboxd.kill();
+}
