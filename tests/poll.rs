@@ -378,14 +378,18 @@ async fn migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite() {
             seq: n,
         });
     }
-    let file_before: String = client
-        .query_one(
-            "SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let relfilenode = || async {
+        let file: String = client
+            .query_one(
+                "SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        file
+    };
+    let file_before = relfilenode().await;
     let migrate = run_outboxd(&[
         "migrate",
         "--database-url",
@@ -396,14 +400,7 @@ async fn migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite() {
         "user_pub",
     ]);
     assert!(migrate.status.success(), "{}", stderr_of(&migrate));
-    let file_after: String = client
-        .query_one(
-            "SELECT relfilenode::text FROM pg_class WHERE oid = 'public.user_outbox'::regclass",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let file_after = relfilenode().await;
     assert_eq!(
         file_before, file_after,
         "adding the polling columns must not rewrite the table"
