@@ -287,22 +287,19 @@ impl PollWorker {
         }
 
         let mut report = BatchReport::default();
-        let delivered: Vec<Uuid> = rows
-            .iter()
-            .zip(&outcomes)
-            .filter(|(_, o)| matches!(o, Outcome::Delivered))
-            .map(|(row, _)| row.event_id)
-            .collect();
+        let ids_where = |wanted: fn(&Outcome) -> bool| -> Vec<Uuid> {
+            rows.iter()
+                .zip(&outcomes)
+                .filter(|(_, o)| wanted(o))
+                .map(|(row, _)| row.event_id)
+                .collect()
+        };
+        let delivered = ids_where(|o| matches!(o, Outcome::Delivered));
         if !delivered.is_empty() {
             sql.mark_published(client, &delivered, token).await?;
             report.published = delivered.len();
         }
-        let held_back: Vec<Uuid> = rows
-            .iter()
-            .zip(&outcomes)
-            .filter(|(_, o)| matches!(o, Outcome::HeldBack))
-            .map(|(row, _)| row.event_id)
-            .collect();
+        let held_back = ids_where(|o| matches!(o, Outcome::HeldBack));
         if !held_back.is_empty() {
             sql.release(client, &held_back, token).await?;
             report.held_back = held_back.len();
