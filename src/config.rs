@@ -244,8 +244,8 @@ impl std::fmt::Display for TableName {
 /// Settings every command needs.
 #[derive(Debug, Clone)]
 pub struct DatabaseSettings {
-    pub database_url: tokio_postgres::Config,
-    pub replication_url: tokio_postgres::Config,
+    pub database_url: crate::pg::PgUrl,
+    pub replication_url: crate::pg::PgUrl,
     pub table: TableName,
     pub slot: String,
     pub publication: String,
@@ -554,10 +554,8 @@ pub fn parse_duration(setting: &str, text: &str) -> Result<Duration, ConfigError
 }
 
 /// Parses a libpq-style URL or key=value string. The error never repeats the URL (it may hold a password).
-pub fn parse_postgres_url(setting: &str, url: &str) -> Result<tokio_postgres::Config, ConfigError> {
-    url.parse::<tokio_postgres::Config>().map_err(|e| {
-        invalid(format!("{setting} is not a valid PostgreSQL URL ({e}); expected postgres://user:password@host:5432/database"))
-    })
+pub fn parse_postgres_url(setting: &str, url: &str) -> Result<crate::pg::PgUrl, ConfigError> {
+    crate::pg::PgUrl::parse(setting, url).map_err(invalid)
 }
 
 /// Identifiers outboxd splices into SQL: letters, digits, `_`, `$`, not starting with a digit or `$`, ≤ 63 bytes.

@@ -70,7 +70,8 @@ impl Error {
                 ReplicationError::Server { code, .. } => is_transient_sqlstate(code),
                 ReplicationError::Io(_)
                 | ReplicationError::Closed
-                | ReplicationError::Connect { .. } => true,
+                | ReplicationError::Connect { .. }
+                | ReplicationError::Tls { .. } => true,
                 ReplicationError::Protocol(_)
                 | ReplicationError::Unsupported(_)
                 | ReplicationError::PasswordRequired => false,

@@ -11,11 +11,7 @@ use crate::pg;
 /// Rows per statement: small enough to hold locks only briefly.
 const BATCH: i64 = 1_000;
 
-pub async fn run(
-    database_url: tokio_postgres::Config,
-    table: TableName,
-    retention: Arc<Retention>,
-) {
+pub async fn run(database_url: crate::pg::PgUrl, table: TableName, retention: Arc<Retention>) {
     loop {
         match sweep_once(&database_url, &table, &retention).await {
             Ok(0) => {}
@@ -30,7 +26,7 @@ pub async fn run(
 
 /// One pass: batches until no published row older than the window is left. Returns how many rows went.
 pub async fn sweep_once(
-    database_url: &tokio_postgres::Config,
+    database_url: &crate::pg::PgUrl,
     table: &TableName,
     retention: &Retention,
 ) -> Result<u64> {

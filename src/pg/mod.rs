@@ -6,15 +6,72 @@ pub mod outbox;
 pub mod pgoutput;
 pub mod replication;
 pub mod slot;
+pub mod tls;
 
 use crate::error::{Error, Result};
 
+/// A PostgreSQL connection target: tokio-postgres's config plus the TLS policy (libpq `sslmode`) that
+/// tokio-postgres cannot express, with its connector built once at start-up.
+#[derive(Clone)]
+pub struct PgUrl {
+    pub config: tokio_postgres::Config,
+    pub tls: tls::TlsSettings,
+    connector: postgres_openssl::MakeTlsConnector,
+}
+
+/// A SQL connection's driver half, to be polled (or awaited) on a task of its own.
+pub type Connection = tokio_postgres::Connection<
+    tokio_postgres::Socket,
+    postgres_openssl::TlsStream<tokio_postgres::Socket>,
+>;
+
+impl PgUrl {
+    /// Parses a libpq URL or key=value string given as `setting`. Errors are whole messages naming the
+    /// setting and the fix; they never repeat the URL (it may hold a password).
+    pub fn parse(setting: &str, url: &str) -> std::result::Result<Self, String> {
+        let invalid = |e: &dyn std::fmt::Display| {
+            format!("{setting} is not a valid PostgreSQL URL ({e}); expected postgres://user:password@host:5432/database[?sslmode=verify-full&sslrootcert=/path/ca.crt]")
+        };
+        let (rest, tls) = tls::split_tls_settings(url).map_err(|e| invalid(&e))?;
+        let mut config = rest
+            .parse::<tokio_postgres::Config>()
+            .map_err(|e| invalid(&e))?;
+        config.ssl_mode(tls::driver_ssl_mode(tls.mode));
+        let connector = tls.connector().map_err(|e| format!("{setting}: {e}"))?;
+        Ok(PgUrl {
+            config,
+            tls,
+            connector,
+        })
+    }
+
+    /// The TLS connector for this target (also used by the replication connection).
+    pub fn connector(&self) -> postgres_openssl::MakeTlsConnector {
+        self.connector.clone()
+    }
+
+    /// Opens a SQL connection; the caller drives `Connection`.
+    pub async fn connect_raw(&self) -> Result<(tokio_postgres::Client, Connection)> {
+        self.config
+            .connect(self.connector())
+            .await
+            .map_err(|error| classify_connect_error(error, self.tls.mode))
+    }
+}
+
+impl std::fmt::Debug for PgUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // tokio-postgres's Debug redacts the password.
+        f.debug_struct("PgUrl")
+            .field("config", &self.config)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
 /// Opens an ordinary SQL connection and drives it on a background task.
-pub async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::Client> {
-    let (client, connection) = config
-        .connect(tokio_postgres::NoTls)
-        .await
-        .map_err(classify_connect_error)?;
+pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
+    let (client, connection) = url.connect_raw().await?;
     tokio::spawn(async move {
         if let Err(error) = connection.await {
             tracing::debug!(%error, "SQL connection closed");
@@ -24,9 +81,12 @@ pub async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::
 }
 
 /// Turns connection failures that retrying cannot fix into setup errors naming the fix.
-pub fn classify_connect_error(error: tokio_postgres::Error) -> Error {
+pub fn classify_connect_error(error: tokio_postgres::Error, ssl_mode: tls::SslMode) -> Error {
     let Some(code) = error.code().map(|c| c.code().to_string()) else {
-        return Error::Postgres(error);
+        return match tls_problem(&error_chain(&error), ssl_mode) {
+            Some(setup) => setup,
+            None => Error::Postgres(error),
+        };
     };
     let message = error
         .as_db_error()
@@ -47,4 +107,48 @@ pub fn classify_connect_error(error: tokio_postgres::Error) -> Error {
         ),
         _ => Error::Postgres(error),
     }
+}
+
+/// An error and all its sources on one line.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// TLS failures retrying cannot fix: the server has no TLS, or its certificate does not pass the checks
+/// `sslmode` asks for. `None` for anything else.
+pub fn tls_problem(message: &str, ssl_mode: tls::SslMode) -> Option<Error> {
+    let mode = ssl_mode.as_str();
+    if message.contains("server does not support TLS") {
+        return Some(Error::setup(
+            format!("the PostgreSQL server does not accept TLS connections, but sslmode={mode} requires TLS"),
+            "turn on ssl in postgresql.conf (ssl = on, ssl_cert_file, ssl_key_file), or use sslmode=prefer / sslmode=disable on a trusted network",
+        ));
+    }
+    if message.contains("certificate verify failed") {
+        // OpenSSL's text repeats its error stack; the verification result follows the first "::".
+        let reason = message
+            .split(":: ")
+            .nth(1)
+            .and_then(|rest| rest.split([':', ')']).next())
+            .unwrap_or("certificate verify failed");
+        let fix = if message.contains("hostname mismatch")
+            || message.contains("IP address mismatch")
+        {
+            "connect with the host name the certificate was issued for, or use sslmode=verify-ca to check the chain only"
+        } else {
+            "point sslrootcert= in the URL at the CA certificate that signed the server's certificate"
+        };
+        return Some(Error::setup(
+            format!("the PostgreSQL server's TLS certificate failed verification under sslmode={mode}: {reason}"),
+            fix,
+        ));
+    }
+    None
 }

@@ -42,7 +42,7 @@ pub enum Finished {
 }
 
 pub async fn run(
-    database_url: tokio_postgres::Config,
+    database_url: crate::pg::PgUrl,
     table: TableName,
     mut deliveries: UnboundedReceiver<Delivery<CdcTag>>,
     finished: UnboundedSender<Finished>,
@@ -142,7 +142,7 @@ async fn write_batch(
 }
 
 async fn connect(
-    database_url: &tokio_postgres::Config,
+    database_url: &crate::pg::PgUrl,
     table: &TableName,
 ) -> crate::error::Result<(tokio_postgres::Client, OutboxSql)> {
     let client = pg::connect(database_url).await?;

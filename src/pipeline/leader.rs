@@ -10,7 +10,6 @@ use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::Result;
 use crate::http::READINESS;
-use crate::pg;
 
 /// How often a standby asks for the lock.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
@@ -40,15 +39,9 @@ pub async fn acquire(
     let mut standing_by = false;
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     loop {
-        let (client, connection) = match settings
-            .database
-            .database_url
-            .connect(tokio_postgres::NoTls)
-            .await
-        {
+        let (client, connection) = match settings.database.database_url.connect_raw().await {
             Ok(pair) => pair,
             Err(error) => {
-                let error = pg::classify_connect_error(error);
                 if !error.is_transient() {
                     return Err(error);
                 }

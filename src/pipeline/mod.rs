@@ -27,6 +27,9 @@ use poll::PollWorker;
 /// Maps replication-connection failures a person must fix to setup errors that say how.
 pub fn replication_error(error: ReplicationError) -> Error {
     let message = error.to_string();
+    if let ReplicationError::Tls { mode, .. } = &error {
+        return pg::tls_problem(&message, *mode).unwrap_or(Error::Replication(error));
+    }
     match error.code() {
         Some("42501") => Error::replication_unavailable(
             format!("the user may not open a replication connection ({message})"),

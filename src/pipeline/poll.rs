@@ -47,12 +47,7 @@ async fn listen(
     settings: &RunSettings,
 ) -> Result<(tokio_postgres::Client, Arc<tokio::sync::Notify>)> {
     let table = &settings.database.table;
-    let (client, mut connection) = settings
-        .database
-        .database_url
-        .connect(tokio_postgres::NoTls)
-        .await
-        .map_err(pg::classify_connect_error)?;
+    let (client, mut connection) = settings.database.database_url.connect_raw().await?;
     let notify = Arc::new(tokio::sync::Notify::new());
     let wake = notify.clone();
     tokio::spawn(async move {

@@ -30,7 +30,7 @@ pub fn free_port() -> u16 {
         .expect("no free port")
 }
 
-fn scratch_dir(kind: &str) -> PathBuf {
+pub fn scratch_dir(kind: &str) -> PathBuf {
     let n = COUNTER.fetch_add(1, Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("outboxd-test-{}-{kind}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -154,6 +154,131 @@ impl Postgres {
             .execute("SELECT pg_reload_conf()", &[])
             .await
             .unwrap();
+    }
+}
+
+/// A test certificate authority and a server certificate for `localhost` (DNS name only, so connecting
+/// to 127.0.0.1 fails host-name verification), plus an unrelated CA, made with the `openssl` CLI.
+pub struct TestCertificates {
+    pub ca: PathBuf,
+    pub other_ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+}
+
+impl TestCertificates {
+    pub fn make(dir: &Path) -> Self {
+        let openssl = |args: &[&str]| {
+            let output = Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .expect("cannot run openssl (install the openssl package)");
+            assert!(
+                output.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        for (name, subject) in [
+            ("ca", "/CN=outboxd test CA"),
+            ("other-ca", "/CN=someone else"),
+        ] {
+            let (key, crt) = (format!("{name}.key"), format!("{name}.crt"));
+            let mut args = vec![
+                "req", "-x509", "-days", "2", "-subj", subject, "-keyout", &key, "-out", &crt,
+            ];
+            args.extend_from_slice(&ec);
+            openssl(&args);
+        }
+        let mut args = vec![
+            "req",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ];
+        args.extend_from_slice(&ec);
+        openssl(&args);
+        std::fs::write(dir.join("san.ext"), "subjectAltName=DNS:localhost\n").unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.crt",
+        ]);
+        TestCertificates {
+            ca: dir.join("ca.crt"),
+            other_ca: dir.join("other-ca.crt"),
+            server_cert: dir.join("server.crt"),
+            server_key: dir.join("server.key"),
+        }
+    }
+}
+
+impl Postgres {
+    /// Turns TLS on (ssl = on with the given certificate) and reloads; plain connections still work.
+    pub async fn enable_tls(&self, certs: &TestCertificates) {
+        let dir = self.dir.join("tls");
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert, key) = (dir.join("server.crt"), dir.join("server.key"));
+        std::fs::copy(&certs.server_cert, &cert).unwrap();
+        std::fs::copy(&certs.server_key, &key).unwrap();
+        // PostgreSQL insists on a private key only its owner can read.
+        let status = Command::new("chmod").arg("600").arg(&key).status().unwrap();
+        assert!(status.success());
+        if Command::new("id").arg("-u").output().unwrap().stdout == b"0\n" {
+            let status = Command::new("chown")
+                .arg("-R")
+                .arg("postgres:")
+                .arg(&dir)
+                .status()
+                .unwrap();
+            assert!(status.success());
+        }
+        let client = self.client().await;
+        for (setting, value) in [("ssl_cert_file", &cert), ("ssl_key_file", &key)] {
+            client
+                .batch_execute(&format!(
+                    "ALTER SYSTEM SET {setting} = '{}'",
+                    value.display()
+                ))
+                .await
+                .unwrap();
+        }
+        client
+            .batch_execute("ALTER SYSTEM SET ssl = on")
+            .await
+            .unwrap();
+        client
+            .execute("SELECT pg_reload_conf()", &[])
+            .await
+            .unwrap();
+        wait_for_async("ssl to be on", Duration::from_secs(10), || async {
+            let on: String = client.query_one("SHOW ssl", &[]).await.ok()?.get(0);
+            (on == "on").then_some(())
+        })
+        .await;
     }
 }
 

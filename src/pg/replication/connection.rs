@@ -10,10 +10,14 @@ use fallible_iterator::FallibleIterator;
 use postgres_protocol::authentication::{md5_hash, sasl};
 use postgres_protocol::message::{backend, frontend};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio_postgres::config::{Host, SslMode};
+use tokio::net::TcpStream;
+use tokio_postgres::config::Host;
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 
 use super::protocol::{self, ServerMessage};
 use crate::lsn::Lsn;
+use crate::pg::tls::SslMode;
+use crate::pg::PgUrl;
 
 trait Socket: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Socket for T {}
@@ -45,6 +49,8 @@ pub enum ReplicationError {
     Protocol(String),
     #[error("{0}")]
     Unsupported(String),
+    #[error("TLS with sslmode={}: {message}", .mode.as_str())]
+    Tls { mode: SslMode, message: String },
     #[error("the server asks for a password but the connection URL has none: add it to the URL or use PGPASSWORD-free auth (trust)")]
     PasswordRequired,
 }
@@ -85,13 +91,14 @@ pub struct ReplicationConnection {
 
 impl ReplicationConnection {
     /// Connects and authenticates in `replication=database` mode.
-    pub async fn connect(config: &tokio_postgres::Config) -> Result<Self, ReplicationError> {
-        if config.get_ssl_mode() == SslMode::Require {
-            return Err(ReplicationError::Unsupported(
-                "sslmode=require is not supported by outboxd's replication connection yet; use sslmode=disable or prefer on a trusted network".into(),
-            ));
-        }
-        let socket = open_socket(config).await?;
+    pub async fn connect(url: &PgUrl) -> Result<Self, ReplicationError> {
+        let config = &url.config;
+        let socket = match open_socket(config).await? {
+            OpenSocket::Tcp { stream, host } => negotiate_tls(stream, &host, url).await?,
+            // libpq does not use TLS on Unix-domain sockets either.
+            #[cfg(unix)]
+            OpenSocket::Unix(stream) => Box::new(stream),
+        };
         let mut conn = ReplicationConnection {
             socket,
             read_buf: BytesMut::with_capacity(64 * 1024),
@@ -364,7 +371,50 @@ impl ReplicationStream {
     }
 }
 
-async fn open_socket(config: &tokio_postgres::Config) -> Result<Box<dyn Socket>, ReplicationError> {
+enum OpenSocket {
+    Tcp {
+        stream: TcpStream,
+        host: String,
+    },
+    #[cfg(unix)]
+    Unix(tokio::net::UnixStream),
+}
+
+/// Asks for TLS (SSLRequest) unless sslmode=disable and upgrades the socket when the server agrees; a
+/// server without TLS is accepted only for sslmode=prefer.
+async fn negotiate_tls(
+    mut stream: TcpStream,
+    host: &str,
+    url: &PgUrl,
+) -> Result<Box<dyn Socket>, ReplicationError> {
+    let mode = url.tls.mode;
+    if mode == SslMode::Disable {
+        return Ok(Box::new(stream));
+    }
+    let mut request = BytesMut::new();
+    frontend::ssl_request(&mut request);
+    stream.write_all(&request).await?;
+    let answer = stream.read_u8().await?;
+    let tls_error = |message: String| ReplicationError::Tls { mode, message };
+    match answer {
+        b'S' => {
+            let connect = MakeTlsConnect::<TcpStream>::make_tls_connect(&mut url.connector(), host)
+                .map_err(|e| tls_error(e.to_string()))?;
+            let stream = connect
+                .connect(stream)
+                .await
+                .map_err(|e| tls_error(format!("error performing TLS handshake: {e}")))?;
+            Ok(Box::new(stream))
+        }
+        b'N' if mode.allows_plaintext() => Ok(Box::new(stream)),
+        b'N' => Err(tls_error("server does not support TLS".into())),
+        other => Err(protocol_error(&format!(
+            "unexpected answer {other:#x} to the TLS request"
+        ))),
+    }
+}
+
+async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, ReplicationError> {
     let default_host = [Host::Tcp("localhost".to_string())];
     let hosts = if config.get_hosts().is_empty() {
         &default_host[..]
@@ -379,14 +429,17 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<Box<dyn Socket>,
             .or_else(|| ports.first())
             .copied()
             .unwrap_or(5432);
-        let (target, result): (String, std::io::Result<Box<dyn Socket>>) = match host {
+        let (target, result): (String, std::io::Result<OpenSocket>) = match host {
             Host::Tcp(name) => {
                 let target = format!("{name}:{port}");
-                let result = tokio::net::TcpStream::connect((name.as_str(), port))
+                let result = TcpStream::connect((name.as_str(), port))
                     .await
-                    .map(|s| {
-                        let _ = s.set_nodelay(true);
-                        Box::new(s) as Box<dyn Socket>
+                    .map(|stream| {
+                        let _ = stream.set_nodelay(true);
+                        OpenSocket::Tcp {
+                            stream,
+                            host: name.clone(),
+                        }
                     });
                 (target, result)
             }
@@ -396,7 +449,7 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<Box<dyn Socket>,
                 let target = path.display().to_string();
                 let result = tokio::net::UnixStream::connect(&path)
                     .await
-                    .map(|s| Box::new(s) as Box<dyn Socket>);
+                    .map(OpenSocket::Unix);
                 (target, result)
             }
         };

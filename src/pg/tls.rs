@@ -1,0 +1,222 @@
+//! TLS to PostgreSQL with libpq's `sslmode` semantics on both the SQL connections (tokio-postgres) and the
+//! replication connection (our wire client). tokio-postgres understands only disable/prefer/require, so the
+//! URL is split here: `sslmode` and `sslrootcert` are taken out and turned into an OpenSSL connector, and
+//! the rest goes to tokio-postgres. Owns parsing and the connector; not the sockets.
+
+use std::path::PathBuf;
+
+use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
+use postgres_openssl::MakeTlsConnector;
+
+/// libpq's `sslmode` values outboxd supports (`allow` is refused: it is never what anyone wants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SslMode {
+    Disable,
+    #[default]
+    Prefer,
+    Require,
+    VerifyCa,
+    VerifyFull,
+}
+
+impl SslMode {
+    fn parse(value: &str) -> Result<Self, String> {
+        Ok(match value {
+            "disable" => SslMode::Disable,
+            "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            other => {
+                return Err(format!(
+                "sslmode={other} is not supported; use disable, prefer, require, verify-ca or verify-full"
+            ))
+            }
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SslMode::Disable => "disable",
+            SslMode::Prefer => "prefer",
+            SslMode::Require => "require",
+            SslMode::VerifyCa => "verify-ca",
+            SslMode::VerifyFull => "verify-full",
+        }
+    }
+
+    /// Whether a server without TLS is acceptable.
+    pub fn allows_plaintext(self) -> bool {
+        matches!(self, SslMode::Disable | SslMode::Prefer)
+    }
+}
+
+/// What the TLS handshake must prove.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TlsSettings {
+    pub mode: SslMode,
+    /// CA certificate(s) the server's certificate must chain to (libpq's `sslrootcert`).
+    pub root_cert: Option<PathBuf>,
+}
+
+impl TlsSettings {
+    /// Certificate checks in force: libpq verifies the chain for verify-ca/verify-full, and for `require`
+    /// when a root certificate is given.
+    fn verifies_chain(&self) -> bool {
+        match self.mode {
+            SslMode::VerifyCa | SslMode::VerifyFull => true,
+            SslMode::Require => self.root_cert.is_some(),
+            SslMode::Disable | SslMode::Prefer => false,
+        }
+    }
+
+    /// The root certificate file to trust: `sslrootcert`, else libpq's default `~/.postgresql/root.crt`.
+    fn root_cert_path(&self) -> Option<PathBuf> {
+        self.root_cert.clone().or_else(|| {
+            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".postgresql/root.crt"))
+        })
+    }
+
+    /// Builds the connector used by every PostgreSQL connection of this URL. A missing or unreadable root
+    /// certificate is an error naming `sslrootcert`.
+    pub fn connector(&self) -> Result<MakeTlsConnector, String> {
+        let mut builder = SslConnector::builder(SslMethod::tls_client())
+            .map_err(|e| format!("cannot initialise OpenSSL: {e}"))?;
+        if self.verifies_chain() {
+            let path = self.root_cert_path().ok_or_else(|| {
+                format!(
+                    "sslmode={} needs a CA certificate; add sslrootcert=/path/to/ca.crt to the URL",
+                    self.mode.as_str()
+                )
+            })?;
+            let unreadable = |reason: &dyn std::fmt::Display| {
+                format!(
+                    "cannot read the CA certificate {} for sslmode={} ({reason}); fix: point sslrootcert= in the URL at a readable PEM file",
+                    path.display(),
+                    self.mode.as_str()
+                )
+            };
+            std::fs::File::open(&path).map_err(|e| unreadable(&e))?;
+            builder
+                .set_ca_file(&path)
+                .map_err(|_| unreadable(&"not a PEM certificate"))?;
+            builder.set_verify(SslVerifyMode::PEER);
+        } else {
+            builder.set_verify(SslVerifyMode::NONE);
+        }
+        let mut connector = MakeTlsConnector::new(builder.build());
+        let check_host_name = self.mode == SslMode::VerifyFull;
+        connector.set_callback(move |config, _host| {
+            config.set_verify_hostname(check_host_name);
+            Ok(())
+        });
+        Ok(connector)
+    }
+}
+
+/// Splits `sslmode`/`sslrootcert` off a libpq URL (`postgres://...?sslmode=...`) or key=value string
+/// (`host=... sslmode=...`). Returns the rest, ready for tokio-postgres, with its sslmode set to what
+/// tokio-postgres understands. Never puts the URL into an error: it may hold a password.
+pub fn split_tls_settings(url: &str) -> Result<(String, TlsSettings), String> {
+    let mut settings = TlsSettings::default();
+    let mut take = |key: &str, value: &str| -> Result<bool, String> {
+        match key {
+            "sslmode" => settings.mode = SslMode::parse(value)?,
+            "sslrootcert" => settings.root_cert = Some(PathBuf::from(value)),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    };
+    let rest = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let mut kept = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+            if !take(key, &value)? {
+                kept.push(pair);
+            }
+        }
+        if kept.is_empty() {
+            base.to_string()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        }
+    } else {
+        let mut kept = Vec::new();
+        for word in url.split_whitespace() {
+            let (key, value) = word.split_once('=').unwrap_or((word, ""));
+            if !take(key.trim(), value.trim_matches('\''))? {
+                kept.push(word);
+            }
+        }
+        kept.join(" ")
+    };
+    Ok((rest, settings))
+}
+
+/// tokio-postgres's own sslmode for a libpq mode: it negotiates, our connector verifies.
+pub fn driver_ssl_mode(mode: SslMode) -> tokio_postgres::config::SslMode {
+    match mode {
+        SslMode::Disable => tokio_postgres::config::SslMode::Disable,
+        SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+            tokio_postgres::config::SslMode::Require
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn takes_ssl_settings_out_of_urls() {
+        let (rest, tls) = split_tls_settings(
+            "postgres://u:p@db:5432/app?sslmode=verify-full&application_name=x&sslrootcert=%2Fetc%2Fca.crt",
+        )
+        .unwrap();
+        assert_eq!(rest, "postgres://u:p@db:5432/app?application_name=x");
+        assert_eq!(tls.mode, SslMode::VerifyFull);
+        assert_eq!(tls.root_cert, Some(PathBuf::from("/etc/ca.crt")));
+
+        let (rest, tls) = split_tls_settings("postgres://u@db/app").unwrap();
+        assert_eq!(rest, "postgres://u@db/app");
+        assert_eq!(tls, TlsSettings::default());
+
+        let (rest, tls) =
+            split_tls_settings("host=db user=u sslmode='verify-ca' sslrootcert=/ca.pem dbname=app")
+                .unwrap();
+        assert_eq!(rest, "host=db user=u dbname=app");
+        assert_eq!(tls.mode, SslMode::VerifyCa);
+        assert_eq!(tls.root_cert, Some(PathBuf::from("/ca.pem")));
+    }
+
+    #[test]
+    fn refuses_unknown_modes_without_repeating_the_url() {
+        let err = split_tls_settings("postgres://u:secret@db/app?sslmode=allow").unwrap_err();
+        assert!(err.contains("sslmode=allow"), "{err}");
+        assert!(!err.contains("secret"), "{err}");
+        assert!(split_tls_settings("postgres://db/app?sslmode=verify").is_err());
+    }
+
+    #[test]
+    fn verifies_the_chain_when_libpq_would() {
+        let with = |mode, root: Option<&str>| TlsSettings {
+            mode,
+            root_cert: root.map(PathBuf::from),
+        };
+        assert!(!with(SslMode::Prefer, Some("/ca")).verifies_chain());
+        assert!(!with(SslMode::Require, None).verifies_chain());
+        assert!(with(SslMode::Require, Some("/ca")).verifies_chain());
+        assert!(with(SslMode::VerifyCa, None).verifies_chain());
+        let err = with(SslMode::VerifyFull, Some("/nonexistent/ca.crt"))
+            .connector()
+            .err()
+            .unwrap();
+        assert!(
+            err.contains("/nonexistent/ca.crt") && err.contains("sslrootcert"),
+            "{err}"
+        );
+    }
+}
