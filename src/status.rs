@@ -6,6 +6,7 @@ use serde::Serialize;
 use crate::config::DatabaseSettings;
 use crate::error::Result;
 use crate::pg::{self, outbox, slot};
+use crate::pipeline::leader::{application_name, Role};
 
 #[derive(Debug, Serialize)]
 pub struct Status {
@@ -22,6 +23,10 @@ pub struct Status {
     pub oldest_unpublished_age_seconds: Option<f64>,
     /// Dead-lettered events (0 without the polling columns).
     pub dead_events: i64,
+    /// outboxd instances (auto/cdc mode) leading this slot: 1 when one runs.
+    pub active_instances: i64,
+    /// outboxd instances standing by to take over this slot.
+    pub standby_instances: i64,
 }
 
 /// The one-line judgement of `outboxd status`, with its exit code.
@@ -144,6 +149,7 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
     slot::check_table(&client, &settings.table).await?;
     let state = slot::slot_state(&client, &settings.slot).await?;
     let backlog = outbox::backlog(&client, &settings.table).await?;
+    let (active_instances, standby_instances) = instances(&client, &settings.slot).await?;
     let dead_events = match slot::check_polling_columns(&client, &settings.table).await {
         Ok(()) => outbox::dead_count(&client, &settings.table).await?,
         Err(_) => 0,
@@ -161,7 +167,25 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
         unpublished_events: backlog.unpublished_events,
         oldest_unpublished_age_seconds: backlog.oldest_unpublished_age_seconds,
         dead_events,
+        active_instances,
+        standby_instances,
     })
+}
+
+/// Counts instances by the `application_name` of their leadership connections.
+async fn instances(client: &tokio_postgres::Client, slot: &str) -> Result<(i64, i64)> {
+    let row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE application_name = $1),
+                    count(*) FILTER (WHERE application_name = $2)
+             FROM pg_stat_activity",
+            &[
+                &application_name(Role::Active, slot),
+                &application_name(Role::Standby, slot),
+            ],
+        )
+        .await?;
+    Ok((row.get(0), row.get(1)))
 }
 
 impl Status {
@@ -183,6 +207,13 @@ impl Status {
             ("retained WAL bytes", show(&self.retained_wal_bytes)),
             ("unpublished events", self.unpublished_events.to_string()),
             ("dead events", self.dead_events.to_string()),
+            (
+                "instances",
+                format!(
+                    "{} active, {} standby",
+                    self.active_instances, self.standby_instances
+                ),
+            ),
             (
                 "oldest unpublished age (s)",
                 show(
@@ -215,6 +246,8 @@ mod tests {
             unpublished_events: 0,
             oldest_unpublished_age_seconds: None,
             dead_events: 0,
+            active_instances: 1,
+            standby_instances: 0,
         }
     }
 

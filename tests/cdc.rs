@@ -419,6 +419,13 @@ async fn one_instance_streams_and_a_standby_takes_over_when_it_dies() {
         .unwrap()
         .get(0);
     assert_eq!(walsenders, 1, "exactly one instance streams");
+    let status = run_outboxd(&["status", "--json", "--database-url", &url]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        (&status["active_instances"], &status["standby_instances"]),
+        (&1.into(), &1.into()),
+        "{status}"
+    );
 
     let (mut committed, _) = insert_events(&mut client, 0, 20, 25, 10, None).await;
     first.kill();

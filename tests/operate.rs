@@ -267,3 +267,68 @@ async fn json_logs_are_one_object_per_line_without_secrets() {
         "a password reached the log"
     );
 }
+
+/// README's minimal grants are enough for `run` and `status`; and no password (PostgreSQL's or a Kafka
+/// option's) appears in any output of a successful run, a failing run, `status` or `/metrics`.
+#[tokio::test(flavor = "multi_thread")]
+async fn least_privilege_role_runs_everything_and_no_secret_leaks() {
+    const PG_SECRET: &str = "pg-secret-7f3a";
+    const KAFKA_SECRET: &str = "kafka-secret-91bc";
+    let (pg, broker) = migrated_stack();
+    let mut admin = pg.client().await;
+    // Exactly what README's "A role" step grants: nothing owned, no superuser.
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE outboxd_app LOGIN REPLICATION PASSWORD '{PG_SECRET}';
+             GRANT SELECT, UPDATE ON outbox_event TO outboxd_app;"
+        ))
+        .await
+        .unwrap();
+    pg.prepend_hba("host all outboxd_app 127.0.0.1/32 scram-sha-256")
+        .await;
+    let url = pg.url_for("outboxd_app", Some(PG_SECRET));
+    let brokers = broker.addr();
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let kafka_option = format!("sasl.password={KAFKA_SECRET}");
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--metrics-addr",
+        &metrics_addr,
+        "--kafka-option",
+        &kafka_option,
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&admin, "outboxd").await;
+    let (committed, rolled_back) = insert_events(&mut admin, 0, 20, 10, 5, Some(5)).await;
+    verify_delivery(&brokers, &committed, &rolled_back, 60, "least privilege");
+    wait_all_published(&admin, Duration::from_secs(60)).await;
+
+    let mut output = outboxd.log_text();
+    output += &http_get(&metrics_addr, "/metrics").expect("/metrics").1;
+    for extra in [&[][..], &["--json"][..]] {
+        let mut status_args = vec!["status", "--database-url", &url];
+        status_args.extend_from_slice(extra);
+        let status = run_outboxd(&status_args);
+        assert_eq!(status.status.code(), Some(0), "{}", stderr_of(&status));
+        output += &String::from_utf8_lossy(&status.stdout);
+        output += &stderr_of(&status);
+    }
+    // Failing runs: a wrong password, and the right one with brokers that never answer.
+    let wrong = pg.url_for("outboxd_app", Some("wrong-secret-5d2e"));
+    let unreachable = format!("127.0.0.1:{}", free_port());
+    for (url, brokers) in [(&wrong, &brokers), (&url, &unreachable)] {
+        let mut args = run_args(url, brokers);
+        args.extend(["--kafka-option", &kafka_option, "--startup-timeout", "1s"]);
+        let failed = run_outboxd(&args);
+        assert!(!failed.status.success());
+        output += &stderr_of(&failed);
+        output += &String::from_utf8_lossy(&failed.stdout);
+    }
+    assert!(
+        output.contains("fix:"),
+        "the failing runs said why:\n{output}"
+    );
+    for secret in [PG_SECRET, KAFKA_SECRET, "wrong-secret-5d2e"] {
+        assert!(!output.contains(secret), "{secret} leaked:\n{output}");
+    }
+}

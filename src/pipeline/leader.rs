@@ -14,6 +14,36 @@ use crate::http::READINESS;
 /// How often a standby asks for the lock.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
 
+/// The role an instance plays for a slot, shown as the `application_name` of its leadership connection so
+/// that `outboxd status` (any process with SQL access) can count active and standby instances.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Active,
+    Standby,
+}
+
+/// `application_name` of the leadership connection: `outboxd active <slot>` / `outboxd standby <slot>`,
+/// cut to PostgreSQL's 63 bytes as the server would.
+pub fn application_name(role: Role, slot: &str) -> String {
+    let role = match role {
+        Role::Active => "active",
+        Role::Standby => "standby",
+    };
+    let mut name = format!("outboxd {role} {slot}");
+    name.truncate(63); // slot names are ASCII
+    name
+}
+
+async fn announce(client: &tokio_postgres::Client, role: Role, slot: &str) -> Result<()> {
+    client
+        .execute(
+            "SELECT set_config('application_name', $1, false)",
+            &[&application_name(role, slot)],
+        )
+        .await?;
+    Ok(())
+}
+
 /// Held while this instance leads; dropping it releases the lock.
 pub struct Leadership {
     _client: tokio_postgres::Client,
@@ -66,6 +96,12 @@ pub async fn acquire(
                 Err(_) => break, // connection trouble: reconnect
             };
             if held {
+                if announce(&client, Role::Active, &settings.database.slot)
+                    .await
+                    .is_err()
+                {
+                    break; // connection trouble: reconnect (the lock goes with the session)
+                }
                 if standing_by {
                     tracing::info!("took over as the active instance for this slot");
                 }
@@ -75,6 +111,12 @@ pub async fn acquire(
                 }));
             }
             if !standing_by {
+                if announce(&client, Role::Standby, &settings.database.slot)
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
                 tracing::info!(
                     mode = "standby",
                     "another outboxd instance is active for this slot; standing by"
@@ -88,5 +130,20 @@ pub async fn acquire(
                 _ = shutdown.wait_for(|stop| *stop) => return Ok(None),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn application_names_fit_postgres_limit() {
+        assert_eq!(
+            application_name(Role::Standby, "outboxd"),
+            "outboxd standby outboxd"
+        );
+        let long = "s".repeat(63);
+        assert_eq!(application_name(Role::Active, &long).len(), 63);
     }
 }
