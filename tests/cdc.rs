@@ -450,3 +450,49 @@ async fn one_instance_streams_and_a_standby_takes_over_when_it_dies() {
     );
     assert!(report.duplicates <= 10_000);
 }
+
+/// An aggregate_type that is no legal topic name is made legal (as Debezium does: `_` for each illegal
+/// character, cut at 249 characters), so the event is routed, not lost or refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn aggregate_types_that_are_no_legal_topic_name_are_sanitised() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let long = "x".repeat(300);
+    let cases = [
+        ("Order Line/ü", "outbox.Order_Line__".to_string()),
+        ("", "outbox.".to_string()),
+        (long.as_str(), format!("outbox.{}", "x".repeat(242))),
+    ];
+    for (aggregate_type, _) in &cases {
+        client
+            .execute(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                 VALUES (gen_random_uuid(), $1, 'a-1', 'Created', '{}')",
+                &[aggregate_type],
+            )
+            .await
+            .unwrap();
+    }
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let topics: Vec<&str> = cases.iter().map(|(_, topic)| topic.as_str()).collect();
+    let records = consume_all(&brokers, &topics, cases.len(), Duration::from_secs(30));
+    for topic in topics {
+        assert_eq!(
+            records.iter().filter(|r| r.topic == topic).count(),
+            1,
+            "one record on {topic:?}: {records:?}"
+        );
+    }
+    let dead: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(dead, 0);
+}
