@@ -496,3 +496,114 @@ async fn aggregate_types_that_are_no_legal_topic_name_are_sanitised() {
         .get(0);
     assert_eq!(dead, 0);
 }
+
+/// The broker is unreachable for longer than wal_sender_timeout: the replication connection stays up
+/// (status updates keep flowing), memory stays bounded by the in-flight window, and the slot is never
+/// confirmed past what the broker acknowledged. Everything arrives once the broker is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn broker_down_longer_than_wal_sender_timeout_keeps_the_stream_and_confirms_nothing() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let mut client = pg.client().await;
+    client
+        .batch_execute("ALTER SYSTEM SET wal_sender_timeout = '3s'")
+        .await
+        .unwrap();
+    client
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+    let (_broker, proxy) = Broker::start_behind_proxy();
+    let (url, brokers) = (pg.url(), Broker::proxied_addr(&proxy));
+    let window = "2000".to_string();
+    let outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
+    wait_slot_active(&client, "outboxd").await;
+    let (mut committed, _) = insert_events(&mut client, 0, 10, 10, 10, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let observer = pg.client().await;
+    let walsender = || async {
+        observer
+            .query_one("SELECT pid FROM pg_stat_replication", &[])
+            .await
+            .ok()
+            .map(|row| row.get::<_, i32>(0))
+    };
+    let pid_before = walsender().await.expect("a walsender");
+
+    proxy.cut();
+    // An LSN inside the first transaction the broker cannot acknowledge: confirmed must stay below it.
+    let tx = client.transaction().await.unwrap();
+    let first = insert_txn_events(&tx, 10, 10, 10).await;
+    let unacknowledged: String = tx
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    tx.commit().await.unwrap();
+    let unacknowledged: Lsn = unacknowledged.parse().unwrap();
+    committed.extend(first);
+    let (during, _) = insert_events(&mut client, 11, 200, 100, 50, None).await;
+    committed.extend(during);
+    // Four times wal_sender_timeout: a connection that sent no status update would be gone by now.
+    let outage = Instant::now();
+    let mut peak_rss = 0;
+    while outage.elapsed() < Duration::from_secs(12) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            confirmed_flush(&client, "outboxd").await < unacknowledged,
+            "the slot was confirmed past what the broker acknowledged"
+        );
+        assert_eq!(
+            walsender().await,
+            Some(pid_before),
+            "the replication connection was dropped"
+        );
+        peak_rss = peak_rss.max(memory_kib(outboxd.pid(), "VmRSS"));
+    }
+    assert_eq!(
+        unpublished(&client).await,
+        20_010,
+        "nothing published while the broker was away"
+    );
+    println!(
+        "broker down 12 s: walsender kept, RSS peak {peak_rss} KiB with 20,000 events waiting"
+    );
+    assert!(
+        peak_rss < 64 * 1024,
+        "RSS {peak_rss} KiB while back-pressured"
+    );
+
+    proxy.restore();
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    verify_delivery(&brokers, &committed, &[], 120, "after a long broker outage");
+}
+
+/// One transaction of 200,000 events streams through without being buffered whole: peak RSS stays under
+/// 64 MiB.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_200k_event_transaction_streams_in_bounded_memory() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'order-' || (n % 1000), 'OrderPlaced',
+                    jsonb_build_object('n', n, 'pad', repeat('x', 150))
+             FROM generate_series(1, 200000) AS n",
+        )
+        .await
+        .unwrap();
+    wait_all_published(&client, Duration::from_secs(600)).await;
+    let peak = memory_kib(outboxd.pid(), "VmHWM");
+    println!("200,000-event transaction: peak RSS {peak} KiB");
+    assert!(peak < 64 * 1024, "peak RSS {peak} KiB");
+    let records = consume_all(&brokers, &[TOPIC], 200_000, Duration::from_secs(300));
+    let distinct: std::collections::HashSet<_> = records
+        .iter()
+        .filter_map(|r| r.headers.get("event_id"))
+        .collect();
+    assert_eq!(distinct.len(), 200_000);
+}

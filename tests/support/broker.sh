@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Local Kafka-protocol broker (tansu, in-memory storage) for tests and the demo.
+# Local Kafka-protocol broker (tansu) for tests and the demo. Storage: in memory, or TANSU_STORAGE (e.g.
+# sqlite://tansu.db, a file in DIR that survives a restart).
 #   broker.sh start DIR PORT [ADVERTISED_PORT]   start it in the background (pid in DIR/tansu.pid) and wait
 #                              until it answers; clients are sent to ADVERTISED_PORT (e.g. a test's proxy)
 #   broker.sh stop DIR         stop it
@@ -15,6 +16,9 @@ case "$cmd" in
     advertised="${4:-$port}"
     [ -x "$TANSU_BIN" ] || { echo "tansu not found at $TANSU_BIN: run tests/support/install-deps.sh" >&2; exit 1; }
     mkdir -p "$dir"
+    dir="$(cd "$dir" && pwd)"
+    # tansu resolves a sqlite:// storage URL against its working directory: run it in DIR.
+    cd "$dir"
     nohup "$TANSU_BIN" broker \
       --listener-url "tcp://127.0.0.1:$port" \
       --advertised-listener-url "tcp://127.0.0.1:$advertised" \

@@ -2,8 +2,10 @@
 # The broker binary is cached outside the checkout so later runs on the same machine reuse it.
 OUTBOXD_CACHE="${OUTBOXD_CACHE:-/var/cache/outboxd}"
 TANSU_VERSION=0.6.0
-TANSU_FEATURES=dynostore
-TANSU_ROOT="$OUTBOXD_CACHE/tansu-$TANSU_VERSION-$TANSU_FEATURES"
+# dynostore: the in-memory engine most tests use; libsql: the sqlite:// engine whose data survives a broker
+# restart (the chaos suite).
+TANSU_FEATURES=dynostore,libsql
+TANSU_ROOT="$OUTBOXD_CACHE/tansu-$TANSU_VERSION-${TANSU_FEATURES//,/-}"
 TANSU_BIN="${OUTBOXD_TANSU_BIN:-$TANSU_ROOT/bin/tansu}"
 PG_BIN="${OUTBOXD_PG_BIN:-/usr/lib/postgresql/15/bin}"
 export OUTBOXD_CACHE TANSU_BIN PG_BIN

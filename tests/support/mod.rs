@@ -119,6 +119,11 @@ impl Postgres {
         }
     }
 
+    /// The superuser's URL through another port (a test's proxy in front of this server).
+    pub fn url_via(&self, port: u16) -> String {
+        format!("postgres://postgres@127.0.0.1:{port}/postgres")
+    }
+
     /// Stops the server (fast); `start_again` brings the same cluster back on the same port.
     pub fn stop(&self) {
         run_script("pg.sh", &["stop", self.dir.to_str().unwrap()], &[]);
@@ -292,6 +297,9 @@ impl Drop for Postgres {
 pub struct Broker {
     pub dir: PathBuf,
     pub port: u16,
+    /// Port the broker advertises (a proxy's) and storage URL, kept for `start_again`.
+    advertised: Option<u16>,
+    storage: Option<String>,
 }
 
 impl Broker {
@@ -303,7 +311,33 @@ impl Broker {
             &["start", dir.to_str().unwrap(), &port.to_string()],
             &[],
         );
-        Broker { dir, port }
+        Broker {
+            dir,
+            port,
+            advertised: None,
+            storage: None,
+        }
+    }
+
+    /// Stops the broker process; `start_again` brings it back on the same port with the same storage.
+    pub fn stop(&self) {
+        run_script("broker.sh", &["stop", self.dir.to_str().unwrap()], &[]);
+    }
+
+    pub fn start_again(&self) {
+        let port = self.port.to_string();
+        let advertised = self.advertised.unwrap_or(self.port).to_string();
+        let envs: Vec<(&str, &str)> = self
+            .storage
+            .as_deref()
+            .map(|storage| ("TANSU_STORAGE", storage))
+            .into_iter()
+            .collect();
+        run_script(
+            "broker.sh",
+            &["start", self.dir.to_str().unwrap(), &port, &advertised],
+            &envs,
+        );
     }
 
     pub fn addr(&self) -> String {
@@ -431,6 +465,8 @@ pub struct Record {
     pub key: Option<String>,
     pub value: Option<Vec<u8>>,
     pub headers: HashMap<String, String>,
+    /// The record's CreateTime (ms since the epoch), set by the producer.
+    pub timestamp: Option<i64>,
 }
 
 /// Reads every record of `topics` from the beginning: waits until at least `expected` arrived, then keeps
@@ -501,6 +537,7 @@ pub fn consume_all(
                         .map(|k| String::from_utf8_lossy(k).into_owned()),
                     value: message.payload().map(|p| p.to_vec()),
                     headers,
+                    timestamp: message.timestamp().to_millis(),
                 });
             }
             Some(Err(error)) => panic!("consumer error: {error}"),
@@ -533,25 +570,7 @@ pub async fn insert_events(
     let mut rolled_back = Vec::new();
     for t in first_txn..first_txn + txns {
         let tx = client.transaction().await.unwrap();
-        let mut events = Vec::new();
-        for i in 0..per_txn {
-            // Several events of one aggregate inside one transaction.
-            let aggregate_id = format!("order-{}", (t * 7 + i / 3) % aggregates);
-            let event_id = uuid::Uuid::new_v4();
-            let seq = (t * per_txn + i) as i64;
-            let payload = serde_json::json!({"order": aggregate_id, "seq": seq, "txn": t, "pad": "x".repeat(100)});
-            tx.execute(
-                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'Order', $2, $3, $4)",
-                &[&event_id, &aggregate_id, &format!("OrderEvent{}", i % 3), &payload],
-            )
-            .await
-            .unwrap();
-            events.push(Inserted {
-                event_id,
-                aggregate_id,
-                seq,
-            });
-        }
+        let events = insert_txn_events(&tx, t, per_txn, aggregates).await;
         if rollback_every.is_some_and(|n| t % n == n - 1) {
             tx.rollback().await.unwrap();
             rolled_back.extend(events);
@@ -561,6 +580,34 @@ pub async fn insert_events(
         }
     }
     (committed, rolled_back)
+}
+
+/// Inserts transaction number `t`'s `per_txn` events inside `tx` (several events of one aggregate in a row).
+pub async fn insert_txn_events(
+    tx: &tokio_postgres::Transaction<'_>,
+    t: usize,
+    per_txn: usize,
+    aggregates: usize,
+) -> Vec<Inserted> {
+    let mut events = Vec::new();
+    for i in 0..per_txn {
+        let aggregate_id = format!("order-{}", (t * 7 + i / 3) % aggregates);
+        let event_id = uuid::Uuid::new_v4();
+        let seq = (t * per_txn + i) as i64;
+        let payload = serde_json::json!({"order": aggregate_id, "seq": seq, "txn": t, "pad": "x".repeat(100)});
+        tx.execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'Order', $2, $3, $4)",
+            &[&event_id, &aggregate_id, &format!("OrderEvent{}", i % 3), &payload],
+        )
+        .await
+        .unwrap();
+        events.push(Inserted {
+            event_id,
+            aggregate_id,
+            seq,
+        });
+    }
+    events
 }
 
 /// What a delivery check found.
@@ -939,22 +986,26 @@ impl Drop for Proxy {
 impl Broker {
     /// A broker whose clients all go through a [`Proxy`] (it advertises the proxy's address).
     pub fn start_behind_proxy() -> (Broker, Proxy) {
-        let target = std::sync::Arc::new(std::sync::atomic::AtomicU16::new(0));
-        let proxy = Proxy::start(target.clone());
-        let dir = scratch_dir("broker");
+        Self::start_behind_proxy_with(None)
+    }
+
+    /// Like `start_behind_proxy`, with tansu's sqlite storage: topics and records survive `stop` and
+    /// `start_again`.
+    pub fn start_persistent_behind_proxy() -> (Broker, Proxy) {
+        Self::start_behind_proxy_with(Some("sqlite://tansu.db".into()))
+    }
+
+    fn start_behind_proxy_with(storage: Option<String>) -> (Broker, Proxy) {
         let port = free_port();
-        target.store(port, std::sync::atomic::Ordering::SeqCst);
-        run_script(
-            "broker.sh",
-            &[
-                "start",
-                dir.to_str().unwrap(),
-                &port.to_string(),
-                &proxy.port.to_string(),
-            ],
-            &[],
-        );
-        (Broker { dir, port }, proxy)
+        let proxy = Proxy::start(std::sync::Arc::new(std::sync::atomic::AtomicU16::new(port)));
+        let broker = Broker {
+            dir: scratch_dir("broker"),
+            port,
+            advertised: Some(proxy.port),
+            storage,
+        };
+        broker.start_again();
+        (broker, proxy)
     }
 
     /// The address clients should use when the broker is behind a proxy.
@@ -1015,4 +1066,14 @@ pub async fn create_slot_then_stop(url: &str, brokers: &str, client: &tokio_post
     let mut outboxd = Outboxd::spawn(&run_args(url, brokers));
     wait_slot_active(client, "outboxd").await;
     outboxd.kill();
+}
+
+/// A field of /proc/<pid>/status in KiB: `VmRSS` (now) or `VmHWM` (peak).
+pub fn memory_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} for pid {pid}"))
 }
