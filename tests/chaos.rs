@@ -136,7 +136,7 @@ async fn write_load(
     mut stop: watch::Receiver<bool>,
 ) -> Vec<Txn> {
     let mut txns = Vec::new();
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ writer as u64 + 1);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (writer as u64 + 1));
     let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0i64;
