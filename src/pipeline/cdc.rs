@@ -4,7 +4,7 @@
 //! from the highest confirmed position (kept in memory, because PG 15 can move `confirmed_flush_lsn` back).
 //! Reading stops while the in-flight window is full, but standby status updates keep flowing on a timer.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,8 @@ use crate::pipeline::watermark::{TxnId, Watermark};
 const REPLAY_BATCH: usize = 1_000;
 /// Least time between two status updates sent because the watermark moved.
 const MIN_CONFIRM_GAP: Duration = Duration::from_millis(100);
+/// How often a session with blocked aggregates asks whether the polling path has drained them.
+const UNBLOCK_CHECK: Duration = Duration::from_millis(100);
 
 pub struct CdcPipeline {
     settings: Arc<RunSettings>,
@@ -46,6 +48,36 @@ struct Pending {
     tag: CdcTag,
     event: OutboxEvent,
     event_id: Uuid,
+}
+
+/// How a blocked aggregate's later events keep their order behind its rows in the polling path.
+///
+/// Parking holds them in memory (within the in-flight window) and publishes them once the polling path
+/// has drained the aggregate, which is quick for rows handed off at slot creation. Handing them off too
+/// suits an aggregate that stays blocked (a poison event retrying): an aggregate whose parked events reach
+/// its share of the window hands them off, and goes back to parking at the next check, so a steady load
+/// can never keep an aggregate on the polling path for good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    Park,
+    HandOff,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Blocked {
+    hold: Hold,
+    parked: usize,
+}
+
+impl Blocked {
+    const PARKING: Blocked = Blocked {
+        hold: Hold::Park,
+        parked: 0,
+    };
+    const HANDING_OFF: Blocked = Blocked {
+        hold: Hold::HandOff,
+        parked: 0,
+    };
 }
 
 /// Per-session state of the stream loop.
@@ -72,9 +104,10 @@ struct Session<'a> {
     skipped_already_published: u64,
     /// Events handed to the polling path travel to the backfill task on the delivery channel.
     hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
-    /// Aggregates with rows waiting in the polling path: their later events are handed off too, never
-    /// published ahead.
-    blocked: HashSet<AggregateKey>,
+    /// Aggregates with rows waiting in the polling path: their later events are never published ahead.
+    blocked: HashMap<AggregateKey, Blocked>,
+    /// Events of blocked aggregates held back (in stream order) until the polling path drained them.
+    parked: VecDeque<Pending>,
     hand_offs_in_flight: usize,
     handed_off: u64,
 }
@@ -244,9 +277,13 @@ impl CdcPipeline {
             }
         }
         let blocked = if outbox_sql.can_hand_off() {
-            outbox::aggregates_pending_hand_off(&sql, &db.table).await?
+            outbox::aggregates_pending_hand_off(&sql, &db.table)
+                .await?
+                .into_iter()
+                .map(|aggregate| (aggregate, Blocked::PARKING))
+                .collect()
         } else {
-            HashSet::new()
+            HashMap::new()
         };
         self.watermark.restart();
         let start = self.watermark.confirmed();
@@ -293,6 +330,7 @@ impl CdcPipeline {
             skipped_already_published: 0,
             hand_offs: delivery_tx,
             blocked,
+            parked: VecDeque::new(),
             hand_offs_in_flight: 0,
             handed_off: 0,
         };
@@ -327,6 +365,8 @@ impl Session<'_> {
         let mut last_sent = self.watermark.confirmed();
         let mut last_sent_at = Instant::now();
         let mut drain_deadline: Option<tokio::time::Instant> = None;
+        let mut unblock_timer = tokio::time::interval(UNBLOCK_CHECK);
+        unblock_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         stream.send_status(last_sent).await?;
         loop {
             let window_open = self.window_open();
@@ -336,7 +376,7 @@ impl Session<'_> {
                 biased;
                 _ = shutdown.wait_for(|stop| *stop), if drain_deadline.is_none() => {
                     tracing::info!(in_flight = self.in_flight_events, "shutting down: draining in-flight events");
-                    self.drop_replay_buffer();
+                    self.drop_held_events();
                     drain_deadline = Some(tokio::time::Instant::now() + self.settings.shutdown_timeout);
                 }
                 finished = finished_rx.recv() => match finished {
@@ -366,9 +406,9 @@ impl Session<'_> {
                 message = stream.next_message(), if window_open && drain_deadline.is_none() => {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
-                _ = status_timer.tick() => {
-                    reply_now = true;
-                    self.unblock_finished_aggregates().await?;
+                _ = status_timer.tick() => reply_now = true,
+                _ = unblock_timer.tick(), if !self.blocked.is_empty() && drain_deadline.is_none() => {
+                    self.unblock_drained_aggregates().await?;
                 }
                 _ = sleep_until_opt(drain_deadline) => {
                     tracing::warn!(in_flight = self.in_flight_events, "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
@@ -535,14 +575,31 @@ impl Session<'_> {
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(bytes);
     }
 
-    /// Publishes one event, or hands it to the polling path when its aggregate has events waiting there or
-    /// the producer refuses it for good (e.g. too large): the polling path retries and dead-letters it, and
-    /// the aggregate's later events follow it there, so order per aggregate holds.
+    /// Publishes one event, or holds it back when its aggregate has events waiting in the polling path
+    /// (see [`Hold`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
+    /// which retries and dead-letters it; its aggregate is blocked behind it, so order per aggregate holds.
     async fn publish(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
         let aggregate = || (event.aggregate_type.clone(), event.aggregate_id.clone());
         // Checked without allocating while nothing is blocked (the common case).
-        if !self.blocked.is_empty() && self.blocked.contains(&aggregate()) {
-            return self.hand_off(tag, event, event_id);
+        if !self.blocked.is_empty() {
+            let key = aggregate();
+            if let Some(blocked) = self.blocked.get_mut(&key) {
+                let park_limit = (self.settings.max_in_flight_events / 8).max(1);
+                if blocked.hold == Hold::Park && blocked.parked < park_limit {
+                    blocked.parked += 1;
+                    self.parked.push_back(Pending {
+                        tag,
+                        event: event.clone(),
+                        event_id,
+                    });
+                    return Ok(());
+                }
+                if blocked.hold == Hold::Park {
+                    *blocked = Blocked::HANDING_OFF;
+                    self.hand_off_parked(&key)?;
+                }
+                return self.hand_off(tag, event, event_id);
+            }
         }
         let topic = self
             .settings
@@ -561,7 +618,7 @@ impl Session<'_> {
                 if rejection.permanent && self.outbox_sql.can_hand_off() =>
             {
                 tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
-                self.blocked.insert(aggregate());
+                self.blocked.insert(aggregate(), Blocked::HANDING_OFF);
                 self.hand_off(tag, event, event_id)
             }
             Err(error) => Err(error.into()),
@@ -588,15 +645,49 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Lets the CDC path publish an aggregate again once the polling path has nothing of it left. Only asked
-    /// while none of this session's hand-offs are unwritten, so the query sees all of them.
-    async fn unblock_finished_aggregates(&mut self) -> Result<()> {
-        if self.blocked.is_empty() || self.hand_offs_in_flight > 0 {
+    /// Hands the parked events of `aggregate` to the polling path, in order.
+    fn hand_off_parked(&mut self, aggregate: &AggregateKey) -> Result<()> {
+        for pending in std::mem::take(&mut self.parked) {
+            if pending.event.aggregate_type == aggregate.0
+                && pending.event.aggregate_id == aggregate.1
+            {
+                self.hand_off(pending.tag, &pending.event, pending.event_id)?;
+            } else {
+                self.parked.push_back(pending);
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets the CDC path publish an aggregate again once the polling path has nothing of it left, then
+    /// publishes what it parked, in order. Asked only while none of this session's hand-offs are unwritten,
+    /// so the query sees all of them; aggregates handing off go back to parking first, so that happens.
+    async fn unblock_drained_aggregates(&mut self) -> Result<()> {
+        for blocked in self.blocked.values_mut() {
+            blocked.hold = Hold::Park;
+        }
+        if self.hand_offs_in_flight > 0 {
             return Ok(());
         }
         let pending =
             outbox::aggregates_pending_hand_off(&self.sql, &self.settings.database.table).await?;
-        self.blocked.retain(|aggregate| pending.contains(aggregate));
+        let before = self.blocked.len();
+        self.blocked
+            .retain(|aggregate, _| pending.contains(aggregate));
+        if self.blocked.len() == before {
+            return Ok(());
+        }
+        for held in std::mem::take(&mut self.parked) {
+            let key = (
+                held.event.aggregate_type.clone(),
+                held.event.aggregate_id.clone(),
+            );
+            match self.blocked.get(&key) {
+                Some(blocked) if blocked.hold == Hold::Park => self.parked.push_back(held),
+                // Unblocked (or blocked again by a refusal just now): publish decides.
+                _ => self.publish(held.tag, &held.event, held.event_id).await?,
+            }
+        }
         Ok(())
     }
 
@@ -624,9 +715,14 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// At shutdown, buffered rows are simply left for the next run.
-    fn drop_replay_buffer(&mut self) {
-        for pending in std::mem::take(&mut self.replay_buffer) {
+    /// At shutdown, buffered and parked rows are simply left for the next run (the slot was not confirmed
+    /// past them).
+    fn drop_held_events(&mut self) {
+        let parked = std::mem::take(&mut self.parked);
+        for pending in std::mem::take(&mut self.replay_buffer)
+            .into_iter()
+            .chain(parked)
+        {
             self.in_flight_events = self.in_flight_events.saturating_sub(1);
             self.in_flight_bytes = self
                 .in_flight_bytes

@@ -25,7 +25,14 @@ case "$cmd" in
       --storage-engine "${TANSU_STORAGE:-memory://tansu/}" >"$dir/tansu.log" 2>&1 &
     echo $! >"$dir/tansu.pid"
     for _ in $(seq 1 100); do
-      if timeout 2 "$TANSU_BIN" topic list --broker "tcp://127.0.0.1:$port" >/dev/null 2>&1; then exit 0; fi
+      if timeout 2 "$TANSU_BIN" topic list --broker "tcp://127.0.0.1:$port" >/dev/null 2>&1; then
+        # tansu 0.6's sqlite schema has no index on header(topition, offset_id) and looks headers up per
+        # record: reading N records back scans the header table N times. Add the index it lacks.
+        if [ -f "$dir/tansu.db" ]; then
+          sqlite3 "$dir/tansu.db" "CREATE INDEX IF NOT EXISTS header_by_record ON header (topition, offset_id)"
+        fi
+        exit 0
+      fi
       kill -0 "$(cat "$dir/tansu.pid")" 2>/dev/null || { cat "$dir/tansu.log" >&2; exit 1; }
       sleep 0.2
     done

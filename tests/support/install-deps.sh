@@ -7,7 +7,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/env.sh"
 
 need_apt=()
-for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl postgresql-15 postgresql-client-15; do
+for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
