@@ -29,7 +29,7 @@ case "$cmd" in
         # tansu 0.6's sqlite schema has no index on header(topition, offset_id) and looks headers up per
         # record: reading N records back scans the header table N times. Add the index it lacks.
         if [ -f "$dir/tansu.db" ]; then
-          sqlite3 "$dir/tansu.db" "CREATE INDEX IF NOT EXISTS header_by_record ON header (topition, offset_id)"
+          sqlite3 -cmd ".timeout 10000" "$dir/tansu.db" "CREATE INDEX IF NOT EXISTS header_by_record ON header (topition, offset_id)"
         fi
         exit 0
       fi
