@@ -733,3 +733,90 @@ async fn null_aggregate_id_is_dead_lettered_in_poll_mode() {
 async fn null_aggregate_id_is_dead_lettered_from_cdc() {
     null_aggregate_id_is_dead_lettered("auto").await;
 }
+
+/// After the slot is dropped under a steady load, the rows it missed go through the sweeper, and CDC takes
+/// the aggregates back once they drained (their later events wait in memory meanwhile), instead of handing
+/// every later event to the table for as long as the load lasts.
+#[tokio::test(flavor = "multi_thread")]
+async fn cdc_takes_aggregates_back_from_the_sweeper_under_steady_load() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    // A backlog the sweeper needs a while for: built while outboxd is down, then the slot is lost.
+    outboxd.kill();
+    let (backlog, _) = insert_events(&mut client, 0, 500, 10, 100, None).await;
+    client
+        .batch_execute("SELECT pg_drop_replication_slot('outboxd')")
+        .await
+        .unwrap();
+    let restarted = Outboxd::spawn(&run_args(&url, &brokers));
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut writer_client = pg.client().await;
+    let writer = tokio::spawn(async move {
+        let (mut committed, mut t) = (backlog, 500);
+        while !*stopped.borrow() {
+            let (events, _) = insert_events(&mut writer_client, t, 1, 10, 100, None).await;
+            committed.extend(events);
+            t += 1;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        committed
+    });
+    wait_slot_active(&client, "outboxd").await;
+    assert!(
+        handed_off_count(&client).await >= 5_000,
+        "the backlog went to the sweeper"
+    );
+    // While the load goes on, CDC publishes rows newer than any handed-off row.
+    let cdc_publishes_again = || async {
+        let row = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM outbox_event WHERE published_at IS NOT NULL AND handoff_at IS NULL
+                   AND position > (SELECT max(position) FROM outbox_event WHERE handoff_at IS NOT NULL))",
+                &[],
+            )
+            .await
+            .ok()?;
+        row.get::<_, bool>(0).then_some(())
+    };
+    wait_for_async(
+        "CDC to publish again under load",
+        Duration::from_secs(60),
+        cdc_publishes_again,
+    )
+    .await;
+    stop.send(true).unwrap();
+    let committed = writer.await.unwrap();
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let (_, report) = verify_delivery(&brokers, &committed, &[], 60, "slot dropped under load");
+    // The log is coloured: drop the escape sequences before reading a field.
+    let mut log = String::new();
+    let mut in_escape = false;
+    for c in restarted.log_text().chars() {
+        match c {
+            '\x1b' => in_escape = true,
+            'm' if in_escape => in_escape = false,
+            c if !in_escape => log.push(c),
+            _ => {}
+        }
+    }
+    let at_creation: i64 = log
+        .split("handed_off_to_polling=")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .expect("slot creation logged");
+    let handed_off = handed_off_count(&client).await;
+    println!(
+        "{handed_off} handed off of {} ({at_creation} at slot creation), {} duplicates",
+        committed.len(),
+        report.duplicates
+    );
+    assert_eq!(
+        handed_off, at_creation,
+        "CDC handed later events to the sweeper instead of holding them until it drained"
+    );
+}
