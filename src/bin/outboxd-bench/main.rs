@@ -1,0 +1,289 @@
+//! `outboxd-bench`: measures outboxd against its limits on a local PostgreSQL and tansu broker it starts
+//! itself (the tests' scripts), and prints a markdown table; CSV files go to `--out`.
+//!
+//!     cargo run --release --bin outboxd-bench            # the full run (~10 minutes)
+//!     cargo run --release --bin outboxd-bench -- --quick # a smoke run (CI)
+//!
+//! Scenarios: drain of a backlog built while outboxd was stopped, against the source limit (pg_recvlogical),
+//! the sink limit (a plain rdkafka producer) and the backfill limit (batched UPDATEs by event_id); the same
+//! backlog through `--mode poll` with 1 and 4 instances; steady insert rates in both modes (latency
+//! percentiles); one big transaction (duration, peak RSS).
+
+mod scenarios;
+mod stack;
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+use scenarios::{Bench, Steady};
+use stack::{BenchResult, Stack};
+
+#[derive(Parser)]
+#[command(about = "Benchmark outboxd against the limits of its source, sink and backfill")]
+struct Args {
+    /// Events in the drain backlog.
+    #[arg(long, default_value_t = 200_000)]
+    backlog: usize,
+    /// Events in the big-transaction scenario.
+    #[arg(long, default_value_t = 1_000_000)]
+    big: usize,
+    /// Seconds per steady rate.
+    #[arg(long, default_value_t = 30)]
+    steady_secs: u64,
+    /// Steady insert rates (events/s); higher ones are tried after them to find the highest sustainable.
+    #[arg(long, value_delimiter = ',', default_value = "500,2000,5000")]
+    rates: Vec<u64>,
+    /// A small, fast run (CI smoke test): small backlog and big transaction, short steady runs.
+    #[arg(long)]
+    quick: bool,
+    /// Where the CSV files and logs go.
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+}
+
+#[tokio::main]
+async fn main() {
+    if let Err(error) = run(Args::parse()).await {
+        let mut message = error.to_string();
+        let mut source = error.source();
+        while let Some(cause) = source {
+            message = format!("{message}: {cause}");
+            source = cause.source();
+        }
+        eprintln!("error: {message}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(mut args: Args) -> BenchResult<()> {
+    if args.quick {
+        args.backlog = args.backlog.min(20_000);
+        args.big = args.big.min(50_000);
+        args.steady_secs = args.steady_secs.min(3);
+        args.rates = vec![500, 2_000];
+    }
+    std::fs::create_dir_all(&args.out)?;
+    let outboxd = stack::outboxd_binary()?;
+    let stack = Stack::start(&args.out.join("stack"))?;
+    let migrate = std::process::Command::new(&outboxd)
+        .args(["migrate", "--database-url", &stack.pg_url()])
+        .output()?;
+    if !migrate.status.success() {
+        return Err(format!("migrate: {}", String::from_utf8_lossy(&migrate.stderr)).into());
+    }
+    let (sql, driver) = tokio_postgres::connect(&stack.pg_url(), tokio_postgres::NoTls).await?;
+    tokio::spawn(driver);
+    let machine = describe_machine(&sql).await?;
+    let bench = Bench {
+        stack,
+        outboxd,
+        sql,
+    };
+
+    eprintln!("drain: {} events ...", args.backlog);
+    let (drain, limits) = bench.drain(args.backlog).await?;
+    eprintln!("poll drain ...");
+    let poll_one = bench.poll_drain(1).await?;
+    let poll_four = bench.poll_drain(4).await?;
+
+    let secs = Duration::from_secs(args.steady_secs);
+    let mut steady: Vec<Steady> = Vec::new();
+    for mode in ["cdc", "poll"] {
+        for &rate in &args.rates {
+            eprintln!("steady {mode} {rate}/s ...");
+            steady.push(bench.steady(mode, rate, secs).await?);
+        }
+        if !args.quick {
+            // The highest sustainable rate: climb until outboxd (or the load generator) falls behind.
+            let mut rate = args.rates.iter().copied().max().unwrap_or(5_000);
+            loop {
+                rate = rate * 3 / 2;
+                eprintln!("steady {mode} {rate}/s ...");
+                let result = bench.steady(mode, rate, secs).await?;
+                let sustained = result.sustained();
+                steady.push(result);
+                if !sustained || rate > 200_000 {
+                    break;
+                }
+            }
+        }
+    }
+    eprintln!("big transaction: {} events ...", args.big);
+    let (big_seconds, big_usage) = bench.big_transaction(args.big).await?;
+
+    // Report.
+    let limit = limits.source.min(limits.sink).min(limits.backfill);
+    let mut table = String::new();
+    writeln!(table, "{machine}\n")?;
+    writeln!(
+        table,
+        "| scenario | events/s | CPU µs/event | peak RSS MiB | notes |"
+    )?;
+    writeln!(table, "| --- | ---: | ---: | ---: | --- |")?;
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    writeln!(
+        table,
+        "| drain, CDC ({} events) | {:.0} | {:.1} | {:.1} | {:.2} × min(limits); {:.1} × one poll instance |",
+        drain.events,
+        drain.rate(),
+        drain.cpu_micros_per_event(),
+        mib(drain.usage.peak_rss_kib),
+        drain.rate() / limit,
+        drain.rate() / poll_one.rate()
+    )?;
+    writeln!(
+        table,
+        "| source limit (pg_recvlogical) | {:.0} | | | |",
+        limits.source
+    )?;
+    writeln!(
+        table,
+        "| sink limit (rdkafka producer) | {:.0} | | | |",
+        limits.sink
+    )?;
+    writeln!(
+        table,
+        "| backfill limit (UPDATE by event_id, 2,000 per batch) | {:.0} | | | |",
+        limits.backfill
+    )?;
+    for (name, d) in [
+        ("drain, poll, 1 instance", poll_one),
+        ("drain, poll, 4 instances", poll_four),
+    ] {
+        writeln!(
+            table,
+            "| {name} | {:.0} | {:.1} | {:.1} | CPU of all instances |",
+            d.rate(),
+            d.cpu_micros_per_event(),
+            mib(d.usage.peak_rss_kib)
+        )?;
+    }
+    writeln!(
+        table,
+        "| one transaction of {} events | {:.0} | {:.1} | {:.1} | {:.1} s from commit to confirmed |",
+        args.big,
+        args.big as f64 / big_seconds,
+        big_usage.cpu_seconds * 1e6 / args.big as f64,
+        mib(big_usage.peak_rss_kib),
+        big_seconds
+    )?;
+    writeln!(table)?;
+    writeln!(table, "| mode | offered/s | achieved/s | commit→ack p50 / p99 / p99.9 ms | insert→published_at p50 / p99 / p99.9 ms | backlog at end | peak RSS MiB |")?;
+    writeln!(table, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")?;
+    let ms = |v: [f64; 3]| format!("{:.1} / {:.1} / {:.1}", v[0] * 1e3, v[1] * 1e3, v[2] * 1e3);
+    for s in &steady {
+        writeln!(
+            table,
+            "| {} | {} | {:.0} | {} | {} | {} | {:.1} |",
+            s.mode,
+            s.offered,
+            s.achieved,
+            s.commit_to_ack.map_or("-".into(), ms),
+            ms(s.insert_to_published),
+            s.backlog_at_end,
+            mib(s.peak_rss_kib)
+        )?;
+    }
+    println!("{table}");
+    std::fs::write(args.out.join("results.md"), &table)?;
+
+    let mut csv = String::from("mode,offered,achieved,commit_to_ack_p50,commit_to_ack_p99,commit_to_ack_p999,insert_to_published_p50,insert_to_published_p99,insert_to_published_p999,backlog_at_end,peak_rss_kib\n");
+    for s in &steady {
+        let c = s.commit_to_ack.unwrap_or([f64::NAN; 3]);
+        let p = s.insert_to_published;
+        writeln!(
+            csv,
+            "{},{},{:.1},{},{},{},{},{},{},{},{}",
+            s.mode,
+            s.offered,
+            s.achieved,
+            c[0],
+            c[1],
+            c[2],
+            p[0],
+            p[1],
+            p[2],
+            s.backlog_at_end,
+            s.peak_rss_kib
+        )?;
+    }
+    std::fs::write(args.out.join("steady.csv"), csv)?;
+    let drains = format!(
+        "scenario,events,seconds,events_per_second,cpu_us_per_event,peak_rss_kib\n\
+         drain_cdc,{},{:.3},{:.0},{:.2},{}\n\
+         source_limit,{},,{:.0},,\n\
+         sink_limit,{},,{:.0},,\n\
+         backfill_limit,{},,{:.0},,\n\
+         drain_poll_1,{},{:.3},{:.0},{:.2},{}\n\
+         drain_poll_4,{},{:.3},{:.0},{:.2},{}\n\
+         big_transaction,{},{:.3},{:.0},{:.2},{}\n",
+        drain.events,
+        drain.seconds,
+        drain.rate(),
+        drain.cpu_micros_per_event(),
+        drain.usage.peak_rss_kib,
+        drain.events,
+        limits.source,
+        drain.events,
+        limits.sink,
+        drain.events,
+        limits.backfill,
+        poll_one.events,
+        poll_one.seconds,
+        poll_one.rate(),
+        poll_one.cpu_micros_per_event(),
+        poll_one.usage.peak_rss_kib,
+        poll_four.events,
+        poll_four.seconds,
+        poll_four.rate(),
+        poll_four.cpu_micros_per_event(),
+        poll_four.usage.peak_rss_kib,
+        args.big,
+        big_seconds,
+        args.big as f64 / big_seconds,
+        big_usage.cpu_seconds * 1e6 / args.big as f64,
+        big_usage.peak_rss_kib,
+    );
+    std::fs::write(args.out.join("drain.csv"), drains)?;
+    eprintln!(
+        "wrote {}/results.md, steady.csv, drain.csv (chart: python3 examples/plot_bench.py {}/steady.csv examples/bench-latency.png)",
+        args.out.display(),
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// Cores, CPU model, memory and versions, for the report's first line.
+async fn describe_machine(sql: &tokio_postgres::Client) -> BenchResult<String> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let memory_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0 / 1024.0);
+    let postgres: String = sql.query_one("SHOW server_version", &[]).await?.get(0);
+    let (_, librdkafka) = rdkafka::util::get_rdkafka_version();
+    Ok(format!(
+        "Measured {} on {cores} cores ({model}), {memory_gib:.0} GiB; PostgreSQL {postgres}, tansu 0.6.0, librdkafka {librdkafka}, outboxd {}; everything on one machine.",
+        std::process::Command::new("date")
+            .arg("+%Y-%m-%d")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .unwrap_or_default()
+            .trim(),
+        env!("CARGO_PKG_VERSION"),
+    ))
+}

@@ -1,0 +1,611 @@
+//! The benchmark scenarios (drain and its limits, polling drain, steady rates, one big transaction), each
+//! returning figures; printing them is `main`'s job.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use tokio_postgres::Client;
+
+use crate::stack::{free_port, wait_until, BenchResult, Outboxd, Stack, Usage};
+
+/// Rows per backlog transaction (over 1,000 aggregates, ~200-byte payloads).
+pub const EVENTS_PER_TXN: usize = 100;
+
+pub struct Bench {
+    pub stack: Stack,
+    pub outboxd: PathBuf,
+    pub sql: Client,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Drain {
+    pub events: usize,
+    pub seconds: f64,
+    pub usage: Usage,
+}
+
+impl Drain {
+    pub fn rate(&self) -> f64 {
+        self.events as f64 / self.seconds
+    }
+    pub fn cpu_micros_per_event(&self) -> f64 {
+        self.usage.cpu_seconds * 1e6 / self.events as f64
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub source: f64,
+    pub sink: f64,
+    pub backfill: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Steady {
+    pub mode: &'static str,
+    pub offered: u64,
+    pub achieved: f64,
+    /// Commit (pgoutput Begin) to broker ack, from outboxd's histogram (CDC only).
+    pub commit_to_ack: Option<[f64; 3]>,
+    /// created_at to published_at, exact (SQL), both modes.
+    pub insert_to_published: [f64; 3],
+    pub backlog_at_end: i64,
+    pub peak_rss_kib: u64,
+}
+
+impl Steady {
+    /// The backlog stayed within half a second of load: outboxd kept up.
+    pub fn sustained(&self) -> bool {
+        (self.backlog_at_end as f64) <= self.offered as f64 * 0.5
+            && self.achieved >= self.offered as f64 * 0.95
+    }
+}
+
+impl Bench {
+    fn run_args<'a>(&'a self, url: &'a str, brokers: &'a str, mode: &'a str) -> Vec<&'a str> {
+        vec![
+            "run",
+            "--database-url",
+            url,
+            "--brokers",
+            brokers,
+            "--topic-replication-factor",
+            "1",
+            "--mode",
+            mode,
+        ]
+    }
+
+    pub fn spawn(&self, mode: &str, extra: &[&str], log: &str) -> BenchResult<Outboxd> {
+        let (url, brokers) = (self.stack.pg_url(), self.stack.brokers());
+        let mut args = self.run_args(&url, &brokers, mode);
+        args.extend_from_slice(extra);
+        Outboxd::spawn(&self.outboxd, &args, &self.stack.log_dir().join(log))
+    }
+
+    async fn scalar_i64(&self, sql: &str) -> BenchResult<i64> {
+        Ok(self.sql.query_one(sql, &[]).await?.get(0))
+    }
+
+    async fn wal_lsn(&self) -> BenchResult<String> {
+        Ok(self
+            .sql
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await?
+            .get(0))
+    }
+
+    async fn slot_reached(&self, slot: &str, lsn: &str) -> bool {
+        self.sql
+            .query_one(
+                "SELECT coalesce(confirmed_flush_lsn >= $2::text::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot, &lsn],
+            )
+            .await
+            .map(|row| row.get(0))
+            .unwrap_or(false)
+    }
+
+    async fn slot_streaming(&self) -> bool {
+        self.scalar_i64("SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'")
+            .await
+            .map(|n| n > 0)
+            .unwrap_or(false)
+    }
+
+    async fn unpublished(&self) -> BenchResult<i64> {
+        self.scalar_i64("SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
+            .await
+    }
+
+    /// Empties the table and drops every slot (once the last walsender let go of them).
+    pub async fn reset(&self) -> BenchResult<()> {
+        wait_until(
+            "slots to be free",
+            Duration::from_secs(60),
+            Duration::from_millis(50),
+            || async {
+                self.sql
+                    .batch_execute(
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots",
+                    )
+                    .await
+                    .is_ok()
+            },
+        )
+        .await?;
+        self.sql.batch_execute("TRUNCATE outbox_event").await?;
+        Ok(())
+    }
+
+    /// `events` rows in transactions of 100 over 1,000 aggregates, ~200-byte JSON payloads.
+    pub async fn insert_backlog(&self, events: usize) -> BenchResult<()> {
+        let statement = self
+            .sql
+            .prepare(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                 SELECT gen_random_uuid(), 'Order', 'order-' || (($1::int + n) % 1000), 'OrderPlaced',
+                        jsonb_build_object('orderId', 'order-' || (($1::int + n) % 1000), 'customer', 'c-' || n,
+                                           'total', 99.5, 'lines', jsonb_build_array(jsonb_build_object('sku', 'SKU-12345', 'qty', 2)),
+                                           'note', repeat('x', 60))
+                 FROM generate_series(1, $2::int) AS n",
+            )
+            .await?;
+        let per_txn = EVENTS_PER_TXN.min(events) as i32;
+        let mut done = 0;
+        while done < events {
+            self.sql
+                .execute(&statement, &[&(done as i32), &per_txn])
+                .await?;
+            done += per_txn as usize;
+        }
+        Ok(())
+    }
+
+    /// Drain: a backlog built while outboxd was stopped (its slot existed), then outboxd until every event
+    /// is acknowledged, has published_at and the slot is confirmed past it. Also measures the three limits
+    /// on the same backlog.
+    pub async fn drain(&self, events: usize) -> BenchResult<(Drain, Limits)> {
+        self.reset().await?;
+        {
+            let _first = self.spawn("cdc", &[], "drain-slot.log")?;
+            wait_until(
+                "the slot",
+                Duration::from_secs(60),
+                Duration::from_millis(50),
+                || self.slot_streaming(),
+            )
+            .await?;
+        }
+        self.sql
+            .batch_execute("SELECT pg_create_logical_replication_slot('bench_source', 'pgoutput')")
+            .await?;
+        self.insert_backlog(events).await?;
+        let end = self.wal_lsn().await?;
+
+        let source = self.source_limit(&end).await?;
+        let started = Instant::now();
+        let outboxd = self.spawn("cdc", &[], "drain.log")?;
+        wait_until(
+            "the drain",
+            Duration::from_secs(1800),
+            Duration::from_millis(10),
+            || self.slot_reached("outboxd", &end),
+        )
+        .await?;
+        let seconds = started.elapsed().as_secs_f64();
+        let usage = outboxd.usage()?;
+        drop(outboxd);
+        let left = self.unpublished().await?;
+        if left != 0 {
+            return Err(format!("{left} rows without published_at after the drain").into());
+        }
+        let sink = self.sink_limit().await?;
+        let backfill = self.backfill_limit().await?;
+        Ok((
+            Drain {
+                events,
+                seconds,
+                usage,
+            },
+            Limits {
+                source: events as f64 / source,
+                sink: events as f64 / sink,
+                backfill: events as f64 / backfill,
+            },
+        ))
+    }
+
+    /// pg_recvlogical with pgoutput proto 1 from the second slot to the backlog's end, to /dev/null.
+    async fn source_limit(&self, end: &str) -> BenchResult<f64> {
+        let recvlogical = std::env::var("OUTBOXD_PG_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| PathBuf::from("/usr/lib/postgresql/15/bin"))
+            .join("pg_recvlogical");
+        let started = Instant::now();
+        let mut command = std::process::Command::new(recvlogical);
+        command.args([
+            "-d",
+            &self.stack.pg_url(),
+            "--slot",
+            "bench_source",
+            "--start",
+            "--endpos",
+            end,
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=outboxd",
+            "-f",
+            "/dev/null",
+        ]);
+        let status = tokio::task::spawn_blocking(move || command.status()).await??;
+        if !status.success() {
+            return Err("pg_recvlogical failed".into());
+        }
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    /// The same records through a plain rdkafka producer with outboxd's producer settings.
+    async fn sink_limit(&self) -> BenchResult<f64> {
+        let rows = self
+            .sql
+            .query(
+                "SELECT event_id::text, aggregate_id, event_type, payload::text FROM outbox_event ORDER BY position",
+                &[],
+            )
+            .await?;
+        let settings = outboxd_settings(&self.stack)?;
+        let producer: ThreadedProducer<DefaultProducerContext> =
+            outboxd::kafka::client_config(&settings).create()?;
+        let topic = "bench.sink";
+        create_topic(&settings, topic).await?;
+        let started = Instant::now();
+        for row in &rows {
+            let (id, key, event_type, payload): (&str, &str, &str, &str) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            let headers = rdkafka::message::OwnedHeaders::new()
+                .insert(rdkafka::message::Header {
+                    key: "event_id",
+                    value: Some(id),
+                })
+                .insert(rdkafka::message::Header {
+                    key: "event_type",
+                    value: Some(event_type),
+                });
+            let mut record = BaseRecord::to(topic)
+                .key(key)
+                .payload(payload)
+                .headers(headers);
+            loop {
+                match producer.send(record) {
+                    Ok(()) => break,
+                    Err((_, returned)) => {
+                        record = returned;
+                        producer.poll(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
+        let flushed =
+            tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(600))).await?;
+        flushed?;
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    /// published_at for the same rows by event_id, 2,000 per UPDATE (outboxd's backfill batch).
+    async fn backfill_limit(&self) -> BenchResult<f64> {
+        self.sql
+            .batch_execute("UPDATE outbox_event SET published_at = NULL")
+            .await?;
+        self.sql
+            .batch_execute("VACUUM ANALYZE outbox_event")
+            .await?;
+        let ids: Vec<uuid::Uuid> = self
+            .sql
+            .query("SELECT event_id FROM outbox_event ORDER BY position", &[])
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        let update = self
+            .sql
+            .prepare("UPDATE outbox_event SET published_at = now() WHERE event_id = ANY($1) AND published_at IS NULL")
+            .await?;
+        let started = Instant::now();
+        for chunk in ids.chunks(2_000) {
+            self.sql.execute(&update, &[&chunk]).await?;
+        }
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    /// The drain backlog again, through `instances` outboxd processes in `--mode poll`.
+    pub async fn poll_drain(&self, instances: usize) -> BenchResult<Drain> {
+        self.sql
+            .batch_execute(
+                "UPDATE outbox_event SET published_at = NULL, attempts = 0, lease_token = NULL, lease_until = NULL, handoff_at = NULL",
+            )
+            .await?;
+        self.sql
+            .batch_execute("VACUUM ANALYZE outbox_event")
+            .await?;
+        let events = self.scalar_i64("SELECT count(*) FROM outbox_event").await? as usize;
+        let started = Instant::now();
+        let workers: Vec<Outboxd> = (0..instances)
+            .map(|i| self.spawn("poll", &[], &format!("poll-{instances}-{i}.log")))
+            .collect::<BenchResult<_>>()?;
+        wait_until(
+            "the polling drain",
+            Duration::from_secs(1800),
+            Duration::from_millis(20),
+            || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
+        )
+        .await?;
+        let seconds = started.elapsed().as_secs_f64();
+        let mut usage = Usage::default();
+        for worker in &workers {
+            usage = usage + worker.usage()?;
+        }
+        Ok(Drain {
+            events,
+            seconds,
+            usage,
+        })
+    }
+
+    /// `rate` events/s (transactions of 10 on several connections) for `duration`, with outboxd in `mode`.
+    pub async fn steady(
+        &self,
+        mode: &'static str,
+        rate: u64,
+        duration: Duration,
+    ) -> BenchResult<Steady> {
+        self.reset().await?;
+        let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+        let outboxd = self.spawn(
+            mode,
+            &["--metrics-addr", &metrics_addr],
+            &format!("steady-{mode}-{rate}.log"),
+        )?;
+        if mode == "cdc" {
+            wait_until(
+                "the slot",
+                Duration::from_secs(60),
+                Duration::from_millis(50),
+                || self.slot_streaming(),
+            )
+            .await?;
+        }
+        // Warm up (producer connected, topic known, first batch through) and measure from here on.
+        self.insert_backlog(10).await?;
+        wait_until(
+            "the warm-up events",
+            Duration::from_secs(60),
+            Duration::from_millis(20),
+            || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
+        )
+        .await?;
+        let measured_from: std::time::SystemTime =
+            self.sql.query_one("SELECT now()", &[]).await?.get(0);
+        let before = scrape_histogram(&metrics_addr).await.unwrap_or_default();
+        let connections = rate.div_ceil(2_500).max(1);
+        let txns_per_second = rate as f64 / 10.0 / connections as f64;
+        let stop_at = Instant::now() + duration;
+        let mut writers = Vec::new();
+        for c in 0..connections {
+            let url = self.stack.pg_url();
+            writers.push(tokio::spawn(async move {
+                write_at_rate(&url, c as i32, txns_per_second, stop_at).await
+            }));
+        }
+        let mut inserted = 0;
+        for writer in writers {
+            inserted += writer.await??;
+        }
+        let achieved = inserted as f64 / duration.as_secs_f64();
+        let backlog_at_end = self.unpublished().await?;
+        wait_until(
+            "the steady run to drain",
+            Duration::from_secs(600),
+            Duration::from_millis(50),
+            || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
+        )
+        .await?;
+        let after = scrape_histogram(&metrics_addr).await.unwrap_or_default();
+        let peak_rss_kib = outboxd.usage()?.peak_rss_kib;
+        drop(outboxd);
+        let row = self
+            .sql
+            .query_one(
+                "SELECT percentile_cont(ARRAY[0.5, 0.99, 0.999]) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM published_at - created_at))
+                 FROM outbox_event WHERE created_at > $1",
+                &[&measured_from],
+            )
+            .await?;
+        let insert_to_published: Vec<f64> = row.get(0);
+        let commit_to_ack = (mode == "cdc").then(|| {
+            let delta: Vec<(f64, f64)> = after
+                .iter()
+                .zip(before.iter().chain(std::iter::repeat(&(0.0, 0.0))))
+                .map(|(&(le, a), &(_, b))| (le, a - b))
+                .collect();
+            [0.5, 0.99, 0.999].map(|q| histogram_quantile(&delta, q))
+        });
+        Ok(Steady {
+            mode,
+            offered: rate,
+            achieved,
+            commit_to_ack,
+            insert_to_published: [
+                insert_to_published[0],
+                insert_to_published[1],
+                insert_to_published[2],
+            ],
+            backlog_at_end,
+            peak_rss_kib,
+        })
+    }
+
+    /// One transaction of `events` rows: seconds from its commit until the slot is confirmed past it, and
+    /// outboxd's peak RSS.
+    pub async fn big_transaction(&self, events: usize) -> BenchResult<(f64, Usage)> {
+        self.reset().await?;
+        let outboxd = self.spawn("cdc", &[], "big.log")?;
+        wait_until(
+            "the slot",
+            Duration::from_secs(60),
+            Duration::from_millis(50),
+            || self.slot_streaming(),
+        )
+        .await?;
+        self.sql
+            .execute(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                 SELECT gen_random_uuid(), 'Order', 'order-' || (n % 1000), 'OrderPlaced',
+                        jsonb_build_object('orderId', 'order-' || (n % 1000), 'note', repeat('x', 150))
+                 FROM generate_series(1, $1::int) AS n",
+                &[&(events as i32)],
+            )
+            .await?;
+        let end = self.wal_lsn().await?;
+        let started = Instant::now();
+        wait_until(
+            "the big transaction",
+            Duration::from_secs(1800),
+            Duration::from_millis(20),
+            || self.slot_reached("outboxd", &end),
+        )
+        .await?;
+        let seconds = started.elapsed().as_secs_f64();
+        Ok((seconds, outboxd.usage()?))
+    }
+}
+
+/// Settings outboxd would run with against this stack (for its producer configuration).
+pub fn outboxd_settings(stack: &Stack) -> BenchResult<outboxd::config::RunSettings> {
+    use clap::Parser;
+    let cli = outboxd::config::Cli::try_parse_from([
+        "outboxd",
+        "run",
+        "--database-url",
+        &stack.pg_url(),
+        "--brokers",
+        &stack.brokers(),
+    ])?;
+    match cli.command {
+        outboxd::config::Command::Run(options) => Ok(options.run()?),
+        _ => Err("unexpected command".into()),
+    }
+}
+
+async fn create_topic(settings: &outboxd::config::RunSettings, topic: &str) -> BenchResult<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+        outboxd::kafka::client_config(settings).create()?;
+    let new = NewTopic::new(topic, settings.topic_partitions, TopicReplication::Fixed(1));
+    let _ = admin.create_topics([&new], &AdminOptions::new()).await?;
+    Ok(())
+}
+
+/// Inserts transactions of 10 events at `txns_per_second` until `stop_at`; returns events inserted.
+async fn write_at_rate(
+    url: &str,
+    connection: i32,
+    txns_per_second: f64,
+    stop_at: Instant,
+) -> BenchResult<u64> {
+    let (client, driver) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+    tokio::spawn(driver);
+    let insert = client
+        .prepare(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'order-' || (($1::int * 7 + n) % 1000), 'OrderPlaced',
+                    jsonb_build_object('orderId', 'order-' || n, 'total', 99.5, 'note', repeat('x', 120))
+             FROM generate_series(1, 10) AS n",
+        )
+        .await?;
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / txns_per_second));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut events = 0;
+    let mut n = connection * 1_000_000;
+    while Instant::now() < stop_at {
+        ticker.tick().await;
+        client.execute(&insert, &[&n]).await?;
+        n += 1;
+        events += 10;
+    }
+    Ok(events)
+}
+
+/// `outboxd_commit_to_ack_seconds` buckets as (upper bound, cumulative count).
+async fn scrape_histogram(addr: &str) -> Option<Vec<(f64, f64)>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    stream
+        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await.ok()?;
+    let mut buckets = Vec::new();
+    for line in body.lines() {
+        let Some(rest) = line.strip_prefix("outboxd_commit_to_ack_seconds_bucket{le=\"") else {
+            continue;
+        };
+        let (le, count) = rest.split_once("\"} ")?;
+        let le = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            le.parse().ok()?
+        };
+        buckets.push((le, count.trim().parse().ok()?));
+    }
+    Some(buckets)
+}
+
+/// Prometheus' histogram_quantile: linear interpolation inside the bucket holding the quantile.
+pub fn histogram_quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
+    let Some(&(_, total)) = buckets.last() else {
+        return f64::NAN;
+    };
+    if total <= 0.0 {
+        return f64::NAN;
+    }
+    let rank = q * total;
+    let (mut lower, mut below) = (0.0, 0.0);
+    for &(upper, cumulative) in buckets {
+        if cumulative >= rank {
+            if upper.is_infinite() {
+                return lower;
+            }
+            let inside = cumulative - below;
+            return if inside > 0.0 {
+                lower + (upper - lower) * (rank - below) / inside
+            } else {
+                upper
+            };
+        }
+        (lower, below) = (upper, cumulative);
+    }
+    lower
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_interpolate_inside_buckets() {
+        let buckets = [
+            (0.01, 50.0),
+            (0.02, 90.0),
+            (0.05, 100.0),
+            (f64::INFINITY, 100.0),
+        ];
+        assert!((histogram_quantile(&buckets, 0.5) - 0.01).abs() < 1e-9);
+        assert!((histogram_quantile(&buckets, 0.7) - 0.015).abs() < 1e-9);
+        assert!((histogram_quantile(&buckets, 0.95) - 0.035).abs() < 1e-9);
+        assert!(histogram_quantile(&[], 0.5).is_nan());
+    }
+}
