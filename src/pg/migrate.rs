@@ -25,6 +25,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "retention",
         include_str!("../../migrations/0003_retention.sql"),
     ),
+    (
+        4,
+        "claim_order",
+        include_str!("../../migrations/0004_claim_order.sql"),
+    ),
 ];
 
 /// Arbitrary constant naming outboxd's migration lock.

@@ -39,6 +39,9 @@ struct Args {
     /// A small, fast run (CI smoke test): small backlog and big transaction, short steady runs.
     #[arg(long)]
     quick: bool,
+    /// Only the drain scenarios (CDC with its limits, polling), e.g. while profiling.
+    #[arg(long)]
+    drain_only: bool,
     /// Where the CSV files and logs go.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -88,6 +91,20 @@ async fn run(mut args: Args) -> BenchResult<()> {
     eprintln!("poll drain ...");
     let poll_one = bench.poll_drain(1).await?;
     let poll_four = bench.poll_drain(4).await?;
+    if args.drain_only {
+        println!(
+            "drain {:.0}/s ({:.1} µs CPU/event, {:.1} MiB); limits: source {:.0}/s, sink {:.0}/s, backfill {:.0}/s; poll 1: {:.0}/s, poll 4: {:.0}/s",
+            drain.rate(),
+            drain.cpu_micros_per_event(),
+            drain.usage.peak_rss_kib as f64 / 1024.0,
+            limits.source,
+            limits.sink,
+            limits.backfill,
+            poll_one.rate(),
+            poll_four.rate()
+        );
+        return Ok(());
+    }
 
     let secs = Duration::from_secs(args.steady_secs);
     let mut steady: Vec<Steady> = Vec::new();

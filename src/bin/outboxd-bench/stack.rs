@@ -119,9 +119,20 @@ pub struct Outboxd {
 }
 
 impl Outboxd {
+    /// `OUTBOXD_BENCH_WRAP` (e.g. `perf record -g -o /tmp/perf.data --`) runs outboxd under a profiler.
     pub fn spawn(binary: &Path, args: &[&str], log: &Path) -> BenchResult<Self> {
         let file = std::fs::File::create(log)?;
-        let child = Command::new(binary)
+        let wrap = std::env::var("OUTBOXD_BENCH_WRAP").unwrap_or_default();
+        let mut wrap = wrap.split_whitespace();
+        let mut command = match wrap.next() {
+            Some(program) => {
+                let mut command = Command::new(program);
+                command.args(wrap).arg(binary);
+                command
+            }
+            None => Command::new(binary),
+        };
+        let child = command
             .args(args)
             .env("RUST_LOG", "warn")
             // No metrics listener unless the scenario passes --metrics-addr (flags win over env).
