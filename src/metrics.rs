@@ -47,8 +47,12 @@ pub fn install() -> Result<PrometheusHandle, String> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
             metrics_exporter_prometheus::Matcher::Full(COMMIT_TO_ACK.to_string()),
+            // Fine below 50 ms, where a healthy pipeline lives, so percentiles read from the buckets are
+            // close to the truth there.
             &[
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.010, 0.0125,
+                0.015, 0.0175, 0.020, 0.0225, 0.025, 0.030, 0.035, 0.040, 0.050, 0.075, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
             ],
         )
         .map_err(|e| e.to_string())?

@@ -93,8 +93,9 @@ async fn run(mut args: Args) -> BenchResult<()> {
     let poll_four = bench.poll_drain(4).await?;
     if args.drain_only {
         println!(
-            "drain {:.0}/s ({:.1} µs CPU/event, {:.1} MiB); limits: source {:.0}/s, sink {:.0}/s, backfill {:.0}/s; poll 1: {:.0}/s, poll 4: {:.0}/s",
+            "drain {:.0}/s ({:.0}/s once streaming, {:.1} µs CPU/event, {:.1} MiB); limits: source {:.0}/s, sink {:.0}/s, backfill {:.0}/s; poll 1: {:.0}/s, poll 4: {:.0}/s",
             drain.rate(),
+            drain.streaming_rate(),
             drain.cpu_micros_per_event(),
             drain.usage.peak_rss_kib as f64 / 1024.0,
             limits.source,
@@ -137,33 +138,35 @@ async fn run(mut args: Args) -> BenchResult<()> {
     writeln!(table, "{machine}\n")?;
     writeln!(
         table,
-        "| scenario | events/s | CPU µs/event | peak RSS MiB | notes |"
+        "| scenario | events/s | events/s once streaming | CPU µs/event | peak RSS MiB | notes |"
     )?;
-    writeln!(table, "| --- | ---: | ---: | ---: | --- |")?;
+    writeln!(table, "| --- | ---: | ---: | ---: | ---: | --- |")?;
     let mib = |kib: u64| kib as f64 / 1024.0;
     writeln!(
         table,
-        "| drain, CDC ({} events) | {:.0} | {:.1} | {:.1} | {:.2} × min(limits); {:.1} × one poll instance |",
+        "| drain, CDC ({} events) | {:.0} | {:.0} | {:.1} | {:.1} | {:.2} × min(limits) ({:.2} once streaming); {:.1} × one poll instance |",
         drain.events,
         drain.rate(),
+        drain.streaming_rate(),
         drain.cpu_micros_per_event(),
         mib(drain.usage.peak_rss_kib),
         drain.rate() / limit,
+        drain.streaming_rate() / limit,
         drain.rate() / poll_one.rate()
     )?;
     writeln!(
         table,
-        "| source limit (pg_recvlogical) | {:.0} | | | |",
+        "| source limit (pg_recvlogical) | {:.0} | | | | |",
         limits.source
     )?;
     writeln!(
         table,
-        "| sink limit (rdkafka producer) | {:.0} | | | |",
+        "| sink limit (rdkafka producer) | {:.0} | | | | |",
         limits.sink
     )?;
     writeln!(
         table,
-        "| backfill limit (UPDATE by event_id, 2,000 per batch) | {:.0} | | | |",
+        "| backfill limit (UPDATE by event_id, 2,000 per batch) | {:.0} | | | | |",
         limits.backfill
     )?;
     for (name, d) in [
@@ -172,15 +175,16 @@ async fn run(mut args: Args) -> BenchResult<()> {
     ] {
         writeln!(
             table,
-            "| {name} | {:.0} | {:.1} | {:.1} | CPU of all instances |",
+            "| {name} | {:.0} | {:.0} | {:.1} | {:.1} | CPU of all instances |",
             d.rate(),
+            d.streaming_rate(),
             d.cpu_micros_per_event(),
             mib(d.usage.peak_rss_kib)
         )?;
     }
     writeln!(
         table,
-        "| one transaction of {} events | {:.0} | {:.1} | {:.1} | {:.1} s from commit to confirmed |",
+        "| one transaction of {} events | {:.0} | | {:.1} | {:.1} | {:.1} s from commit to confirmed |",
         args.big,
         args.big as f64 / big_seconds,
         big_usage.cpu_seconds * 1e6 / args.big as f64,
@@ -231,6 +235,7 @@ async fn run(mut args: Args) -> BenchResult<()> {
     let drains = format!(
         "scenario,events,seconds,events_per_second,cpu_us_per_event,peak_rss_kib\n\
          drain_cdc,{},{:.3},{:.0},{:.2},{}\n\
+         drain_cdc_once_streaming,{},{:.3},{:.0},,\n\
          source_limit,{},,{:.0},,\n\
          sink_limit,{},,{:.0},,\n\
          backfill_limit,{},,{:.0},,\n\
@@ -242,6 +247,9 @@ async fn run(mut args: Args) -> BenchResult<()> {
         drain.rate(),
         drain.cpu_micros_per_event(),
         drain.usage.peak_rss_kib,
+        drain.events,
+        drain.streaming_seconds,
+        drain.streaming_rate(),
         drain.events,
         limits.source,
         drain.events,

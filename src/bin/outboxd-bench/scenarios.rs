@@ -21,13 +21,19 @@ pub struct Bench {
 #[derive(Debug, Clone, Copy)]
 pub struct Drain {
     pub events: usize,
+    /// From starting outboxd until the last event was confirmed.
     pub seconds: f64,
+    /// From the first to the last published_at: the rate once streaming, without start-up.
+    pub streaming_seconds: f64,
     pub usage: Usage,
 }
 
 impl Drain {
     pub fn rate(&self) -> f64 {
         self.events as f64 / self.seconds
+    }
+    pub fn streaming_rate(&self) -> f64 {
+        self.events as f64 / self.streaming_seconds
     }
     pub fn cpu_micros_per_event(&self) -> f64 {
         self.usage.cpu_seconds * 1e6 / self.events as f64
@@ -119,6 +125,18 @@ impl Bench {
             .await
     }
 
+    /// Seconds from the first to the last published_at.
+    async fn publishing_seconds(&self) -> BenchResult<f64> {
+        Ok(self
+            .sql
+            .query_one(
+                "SELECT EXTRACT(EPOCH FROM max(published_at) - min(published_at))::float8 FROM outbox_event",
+                &[],
+            )
+            .await?
+            .get(0))
+    }
+
     /// Empties the table and drops every slot (once the last walsender let go of them).
     pub async fn reset(&self) -> BenchResult<()> {
         wait_until(
@@ -201,12 +219,14 @@ impl Bench {
         if left != 0 {
             return Err(format!("{left} rows without published_at after the drain").into());
         }
+        let streaming_seconds = self.publishing_seconds().await?;
         let sink = self.sink_limit().await?;
         let backfill = self.backfill_limit().await?;
         Ok((
             Drain {
                 events,
                 seconds,
+                streaming_seconds,
                 usage,
             },
             Limits {
@@ -350,6 +370,7 @@ impl Bench {
         Ok(Drain {
             events,
             seconds,
+            streaming_seconds: self.publishing_seconds().await?,
             usage,
         })
     }
