@@ -42,7 +42,7 @@ struct Args {
     /// Only the drain scenarios (CDC with its limits, polling), e.g. while profiling.
     #[arg(long)]
     drain_only: bool,
-    /// Where the CSV files and logs go.
+    /// Where the results (markdown, CSV) go.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
 }
@@ -70,7 +70,13 @@ async fn run(mut args: Args) -> BenchResult<()> {
     }
     std::fs::create_dir_all(&args.out)?;
     let outboxd = stack::outboxd_binary()?;
-    let stack = Stack::start(&args.out.join("stack"))?;
+    // Under the temp dir, not the checkout: the server runs as `postgres`, which may not reach a home directory.
+    let stack_dir = std::env::temp_dir().join(format!("outboxd-bench-{}", std::process::id()));
+    eprintln!(
+        "PostgreSQL, broker and outboxd logs: {}",
+        stack_dir.display()
+    );
+    let stack = Stack::start(&stack_dir)?;
     let migrate = std::process::Command::new(&outboxd)
         .args(["migrate", "--database-url", &stack.pg_url()])
         .output()?;
