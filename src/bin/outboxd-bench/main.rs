@@ -42,6 +42,9 @@ struct Args {
     /// Only the drain scenarios (CDC with its limits, polling), e.g. while profiling.
     #[arg(long)]
     drain_only: bool,
+    /// An extra argument for every outboxd run, repeatable (e.g. `--outboxd-arg=--kafka-option=linger.ms=20`).
+    #[arg(long, allow_hyphen_values = true)]
+    outboxd_arg: Vec<String>,
     /// Where the results (markdown, CSV) go.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -90,6 +93,7 @@ async fn run(mut args: Args) -> BenchResult<()> {
         stack,
         outboxd,
         sql,
+        outboxd_args: args.outboxd_arg.clone(),
     };
 
     eprintln!("drain: {} events ...", args.backlog);

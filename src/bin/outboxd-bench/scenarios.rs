@@ -16,6 +16,8 @@ pub struct Bench {
     pub stack: Stack,
     pub outboxd: PathBuf,
     pub sql: Client,
+    /// Extra arguments for every outboxd run (e.g. `--kafka-option linger.ms=20`).
+    pub outboxd_args: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -87,6 +89,7 @@ impl Bench {
         let (url, brokers) = (self.stack.pg_url(), self.stack.brokers());
         let mut args = self.run_args(&url, &brokers, mode);
         args.extend_from_slice(extra);
+        args.extend(self.outboxd_args.iter().map(String::as_str));
         Outboxd::spawn(&self.outboxd, &args, &self.stack.log_dir().join(log))
     }
 
