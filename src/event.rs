@@ -16,18 +16,72 @@ pub const REQUIRED_COLUMNS: [&str; 6] = [
     "created_at",
 ];
 
+/// UTF-8 text sharing the buffer it was read from (a replication message), so mapping a row copies no
+/// column; reads as `&str`.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct Text(Bytes);
+
+impl Text {
+    pub fn from_utf8(bytes: Bytes) -> Result<Self, std::str::Utf8Error> {
+        std::str::from_utf8(&bytes)?;
+        Ok(Text(bytes))
+    }
+
+    pub fn as_str(&self) -> &str {
+        // SAFETY: every constructor checks or guarantees UTF-8, and `Bytes` is immutable.
+        unsafe { std::str::from_utf8_unchecked(&self.0) }
+    }
+}
+
+impl std::ops::Deref for Text {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl From<String> for Text {
+    fn from(text: String) -> Self {
+        Text(Bytes::from(text))
+    }
+}
+
+impl From<&str> for Text {
+    fn from(text: &str) -> Self {
+        Text(Bytes::copy_from_slice(text.as_bytes()))
+    }
+}
+
+impl std::fmt::Debug for Text {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl std::fmt::Display for Text {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for Text {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
 /// One outbox row, ready to become a Kafka record. Text fields are UTF-8 as sent by the server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxEvent {
     /// Lowercase canonical UUID text.
-    pub event_id: String,
-    pub aggregate_type: String,
-    pub aggregate_id: String,
-    pub event_type: String,
+    pub event_id: Text,
+    pub aggregate_type: Text,
+    pub aggregate_id: Text,
+    pub event_type: Text,
     /// The payload's JSON text, untouched.
     pub payload: Bytes,
     /// RFC 3339.
-    pub created_at: String,
+    pub created_at: Text,
 }
 
 impl OutboxEvent {
@@ -105,7 +159,7 @@ impl RowMapping {
             });
         }
         let raw = |role: usize| -> Option<&Bytes> { insert.values[self.indexes[role]].as_text() };
-        let text = |role: usize| -> Result<String, MappingError> {
+        let text = |role: usize| -> Result<Text, MappingError> {
             let column = REQUIRED_COLUMNS[role];
             let bytes = raw(role).ok_or_else(|| MappingError::NullValue {
                 table: self.table.clone(),
@@ -114,7 +168,7 @@ impl RowMapping {
                     .unwrap_or_default(),
                 column,
             })?;
-            String::from_utf8(bytes.to_vec()).map_err(|_| MappingError::NotUtf8 {
+            Text::from_utf8(bytes.clone()).map_err(|_| MappingError::NotUtf8 {
                 table: self.table.clone(),
                 column,
             })
@@ -124,7 +178,7 @@ impl RowMapping {
             _ => {
                 return Err(MappingError::NullValue {
                     table: self.table.clone(),
-                    event_id: text(0)?,
+                    event_id: text(0)?.to_string(),
                     column: "payload",
                 })
             }
@@ -135,7 +189,7 @@ impl RowMapping {
             aggregate_id: text(2)?,
             event_type: text(3)?,
             payload,
-            created_at: to_rfc3339(&text(5)?),
+            created_at: to_rfc3339(&text(5)?).into(),
         })
     }
 }
@@ -150,14 +204,21 @@ pub fn to_rfc3339(pg_text: &str) -> String {
         return pg_text.to_string();
     };
     let (clock, offset) = time.split_at(sign_at);
-    let offset = match offset {
-        "+00" | "-00" | "+00:00" => "Z".to_string(),
-        o if o.len() == 3 => format!("{o}:00"),
+    let mut rfc3339 = String::with_capacity(pg_text.len() + 3);
+    rfc3339.push_str(date);
+    rfc3339.push('T');
+    rfc3339.push_str(clock);
+    match offset {
+        "+00" | "-00" | "+00:00" => rfc3339.push('Z'),
+        o if o.len() == 3 => {
+            rfc3339.push_str(o);
+            rfc3339.push_str(":00");
+        }
         // Offsets with seconds (+05:53:28) have no RFC 3339 form; drop the seconds.
-        o if o.len() == 9 => o[..6].to_string(),
-        o => o.to_string(),
-    };
-    format!("{date}T{clock}{offset}")
+        o if o.len() == 9 => rfc3339.push_str(&o[..6]),
+        o => rfc3339.push_str(o),
+    }
+    rfc3339
 }
 
 #[cfg(test)]
@@ -302,5 +363,14 @@ mod tests {
             "1850-01-01T00:00:00+00:53"
         );
         assert_eq!(to_rfc3339("infinity"), "infinity");
+    }
+
+    #[test]
+    fn text_shares_the_buffer_and_checks_utf8() {
+        let message = Bytes::from_static(b"order-7 and more");
+        let text = Text::from_utf8(message.slice(0..7)).unwrap();
+        assert_eq!(text, "order-7");
+        assert_eq!(text.as_ptr(), message.as_ptr(), "no copy");
+        assert!(Text::from_utf8(Bytes::from_static(b"\xff\xfe")).is_err());
     }
 }

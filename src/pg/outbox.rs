@@ -365,12 +365,13 @@ impl PollSql {
                     )
                 });
                 let event = crate::event::OutboxEvent {
-                    event_id: event_id.to_string(),
-                    aggregate_type: text(1).unwrap_or_default(),
-                    aggregate_id: text(2).unwrap_or_default(),
-                    event_type: text(3).unwrap_or_default(),
+                    event_id: event_id.to_string().into(),
+                    aggregate_type: text(1).unwrap_or_default().into(),
+                    aggregate_id: text(2).unwrap_or_default().into(),
+                    event_type: text(3).unwrap_or_default().into(),
                     payload: bytes::Bytes::from(text(4).unwrap_or_default()),
-                    created_at: crate::event::to_rfc3339(created_at.as_deref().unwrap_or_default()),
+                    created_at: crate::event::to_rfc3339(created_at.as_deref().unwrap_or_default())
+                        .into(),
                 };
                 (
                     row.get(7),

@@ -513,12 +513,12 @@ impl Session<'_> {
                     }) if self.outbox_sql.can_hand_off() && event_id.parse::<Uuid>().is_ok() => {
                         tracing::warn!(%event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
                         let placeholder = OutboxEvent {
-                            event_id: event_id.clone(),
-                            aggregate_type: String::new(),
-                            aggregate_id: String::new(),
-                            event_type: String::new(),
+                            event_id: event_id.as_str().into(),
+                            aggregate_type: Default::default(),
+                            aggregate_id: Default::default(),
+                            event_type: Default::default(),
                             payload: Bytes::new(),
-                            created_at: String::new(),
+                            created_at: Default::default(),
                         };
                         let id = event_id.parse::<Uuid>().unwrap_or_default();
                         self.start_event(txn, placeholder.size_bytes());
@@ -579,7 +579,12 @@ impl Session<'_> {
     /// (see [`Hold`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
     /// which retries and dead-letters it; its aggregate is blocked behind it, so order per aggregate holds.
     async fn publish(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
-        let aggregate = || (event.aggregate_type.clone(), event.aggregate_id.clone());
+        let aggregate = || {
+            (
+                event.aggregate_type.to_string(),
+                event.aggregate_id.to_string(),
+            )
+        };
         // Checked without allocating while nothing is blocked (the common case).
         if !self.blocked.is_empty() {
             let key = aggregate();
@@ -648,8 +653,8 @@ impl Session<'_> {
     /// Hands the parked events of `aggregate` to the polling path, in order.
     fn hand_off_parked(&mut self, aggregate: &AggregateKey) -> Result<()> {
         for pending in std::mem::take(&mut self.parked) {
-            if pending.event.aggregate_type == aggregate.0
-                && pending.event.aggregate_id == aggregate.1
+            if *pending.event.aggregate_type == *aggregate.0
+                && *pending.event.aggregate_id == *aggregate.1
             {
                 self.hand_off(pending.tag, &pending.event, pending.event_id)?;
             } else {
@@ -679,8 +684,8 @@ impl Session<'_> {
         }
         for held in std::mem::take(&mut self.parked) {
             let key = (
-                held.event.aggregate_type.clone(),
-                held.event.aggregate_id.clone(),
+                held.event.aggregate_type.to_string(),
+                held.event.aggregate_id.to_string(),
             );
             match self.blocked.get(&key) {
                 Some(blocked) if blocked.hold == Hold::Park => self.parked.push_back(held),
