@@ -607,3 +607,42 @@ async fn a_200k_event_transaction_streams_in_bounded_memory() {
         .collect();
     assert_eq!(distinct.len(), 200_000);
 }
+
+/// The application deletes its outbox row in the same transaction that inserted it (keeping the table
+/// empty): the insert is in the WAL, so the event is still published, and the missing row is no error.
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_deleted_in_their_own_transaction_are_still_published() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let mut committed = Vec::new();
+    for t in 0..20 {
+        let tx = client.transaction().await.unwrap();
+        let events = insert_txn_events(&tx, t, 5, 4).await;
+        tx.batch_execute("DELETE FROM outbox_event").await.unwrap();
+        tx.commit().await.unwrap();
+        committed.extend(events);
+    }
+    let end = current_wal_lsn(&client).await;
+    wait_for_async(
+        "the slot to pass the deletes",
+        Duration::from_secs(60),
+        || async { (confirmed_flush(&client, "outboxd").await >= end).then_some(()) },
+    )
+    .await;
+    let (_, report) = verify_delivery(&brokers, &committed, &[], 60, "insert-then-delete");
+    assert_eq!(report.duplicates, 0);
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM outbox_event", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0);
+    let log = outboxd.log_text();
+    assert!(
+        !log.contains("ERROR") && !log.contains("WARN"),
+        "errors or warnings for rows that are gone:\n{log}"
+    );
+}
