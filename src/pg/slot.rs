@@ -228,6 +228,59 @@ pub async fn drop_if_lost(client: &Client, slot: &str) -> Result<bool> {
     Ok(true)
 }
 
+/// The physical slot that marks "slot `slot` is being created and the hand-off of the rows older than it is
+/// not committed yet". It reserves no WAL. Slot names are ASCII, so cutting bytes is safe.
+pub fn creation_marker(slot: &str) -> String {
+    format!("{}_creating", &slot[..slot.len().min(54)])
+}
+
+/// Sets the creation marker before CREATE_REPLICATION_SLOT; `finish_creation` removes it once the hand-off
+/// is committed.
+pub async fn begin_creation(client: &Client, slot: &str) -> Result<()> {
+    client
+        .execute(
+            "SELECT pg_create_physical_replication_slot($1)",
+            &[&creation_marker(slot)],
+        )
+        .await?;
+    Ok(())
+}
+
+pub async fn finish_creation(client: &Client, slot: &str) -> Result<()> {
+    client
+        .execute(
+            "SELECT pg_drop_replication_slot($1)",
+            &[&creation_marker(slot)],
+        )
+        .await?;
+    Ok(())
+}
+
+/// A process that died between creating the slot and committing the hand-off leaves the marker behind: that
+/// slot would never deliver the rows older than it, so it is dropped (it has streamed nothing) and created
+/// again, hand-off included. Returns true when it undid one.
+pub async fn undo_interrupted_creation(client: &Client, slot: &str) -> Result<bool> {
+    if slot_state(client, &creation_marker(slot)).await?.is_none() {
+        return Ok(false);
+    }
+    tracing::warn!(
+        slot,
+        "a previous run died while creating the replication slot; creating it again"
+    );
+    if let Some(state) = slot_state(client, slot).await? {
+        if let Some(pid) = state.active_pid {
+            client
+                .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                .await?;
+        }
+        client
+            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await?;
+    }
+    finish_creation(client, slot).await?;
+    Ok(true)
+}
+
 /// An existing slot must be a logical pgoutput slot of this database and not lost.
 pub async fn check_existing_slot(client: &Client, slot: &str) -> Result<Option<SlotState>> {
     let Some(state) = slot_state(client, slot).await? else {

@@ -236,6 +236,7 @@ impl CdcPipeline {
         let identity = conn.identify_system().await?;
         if outbox_sql.can_hand_off() {
             slot::drop_if_lost(&sql, &db.slot).await?;
+            slot::undo_interrupted_creation(&sql, &db.slot).await?;
         }
         match slot::check_existing_slot(&sql, &db.slot).await? {
             Some(state) => {
@@ -245,6 +246,9 @@ impl CdcPipeline {
             }
             None => {
                 slot::check_publication(&sql, db).await?;
+                if outbox_sql.can_hand_off() {
+                    slot::begin_creation(&sql, &db.slot).await?;
+                }
                 let created = conn.create_logical_slot(&db.slot).await?;
                 let handed_off = if outbox_sql.can_hand_off() {
                     match outbox::hand_off_rows_older_than_slot(
@@ -254,7 +258,10 @@ impl CdcPipeline {
                     )
                     .await
                     {
-                        Ok(count) => count,
+                        Ok(count) => {
+                            slot::finish_creation(&sql, &db.slot).await?;
+                            count
+                        }
                         Err(error) => {
                             // Without the hand-off, rows older than the slot would never be published: drop the
                             // slot so that the next attempt creates it (and exports a snapshot) again.
