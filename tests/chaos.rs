@@ -224,25 +224,6 @@ async fn run_txn(
     }
 }
 
-/// Drops the slot under a running outboxd: terminate its walsender, drop, retry until it sticks.
-async fn drop_slot(pg: &Postgres) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let client = pg.client().await;
-        let dropped = client
-            .batch_execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outboxd' AND active_pid IS NOT NULL;
-                 SELECT pg_drop_replication_slot('outboxd');",
-            )
-            .await;
-        if dropped.is_ok() {
-            return;
-        }
-        assert!(Instant::now() < deadline, "could not drop the slot");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Runs a blocking support call (scripts, waits) without stalling the runtime's other tasks.
 fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
@@ -338,7 +319,7 @@ async fn chaos() {
                 tokio::time::sleep(rng.millis(1_000, 4_000)).await;
                 broker_proxy.restore();
             }
-            Fault::DropSlot => drop_slot(&pg).await,
+            Fault::DropSlot => drop_slot_while_streaming(&pg).await,
         }
         println!(
             "{:>6.1}s  {}",

@@ -136,23 +136,7 @@ async fn dropped_slot_is_recreated_and_the_gap_is_covered() {
     wait_all_published(&client, Duration::from_secs(60)).await;
 
     // Terminate the walsender, drop the slot, and keep writing while it is gone.
-    let gap = async {
-        loop {
-            let dropped = client
-                .batch_execute(
-                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outboxd' AND active_pid IS NOT NULL;
-                     SELECT pg_drop_replication_slot('outboxd');",
-                )
-                .await;
-            if dropped.is_ok() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), gap)
-        .await
-        .expect("could not drop the slot");
+    drop_slot_while_streaming(&pg).await;
     let (during, _) = insert_events(&mut client, 20, 20, 20, 20, None).await;
     committed.extend(during);
     wait_slot_active(&client, "outboxd").await;

@@ -217,7 +217,13 @@ pub async fn drop_if_lost(client: &Client, slot: &str) -> Result<bool> {
         return Ok(false);
     }
     tracing::warn!(slot, "replication slot was invalidated (wal_status = lost); dropping it so a new one can be created; rows committed meanwhile go through the polling path");
-    if let Some(pid) = state.active_pid {
+    terminate_and_drop(client, slot, state.active_pid).await?;
+    Ok(true)
+}
+
+/// Ends the walsender holding `slot` (if any) and drops the slot.
+async fn terminate_and_drop(client: &Client, slot: &str, active_pid: Option<i32>) -> Result<()> {
+    if let Some(pid) = active_pid {
         client
             .execute("SELECT pg_terminate_backend($1)", &[&pid])
             .await?;
@@ -225,7 +231,7 @@ pub async fn drop_if_lost(client: &Client, slot: &str) -> Result<bool> {
     client
         .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
         .await?;
-    Ok(true)
+    Ok(())
 }
 
 /// The physical slot that marks "slot `slot` is being created and the hand-off of the rows older than it is
@@ -268,14 +274,7 @@ pub async fn undo_interrupted_creation(client: &Client, slot: &str) -> Result<bo
         "a previous run died while creating the replication slot; creating it again"
     );
     if let Some(state) = slot_state(client, slot).await? {
-        if let Some(pid) = state.active_pid {
-            client
-                .execute("SELECT pg_terminate_backend($1)", &[&pid])
-                .await?;
-        }
-        client
-            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-            .await?;
+        terminate_and_drop(client, slot, state.active_pid).await?;
     }
     finish_creation(client, slot).await?;
     Ok(true)

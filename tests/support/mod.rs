@@ -1077,3 +1077,23 @@ pub fn memory_kib(pid: u32, field: &str) -> u64 {
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or_else(|| panic!("no {field} for pid {pid}"))
 }
+
+/// Drops the slot `outboxd` under a running outboxd: terminate its walsender, drop, retry until it sticks
+/// (a fresh connection each time, so it also works right after a server restart).
+pub async fn drop_slot_while_streaming(pg: &Postgres) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let client = pg.client().await;
+        let dropped = client
+            .batch_execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outboxd' AND active_pid IS NOT NULL;
+                 SELECT pg_drop_replication_slot('outboxd');",
+            )
+            .await;
+        if dropped.is_ok() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "could not drop the slot");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
