@@ -1,14 +1,15 @@
 -- The outbox table (the pattern's reference schema) and the consumers' inbox table.
--- {{table}} and {{schema}} are replaced by quoted identifiers from --table.
+-- {{table}} and {{schema}} are replaced by quoted identifiers from --table, {{event_id}} etc. by the columns
+-- of --column / --table-style.
 CREATE SCHEMA IF NOT EXISTS {{schema}};
 
 CREATE TABLE IF NOT EXISTS {{table}} (
-    event_id       uuid PRIMARY KEY,
-    aggregate_type text NOT NULL,
-    aggregate_id   text NOT NULL,
-    event_type     text NOT NULL,
-    payload        jsonb NOT NULL,
-    created_at     timestamptz NOT NULL DEFAULT now(),
+    {{event_id}}       uuid PRIMARY KEY,
+    {{aggregate_type}} text NOT NULL,
+    {{aggregate_id}}   text NOT NULL,
+    {{event_type}}     text NOT NULL,
+    {{payload}}        jsonb NOT NULL,
+    {{created_at}}     timestamptz NOT NULL DEFAULT now(),
     available_at   timestamptz NOT NULL DEFAULT now(),
     attempts       integer NOT NULL DEFAULT 0,
     lease_token    uuid,

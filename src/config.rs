@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Deserialize;
 
+use crate::table::{OutboxTable, TableStyle};
 use crate::topic::{TemplateError, TopicTemplate};
 
 #[derive(Debug, Parser)]
@@ -113,12 +114,31 @@ pub struct Options {
     /// Kafka bootstrap servers, comma-separated host:port list.
     #[arg(long, env = "OUTBOXD_BROKERS")]
     pub brokers: Option<String>,
-    /// Topic template; placeholders {aggregate_type} and {event_type} [default: outbox.{aggregate_type}].
+    /// Topic template; placeholders {aggregate_type}, {event_type}, {schema} and {table} (of the outbox
+    /// table) [default: outbox.{aggregate_type}; debezium style: outbox.event.{aggregate_type}].
     #[arg(long, env = "OUTBOXD_TOPIC")]
     pub topic: Option<String>,
-    /// Outbox table, optionally schema-qualified [default: public.outbox_event].
-    #[arg(long, env = "OUTBOXD_TABLE")]
-    pub table: Option<String>,
+    /// Outbox table, optionally schema-qualified; repeatable (or comma-separated) for several tables
+    /// streamed through one slot and publication [default: public.outbox_event].
+    #[arg(long, env = "OUTBOXD_TABLE", value_delimiter = ',')]
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub table: Option<Vec<String>>,
+    /// Preset column names: standard (outboxd's table) or debezium (id, aggregatetype, aggregateid, type,
+    /// payload; `id` header; topic outbox.event.{aggregate_type}) [default: standard].
+    #[arg(long, env = "OUTBOXD_TABLE_STYLE", value_enum)]
+    pub table_style: Option<TableStyle>,
+    /// Column playing a role, ROLE=COLUMN (repeatable); roles: event_id, aggregate_type, aggregate_id,
+    /// event_type, payload, created_at. Applies to every --table.
+    #[arg(long, env = "OUTBOXD_COLUMN", value_delimiter = ',')]
+    pub column: Option<Vec<String>>,
+    /// Column copied to a Kafka header of the same name (repeatable), e.g. traceparent; NULL: no header.
+    #[arg(long, env = "OUTBOXD_HEADER_COLUMN", value_delimiter = ',')]
+    pub header_column: Option<Vec<String>>,
+    /// migrate: add the polling columns (published_at, leases, position, dead letters) to an existing
+    /// table; without them outboxd runs CDC only.
+    #[arg(long, env = "OUTBOXD_ADD_POLLING_COLUMNS")]
+    #[serde(default)]
+    pub add_polling_columns: bool,
     /// Logical replication slot name [default: outboxd].
     #[arg(long, env = "OUTBOXD_SLOT")]
     pub slot: Option<String>,
@@ -246,7 +266,10 @@ impl std::fmt::Display for TableName {
 pub struct DatabaseSettings {
     pub database_url: crate::pg::PgUrl,
     pub replication_url: crate::pg::PgUrl,
-    pub table: TableName,
+    /// Every outbox table, in --table order; all share the slot and the publication.
+    pub tables: Vec<OutboxTable>,
+    pub style: TableStyle,
+    pub add_polling_columns: bool,
     pub slot: String,
     pub publication: String,
 }
@@ -324,6 +347,10 @@ impl Options {
             brokers: self.brokers.or(file.brokers),
             topic: self.topic.or(file.topic),
             table: self.table.or(file.table),
+            table_style: self.table_style.or(file.table_style),
+            column: self.column.or(file.column),
+            header_column: self.header_column.or(file.header_column),
+            add_polling_columns: self.add_polling_columns || file.add_polling_columns,
             slot: self.slot.or(file.slot),
             publication: self.publication.or(file.publication),
             kafka_option: self.kafka_option.or(file.kafka_option),
@@ -364,10 +391,39 @@ impl Options {
             Some(url) => parse_postgres_url("--replication-url", url)?,
             None => database_url.clone(),
         };
+        let style = self.table_style.unwrap_or_default();
+        let overrides = crate::table::parse_column_overrides(self.column.as_deref().unwrap_or(&[]))
+            .map_err(invalid)?;
+        for (_, column) in &overrides {
+            parse_identifier("--column", column)?;
+        }
+        let header_columns = self.header_column.clone().unwrap_or_default();
+        for column in &header_columns {
+            parse_identifier("--header-column", column)?;
+        }
+        let names = match &self.table {
+            Some(names) if !names.is_empty() => names.clone(),
+            _ => vec!["public.outbox_event".to_string()],
+        };
+        let mut tables: Vec<OutboxTable> = Vec::with_capacity(names.len());
+        for name in &names {
+            let name = parse_table(name.trim())?;
+            if tables.iter().any(|t| t.name == name) {
+                return Err(invalid(format!("--table {name} is given twice")));
+            }
+            tables.push(OutboxTable::new(
+                name,
+                style,
+                &overrides,
+                header_columns.clone(),
+            ));
+        }
         Ok(DatabaseSettings {
             database_url,
             replication_url,
-            table: parse_table(self.table.as_deref().unwrap_or("public.outbox_event"))?,
+            tables,
+            style,
+            add_polling_columns: self.add_polling_columns,
             slot: parse_slot_name(self.slot.as_deref().unwrap_or("outboxd"))?,
             publication: parse_identifier(
                 "--publication",
@@ -385,8 +441,11 @@ impl Options {
             .ok_or_else(|| {
                 invalid("--brokers is required (or OUTBOXD_BROKERS), e.g. localhost:9092")
             })?;
-        let topic =
-            TopicTemplate::parse(self.topic.as_deref().unwrap_or("outbox.{aggregate_type}"))?;
+        let topic = TopicTemplate::parse(
+            self.topic
+                .as_deref()
+                .unwrap_or(database.style.default_topic()),
+        )?;
         let kafka_options = self
             .kafka_option
             .iter()
@@ -544,6 +603,22 @@ impl Options {
     }
 }
 
+/// A TOML value that may be one string or a list of strings (`table = "a"` or `table = ["a", "b"]`).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Vec<String>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(Some(match OneOrMany::deserialize(deserializer)? {
+        OneOrMany::One(one) => vec![one],
+        OneOrMany::Many(many) => many,
+    }))
+}
+
 /// Parses a duration written like `500ms`, `5s`, `7d`, naming the setting on error.
 pub fn parse_duration(setting: &str, text: &str) -> Result<Duration, ConfigError> {
     humantime::parse_duration(text.trim()).map_err(|e| {
@@ -638,7 +713,7 @@ mod tests {
         .run()
         .unwrap();
         assert_eq!(
-            run.database.table,
+            run.database.tables[0].name,
             TableName {
                 schema: "public".into(),
                 name: "outbox_event".into()
@@ -651,7 +726,10 @@ mod tests {
         assert!(run.create_topics);
         assert_eq!(run.startup_timeout, Duration::from_secs(60));
         assert_eq!(run.shutdown_timeout, Duration::from_secs(30));
-        assert_eq!(run.topic.render("Order", "x"), "outbox.Order");
+        assert_eq!(
+            run.topic.render(&run.database.tables[0].name, "Order", "x"),
+            "outbox.Order"
+        );
     }
 
     #[test]

@@ -1,20 +1,16 @@
 //! The outbox event as outboxd publishes it, and the pure mapping from a decoded pgoutput row to it.
-//! Columns are found by name in the Relation message, so extra columns and any column order work.
-//! Owns no I/O; the SQL-side view of the table lives in `pg::outbox`.
+//! Columns are found by name (the table's `--column` mapping) in the Relation message, so extra columns
+//! and any column order work. Owns no I/O; the SQL-side view of the table lives in `pg::outbox`.
+
+use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::pg::pgoutput::{ColumnValue, Insert, Relation};
+use crate::pg::pgoutput::{Insert, Relation};
+use crate::table::{OutboxTable, Role};
 
-/// The columns outboxd reads from every outbox row.
-pub const REQUIRED_COLUMNS: [&str; 6] = [
-    "event_id",
-    "aggregate_type",
-    "aggregate_id",
-    "event_type",
-    "payload",
-    "created_at",
-];
+/// Type OID of bytea: its pgoutput text form is `\x` and hex digits.
+const BYTEA_OID: u32 = 17;
 
 /// UTF-8 text sharing the buffer it was read from (a replication message), so mapping a row copies no
 /// column; reads as `&str`.
@@ -78,10 +74,13 @@ pub struct OutboxEvent {
     pub aggregate_type: Text,
     pub aggregate_id: Text,
     pub event_type: Text,
-    /// The payload's JSON text, untouched.
-    pub payload: Bytes,
-    /// RFC 3339.
-    pub created_at: Text,
+    /// The payload as stored (JSON or text as is, bytea as raw bytes); `None` (a NULL payload) publishes a
+    /// tombstone.
+    pub payload: Option<Bytes>,
+    /// RFC 3339; `None` when the table has no created_at column.
+    pub created_at: Option<Text>,
+    /// `--header-column` values that are not NULL, as (header name, text).
+    pub headers: Vec<(Arc<str>, Text)>,
 }
 
 impl OutboxEvent {
@@ -91,8 +90,13 @@ impl OutboxEvent {
             + self.aggregate_type.len()
             + self.aggregate_id.len()
             + self.event_type.len()
-            + self.payload.len()
-            + self.created_at.len()
+            + self.payload.as_ref().map_or(0, Bytes::len)
+            + self.created_at.as_ref().map_or(0, |t| t.len())
+            + self
+                .headers
+                .iter()
+                .map(|(_, v)| v.len() + 16)
+                .sum::<usize>()
             + 64
     }
 }
@@ -100,53 +104,84 @@ impl OutboxEvent {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MappingError {
     #[error(
-        "table {table} has no column {column:?}; outboxd needs the columns {:?} (run `outboxd migrate` to create the standard table)",
-        REQUIRED_COLUMNS
+        "table {table} has no column {column:?} (its {role} column); map your column with --column {role}=<column>, or run `outboxd migrate` to create the standard table"
     )]
-    MissingColumn { table: String, column: &'static str },
+    MissingColumn {
+        table: String,
+        column: String,
+        role: &'static str,
+    },
     #[error("row of {table} has {got} values but its relation has {expected} columns")]
     ColumnCountMismatch {
         table: String,
         expected: usize,
         got: usize,
     },
-    #[error("row {event_id} of {table}: column {column:?} is NULL; outboxd cannot publish an event without it")]
+    #[error("row {event_id} of {table}: the {column} column is NULL; outboxd cannot publish an event without it")]
     NullValue {
         table: String,
         event_id: String,
         column: &'static str,
     },
-    #[error("row of {table}: column {column:?} is not valid UTF-8 text")]
+    #[error("row of {table}: the {column} column is not valid UTF-8 text")]
     NotUtf8 { table: String, column: &'static str },
+    #[error("row of {table}: the bytea payload is not in hex form")]
+    BadBytea { table: String },
 }
 
-/// Where each required column sits in a relation's tuples.
+/// Where each role's column and each header column sit in a relation's tuples.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowMapping {
     pub table: String,
     column_count: usize,
-    /// Indexes in `REQUIRED_COLUMNS` order.
-    indexes: [usize; 6],
+    /// Indexes of event_id, aggregate_type, aggregate_id, event_type, payload (`Role::ALL` order).
+    indexes: [usize; 5],
+    created_at: Option<usize>,
+    payload_is_bytea: bool,
+    headers: Vec<(Arc<str>, usize)>,
 }
 
 impl RowMapping {
-    pub fn from_relation(relation: &Relation) -> Result<Self, MappingError> {
+    pub fn from_relation(outbox: &OutboxTable, relation: &Relation) -> Result<Self, MappingError> {
         let table = format!("{}.{}", relation.namespace, relation.name);
-        let mut indexes = [0usize; 6];
-        for (slot, column) in indexes.iter_mut().zip(REQUIRED_COLUMNS) {
-            *slot = relation
-                .columns
-                .iter()
-                .position(|c| c.name == column)
-                .ok_or_else(|| MappingError::MissingColumn {
-                    table: table.clone(),
-                    column,
-                })?;
+        let position = |column: &str| relation.columns.iter().position(|c| c.name == column);
+        let mut indexes = [0usize; 5];
+        for (slot, role) in indexes.iter_mut().zip(Role::ALL) {
+            let column = outbox.required(role);
+            *slot = position(column).ok_or_else(|| MappingError::MissingColumn {
+                table: table.clone(),
+                column: column.to_string(),
+                role: role.name(),
+            })?;
         }
+        let created_at = match outbox.column(Role::CreatedAt) {
+            Some(column) => Some(position(column).ok_or_else(|| MappingError::MissingColumn {
+                table: table.clone(),
+                column: column.to_string(),
+                role: Role::CreatedAt.name(),
+            })?),
+            None => None,
+        };
+        let headers = outbox
+            .header_columns
+            .iter()
+            .map(|column| {
+                position(column)
+                    .map(|at| (Arc::from(column.as_str()), at))
+                    .ok_or_else(|| MappingError::MissingColumn {
+                        table: table.clone(),
+                        column: column.clone(),
+                        role: "header",
+                    })
+            })
+            .collect::<Result<_, _>>()?;
         Ok(RowMapping {
             table,
             column_count: relation.columns.len(),
+            payload_is_bytea: relation.columns[indexes[4]].type_oid == BYTEA_OID,
             indexes,
+            created_at,
+            headers,
         })
     }
 
@@ -158,12 +193,12 @@ impl RowMapping {
                 got: insert.values.len(),
             });
         }
-        let raw = |role: usize| -> Option<&Bytes> { insert.values[self.indexes[role]].as_text() };
+        let raw = |at: usize| -> Option<&Bytes> { insert.values[at].as_text() };
         let text = |role: usize| -> Result<Text, MappingError> {
-            let column = REQUIRED_COLUMNS[role];
-            let bytes = raw(role).ok_or_else(|| MappingError::NullValue {
+            let column = Role::ALL[role].name();
+            let bytes = raw(self.indexes[role]).ok_or_else(|| MappingError::NullValue {
                 table: self.table.clone(),
-                event_id: raw(0)
+                event_id: raw(self.indexes[0])
                     .map(|b| String::from_utf8_lossy(b).into_owned())
                     .unwrap_or_default(),
                 column,
@@ -173,25 +208,60 @@ impl RowMapping {
                 column,
             })
         };
-        let payload = match &insert.values[self.indexes[4]] {
-            ColumnValue::Text(bytes) => bytes.clone(),
-            _ => {
-                return Err(MappingError::NullValue {
+        let payload = match raw(self.indexes[4]) {
+            Some(bytes) if self.payload_is_bytea => Some(decode_bytea_hex(bytes).ok_or_else(
+                || MappingError::BadBytea {
                     table: self.table.clone(),
-                    event_id: text(0)?.to_string(),
-                    column: "payload",
-                })
-            }
+                },
+            )?),
+            Some(bytes) => Some(bytes.clone()),
+            None => None,
         };
+        let created_at = match self.created_at.and_then(raw) {
+            Some(bytes) => Some(
+                Text::from_utf8(bytes.clone())
+                    .map(|t| Text::from(to_rfc3339(&t)))
+                    .map_err(|_| MappingError::NotUtf8 {
+                        table: self.table.clone(),
+                        column: "created_at",
+                    })?,
+            ),
+            // A nullable created_at column: no header.
+            None => None,
+        };
+        let mut headers = Vec::new();
+        for (name, at) in &self.headers {
+            if let Some(bytes) = raw(*at) {
+                let value = Text::from_utf8(bytes.clone()).map_err(|_| MappingError::NotUtf8 {
+                    table: self.table.clone(),
+                    column: "header",
+                })?;
+                headers.push((name.clone(), value));
+            }
+        }
         Ok(OutboxEvent {
             event_id: text(0)?,
             aggregate_type: text(1)?,
             aggregate_id: text(2)?,
             event_type: text(3)?,
             payload,
-            created_at: to_rfc3339(&text(5)?).into(),
+            created_at,
+            headers,
         })
     }
+}
+
+/// Decodes bytea's hex output (`\x0a1b...`) to the raw bytes.
+pub fn decode_bytea_hex(text: &[u8]) -> Option<Bytes> {
+    let hex = text.strip_prefix(b"\\x")?;
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    hex.chunks_exact(2)
+        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
+        .collect::<Option<Vec<u8>>>()
+        .map(Bytes::from)
 }
 
 /// Converts PostgreSQL's ISO `timestamptz` text (`2026-11-30 05:02:15.123456+00`, `...+05:30`) to RFC 3339
@@ -224,7 +294,29 @@ pub fn to_rfc3339(pg_text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pg::pgoutput::RelationColumn;
+    use crate::pg::pgoutput::{ColumnValue, RelationColumn};
+    use crate::table::TableStyle;
+
+    fn standard() -> OutboxTable {
+        OutboxTable::new(
+            crate::config::TableName {
+                schema: "public".into(),
+                name: "outbox_event".into(),
+            },
+            TableStyle::Standard,
+            &[],
+            vec![],
+        )
+    }
+
+    const STANDARD_COLUMNS: [&str; 6] = [
+        "event_id",
+        "aggregate_type",
+        "aggregate_id",
+        "event_type",
+        "payload",
+        "created_at",
+    ];
 
     fn relation(names: &[&str]) -> Relation {
         Relation {
@@ -257,7 +349,9 @@ mod tests {
             "aggregate_type",
             "event_id",
         ]);
-        let mapping = RowMapping::from_relation(&rel).unwrap();
+        let mut table = standard();
+        table.header_columns = vec!["tenant".into()];
+        let mapping = RowMapping::from_relation(&table, &rel).unwrap();
         let insert = Insert {
             relation_id: 1,
             values: vec![
@@ -276,8 +370,12 @@ mod tests {
         assert_eq!(event.aggregate_type, "Order");
         assert_eq!(event.aggregate_id, "order-7");
         assert_eq!(event.event_type, "OrderCreated");
-        assert_eq!(&event.payload[..], br#"{"a":1}"#);
-        assert_eq!(event.created_at, "2026-11-30T05:02:15.5Z");
+        assert_eq!(event.payload.as_deref(), Some(&br#"{"a":1}"#[..]));
+        assert_eq!(event.created_at.unwrap(), "2026-11-30T05:02:15.5Z");
+        assert_eq!(
+            event.headers,
+            vec![(Arc::from("tenant"), Text::from("acme"))]
+        );
     }
 
     #[test]
@@ -289,25 +387,29 @@ mod tests {
         let PgOutputMessage::Insert(insert) = decode(unhex(CAPTURED_PG15[2])).unwrap() else {
             panic!()
         };
-        let event = RowMapping::from_relation(&rel)
+        let event = RowMapping::from_relation(&standard(), &rel)
             .unwrap()
             .event(&insert)
             .unwrap();
         assert_eq!(event.event_id, "0b7d6f0e-8f3c-4c1b-9d6e-1f2a3b4c5d6e");
         assert_eq!(event.aggregate_id, "order-1");
-        assert_eq!(&event.payload[..], br#"{"total": 12.5}"#);
-        assert_eq!(event.created_at, "2026-11-30T05:11:33.435734Z");
+        assert_eq!(event.payload.as_deref(), Some(&br#"{"total": 12.5}"#[..]));
+        assert_eq!(event.created_at.unwrap(), "2026-11-30T05:11:33.435734Z");
     }
 
     #[test]
     fn missing_column_is_named() {
-        let err = RowMapping::from_relation(&relation(&["event_id", "aggregate_type", "payload"]))
-            .unwrap_err();
+        let err = RowMapping::from_relation(
+            &standard(),
+            &relation(&["event_id", "aggregate_type", "payload"]),
+        )
+        .unwrap_err();
         assert_eq!(
             err,
             MappingError::MissingColumn {
                 table: "public.outbox_event".into(),
-                column: "aggregate_id"
+                column: "aggregate_id".into(),
+                role: "aggregate_id",
             }
         );
         assert!(err.to_string().contains("outboxd migrate"));
@@ -315,7 +417,7 @@ mod tests {
 
     #[test]
     fn null_required_value_is_an_error() {
-        let mapping = RowMapping::from_relation(&relation(&REQUIRED_COLUMNS)).unwrap();
+        let mapping = RowMapping::from_relation(&standard(), &relation(&STANDARD_COLUMNS)).unwrap();
         let insert = Insert {
             relation_id: 1,
             values: vec![
@@ -341,6 +443,64 @@ mod tests {
         assert!(matches!(
             mapping.event(&short),
             Err(MappingError::ColumnCountMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn debezium_table_without_created_at_bytea_payload_and_null_payload() {
+        let table = OutboxTable::new(
+            crate::config::TableName {
+                schema: "public".into(),
+                name: "outboxevent".into(),
+            },
+            TableStyle::Debezium,
+            &[],
+            vec!["traceparent".into()],
+        );
+        let mut rel = relation(&[
+            "id",
+            "aggregatetype",
+            "aggregateid",
+            "type",
+            "payload",
+            "traceparent",
+        ]);
+        rel.columns[4].type_oid = BYTEA_OID;
+        let mut table = table;
+        let types = [
+            ("id", "uuid"),
+            ("aggregatetype", "text"),
+            ("aggregateid", "text"),
+            ("type", "text"),
+            ("payload", "bytea"),
+            ("traceparent", "text"),
+        ];
+        let columns: Vec<(String, String)> = types
+            .iter()
+            .map(|(n, t)| (n.to_string(), t.to_string()))
+            .collect();
+        table.resolve(&columns, false).unwrap();
+        let mapping = RowMapping::from_relation(&table, &rel).unwrap();
+        let row = |payload: ColumnValue| Insert {
+            relation_id: 1,
+            values: vec![
+                text("0b7d6f0e-8f3c-4c1b-9d6e-1f2a3b4c5d6e"),
+                text("Order"),
+                text("o-1"),
+                text("Created"),
+                payload,
+                ColumnValue::Null,
+            ],
+        };
+        let event = mapping.event(&row(text("\\x00ff41"))).unwrap();
+        assert_eq!(event.payload.as_deref(), Some(&[0u8, 0xff, 0x41][..]));
+        assert_eq!(event.created_at, None);
+        assert!(event.headers.is_empty(), "NULL header column: no header");
+        let tombstone = mapping.event(&row(ColumnValue::Null)).unwrap();
+        assert_eq!(tombstone.payload, None);
+        assert!(matches!(
+            mapping.event(&row(text("00ff"))),
+            Err(MappingError::BadBytea { .. })
         ));
     }
 

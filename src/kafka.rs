@@ -122,6 +122,8 @@ pub struct Publisher<T: Send + Sync + 'static> {
     create_topics: bool,
     partitions: i32,
     replication_factor: i32,
+    /// Header carrying the event id: `event_id`, or `id` for Debezium-style tables.
+    event_id_header: &'static str,
 }
 
 /// The producer settings outboxd relies on; `--kafka-option` values are applied after them.
@@ -172,6 +174,7 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             create_topics: settings.create_topics,
             partitions: settings.topic_partitions,
             replication_factor: settings.topic_replication_factor.unwrap_or(-1),
+            event_id_header: settings.database.style.event_id_header(),
         })
     }
 
@@ -289,14 +292,20 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         self.ensure_topic(topic)
             .await
             .map_err(PublishError::Failed)?;
-        let mut headers = OwnedHeaders::new_with_capacity(5);
+        let mut headers = OwnedHeaders::new_with_capacity(5 + event.headers.len());
         for (key, value) in [
-            ("event_id", event.event_id.as_str()),
+            (self.event_id_header, event.event_id.as_str()),
             ("event_type", event.event_type.as_str()),
             ("aggregate_type", event.aggregate_type.as_str()),
-            ("created_at", event.created_at.as_str()),
         ]
         .into_iter()
+        .chain(
+            event
+                .created_at
+                .as_ref()
+                .map(|c| ("created_at", c.as_str())),
+        )
+        .chain(event.headers.iter().map(|(k, v)| (&**k, v.as_str())))
         .chain(error.map(|e| ("error", e)))
         {
             headers = headers.insert(Header {
@@ -312,8 +321,11 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         });
         let mut record = BaseRecord::with_opaque_to(topic, opaque)
             .key(event.aggregate_id.as_bytes())
-            .payload(&event.payload[..])
             .headers(headers);
+        // No payload: a tombstone (null value) for compacted topics.
+        if let Some(payload) = &event.payload {
+            record = record.payload(&payload[..]);
+        }
         loop {
             match self.producer.send(record) {
                 Ok(()) => return Ok(()),

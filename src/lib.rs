@@ -15,6 +15,7 @@ pub mod pipeline;
 pub mod retention;
 pub mod stats;
 pub mod status;
+pub mod table;
 pub mod topic;
 
 pub use error::{Error, Result};

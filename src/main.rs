@@ -64,10 +64,16 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             let mut client = pg::connect(&settings.database_url).await?;
             let report = pg::migrate::migrate(&mut client, &settings).await?;
             if options.poll_notify {
-                pg::migrate::install_notify_trigger(&client, &settings.table).await?;
-                tracing::warn!(table = %settings.table, "installed the LISTEN/NOTIFY trigger: every insert now notifies (serialising commits); drop it with DROP TRIGGER outboxd_notify ON <table>");
+                for table in &settings.tables {
+                    pg::migrate::install_notify_trigger(&client, &table.name).await?;
+                    tracing::warn!(table = %table.name, "installed the LISTEN/NOTIFY trigger: every insert now notifies (serialising commits); drop it with DROP TRIGGER outboxd_notify ON <table>");
+                }
             }
-            tracing::info!(applied = ?report.applied, publication_created = report.publication_created, table = %settings.table, publication = %settings.publication, "migrations done");
+            for table in &report.cdc_only {
+                tracing::warn!(%table, "existing table left without the polling columns: outboxd will run CDC only (no backfill of older rows, no polling fallback, no retries or dead letters); add them with `outboxd migrate --add-polling-columns`");
+            }
+            let tables: Vec<String> = settings.tables.iter().map(|t| t.name.to_string()).collect();
+            tracing::info!(applied = ?report.applied, publication_created = report.publication_created, tables = %tables.join(", "), publication = %settings.publication, "migrations done");
             Ok(ExitCode::SUCCESS)
         }
         Command::Run(_) => {
@@ -93,7 +99,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             if let Some(retention) = &settings.retention {
                 tokio::spawn(outboxd::retention::run(
                     settings.database.database_url.clone(),
-                    settings.database.table.clone(),
+                    settings.database.tables.clone(),
                     std::sync::Arc::new(retention.clone()),
                 ));
             }
@@ -119,7 +125,13 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                 }
             };
             let client = pg::connect(&settings.database_url).await?;
-            let count = pg::outbox::replay_dead(&client, &settings.table, &filter).await?;
+            let mut count = 0;
+            let mut tables = settings.tables.clone();
+            pg::slot::inspect_all(&client, &mut tables).await?;
+            for table in &tables {
+                pg::slot::check_polling_columns(table)?;
+                count += pg::outbox::replay_dead(&client, table, &filter).await?;
+            }
             println!("re-queued {count} dead event(s)");
             Ok(ExitCode::SUCCESS)
         }

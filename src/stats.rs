@@ -46,7 +46,9 @@ async fn refresh(client: &tokio_postgres::Client, settings: &RunSettings) -> cra
         .set(bytes(state.as_ref().and_then(|s| s.retained_wal_bytes)));
     gauge!(m::SLOT_SAFE_WAL_BYTES).set(bytes(state.as_ref().and_then(|s| s.safe_wal_bytes)));
     m::set_wal_status(state.as_ref().and_then(|s| s.wal_status.as_deref()));
-    let backlog = outbox::backlog(client, &db.table).await?;
+    let mut tables = db.tables.clone();
+    slot::inspect_all(client, &mut tables).await?;
+    let backlog = outbox::backlog(client, &tables).await?;
     gauge!(m::UNPUBLISHED_EVENTS).set(backlog.unpublished_events as f64);
     gauge!(m::OLDEST_UNPUBLISHED_AGE).set(backlog.oldest_unpublished_age_seconds.unwrap_or(0.0));
     Ok(())

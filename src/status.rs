@@ -146,16 +146,18 @@ pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdi
 
 pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
     let client = pg::connect(&settings.database_url).await?;
-    slot::check_table(&client, &settings.table).await?;
+    let mut tables = settings.tables.clone();
+    slot::inspect_all(&client, &mut tables).await?;
     let state = slot::slot_state(&client, &settings.slot).await?;
-    let backlog = outbox::backlog(&client, &settings.table).await?;
+    let backlog = outbox::backlog(&client, &tables).await?;
     let (active_instances, standby_instances) = instances(&client, &settings.slot).await?;
-    let dead_events = match slot::check_polling_columns(&client, &settings.table).await {
-        Ok(()) => outbox::dead_count(&client, &settings.table).await?,
-        Err(_) => 0,
-    };
+    let mut dead_events = 0;
+    for table in tables.iter().filter(|t| t.polling) {
+        dead_events += outbox::dead_count(&client, table).await?;
+    }
+    let names: Vec<String> = tables.iter().map(|t| t.name.to_string()).collect();
     Ok(Status {
-        table: settings.table.to_string(),
+        table: names.join(", "),
         slot_name: settings.slot.clone(),
         slot_exists: state.is_some(),
         active: state.as_ref().map(|s| s.active),

@@ -1,14 +1,19 @@
 //! Topic templates: parse `outbox.{aggregate_type}`-style templates once, render a legal Kafka topic name
 //! per event. Pure; owns nothing about the broker.
 
+use crate::config::TableName;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Part {
     Literal(String),
     AggregateType,
     EventType,
+    Schema,
+    Table,
 }
 
-/// A parsed topic template. Placeholders: `{aggregate_type}`, `{event_type}`.
+/// A parsed topic template. Placeholders: `{aggregate_type}`, `{event_type}`, and the outbox table's
+/// `{schema}` and `{table}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TopicTemplate {
     parts: Vec<Part>,
@@ -16,7 +21,7 @@ pub struct TopicTemplate {
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum TemplateError {
-    #[error("--topic {template:?}: unknown placeholder {{{name}}}; use {{aggregate_type}} or {{event_type}}")]
+    #[error("--topic {template:?}: unknown placeholder {{{name}}}; use {{aggregate_type}}, {{event_type}}, {{schema}} or {{table}}")]
     UnknownPlaceholder { template: String, name: String },
     #[error("--topic {0:?}: unbalanced '{{' or '}}'")]
     Unbalanced(String),
@@ -54,6 +59,8 @@ impl TopicTemplate {
                     parts.push(match name {
                         "aggregate_type" => Part::AggregateType,
                         "event_type" => Part::EventType,
+                        "schema" => Part::Schema,
+                        "table" => Part::Table,
                         _ => {
                             return Err(TemplateError::UnknownPlaceholder {
                                 template: template.into(),
@@ -74,13 +81,15 @@ impl TopicTemplate {
 
     /// Renders the topic for one event. Characters Kafka does not allow in topic names are replaced by `_`
     /// (as Debezium does), so no event is ever unroutable; the name is cut at Kafka's 249-character limit.
-    pub fn render(&self, aggregate_type: &str, event_type: &str) -> String {
+    pub fn render(&self, table: &TableName, aggregate_type: &str, event_type: &str) -> String {
         let mut topic = String::with_capacity(64);
         for part in &self.parts {
             match part {
                 Part::Literal(text) => topic.push_str(text),
                 Part::AggregateType => push_sanitized(&mut topic, aggregate_type),
                 Part::EventType => push_sanitized(&mut topic, event_type),
+                Part::Schema => push_sanitized(&mut topic, &table.schema),
+                Part::Table => push_sanitized(&mut topic, &table.name),
             }
         }
         if topic.is_empty() || topic == "." || topic == ".." {
@@ -116,14 +125,28 @@ fn push_sanitized(topic: &mut String, value: &str) {
 mod tests {
     use super::*;
 
+    fn render(t: &TopicTemplate, aggregate_type: &str, event_type: &str) -> String {
+        let table = TableName {
+            schema: "billing".into(),
+            name: "outbox".into(),
+        };
+        t.render(&table, aggregate_type, event_type)
+    }
+
+    #[test]
+    fn renders_the_tables_schema_and_name() {
+        let t = TopicTemplate::parse("{schema}.{table}.{aggregate_type}").unwrap();
+        assert_eq!(render(&t, "Invoice", "e"), "billing.outbox.Invoice");
+    }
+
     #[test]
     fn renders_placeholders() {
         let t = TopicTemplate::parse("outbox.{aggregate_type}").unwrap();
-        assert_eq!(t.render("Order", "OrderCreated"), "outbox.Order");
+        assert_eq!(render(&t, "Order", "OrderCreated"), "outbox.Order");
         let t = TopicTemplate::parse("{aggregate_type}-{event_type}").unwrap();
-        assert_eq!(t.render("Order", "Paid"), "Order-Paid");
+        assert_eq!(render(&t, "Order", "Paid"), "Order-Paid");
         let t = TopicTemplate::parse("fixed").unwrap();
-        assert_eq!(t.render("x", "y"), "fixed");
+        assert_eq!(render(&t, "x", "y"), "fixed");
     }
 
     #[test]
@@ -149,10 +172,10 @@ mod tests {
     #[test]
     fn sanitizes_values_into_legal_names() {
         let t = TopicTemplate::parse("outbox.{aggregate_type}").unwrap();
-        assert_eq!(t.render("Order Line/ü", "e"), "outbox.Order_Line__");
+        assert_eq!(render(&t, "Order Line/ü", "e"), "outbox.Order_Line__");
         let t = TopicTemplate::parse("{aggregate_type}").unwrap();
-        assert_eq!(t.render("", "e"), "_");
-        assert_eq!(t.render("..", "e"), ".._");
-        assert_eq!(t.render(&"a".repeat(300), "e").len(), 249);
+        assert_eq!(render(&t, "", "e"), "_");
+        assert_eq!(render(&t, "..", "e"), ".._");
+        assert_eq!(render(&t, &"a".repeat(300), "e").len(), 249);
     }
 }

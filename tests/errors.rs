@@ -166,15 +166,24 @@ async fn missing_or_mistyped_column() {
         .batch_execute(
             "CREATE TABLE no_agg (event_id uuid PRIMARY KEY, aggregate_type text, event_type text, payload jsonb,
                                   created_at timestamptz DEFAULT now(), published_at timestamptz);
-             CREATE TABLE text_payload (event_id uuid PRIMARY KEY, aggregate_type text, aggregate_id text, event_type text,
-                                  payload text, created_at timestamptz DEFAULT now(), published_at timestamptz);",
+             CREATE TABLE int_payload (event_id uuid PRIMARY KEY, aggregate_type text, aggregate_id text, event_type text,
+                                  payload integer, created_at timestamptz DEFAULT now(), published_at timestamptz);",
         )
         .await
         .unwrap();
     let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &["--table", "no_agg"]);
     assert_mentions(&stderr, &["no column aggregate_id"]);
-    let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &["--table", "text_payload"]);
-    assert_mentions(&stderr, &["payload", "type text", "jsonb"]);
+    let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &["--table", "int_payload"]);
+    assert_mentions(
+        &stderr,
+        &["payload", "type integer", "jsonb or json or text or bytea"],
+    );
+    let stderr = run_expecting_failure(
+        &pg.url(),
+        NO_BROKER,
+        &["--table", "no_agg", "--column", "aggregate_id=agg"],
+    );
+    assert_mentions(&stderr, &["no column agg", "--column aggregate_id="]);
 }
 
 #[test]

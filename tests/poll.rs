@@ -382,6 +382,7 @@ async fn migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite() {
         "public.user_outbox",
         "--publication",
         "user_pub",
+        "--add-polling-columns",
     ]);
     assert!(migrate.status.success(), "{}", stderr_of(&migrate));
     let file_after = relfilenode().await;

@@ -2,11 +2,12 @@
 //! Idempotent and safe to run concurrently (one transaction under an advisory lock); needs no broker and
 //! works with `wal_level = replica`.
 
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use crate::config::{DatabaseSettings, TableName};
 use crate::error::Result;
 use crate::pg::slot;
+use crate::table::{OutboxTable, Role};
 
 /// Embedded migrations, applied in order. Never edit one that has shipped: add a new one.
 const MIGRATIONS: &[(i32, &str, &str)] = &[
@@ -35,26 +36,49 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 /// Arbitrary constant naming outboxd's migration lock.
 const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d67; // "outboxmg"
 
+/// The first migration creates the table; the later ones add the polling path's columns and indexes.
+const CREATE_TABLE_VERSION: i32 = 1;
+
 /// What `migrate` did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct MigrationReport {
     pub applied: Vec<String>,
     pub publication_created: bool,
+    /// Existing tables left without polling columns (no `--add-polling-columns`): they run CDC only.
+    pub cdc_only: Vec<String>,
 }
 
-/// Fills a migration's placeholders with quoted identifiers derived from the (validated) table name.
-fn render_migration(sql: &str, table: &TableName) -> String {
-    let schema = format!("\"{}\"", table.schema);
+/// Fills a migration's placeholders with quoted identifiers derived from the (validated) table name and
+/// its column mapping.
+fn render_migration(sql: &str, table: &OutboxTable) -> String {
     let name = &table.name;
-    let position_seq = format!("{schema}.\"{name}_position_seq\"");
+    let schema = format!("\"{}\"", name.schema);
+    let bare = &name.name;
+    let position_seq = format!("{schema}.\"{bare}_position_seq\"");
+    let id = table.col(Role::EventId);
+    let order_key = match table.column(Role::CreatedAt) {
+        Some(created_at) => format!("\"{created_at}\", {id}"),
+        None => id.clone(),
+    };
+    let created_at = format!(
+        "\"{}\"",
+        table.column(Role::CreatedAt).unwrap_or("created_at")
+    );
     let placeholders = [
-        ("{{table}}", table.quoted()),
+        ("{{table}}", name.quoted()),
         ("{{schema}}", schema.clone()),
         ("{{position_seq_text}}", position_seq.clone()),
         ("{{position_seq}}", position_seq),
-        ("{{claim_index}}", format!("\"{name}_claim_idx\"")),
-        ("{{handoff_index}}", format!("\"{name}_handoff_idx\"")),
-        ("{{published_index}}", format!("\"{name}_published_idx\"")),
+        ("{{claim_index}}", format!("\"{bare}_claim_idx\"")),
+        ("{{handoff_index}}", format!("\"{bare}_handoff_idx\"")),
+        ("{{published_index}}", format!("\"{bare}_published_idx\"")),
+        ("{{event_id}}", id),
+        ("{{aggregate_type}}", table.col(Role::AggregateType)),
+        ("{{aggregate_id}}", table.col(Role::AggregateId)),
+        ("{{event_type}}", table.col(Role::EventType)),
+        ("{{payload}}", table.col(Role::Payload)),
+        ("{{created_at}}", created_at),
+        ("{{order_key}}", order_key),
     ];
     placeholders
         .iter()
@@ -63,9 +87,16 @@ fn render_migration(sql: &str, table: &TableName) -> String {
         })
 }
 
+async fn table_exists(tx: &impl GenericClient, table: &TableName) -> Result<bool> {
+    Ok(tx
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.quoted()])
+        .await?
+        .get(0))
+}
+
+/// Creates each outbox table that does not exist yet (with the polling columns), adds the polling columns
+/// to an existing table only when `--add-polling-columns` asks, then creates or extends the publication.
 pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result<MigrationReport> {
-    let table = &settings.table;
-    let target = table.to_string();
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
         .await?;
@@ -76,44 +107,78 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
     )
     .await?;
     let mut report = MigrationReport::default();
-    for (version, name, sql) in MIGRATIONS {
-        let done = tx
-            .query_opt(
-                "SELECT 1 FROM public.outboxd_migrations WHERE target = $1 AND version = $2",
-                &[&target, version],
+    let mut tables = settings.tables.clone();
+    for table in &mut tables {
+        let target = table.name.to_string();
+        let created_here = !table_exists(&tx, &table.name).await?;
+        // An earlier migrate added the polling columns: keep upgrading them.
+        let has_polling_migrations: bool = tx
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM public.outboxd_migrations WHERE target = $1 AND version > $2)",
+                &[&target, &CREATE_TABLE_VERSION],
+            )
+            .await?
+            .get(0);
+        for (version, name, sql) in MIGRATIONS {
+            let done = tx
+                .query_opt(
+                    "SELECT 1 FROM public.outboxd_migrations WHERE target = $1 AND version = $2",
+                    &[&target, version],
+                )
+                .await?;
+            if done.is_some() {
+                continue;
+            }
+            if *version > CREATE_TABLE_VERSION {
+                slot::inspect(&tx, table).await?;
+                if !created_here && !has_polling_migrations && !settings.add_polling_columns {
+                    report.cdc_only.push(target.clone());
+                    break;
+                }
+            }
+            tx.batch_execute(&render_migration(sql, table)).await?;
+            tx.execute(
+                "INSERT INTO public.outboxd_migrations (target, version, name) VALUES ($1, $2, $3)",
+                &[&target, version, name],
             )
             .await?;
-        if done.is_some() {
-            continue;
+            report.applied.push(format!("{target} {version:04}_{name}"));
         }
-        let sql = render_migration(sql, table);
-        tx.batch_execute(&sql).await?;
-        tx.execute(
-            "INSERT INTO public.outboxd_migrations (target, version, name) VALUES ($1, $2, $3)",
-            &[&target, version, name],
-        )
-        .await?;
-        report.applied.push(format!("{version:04}_{name}"));
+        slot::inspect(&tx, table).await?;
     }
     let publication = &settings.publication;
-    match slot::publication_state(&tx, publication, table).await? {
-        None => {
-            tx.batch_execute(&format!(
-                "CREATE PUBLICATION \"{publication}\" FOR TABLE {} WITH (publish = 'insert')",
-                table.quoted()
-            ))
-            .await?;
-            report.publication_created = true;
+    let partitioned = tables.iter().any(|t| t.partitioned);
+    let mut created = false;
+    for table in &tables {
+        let name = &table.name;
+        match slot::publication_state(&tx, publication, name).await? {
+            None => {
+                tx.batch_execute(&format!(
+                    "CREATE PUBLICATION \"{publication}\" FOR TABLE {}
+                     WITH (publish = 'insert', publish_via_partition_root = true)",
+                    name.quoted()
+                ))
+                .await?;
+                created = true;
+            }
+            Some(state) => {
+                if partitioned && !state.via_root {
+                    tx.batch_execute(&format!(
+                        "ALTER PUBLICATION \"{publication}\" SET (publish_via_partition_root = true)"
+                    ))
+                    .await?;
+                }
+                if !state.covers_table {
+                    tx.batch_execute(&format!(
+                        "ALTER PUBLICATION \"{publication}\" ADD TABLE {}",
+                        name.quoted()
+                    ))
+                    .await?;
+                }
+            }
         }
-        Some(state) if !state.covers_table => {
-            tx.batch_execute(&format!(
-                "ALTER PUBLICATION \"{publication}\" ADD TABLE {}",
-                table.quoted()
-            ))
-            .await?;
-        }
-        Some(_) => {}
     }
+    report.publication_created = created;
     tx.commit().await?;
     Ok(report)
 }
@@ -142,13 +207,19 @@ pub async fn install_notify_trigger(client: &Client, table: &TableName) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::table::TableStyle;
 
     #[test]
     fn every_placeholder_of_every_migration_is_filled() {
-        let table = TableName {
-            schema: "app".into(),
-            name: "outbox".into(),
-        };
+        let table = OutboxTable::new(
+            TableName {
+                schema: "app".into(),
+                name: "outbox".into(),
+            },
+            TableStyle::Debezium,
+            &[],
+            vec![],
+        );
         for (version, name, sql) in MIGRATIONS {
             let rendered = render_migration(sql, &table);
             assert!(

@@ -1,56 +1,67 @@
 //! Outbox SQL on an ordinary connection: mark events published in batches, find rows already published,
-//! and read backlog figures. Owns the statements; batching decisions belong to the pipeline.
+//! the polling path's claim and lease statements, and backlog figures. Every statement names the table's
+//! columns through its mapping (`table::OutboxTable`). Owns the statements; batching decisions belong to
+//! the pipeline.
 
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use crate::config::TableName;
 use crate::error::Result;
+use crate::table::{OutboxTable, PayloadType, Role};
 
-/// Prepared statements for one outbox table.
+/// Prepared statements for one outbox table. A table without `published_at` (CDC only) gets none: nothing
+/// is recorded, and every row the slot re-sends is published again.
 pub struct OutboxSql {
-    mark_published: tokio_postgres::Statement,
-    find_published: tokio_postgres::Statement,
+    mark_published: Option<tokio_postgres::Statement>,
+    find_published: Option<tokio_postgres::Statement>,
     hand_off: Option<tokio_postgres::Statement>,
 }
 
 impl OutboxSql {
-    pub async fn prepare(client: &Client, table_name: &TableName) -> Result<Self> {
-        let table = table_name.quoted();
-        let mark_published = client
-            .prepare(&format!(
-                "UPDATE {table} SET published_at = now() WHERE event_id = ANY($1::uuid[]) AND published_at IS NULL
-                 RETURNING event_id"
-            ))
-            .await?;
-        let find_published = client
-            .prepare(&format!(
-                "SELECT event_id FROM {table} WHERE event_id = ANY($1::uuid[]) AND published_at IS NOT NULL"
-            ))
-            .await?;
-        let hand_off = match crate::pg::slot::check_polling_columns(client, table_name).await {
-            Ok(()) => Some(
-                client
-                    .prepare(&format!(
-                        "UPDATE {table} SET handoff_at = now() WHERE event_id = ANY($1::uuid[]) AND published_at IS NULL
-                         RETURNING event_id"
-                    ))
-                    .await?,
-            ),
-            Err(crate::error::Error::Setup { .. }) => None,
-            Err(error) => return Err(error),
+    pub async fn prepare(client: &Client, outbox: &OutboxTable) -> Result<Self> {
+        let table = outbox.name.quoted();
+        let id = outbox.col(Role::EventId);
+        let mut sql = OutboxSql {
+            mark_published: None,
+            find_published: None,
+            hand_off: None,
         };
-        Ok(OutboxSql {
-            mark_published,
-            find_published,
-            hand_off,
-        })
+        if outbox.marks_published {
+            sql.mark_published = Some(client
+                .prepare(&format!(
+                    "UPDATE {table} SET published_at = now() WHERE {id} = ANY($1::uuid[]) AND published_at IS NULL
+                     RETURNING {id}"
+                ))
+                .await?);
+            sql.find_published = Some(client
+                .prepare(&format!(
+                    "SELECT {id} FROM {table} WHERE {id} = ANY($1::uuid[]) AND published_at IS NOT NULL"
+                ))
+                .await?);
+        }
+        if outbox.polling {
+            sql.hand_off = Some(client
+                .prepare(&format!(
+                    "UPDATE {table} SET handoff_at = now() WHERE {id} = ANY($1::uuid[]) AND published_at IS NULL
+                     RETURNING {id}"
+                ))
+                .await?);
+        }
+        Ok(sql)
+    }
+
+    /// True when the table records what was published (has `published_at`).
+    pub fn marks_published(&self) -> bool {
+        self.mark_published.is_some()
     }
 
     /// Sets `published_at` for the given events (one statement); rows already published are left alone.
-    /// Returns the rows it changed.
+    /// Returns the rows it changed (all of them, without `published_at`: nothing to write).
     pub async fn mark_published(&self, client: &Client, event_ids: &[Uuid]) -> Result<Vec<Uuid>> {
-        let rows = client.query(&self.mark_published, &[&event_ids]).await?;
+        let Some(statement) = &self.mark_published else {
+            return Ok(event_ids.to_vec());
+        };
+        let rows = client.query(statement, &[&event_ids]).await?;
         Ok(rows.iter().map(|row| row.get(0)).collect())
     }
 
@@ -69,14 +80,17 @@ impl OutboxSql {
             }
             None => Err(crate::error::Error::setup(
                 "cannot hand events to the polling path: the table has no polling columns",
-                "run `outboxd migrate`",
+                "run `outboxd migrate --add-polling-columns`",
             )),
         }
     }
 
-    /// The subset of `event_ids` whose rows already have `published_at`.
+    /// The subset of `event_ids` whose rows already have `published_at` (none without that column).
     pub async fn find_published(&self, client: &Client, event_ids: &[Uuid]) -> Result<Vec<Uuid>> {
-        let rows = client.query(&self.find_published, &[&event_ids]).await?;
+        let Some(statement) = &self.find_published else {
+            return Ok(Vec::new());
+        };
+        let rows = client.query(statement, &[&event_ids]).await?;
         Ok(rows.iter().map(|row| row.get(0)).collect())
     }
 }
@@ -104,9 +118,10 @@ pub async fn transaction_visible(client: &Client, xid: u32) -> Result<bool> {
 
 /// Marks, as handed to the polling path, every unpublished row visible in the snapshot exported when the
 /// slot was created: exactly the rows the slot will never send. Rows committed later are not visible there.
+/// Tables without polling columns are skipped (their older rows are not published).
 pub async fn hand_off_rows_older_than_slot(
     client: &mut Client,
-    table: &TableName,
+    tables: &[OutboxTable],
     snapshot_name: &str,
 ) -> Result<u64> {
     if !snapshot_name
@@ -125,16 +140,19 @@ pub async fn hand_off_rows_older_than_slot(
         .await?;
     tx.batch_execute(&format!("SET TRANSACTION SNAPSHOT '{snapshot_name}'"))
         .await?;
-    let marked = tx
-        .execute(
-            &format!(
-                "UPDATE {} SET handoff_at = now()
-                 WHERE published_at IS NULL AND dead_at IS NULL AND handoff_at IS NULL",
-                table.quoted()
-            ),
-            &[],
-        )
-        .await?;
+    let mut marked = 0;
+    for table in tables.iter().filter(|t| t.polling) {
+        marked += tx
+            .execute(
+                &format!(
+                    "UPDATE {} SET handoff_at = now()
+                     WHERE published_at IS NULL AND dead_at IS NULL AND handoff_at IS NULL",
+                    table.name.quoted()
+                ),
+                &[],
+            )
+            .await?;
+    }
     tx.commit().await?;
     Ok(marked)
 }
@@ -146,14 +164,16 @@ pub type AggregateKey = (String, String);
 /// later events ahead of them.
 pub async fn aggregates_pending_hand_off(
     client: &Client,
-    table: &TableName,
+    table: &OutboxTable,
 ) -> Result<std::collections::HashSet<AggregateKey>> {
     let rows = client
         .query(
             &format!(
-                "SELECT DISTINCT aggregate_type, aggregate_id FROM {}
+                "SELECT DISTINCT {}::text, {}::text FROM {}
                  WHERE handoff_at IS NOT NULL AND published_at IS NULL AND dead_at IS NULL",
-                table.quoted()
+                table.col(Role::AggregateType),
+                table.col(Role::AggregateId),
+                table.name.quoted()
             ),
             &[],
         )
@@ -162,12 +182,12 @@ pub async fn aggregates_pending_hand_off(
 }
 
 /// Dead-lettered events (needs the polling columns).
-pub async fn dead_count(client: &Client, table: &TableName) -> Result<i64> {
+pub async fn dead_count(client: &Client, table: &OutboxTable) -> Result<i64> {
     let row = client
         .query_one(
             &format!(
                 "SELECT count(*) FROM {} WHERE dead_at IS NOT NULL AND published_at IS NULL",
-                table.quoted()
+                table.name.quoted()
             ),
             &[],
         )
@@ -182,20 +202,35 @@ pub struct Backlog {
     pub oldest_unpublished_age_seconds: Option<f64>,
 }
 
-pub async fn backlog(client: &Client, table: &TableName) -> Result<Backlog> {
-    let row = client
-        .query_one(
-            &format!(
-                "SELECT count(*), EXTRACT(EPOCH FROM now() - min(created_at))::float8 FROM {} WHERE published_at IS NULL",
-                table.quoted()
-            ),
-            &[],
-        )
-        .await?;
-    Ok(Backlog {
-        unpublished_events: row.get(0),
-        oldest_unpublished_age_seconds: row.get(1),
-    })
+/// The backlog of every table that records what was published (tables without `published_at` have no
+/// backlog to count: their slot lag is the measure).
+pub async fn backlog(client: &Client, tables: &[OutboxTable]) -> Result<Backlog> {
+    let mut total = Backlog::default();
+    for table in tables.iter().filter(|t| t.marks_published) {
+        let age = match table.column(Role::CreatedAt) {
+            Some(created_at) => {
+                format!("EXTRACT(EPOCH FROM now() - min(\"{created_at}\"))::float8")
+            }
+            None => "NULL::float8".to_string(),
+        };
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT count(*), {age} FROM {} WHERE published_at IS NULL",
+                    table.name.quoted()
+                ),
+                &[],
+            )
+            .await?;
+        total.unpublished_events += row.get::<_, i64>(0);
+        let oldest: Option<f64> = row.get(1);
+        total.oldest_unpublished_age_seconds = match (total.oldest_unpublished_age_seconds, oldest)
+        {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    Ok(total)
 }
 
 /// Which unpublished rows the polling path may claim.
@@ -220,6 +255,8 @@ pub struct ClaimedRow {
 /// Statements of the lease-based polling path for one outbox table.
 pub struct PollSql {
     claim: String,
+    payload_type: PayloadType,
+    header_columns: Vec<std::sync::Arc<str>>,
     serialize_claims: bool,
     table_key: String,
     mark_published: tokio_postgres::Statement,
@@ -232,16 +269,26 @@ pub struct PollSql {
 impl PollSql {
     pub async fn prepare(
         client: &Client,
-        table: &TableName,
+        outbox: &OutboxTable,
         order: crate::config::PollOrder,
         scope: ClaimScope,
     ) -> Result<Self> {
+        let table = &outbox.name;
         let t = table.quoted();
+        let id = outbox.col(Role::EventId);
+        let (aggregate_type, aggregate_id) = (
+            outbox.col(Role::AggregateType),
+            outbox.col(Role::AggregateId),
+        );
+        let created_at = outbox.column(Role::CreatedAt).map(|c| format!("\"{c}\""));
         let scope_filter = match scope {
             ClaimScope::All => "",
             ClaimScope::HandedOff => "AND handoff_at IS NOT NULL",
         };
-        let order_by = "position NULLS FIRST, created_at, event_id";
+        let order_by = match &created_at {
+            Some(created_at) => format!("position NULLS FIRST, {created_at}, {id}"),
+            None => format!("position NULLS FIRST, {id}"),
+        };
         let picked = match order {
             // An event is claimable only when it and every earlier unpublished, non-dead event of its aggregate
             // are claimable (not leased, not waiting for a retry). Earlier events always precede later ones in
@@ -250,61 +297,81 @@ impl PollSql {
             // aggregate between them.
             crate::config::PollOrder::PerAggregate => format!(
                 "prefix AS (
-                     SELECT event_id, aggregate_type, aggregate_id, position, created_at,
+                     SELECT {id}, {aggregate_type}, {aggregate_id}, position{created_at_column},
                             (available_at <= now() AND (lease_until IS NULL OR lease_until < now())) AS ready
                      FROM {t} WHERE published_at IS NULL AND dead_at IS NULL {scope_filter}
                      ORDER BY {order_by} LIMIT $4),
                  ranked AS (
-                     SELECT event_id, position, created_at,
-                            bool_and(ready) OVER (PARTITION BY aggregate_type, aggregate_id ORDER BY {order_by}
+                     SELECT {id}, position{created_at_column},
+                            bool_and(ready) OVER (PARTITION BY {aggregate_type}, {aggregate_id} ORDER BY {order_by}
                                                   ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS ready_prefix
                      FROM prefix),
                  picked AS (
-                     SELECT event_id FROM {t}
-                     WHERE event_id = ANY (ARRAY(SELECT event_id FROM ranked WHERE ready_prefix
-                                                 ORDER BY {order_by} LIMIT $3))
-                     FOR UPDATE SKIP LOCKED)"
+                     SELECT {id} AS picked_id FROM {t}
+                     WHERE {id} = ANY (ARRAY(SELECT {id} FROM ranked WHERE ready_prefix
+                                             ORDER BY {order_by} LIMIT $3))
+                     FOR UPDATE SKIP LOCKED)",
+                created_at_column = created_at.as_ref().map(|c| format!(", {c}")).unwrap_or_default()
             ),
             crate::config::PollOrder::None => format!(
                 "picked AS (
-                     SELECT event_id FROM {t}
+                     SELECT {id} AS picked_id FROM {t}
                      WHERE published_at IS NULL AND dead_at IS NULL {scope_filter} AND available_at <= now()
                        AND (lease_until IS NULL OR lease_until < now()) AND $4::int8 > 0
                      ORDER BY {order_by} LIMIT $3 FOR UPDATE SKIP LOCKED)"
             ),
         };
+        let payload = match outbox.payload_type {
+            PayloadType::Text => format!("e.{}::text", outbox.col(Role::Payload)),
+            PayloadType::Bytes => format!("e.{}", outbox.col(Role::Payload)),
+        };
+        let created_at_text = created_at
+            .as_ref()
+            .map_or("NULL::text".to_string(), |c| format!("e.{c}::text"));
+        let headers: String = outbox
+            .header_columns
+            .iter()
+            .map(|c| format!(", e.\"{c}\"::text"))
+            .collect();
         let claim = format!(
             "WITH {picked}
              UPDATE {t} e SET lease_token = $1, lease_until = now() + make_interval(secs => $2::float8),
                               attempts = e.attempts + 1
-             FROM picked WHERE e.event_id = picked.event_id
-             RETURNING e.event_id, e.aggregate_type, e.aggregate_id, e.event_type, e.payload::text,
-                       e.created_at::text, e.attempts, e.position"
+             FROM picked WHERE e.{id} = picked.picked_id
+             RETURNING e.{id}, e.{aggregate_type}::text, e.{aggregate_id}::text, e.{event_type}::text, {payload},
+                       {created_at_text}, e.attempts, e.position{headers}",
+            event_type = outbox.col(Role::EventType),
         );
         let prepare = |sql: String| async move { client.prepare(&sql).await };
         Ok(PollSql {
             claim,
+            payload_type: outbox.payload_type,
+            header_columns: outbox
+                .header_columns
+                .iter()
+                .map(|c| std::sync::Arc::from(c.as_str()))
+                .collect(),
             serialize_claims: order == crate::config::PollOrder::PerAggregate,
             table_key: format!("outboxd.claim.{table}"),
             mark_published: prepare(format!(
                 "UPDATE {t} SET published_at = now(), lease_token = NULL, lease_until = NULL, last_error = NULL
-                 WHERE event_id = ANY($1::uuid[]) AND lease_token = $2"
+                 WHERE {id} = ANY($1::uuid[]) AND lease_token = $2"
             ))
             .await?,
             retry_later: prepare(format!(
                 "UPDATE {t} SET lease_token = NULL, lease_until = NULL, last_error = $3,
                                 available_at = now() + make_interval(secs => $4::float8)
-                 WHERE event_id = $1 AND lease_token = $2"
+                 WHERE {id} = $1 AND lease_token = $2"
             ))
             .await?,
             dead_letter: prepare(format!(
                 "UPDATE {t} SET lease_token = NULL, lease_until = NULL, last_error = $3, dead_at = now()
-                 WHERE event_id = $1 AND lease_token = $2"
+                 WHERE {id} = $1 AND lease_token = $2"
             ))
             .await?,
             release: prepare(format!(
                 "UPDATE {t} SET lease_token = NULL, lease_until = NULL, attempts = greatest(attempts - 1, 0)
-                 WHERE event_id = ANY($1::uuid[]) AND lease_token = $2"
+                 WHERE {id} = ANY($1::uuid[]) AND lease_token = $2"
             ))
             .await?,
             renew: prepare(format!(
@@ -351,8 +418,6 @@ impl PollSql {
                     (1, "aggregate_type"),
                     (2, "aggregate_id"),
                     (3, "event_type"),
-                    (4, "payload"),
-                    (5, "created_at"),
                 ]
                 .into_iter()
                 .filter(|(index, _)| text(*index).is_none())
@@ -364,14 +429,27 @@ impl PollSql {
                         null_columns.join(", ")
                     )
                 });
+                // A NULL payload is a tombstone.
+                let payload = match self.payload_type {
+                    PayloadType::Text => text(4).map(bytes::Bytes::from),
+                    PayloadType::Bytes => row.get::<_, Option<Vec<u8>>>(4).map(bytes::Bytes::from),
+                };
+                let headers = self
+                    .header_columns
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(at, name)| Some((name.clone(), text(8 + at)?.into())))
+                    .collect();
                 let event = crate::event::OutboxEvent {
                     event_id: event_id.to_string().into(),
                     aggregate_type: text(1).unwrap_or_default().into(),
                     aggregate_id: text(2).unwrap_or_default().into(),
                     event_type: text(3).unwrap_or_default().into(),
-                    payload: bytes::Bytes::from(text(4).unwrap_or_default()),
-                    created_at: crate::event::to_rfc3339(created_at.as_deref().unwrap_or_default())
-                        .into(),
+                    payload,
+                    created_at: created_at
+                        .as_deref()
+                        .map(|c| crate::event::to_rfc3339(c).into()),
+                    headers,
                 };
                 (
                     row.get(7),
@@ -444,8 +522,12 @@ impl PollSql {
 }
 
 /// Re-queues dead events: clears `dead_at`, `attempts` and `last_error`. Returns how many.
-pub async fn replay_dead(client: &Client, table: &TableName, filter: &ReplayFilter) -> Result<u64> {
-    let t = table.quoted();
+pub async fn replay_dead(
+    client: &Client,
+    table: &OutboxTable,
+    filter: &ReplayFilter,
+) -> Result<u64> {
+    let t = table.name.quoted();
     let base = format!(
         "UPDATE {t} SET dead_at = NULL, attempts = 0, last_error = NULL, available_at = now(),
                         lease_token = NULL, lease_until = NULL
@@ -454,12 +536,18 @@ pub async fn replay_dead(client: &Client, table: &TableName, filter: &ReplayFilt
     Ok(match filter {
         ReplayFilter::EventId(id) => {
             client
-                .execute(&format!("{base} AND event_id = $1"), &[id])
+                .execute(
+                    &format!("{base} AND {} = $1", table.col(Role::EventId)),
+                    &[id],
+                )
                 .await?
         }
         ReplayFilter::AggregateId(aggregate) => {
             client
-                .execute(&format!("{base} AND aggregate_id = $1"), &[aggregate])
+                .execute(
+                    &format!("{base} AND {}::text = $1", table.col(Role::AggregateId)),
+                    &[aggregate],
+                )
                 .await?
         }
         ReplayFilter::AllDead => client.execute(&base, &[]).await?,

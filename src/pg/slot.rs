@@ -6,8 +6,8 @@ use tokio_postgres::{Client, GenericClient};
 
 use crate::config::{DatabaseSettings, TableName};
 use crate::error::{Error, Result};
-use crate::event::REQUIRED_COLUMNS;
 use crate::lsn::Lsn;
+use crate::table::OutboxTable;
 
 /// `wal_level` must be `logical` for a logical slot.
 pub async fn check_wal_level(client: &Client) -> Result<()> {
@@ -21,82 +21,43 @@ pub async fn check_wal_level(client: &Client) -> Result<()> {
     Ok(())
 }
 
-/// The outbox table exists and has every column outboxd reads, plus `published_at`.
-pub async fn check_table(client: &Client, table: &TableName) -> Result<()> {
+/// Reads the outbox table's columns and kind, and resolves its column mapping against them (see
+/// [`OutboxTable::resolve`]): the table exists, every role has a column of an accepted type.
+pub async fn inspect(client: &impl GenericClient, table: &mut OutboxTable) -> Result<()> {
     let rows = client
         .query(
-            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
+            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), c.relkind = 'p'
+             FROM pg_attribute a
              JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace
              WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped",
-            &[&table.schema, &table.name],
+            &[&table.name.schema, &table.name.name],
         )
         .await?;
-    if rows.is_empty() {
-        return Err(Error::setup(
-            format!("the outbox table {table} does not exist"),
-            "run `outboxd migrate` (or create it as README shows), or point --table at your outbox table",
-        ));
-    }
     let columns: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-    let type_of = |name: &str| {
-        columns
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t.as_str())
-    };
-    for column in REQUIRED_COLUMNS.iter().copied().chain(["published_at"]) {
-        if type_of(column).is_none() {
-            return Err(Error::setup(
-                format!("the outbox table {table} has no column {column}"),
-                "add the column (see the table in README) or run `outboxd migrate` on a new table",
-            ));
-        }
-    }
-    let expectations: [(&str, &[&str]); 3] = [
-        ("event_id", &["uuid"]),
-        ("payload", &["jsonb", "json"]),
-        ("created_at", &["timestamp with time zone"]),
-    ];
-    for (column, allowed) in expectations {
-        let actual = type_of(column).unwrap_or_default();
-        if !allowed.contains(&actual) {
-            return Err(Error::setup(
-                format!(
-                    "column {column} of {table} has type {actual}, expected {}",
-                    allowed.join(" or ")
-                ),
-                format!(
-                    "ALTER TABLE {table} ALTER COLUMN {column} TYPE {}",
-                    allowed[0]
-                ),
-            ));
-        }
+    let partitioned = rows.first().is_some_and(|r| r.get(2));
+    table
+        .resolve(&columns, partitioned)
+        .map_err(|mismatch| Error::setup(mismatch.problem, mismatch.fix))
+}
+
+/// [`inspect`] for every table.
+pub async fn inspect_all(client: &impl GenericClient, tables: &mut [OutboxTable]) -> Result<()> {
+    for table in tables {
+        inspect(client, table).await?;
     }
     Ok(())
 }
 
-/// The columns of the polling path exist (added by `outboxd migrate`).
-pub async fn check_polling_columns(client: &Client, table: &TableName) -> Result<()> {
-    let missing: Vec<String> = client
-        .query(
-            "SELECT c FROM unnest(ARRAY['available_at','attempts','lease_token','lease_until','last_error',
-                                        'dead_at','handoff_at','position']) AS c
-             WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class r ON r.oid = a.attrelid
-                               JOIN pg_namespace n ON n.oid = r.relnamespace
-                               WHERE n.nspname = $1 AND r.relname = $2 AND a.attname = c AND NOT a.attisdropped)",
-            &[&table.schema, &table.name],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    if !missing.is_empty() {
-        return Err(Error::setup(
-            format!("the outbox table {table} lacks the polling columns {}", missing.join(", ")),
-            format!("run `outboxd migrate --table {table}` (adds them without rewriting the table), or use --mode cdc"),
-        ));
+/// The table has every polling column (`--mode poll` needs them).
+pub fn check_polling_columns(table: &OutboxTable) -> Result<()> {
+    if table.polling {
+        return Ok(());
     }
-    Ok(())
+    let name = &table.name;
+    Err(Error::setup(
+        format!("the outbox table {name} lacks the polling columns (published_at, leases, position, dead letters)"),
+        format!("run `outboxd migrate --table {name} --add-polling-columns` (adds them without rewriting the table), or use --mode cdc"),
+    ))
 }
 
 /// What the catalog says about a publication, relative to the outbox table.
@@ -104,6 +65,8 @@ pub async fn check_polling_columns(client: &Client, table: &TableName) -> Result
 pub struct PublicationState {
     pub publishes_inserts: bool,
     pub covers_table: bool,
+    /// `publish_via_partition_root`: rows of partitions decode as the partitioned table.
+    pub via_root: bool,
 }
 
 pub async fn publication_state(
@@ -114,7 +77,8 @@ pub async fn publication_state(
     let row = client
         .query_opt(
             "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t
-                 WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
+                 WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3),
+                    p.pubviaroot
              FROM pg_publication p WHERE p.pubname = $1",
             &[&publication, &table.schema, &table.name],
         )
@@ -122,32 +86,48 @@ pub async fn publication_state(
     Ok(row.map(|r| PublicationState {
         publishes_inserts: r.get(0),
         covers_table: r.get(1),
+        via_root: r.get(2),
     }))
 }
 
 /// The publication exists, publishes inserts and covers the outbox table.
 pub async fn check_publication(client: &Client, settings: &DatabaseSettings) -> Result<()> {
     let publication = &settings.publication;
-    let table = &settings.table;
-    let Some(state) = publication_state(client, publication, table).await? else {
-        return Err(Error::setup(
-            format!("publication {publication} does not exist"),
-            format!(
-                "run `outboxd migrate --publication {publication}`, or CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert')"
-            ),
-        ));
-    };
-    if !state.publishes_inserts {
-        return Err(Error::setup(
-            format!("publication {publication} does not publish inserts"),
-            format!("ALTER PUBLICATION {publication} SET (publish = 'insert')"),
-        ));
-    }
-    if !state.covers_table {
-        return Err(Error::setup(
-            format!("publication {publication} does not include {table}"),
-            format!("ALTER PUBLICATION {publication} ADD TABLE {table}"),
-        ));
+    let names: Vec<String> = settings.tables.iter().map(|t| t.name.to_string()).collect();
+    let names = names.join(", ");
+    for table in &settings.tables {
+        let name = &table.name;
+        let Some(state) = publication_state(client, publication, name).await? else {
+            let via_root = if settings.tables.iter().any(|t| t.partitioned) {
+                ", publish_via_partition_root = true"
+            } else {
+                ""
+            };
+            return Err(Error::setup(
+                format!("publication {publication} does not exist"),
+                format!(
+                    "run `outboxd migrate --publication {publication}`, or CREATE PUBLICATION {publication} FOR TABLE {names} WITH (publish = 'insert'{via_root})"
+                ),
+            ));
+        };
+        if !state.publishes_inserts {
+            return Err(Error::setup(
+                format!("publication {publication} does not publish inserts"),
+                format!("ALTER PUBLICATION {publication} SET (publish = 'insert')"),
+            ));
+        }
+        if table.partitioned && !state.via_root {
+            return Err(Error::setup(
+                format!("{name} is partitioned but publication {publication} publishes its rows as the partitions'"),
+                format!("ALTER PUBLICATION {publication} SET (publish_via_partition_root = true)"),
+            ));
+        }
+        if !state.covers_table {
+            return Err(Error::setup(
+                format!("publication {publication} does not include {name}"),
+                format!("ALTER PUBLICATION {publication} ADD TABLE {name}"),
+            ));
+        }
     }
     Ok(())
 }

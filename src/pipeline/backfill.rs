@@ -11,16 +11,18 @@ use std::time::Duration;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use uuid::Uuid;
 
-use crate::config::TableName;
 use crate::error::Error;
 use crate::kafka::Delivery;
 use crate::pg::{self, outbox, outbox::OutboxSql};
 use crate::pipeline::watermark::TxnId;
+use crate::table::OutboxTable;
 
 /// What the CDC path attaches to each event it hands to the producer or to the polling path.
 #[derive(Debug, Clone, Copy)]
 pub struct CdcTag {
     pub txn: TxnId,
+    /// Index of the event's outbox table in `settings.database.tables`.
+    pub table: usize,
     /// The PostgreSQL transaction that inserted the event.
     pub xid: u32,
     /// Its commit time (microseconds since 2000-01-01), for commit-to-ack latency.
@@ -43,12 +45,12 @@ pub enum Finished {
 
 pub async fn run(
     database_url: crate::pg::PgUrl,
-    table: TableName,
+    tables: Vec<OutboxTable>,
     mut deliveries: UnboundedReceiver<Delivery<CdcTag>>,
     finished: UnboundedSender<Finished>,
 ) {
     let mut batch: Vec<Delivery<CdcTag>> = Vec::with_capacity(MAX_BATCH);
-    let mut connection: Option<(tokio_postgres::Client, OutboxSql)> = None;
+    let mut connection: Option<(tokio_postgres::Client, Vec<OutboxSql>)> = None;
     loop {
         let Some(first) = deliveries.recv().await else {
             return;
@@ -75,7 +77,7 @@ pub async fn run(
             return;
         }
         if connection.is_none() {
-            match connect(&database_url, &table).await {
+            match connect(&database_url, &tables).await {
                 Ok(c) => connection = Some(c),
                 Err(error) => {
                     let _ = finished.send(Finished::Failed(error));
@@ -84,9 +86,16 @@ pub async fn run(
             }
         }
         if let Some((client, sql)) = &connection {
-            if let Err(error) = write_batch(client, sql, &batch).await {
-                let _ = finished.send(Finished::Failed(error));
-                return;
+            for (table, sql) in sql.iter().enumerate() {
+                let of_table: Vec<&Delivery<CdcTag>> =
+                    batch.iter().filter(|d| d.tag.table == table).collect();
+                if of_table.is_empty() {
+                    continue;
+                }
+                if let Err(error) = write_batch(client, sql, &of_table).await {
+                    let _ = finished.send(Finished::Failed(error));
+                    return;
+                }
             }
         }
         let events = batch.drain(..).map(|d| (d.tag, d.bytes)).collect();
@@ -102,7 +111,7 @@ pub async fn run(
 async fn write_batch(
     client: &tokio_postgres::Client,
     sql: &OutboxSql,
-    batch: &[Delivery<CdcTag>],
+    batch: &[&Delivery<CdcTag>],
 ) -> Result<(), Error> {
     let mut pending: Vec<(Uuid, u32, bool)> = batch
         .iter()
@@ -143,9 +152,12 @@ async fn write_batch(
 
 async fn connect(
     database_url: &crate::pg::PgUrl,
-    table: &TableName,
-) -> crate::error::Result<(tokio_postgres::Client, OutboxSql)> {
+    tables: &[OutboxTable],
+) -> crate::error::Result<(tokio_postgres::Client, Vec<OutboxSql>)> {
     let client = pg::connect(database_url).await?;
-    let sql = OutboxSql::prepare(&client, table).await?;
+    let mut sql = Vec::with_capacity(tables.len());
+    for table in tables {
+        sql.push(OutboxSql::prepare(&client, table).await?);
+    }
     Ok((client, sql))
 }

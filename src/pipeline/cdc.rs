@@ -24,9 +24,9 @@ use crate::pg::replication::{protocol, ReplicationConnection, ReplicationStream,
 use crate::pg::{self, slot};
 use crate::pipeline::backfill::{self, CdcTag, Finished};
 use crate::pipeline::leader;
-use crate::pipeline::poll::PollWorker;
 use crate::pipeline::replication_error;
 use crate::pipeline::watermark::{TxnId, Watermark};
+use crate::table::OutboxTable;
 
 /// Rows of re-sent transactions are checked against `published_at` in batches of this size.
 const REPLAY_BATCH: usize = 1_000;
@@ -80,17 +80,22 @@ impl Blocked {
     };
 }
 
+/// A blocked aggregate: (index of its outbox table, aggregate).
+type BlockedKey = (usize, AggregateKey);
+
 /// Per-session state of the stream loop.
 struct Session<'a> {
     settings: &'a RunSettings,
     watermark: &'a mut Watermark,
     sql: tokio_postgres::Client,
-    outbox_sql: OutboxSql,
+    /// Statements per outbox table, in `settings.database.tables` order.
+    outbox_sql: Vec<OutboxSql>,
     publisher: Publisher<CdcTag>,
     /// Transactions committed before this session connected may have been published by an earlier run.
     replay_end: Lsn,
     replay_buffer: Vec<Pending>,
-    mappings: HashMap<u32, Option<RowMapping>>,
+    /// Per relation id: the outbox table it is (index) and how its rows map, or `None` for other tables.
+    mappings: HashMap<u32, Option<(usize, RowMapping)>>,
     current_txn: Option<TxnId>,
     /// xid of the transaction being decoded (from Begin).
     current_xid: u32,
@@ -105,7 +110,7 @@ struct Session<'a> {
     /// Events handed to the polling path travel to the backfill task on the delivery channel.
     hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
     /// Aggregates with rows waiting in the polling path: their later events are never published ahead.
-    blocked: HashMap<AggregateKey, Blocked>,
+    blocked: HashMap<BlockedKey, Blocked>,
     /// Events of blocked aggregates held back (in stream order) until the polling path drained them.
     parked: VecDeque<Pending>,
     hand_offs_in_flight: usize,
@@ -160,20 +165,19 @@ impl CdcPipeline {
     }
 
     async fn run_as_leader(&mut self, shutdown: watch::Receiver<bool>) -> Result<()> {
-        if !super::has_polling_columns(&self.settings).await? {
-            tracing::warn!("the outbox table has no polling columns: CDC only, no sweeper and no retry queue (run `outboxd migrate`)");
-            return self.sessions(shutdown).await;
-        }
         let (stop_sweeper, mut sweeper_shutdown) = watch::channel(false);
-        let sweeper = PollWorker::new(
-            self.settings.clone(),
-            ClaimScope::HandedOff,
-            self.known_topics.clone(),
-        );
-        // The sweeper outlives its errors: it logs them and starts again, so handed-off rows are never stranded.
+        let (settings, topics) = (self.settings.clone(), self.known_topics.clone());
+        // One sweeper per table with polling columns. It outlives its errors: it logs them and starts
+        // again, so handed-off rows are never stranded.
         let sweeper = tokio::spawn(async move {
             loop {
-                match sweeper.run(sweeper_shutdown.clone()).await {
+                let sweep = crate::pipeline::poll::poll_all_tables(
+                    settings.clone(),
+                    ClaimScope::HandedOff,
+                    topics.clone(),
+                    sweeper_shutdown.clone(),
+                );
+                match sweep.await {
                     Ok(()) => return,
                     Err(error) => tracing::error!(%error, "sweeper failed; restarting it in 5s"),
                 }
@@ -229,12 +233,17 @@ impl CdcPipeline {
         let settings = self.settings.clone();
         let db = &settings.database;
         let mut sql = pg::connect(&db.database_url).await?;
-        let outbox_sql = OutboxSql::prepare(&sql, &db.table).await?;
+        let mut outbox_sql = Vec::with_capacity(db.tables.len());
+        for table in &db.tables {
+            outbox_sql.push(OutboxSql::prepare(&sql, table).await?);
+        }
+        // Rows the slot will never send can be handed to the polling path (of the tables that have it).
+        let can_hand_off = db.tables.iter().any(|t| t.polling);
         let mut conn = ReplicationConnection::connect(&db.replication_url)
             .await
             .map_err(replication_error)?;
         let identity = conn.identify_system().await?;
-        if outbox_sql.can_hand_off() {
+        if can_hand_off {
             slot::drop_if_lost(&sql, &db.slot).await?;
             slot::undo_interrupted_creation(&sql, &db.slot).await?;
         }
@@ -246,14 +255,14 @@ impl CdcPipeline {
             }
             None => {
                 slot::check_publication(&sql, db).await?;
-                if outbox_sql.can_hand_off() {
+                if can_hand_off {
                     slot::begin_creation(&sql, &db.slot).await?;
                 }
                 let created = conn.create_logical_slot(&db.slot).await?;
-                let handed_off = if outbox_sql.can_hand_off() {
+                let handed_off = if can_hand_off {
                     match outbox::hand_off_rows_older_than_slot(
                         &mut sql,
-                        &db.table,
+                        &db.tables,
                         &created.snapshot_name,
                     )
                     .await
@@ -283,15 +292,12 @@ impl CdcPipeline {
                 self.watermark.raise_confirmed(created.consistent_point);
             }
         }
-        let blocked = if outbox_sql.can_hand_off() {
-            outbox::aggregates_pending_hand_off(&sql, &db.table)
-                .await?
-                .into_iter()
-                .map(|aggregate| (aggregate, Blocked::PARKING))
-                .collect()
-        } else {
-            HashMap::new()
-        };
+        let mut blocked = HashMap::new();
+        for (index, table) in db.tables.iter().enumerate().filter(|(_, t)| t.polling) {
+            for aggregate in outbox::aggregates_pending_hand_off(&sql, table).await? {
+                blocked.insert((index, aggregate), Blocked::PARKING);
+            }
+        }
         self.watermark.restart();
         let start = self.watermark.confirmed();
         let mut stream = conn
@@ -312,7 +318,7 @@ impl CdcPipeline {
         )?;
         let backfill = tokio::spawn(backfill::run(
             db.database_url.clone(),
-            db.table.clone(),
+            db.tables.clone(),
             delivery_rx,
             finished_tx,
         ));
@@ -488,12 +494,21 @@ impl Session<'_> {
                 }
             }
             PgOutputMessage::Relation(relation) => {
-                let table = &self.settings.database.table;
-                let mapping = if relation.namespace == table.schema && relation.name == table.name {
-                    Some(RowMapping::from_relation(&relation)?)
-                } else {
-                    tracing::warn!(relation = %format!("{}.{}", relation.namespace, relation.name), "publication includes a table that is not the outbox table; its rows are ignored");
-                    None
+                let table = self.settings.database.tables.iter().position(|t| {
+                    relation.namespace == t.name.schema && relation.name == t.name.name
+                });
+                let mapping = match table {
+                    Some(index) => Some((
+                        index,
+                        RowMapping::from_relation(
+                            &self.settings.database.tables[index],
+                            &relation,
+                        )?,
+                    )),
+                    None => {
+                        tracing::warn!(relation = %format!("{}.{}", relation.namespace, relation.name), "publication includes a table that is not an outbox table (--table); its rows are ignored");
+                        None
+                    }
                 };
                 self.mappings.insert(relation.id, mapping);
             }
@@ -509,27 +524,31 @@ impl Session<'_> {
                         "report this as an outboxd bug, with the server version",
                     ));
                 };
-                let Some(mapping) = mapping else {
+                let Some((table, mapping)) = mapping else {
                     return Ok(());
                 };
+                let table = *table;
                 let event = match mapping.event(&insert) {
                     Ok(event) => event,
                     // A user's table with a nullable column: the polling path dead-letters the row, in place.
                     Err(MappingError::NullValue {
                         event_id, column, ..
-                    }) if self.outbox_sql.can_hand_off() && event_id.parse::<Uuid>().is_ok() => {
+                    }) if self.outbox_sql[table].can_hand_off()
+                        && event_id.parse::<Uuid>().is_ok() =>
+                    {
                         tracing::warn!(%event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
                         let placeholder = OutboxEvent {
                             event_id: event_id.as_str().into(),
                             aggregate_type: Default::default(),
                             aggregate_id: Default::default(),
                             event_type: Default::default(),
-                            payload: Bytes::new(),
-                            created_at: Default::default(),
+                            payload: None,
+                            created_at: None,
+                            headers: Vec::new(),
                         };
                         let id = event_id.parse::<Uuid>().unwrap_or_default();
                         self.start_event(txn, placeholder.size_bytes());
-                        return self.hand_off(self.tag_for(txn), &placeholder, id);
+                        return self.hand_off(self.tag_for(txn, table), &placeholder, id);
                     }
                     Err(error) => return Err(error.into()),
                 };
@@ -540,14 +559,15 @@ impl Session<'_> {
                     )
                 })?;
                 self.start_event(txn, event.size_bytes());
+                let tag = self.tag_for(txn, table);
                 if self.in_replay_region {
                     self.replay_buffer.push(Pending {
-                        tag: self.tag_for(txn),
+                        tag,
                         event,
                         event_id,
                     });
                 } else {
-                    self.publish(self.tag_for(txn), &event, event_id).await?;
+                    self.publish(tag, &event, event_id).await?;
                 }
             }
             PgOutputMessage::Skipped(_) => {}
@@ -555,10 +575,11 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// The tag of an event of `txn`, the transaction being decoded.
-    fn tag_for(&self, txn: TxnId) -> CdcTag {
+    /// The tag of an event of `txn`, the transaction being decoded, from outbox table `table`.
+    fn tag_for(&self, txn: TxnId, table: usize) -> CdcTag {
         CdcTag {
             txn,
+            table,
             xid: self.current_xid,
             commit_micros: self.current_commit_micros,
             hand_off: false,
@@ -588,8 +609,11 @@ impl Session<'_> {
     async fn publish(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
         let aggregate = || {
             (
-                event.aggregate_type.to_string(),
-                event.aggregate_id.to_string(),
+                tag.table,
+                (
+                    event.aggregate_type.to_string(),
+                    event.aggregate_id.to_string(),
+                ),
             )
         };
         // Checked without allocating while nothing is blocked (the common case).
@@ -613,10 +637,11 @@ impl Session<'_> {
                 return self.hand_off(tag, event, event_id);
             }
         }
-        let topic = self
-            .settings
-            .topic
-            .render(&event.aggregate_type, &event.event_type);
+        let topic = self.settings.topic.render(
+            &self.settings.database.tables[tag.table].name,
+            &event.aggregate_type,
+            &event.event_type,
+        );
         match self
             .publisher
             .publish(&topic, event, event_id, tag, None)
@@ -627,7 +652,7 @@ impl Session<'_> {
                 Ok(())
             }
             Err(PublishError::Rejected(rejection))
-                if rejection.permanent && self.outbox_sql.can_hand_off() =>
+                if rejection.permanent && self.outbox_sql[tag.table].can_hand_off() =>
             {
                 tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
                 self.blocked.insert(aggregate(), Blocked::HANDING_OFF);
@@ -658,9 +683,10 @@ impl Session<'_> {
     }
 
     /// Hands the parked events of `aggregate` to the polling path, in order.
-    fn hand_off_parked(&mut self, aggregate: &AggregateKey) -> Result<()> {
+    fn hand_off_parked(&mut self, (table, aggregate): &BlockedKey) -> Result<()> {
         for pending in std::mem::take(&mut self.parked) {
-            if *pending.event.aggregate_type == *aggregate.0
+            if pending.tag.table == *table
+                && *pending.event.aggregate_type == *aggregate.0
                 && *pending.event.aggregate_id == *aggregate.1
             {
                 self.hand_off(pending.tag, &pending.event, pending.event_id)?;
@@ -681,8 +707,14 @@ impl Session<'_> {
         if self.hand_offs_in_flight > 0 {
             return Ok(());
         }
-        let pending =
-            outbox::aggregates_pending_hand_off(&self.sql, &self.settings.database.table).await?;
+        let tables: HashSet<usize> = self.blocked.keys().map(|(table, _)| *table).collect();
+        let mut pending: HashSet<BlockedKey> = HashSet::new();
+        for table in tables {
+            let outbox_table: &OutboxTable = &self.settings.database.tables[table];
+            for aggregate in outbox::aggregates_pending_hand_off(&self.sql, outbox_table).await? {
+                pending.insert((table, aggregate));
+            }
+        }
         let before = self.blocked.len();
         self.blocked
             .retain(|aggregate, _| pending.contains(aggregate));
@@ -691,8 +723,11 @@ impl Session<'_> {
         }
         for held in std::mem::take(&mut self.parked) {
             let key = (
-                held.event.aggregate_type.to_string(),
-                held.event.aggregate_id.to_string(),
+                held.tag.table,
+                (
+                    held.event.aggregate_type.to_string(),
+                    held.event.aggregate_id.to_string(),
+                ),
             );
             match self.blocked.get(&key) {
                 Some(blocked) if blocked.hold == Hold::Park => self.parked.push_back(held),
@@ -708,13 +743,18 @@ impl Session<'_> {
         if self.replay_buffer.is_empty() {
             return Ok(());
         }
-        let ids: Vec<Uuid> = self.replay_buffer.iter().map(|p| p.event_id).collect();
-        let already: HashSet<Uuid> = self
-            .outbox_sql
-            .find_published(&self.sql, &ids)
-            .await?
-            .into_iter()
-            .collect();
+        let mut already: HashSet<Uuid> = HashSet::new();
+        for (table, sql) in self.outbox_sql.iter().enumerate() {
+            let ids: Vec<Uuid> = self
+                .replay_buffer
+                .iter()
+                .filter(|p| p.tag.table == table)
+                .map(|p| p.event_id)
+                .collect();
+            if !ids.is_empty() {
+                already.extend(sql.find_published(&self.sql, &ids).await?);
+            }
+        }
         for pending in std::mem::take(&mut self.replay_buffer) {
             if already.contains(&pending.event_id) {
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());

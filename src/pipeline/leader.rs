@@ -62,9 +62,16 @@ pub async fn acquire(
     settings: &RunSettings,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<Option<Leadership>> {
+    let tables: Vec<String> = settings
+        .database
+        .tables
+        .iter()
+        .map(|t| t.name.to_string())
+        .collect();
     let key = format!(
         "outboxd.leader.{}.{}",
-        settings.database.table, settings.database.slot
+        tables.join(","),
+        settings.database.slot
     );
     let mut standing_by = false;
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));

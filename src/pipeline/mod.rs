@@ -22,7 +22,7 @@ use crate::kafka::{self, KnownTopics, Publisher};
 use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::{ReplicationConnection, ReplicationError};
 use crate::pg::{self, slot};
-use poll::PollWorker;
+use crate::table::OutboxTable;
 
 /// Maps replication-connection failures a person must fix to setup errors that say how.
 pub fn replication_error(error: ReplicationError) -> Error {
@@ -56,15 +56,19 @@ pub fn replication_error(error: ReplicationError) -> Error {
     }
 }
 
-/// Database checks every mode needs: it answers, and the table has the columns outboxd reads.
-async fn preflight_database(settings: &RunSettings) -> Result<()> {
+/// Database checks every mode needs: it answers, and every table has the columns its mapping names.
+/// Returns the tables resolved against their real columns.
+async fn preflight_database(settings: &RunSettings) -> Result<Vec<OutboxTable>> {
     let db = &settings.database;
     let sql = pg::connect(&db.database_url).await?;
-    slot::check_table(&sql, &db.table).await?;
+    let mut tables = db.tables.clone();
+    slot::inspect_all(&sql, &mut tables).await?;
     if settings.mode == Mode::Poll {
-        slot::check_polling_columns(&sql, &db.table).await?;
+        for table in &tables {
+            slot::check_polling_columns(table)?;
+        }
     }
-    Ok(())
+    Ok(tables)
 }
 
 /// A broker answers a metadata request (and the Kafka options are valid).
@@ -121,25 +125,25 @@ async fn require_replication(settings: &RunSettings, can_sweep: bool) -> Result<
     }
 }
 
-async fn has_polling_columns(settings: &RunSettings) -> Result<bool> {
-    let sql = pg::connect(&settings.database.database_url).await?;
-    match slot::check_polling_columns(&sql, &settings.database.table).await {
-        Ok(()) => Ok(true),
-        Err(Error::Setup { .. }) => Ok(false),
-        Err(error) => Err(error),
-    }
+/// True when every table has the polling columns (so the sweeper and the polling fallback can run).
+fn has_polling_columns(settings: &RunSettings) -> bool {
+    settings.database.tables.iter().all(|t| t.polling)
 }
 
 /// Runs `check` until it succeeds, retrying transient failures until `deadline`.
-async fn retry_until<F, Fut>(settings: &RunSettings, deadline: Instant, mut check: F) -> Result<()>
+async fn retry_until<T, F, Fut>(
+    settings: &RunSettings,
+    deadline: Instant,
+    mut check: F,
+) -> Result<T>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<()>>,
+    Fut: std::future::Future<Output = Result<T>>,
 {
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(5));
     loop {
         match check().await {
-            Ok(()) => return Ok(()),
+            Ok(value) => return Ok(value),
             Err(error) if error.is_transient() && Instant::now() < deadline => {
                 let delay = backoff
                     .next_delay()
@@ -165,11 +169,21 @@ where
 /// shutdown in the configured mode.
 pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> Result<()> {
     let deadline = Instant::now() + settings.startup_timeout;
-    retry_until(&settings, deadline, || preflight_database(&settings)).await?;
-    let can_sweep = has_polling_columns(&settings).await?;
-    if settings.mode == Mode::Auto && !can_sweep {
+    settings.database.tables =
+        retry_until(&settings, deadline, || preflight_database(&settings)).await?;
+    let can_sweep = has_polling_columns(&settings);
+    if settings.mode != Mode::Poll && !can_sweep {
+        let tables: Vec<String> = settings
+            .database
+            .tables
+            .iter()
+            .filter(|t| !t.polling)
+            .map(|t| t.name.to_string())
+            .collect();
         tracing::warn!(
-            "the outbox table has no polling columns: running CDC only (no polling fallback, no sweeper); run `outboxd migrate` to add them"
+            tables = %tables.join(", "),
+            "running CDC only: without the polling columns there is no backfill of rows older than the slot, no polling fallback, no retry queue or dead letters{}; add them with `outboxd migrate --add-polling-columns`",
+            if settings.database.tables.iter().any(|t| !t.marks_published) { ", and no published_at (rows re-sent after a restart are published again)" } else { "" }
         );
         settings.mode = Mode::Cdc;
     }
@@ -192,8 +206,14 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         Mode::Poll => {}
     }
     retry_until(&settings, deadline, || preflight_brokers(&settings)).await?;
+    let tables: Vec<String> = settings
+        .database
+        .tables
+        .iter()
+        .map(|t| t.name.to_string())
+        .collect();
     tracing::info!(
-        table = %settings.database.table,
+        tables = %tables.join(", "),
         mode = ?settings.mode,
         slot = %settings.database.slot,
         publication = %settings.database.publication,
@@ -205,9 +225,7 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         Mode::Poll => {
             tracing::info!(mode = "poll", "polling the outbox table");
             crate::http::READINESS.set_mode("poll");
-            PollWorker::new(settings, ClaimScope::All, topics)
-                .run(shutdown)
-                .await
+            poll::poll_all_tables(settings, ClaimScope::All, topics, shutdown).await
         }
         Mode::Cdc => cdc::CdcPipeline::new(settings, topics).run(shutdown).await,
         Mode::Auto => run_auto(settings, topics, shutdown).await,
@@ -251,8 +269,12 @@ async fn run_auto(
         tracing::warn!(mode = "poll", reason = %reason, "mode switch: replication unavailable, polling the outbox table");
         crate::http::READINESS.set_mode("poll");
         let (stop_poll, poll_shutdown) = watch::channel(false);
-        let worker = PollWorker::new(settings.clone(), ClaimScope::All, topics.clone());
-        let mut polling = tokio::spawn(async move { worker.run(poll_shutdown).await });
+        let mut polling = tokio::spawn(poll::poll_all_tables(
+            settings.clone(),
+            ClaimScope::All,
+            topics.clone(),
+            poll_shutdown,
+        ));
         let stop_for_good = loop {
             tokio::select! {
                 result = &mut polling => {

@@ -45,8 +45,8 @@ pub struct BatchReport {
 /// notification (and when the connection ends, so the poller never sleeps on a dead listener).
 async fn listen(
     settings: &RunSettings,
+    table: &crate::config::TableName,
 ) -> Result<(tokio_postgres::Client, Arc<tokio::sync::Notify>)> {
-    let table = &settings.database.table;
     let (client, mut connection) = settings.database.database_url.connect_raw().await?;
     let notify = Arc::new(tokio::sync::Notify::new());
     let wake = notify.clone();
@@ -76,19 +76,63 @@ async fn listen(
     Ok((client, notify))
 }
 
+/// Polls every outbox table that has the polling columns, one worker each, until `shutdown` turns true or
+/// a worker fails for good.
+pub async fn poll_all_tables(
+    settings: Arc<RunSettings>,
+    scope: ClaimScope,
+    known_topics: KnownTopics,
+    shutdown: watch::Receiver<bool>,
+) -> Result<()> {
+    let mut workers = tokio::task::JoinSet::new();
+    for (table, _) in settings
+        .database
+        .tables
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.polling)
+    {
+        let worker = PollWorker::new(settings.clone(), table, scope, known_topics.clone());
+        let shutdown = shutdown.clone();
+        workers.spawn(async move { worker.run(shutdown).await });
+    }
+    while let Some(result) = workers.join_next().await {
+        result.map_err(|e| {
+            Error::setup(
+                format!("polling task failed: {e}"),
+                "report this as an outboxd bug",
+            )
+        })??;
+    }
+    Ok(())
+}
+
+/// Polls one outbox table.
 pub struct PollWorker {
     settings: Arc<RunSettings>,
+    /// Index into `settings.database.tables`.
+    table: usize,
     scope: ClaimScope,
     known_topics: KnownTopics,
 }
 
 impl PollWorker {
-    pub fn new(settings: Arc<RunSettings>, scope: ClaimScope, known_topics: KnownTopics) -> Self {
+    pub fn new(
+        settings: Arc<RunSettings>,
+        table: usize,
+        scope: ClaimScope,
+        known_topics: KnownTopics,
+    ) -> Self {
         PollWorker {
             settings,
+            table,
             scope,
             known_topics,
         }
+    }
+
+    fn table(&self) -> &crate::table::OutboxTable {
+        &self.settings.database.tables[self.table]
     }
 
     /// Polls until `shutdown` turns true; transient failures reconnect with capped backoff, forever.
@@ -121,13 +165,7 @@ impl PollWorker {
         client
             .batch_execute("SET datestyle = 'ISO'; SET TIME ZONE 'UTC'")
             .await?;
-        let sql = PollSql::prepare(
-            &client,
-            &self.settings.database.table,
-            poll.order,
-            self.scope,
-        )
-        .await?;
+        let sql = PollSql::prepare(&client, self.table(), poll.order, self.scope).await?;
         let (delivery_tx, mut deliveries) = mpsc::unbounded_channel();
         // Let a send fail well within the lease, so a broker outage shows up as retries with backoff.
         let send_timeout = (poll.lease / 2).as_millis().max(1000).to_string();
@@ -138,7 +176,7 @@ impl PollWorker {
             &[("message.timeout.ms", send_timeout)],
         )?;
         let wake = match (poll.notify, self.scope) {
-            (true, ClaimScope::All) => Some(listen(&self.settings).await?),
+            (true, ClaimScope::All) => Some(listen(&self.settings, &self.table().name).await?),
             _ => None,
         };
         let mut idle_delay = poll.interval;
@@ -191,7 +229,7 @@ impl PollWorker {
         let sent = match sent {
             Err(PublishError::Rejected(_)) => {
                 let mut without_payload = row.event.clone();
-                without_payload.payload = bytes::Bytes::new();
+                without_payload.payload = None;
                 let reason =
                     format!("{reason} (payload omitted: refused for the dead-letter topic too)");
                 publisher
@@ -231,10 +269,11 @@ impl PollWorker {
                 outcomes.push(Outcome::Invalid(reason.clone()));
                 continue;
             }
-            let topic = self
-                .settings
-                .topic
-                .render(&row.event.aggregate_type, &row.event.event_type);
+            let topic = self.settings.topic.render(
+                &self.table().name,
+                &row.event.aggregate_type,
+                &row.event.event_type,
+            );
             let outcome = match publisher
                 .publish(&topic, &row.event, row.event_id, Some(index), None)
                 .await

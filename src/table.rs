@@ -1,0 +1,380 @@
+//! What outboxd knows about one outbox table: its name, which column plays each role (`--column`,
+//! `--table-style`), which columns become Kafka headers (`--header-column`), and what the database says
+//! about it (payload type, polling columns, partitioning). Pure: parsing, and resolving the mapping
+//! against the table's real columns; the SQL that reads the table lives in `pg::outbox`, the row mapping of
+//! the CDC path in `event`.
+
+use clap::ValueEnum;
+use serde::Deserialize;
+
+use crate::config::TableName;
+
+/// What a column means to outboxd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    EventId,
+    AggregateType,
+    AggregateId,
+    EventType,
+    Payload,
+    CreatedAt,
+}
+
+impl Role {
+    pub const ALL: [Role; 6] = [
+        Role::EventId,
+        Role::AggregateType,
+        Role::AggregateId,
+        Role::EventType,
+        Role::Payload,
+        Role::CreatedAt,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::EventId => "event_id",
+            Role::AggregateType => "aggregate_type",
+            Role::AggregateId => "aggregate_id",
+            Role::EventType => "event_type",
+            Role::Payload => "payload",
+            Role::CreatedAt => "created_at",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|role| role.name() == text)
+    }
+
+    /// A table without this column still works (the header it feeds is left out).
+    pub fn optional(self) -> bool {
+        self == Role::CreatedAt
+    }
+}
+
+/// Preset column names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TableStyle {
+    /// outboxd's table: event_id, aggregate_type, aggregate_id, event_type, payload, created_at.
+    #[default]
+    Standard,
+    /// Debezium's outbox table: id, aggregatetype, aggregateid, type, payload; records carry an `id` header
+    /// and go to outbox.event.{aggregate_type}, as Debezium's outbox event router sends them.
+    Debezium,
+}
+
+impl TableStyle {
+    pub fn column(self, role: Role) -> &'static str {
+        match (self, role) {
+            (TableStyle::Debezium, Role::EventId) => "id",
+            (TableStyle::Debezium, Role::AggregateType) => "aggregatetype",
+            (TableStyle::Debezium, Role::AggregateId) => "aggregateid",
+            (TableStyle::Debezium, Role::EventType) => "type",
+            (_, role) => role.name(),
+        }
+    }
+
+    pub fn default_topic(self) -> &'static str {
+        match self {
+            TableStyle::Standard => "outbox.{aggregate_type}",
+            TableStyle::Debezium => "outbox.event.{aggregate_type}",
+        }
+    }
+
+    /// Name of the header carrying the event id.
+    pub fn event_id_header(self) -> &'static str {
+        match self {
+            TableStyle::Standard => "event_id",
+            TableStyle::Debezium => "id",
+        }
+    }
+}
+
+/// How the payload column is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PayloadType {
+    /// jsonb, json or text: the text, as is.
+    #[default]
+    Text,
+    /// bytea: the raw bytes.
+    Bytes,
+}
+
+/// Column types outboxd accepts per role (as `format_type` prints them).
+fn accepted_types(role: Role) -> &'static [&'static str] {
+    match role {
+        Role::EventId => &["uuid"],
+        Role::Payload => &["jsonb", "json", "text", "bytea"],
+        Role::CreatedAt => &["timestamp with time zone"],
+        _ => &[],
+    }
+}
+
+/// Columns the polling path (backfill, sweeper, retries, dead letters) needs; `outboxd migrate
+/// --add-polling-columns` adds them.
+pub const POLLING_COLUMNS: [&str; 9] = [
+    "published_at",
+    "available_at",
+    "attempts",
+    "lease_token",
+    "lease_until",
+    "last_error",
+    "dead_at",
+    "handoff_at",
+    "position",
+];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxTable {
+    pub name: TableName,
+    /// Column per role, in `Role::ALL` order; `None` once resolved means the table lacks that optional role.
+    columns: [Option<String>; 6],
+    /// Roles the user named with `--column` (a missing column is then an error, even for optional roles).
+    explicit: [bool; 6],
+    /// Columns copied to headers of the same name.
+    pub header_columns: Vec<String>,
+    /// Facts read from the database by [`OutboxTable::resolve`].
+    pub payload_type: PayloadType,
+    /// The table has `published_at`: outboxd records what it published.
+    pub marks_published: bool,
+    /// The table has every polling column: backfill, sweeper and the polling path work.
+    pub polling: bool,
+    pub partitioned: bool,
+}
+
+/// A mapping that does not fit the table, with the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{problem}")]
+pub struct TableMismatch {
+    pub problem: String,
+    pub fix: String,
+}
+
+impl OutboxTable {
+    /// `overrides` are `--column ROLE=NAME` values; header columns are `--header-column` values.
+    pub fn new(
+        name: TableName,
+        style: TableStyle,
+        overrides: &[(Role, String)],
+        header_columns: Vec<String>,
+    ) -> Self {
+        let mut columns = Role::ALL.map(|role| Some(style.column(role).to_string()));
+        let mut explicit = [false; 6];
+        for (role, column) in overrides {
+            let at = *role as usize;
+            columns[at] = Some(column.clone());
+            explicit[at] = true;
+        }
+        OutboxTable {
+            name,
+            columns,
+            explicit,
+            header_columns,
+            payload_type: PayloadType::Text,
+            marks_published: true,
+            polling: true,
+            partitioned: false,
+        }
+    }
+
+    /// The column playing `role`; `None` for an optional role the table lacks.
+    pub fn column(&self, role: Role) -> Option<&str> {
+        self.columns[role as usize].as_deref()
+    }
+
+    /// The column playing a required role (always present once the table is resolved).
+    pub fn required(&self, role: Role) -> &str {
+        self.column(role).unwrap_or(role.name())
+    }
+
+    /// The quoted column of a required role, ready for SQL.
+    pub fn col(&self, role: Role) -> String {
+        format!("\"{}\"", self.required(role))
+    }
+
+    /// Checks the mapping against the table's columns (`(name, type)` pairs as `format_type` prints them)
+    /// and records what the table supports. Optional roles whose default column is missing are dropped.
+    pub fn resolve(
+        &mut self,
+        columns: &[(String, String)],
+        partitioned: bool,
+    ) -> Result<(), TableMismatch> {
+        let table = &self.name;
+        if columns.is_empty() {
+            return Err(TableMismatch {
+                problem: format!("the outbox table {table} does not exist"),
+                fix: "run `outboxd migrate` (or create it as README shows), or point --table at your outbox table".into(),
+            });
+        }
+        let type_of = |name: &str| {
+            columns
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, t)| t.as_str())
+        };
+        for role in Role::ALL {
+            let at = role as usize;
+            let Some(column) = self.columns[at].clone() else {
+                continue;
+            };
+            let Some(actual) = type_of(&column) else {
+                if role.optional() && !self.explicit[at] {
+                    self.columns[at] = None;
+                    continue;
+                }
+                return Err(TableMismatch {
+                    problem: format!(
+                        "the outbox table {table} has no column {column} (the {} column)",
+                        role.name()
+                    ),
+                    fix: format!(
+                        "map the role to your column with --column {}=<column> (or --table-style debezium for Debezium's table), or run `outboxd migrate` on a new table",
+                        role.name()
+                    ),
+                });
+            };
+            let accepted = accepted_types(role);
+            if !accepted.is_empty() && !accepted.contains(&actual) {
+                return Err(TableMismatch {
+                    problem: format!(
+                        "column {column} of {table} ({} column) has type {actual}, expected {}",
+                        role.name(),
+                        accepted.join(" or ")
+                    ),
+                    fix: format!(
+                        "ALTER TABLE {table} ALTER COLUMN {column} TYPE {}",
+                        accepted[0]
+                    ),
+                });
+            }
+            if role == Role::Payload {
+                self.payload_type = if actual == "bytea" {
+                    PayloadType::Bytes
+                } else {
+                    PayloadType::Text
+                };
+            }
+        }
+        if let Some(missing) = self.header_columns.iter().find(|c| type_of(c).is_none()) {
+            return Err(TableMismatch {
+                problem: format!("--header-column {missing}: {table} has no such column"),
+                fix: format!("add the column to {table} or remove --header-column {missing}"),
+            });
+        }
+        self.marks_published = type_of("published_at").is_some();
+        self.polling = POLLING_COLUMNS.iter().all(|c| type_of(c).is_some());
+        self.partitioned = partitioned;
+        Ok(())
+    }
+
+    /// Polling columns the table lacks.
+    pub fn missing_polling_columns(columns: &[(String, String)]) -> Vec<&'static str> {
+        POLLING_COLUMNS
+            .into_iter()
+            .filter(|c| !columns.iter().any(|(n, _)| n == c))
+            .collect()
+    }
+}
+
+/// Parses `--column ROLE=NAME` values.
+pub fn parse_column_overrides(values: &[String]) -> Result<Vec<(Role, String)>, String> {
+    values
+        .iter()
+        .map(|value| {
+            let (role, column) = value.split_once('=').ok_or_else(|| {
+                format!("--column {value:?} must be ROLE=COLUMN, e.g. --column event_id=id")
+            })?;
+            let role = Role::parse(role.trim()).ok_or_else(|| {
+                format!(
+                    "--column {value:?}: unknown role {role:?}; roles are {}",
+                    Role::ALL.map(Role::name).join(", ")
+                )
+            })?;
+            Ok((role, column.trim().to_string()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(style: TableStyle, overrides: &[(Role, String)]) -> OutboxTable {
+        OutboxTable::new(
+            TableName {
+                schema: "public".into(),
+                name: "outbox".into(),
+            },
+            style,
+            overrides,
+            vec![],
+        )
+    }
+
+    fn columns(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(n, t)| (n.to_string(), t.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn debezium_style_maps_debezium_columns_and_drops_missing_created_at() {
+        let mut t = table(TableStyle::Debezium, &[]);
+        t.resolve(
+            &columns(&[
+                ("id", "uuid"),
+                ("aggregatetype", "character varying(255)"),
+                ("aggregateid", "character varying(255)"),
+                ("type", "character varying(255)"),
+                ("payload", "jsonb"),
+            ]),
+            false,
+        )
+        .unwrap();
+        assert_eq!(t.column(Role::EventId), Some("id"));
+        assert_eq!(t.column(Role::EventType), Some("type"));
+        assert_eq!(t.column(Role::CreatedAt), None);
+        assert!(!t.marks_published && !t.polling);
+    }
+
+    #[test]
+    fn explicit_columns_must_exist_and_types_are_checked() {
+        let mut t = table(
+            TableStyle::Standard,
+            &[(Role::CreatedAt, "occurred_at".into())],
+        );
+        let standard = columns(&[
+            ("event_id", "uuid"),
+            ("aggregate_type", "text"),
+            ("aggregate_id", "text"),
+            ("event_type", "text"),
+            ("payload", "bytea"),
+        ]);
+        let err = t.resolve(&standard, false).unwrap_err();
+        assert!(err.problem.contains("no column occurred_at"), "{err:?}");
+        let mut t = table(TableStyle::Standard, &[]);
+        t.resolve(&standard, false).unwrap();
+        assert_eq!(t.payload_type, PayloadType::Bytes);
+        let mut bad = standard.clone();
+        bad[0].1 = "bigint".into();
+        let err = table(TableStyle::Standard, &[])
+            .resolve(&bad, false)
+            .unwrap_err();
+        assert!(err.problem.contains("expected uuid"), "{err:?}");
+    }
+
+    #[test]
+    fn parses_column_overrides() {
+        assert_eq!(
+            parse_column_overrides(&["event_id=id".into(), " payload = body".into()]).unwrap(),
+            vec![(Role::EventId, "id".into()), (Role::Payload, "body".into())]
+        );
+        assert!(parse_column_overrides(&["eventid=id".into()])
+            .unwrap_err()
+            .contains("roles are event_id"));
+        assert!(parse_column_overrides(&["id".into()])
+            .unwrap_err()
+            .contains("ROLE=COLUMN"));
+    }
+}

@@ -1,0 +1,474 @@
+//! Existing outbox tables (issue 7): Debezium's table, column mapping, header columns, payload types and
+//! tombstones, partitioned tables with retention, and several tables through one slot. Real PostgreSQL 15
+//! and a real Kafka-protocol broker.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+/// Runs `outboxd migrate` with `args` and fails the test if it fails.
+fn migrate_with(url: &str, args: &[&str]) -> String {
+    let mut argv = vec!["migrate", "--database-url", url];
+    argv.extend_from_slice(args);
+    let output = run_outboxd(&argv);
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "migrate failed: {stderr}");
+    stderr
+}
+
+async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_debezium_outbox_table_is_published_as_debeziums_router_publishes_it() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    // Debezium's documented outbox table, as a team already runs it.
+    client
+        .batch_execute(
+            "CREATE TABLE public.outboxevent (
+                 id uuid NOT NULL PRIMARY KEY,
+                 aggregatetype varchar(255) NOT NULL,
+                 aggregateid varchar(255) NOT NULL,
+                 type varchar(255) NOT NULL,
+                 payload jsonb)",
+        )
+        .await
+        .unwrap();
+    let table = ["--table", "public.outboxevent", "--table-style", "debezium"];
+    let stderr = migrate_with(&url, &table);
+    assert!(
+        stderr.contains("CDC only") && stderr.contains("--add-polling-columns"),
+        "migrate must say the existing table stays CDC only: {stderr}"
+    );
+    let columns = count(
+        &client,
+        "SELECT count(*) FROM information_schema.columns WHERE table_name = 'outboxevent'",
+    )
+    .await;
+    assert_eq!(columns, 5, "migrate must not touch the table unasked");
+
+    let mut args = run_args(&url, &brokers);
+    args.extend(table);
+    let mut outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    let insert = "INSERT INTO public.outboxevent (id, aggregatetype, aggregateid, type, payload)
+                  VALUES ($1, 'Order', $2, 'OrderCreated', jsonb_build_object('n', $3::int8))";
+    let mut ids = Vec::new();
+    for n in 0..10i64 {
+        let id = uuid::Uuid::new_v4();
+        let aggregate = format!("order-{}", n % 3);
+        client
+            .execute(insert, &[&id, &aggregate, &n])
+            .await
+            .unwrap();
+        ids.push((id, aggregate, n));
+    }
+    let records = consume_all(
+        &brokers,
+        &["outbox.event.Order"],
+        10,
+        Duration::from_secs(60),
+    );
+    assert_eq!(records.len(), 10);
+    for (record, (id, aggregate, n)) in records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some("order-0"))
+        .zip(ids.iter().filter(|i| i.1 == "order-0"))
+    {
+        assert_eq!(record.key.as_deref(), Some(aggregate.as_str()));
+        assert_eq!(record.headers["id"], id.to_string());
+        assert!(
+            !record.headers.contains_key("created_at"),
+            "no created_at column, no header"
+        );
+        let value: serde_json::Value =
+            serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
+        assert_eq!(value, serde_json::json!({ "n": n }));
+    }
+    assert!(
+        outboxd.log_text().contains("running CDC only"),
+        "start-up must say CDC only:\n{}",
+        outboxd.log_text()
+    );
+
+    // Adding the polling columns when asked: later events get published_at.
+    outboxd.terminate();
+    let mut with_polling = table.to_vec();
+    with_polling.push("--add-polling-columns");
+    migrate_with(&url, &with_polling);
+    let late = uuid::Uuid::new_v4();
+    client
+        .execute(insert, &[&late, &"order-9", &99i64])
+        .await
+        .unwrap();
+    let _outboxd = Outboxd::spawn(&args);
+    wait_for_async("published_at of the later event", Duration::from_secs(60), || async {
+        let published = count(
+            &client,
+            &format!("SELECT count(*) FROM public.outboxevent WHERE id = '{late}' AND published_at IS NOT NULL"),
+        )
+        .await;
+        (published == 1).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn header_columns_become_headers_and_null_leaves_the_header_out() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.traced_outbox (
+                 event_id uuid PRIMARY KEY, kind text NOT NULL, aggregate_type text NOT NULL,
+                 aggregate_id text NOT NULL, body jsonb NOT NULL, occurred_at timestamptz NOT NULL DEFAULT now(),
+                 traceparent text, tenant_id integer)",
+        )
+        .await
+        .unwrap();
+    let table = [
+        "--table",
+        "traced_outbox",
+        "--column",
+        "event_type=kind",
+        "--column",
+        "payload=body",
+        "--column",
+        "created_at=occurred_at",
+        "--header-column",
+        "traceparent",
+        "--header-column",
+        "tenant_id",
+    ];
+    migrate_with(&url, &[&table[..], &["--add-polling-columns"]].concat());
+    let insert = "INSERT INTO traced_outbox (event_id, kind, aggregate_type, aggregate_id, body, traceparent, tenant_id)
+                  VALUES ($1, 'Paid', 'Payment', $2, '{}', $3, $4)";
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut args = run_args(&url, &brokers);
+    args.extend(table);
+    let mut expected = Vec::new();
+    // The CDC path, then the polling path, must both copy the columns.
+    for (phase, mode) in [(0, "cdc"), (1, "poll")] {
+        let mut phase_args = args.clone();
+        phase_args.extend(["--mode", mode]);
+        let outboxd = Outboxd::spawn(&phase_args);
+        if mode == "cdc" {
+            wait_slot_active(&client, "outboxd").await;
+        }
+        for (n, (trace, tenant)) in [(Some(traceparent), Some(42)), (None, None)]
+            .into_iter()
+            .enumerate()
+        {
+            let id = uuid::Uuid::new_v4();
+            let aggregate = format!("pay-{phase}-{n}");
+            client
+                .execute(insert, &[&id, &aggregate, &trace, &tenant])
+                .await
+                .unwrap();
+            expected.push((aggregate, trace, tenant));
+        }
+        wait_all_published_in(&client, "traced_outbox").await;
+        drop(outboxd);
+    }
+    let records = consume_all(&brokers, &["outbox.Payment"], 4, Duration::from_secs(60));
+    assert_eq!(records.len(), 4, "each event once");
+    for (aggregate, trace, tenant) in expected {
+        let record = records
+            .iter()
+            .find(|r| r.key.as_deref() == Some(aggregate.as_str()))
+            .unwrap();
+        assert_eq!(
+            record.headers.get("traceparent").map(String::as_str),
+            trace,
+            "{aggregate}"
+        );
+        assert_eq!(
+            record.headers.get("tenant_id").cloned(),
+            tenant.map(|t: i32| t.to_string()),
+            "{aggregate}"
+        );
+        assert_eq!(record.headers["event_type"], "Paid");
+        assert!(
+            record.headers["created_at"].ends_with('Z'),
+            "{:?}",
+            record.headers
+        );
+    }
+}
+
+/// Waits until every row of `table` has `published_at`.
+async fn wait_all_published_in(client: &tokio_postgres::Client, table: &str) {
+    let sql = format!("SELECT count(*) FROM {table} WHERE published_at IS NULL");
+    wait_for_async(
+        &format!("every row of {table} published"),
+        Duration::from_secs(60),
+        || async { (count(client, &sql).await == 0).then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_text_and_bytea_payloads_go_out_as_stored_and_null_is_a_tombstone() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let tables = "public.json_outbox,public.text_outbox,public.bytea_outbox";
+    migrate_with(&url, &["--table", tables]);
+    client
+        .batch_execute(
+            "ALTER TABLE json_outbox ALTER COLUMN payload TYPE json USING payload::json;
+             ALTER TABLE text_outbox ALTER COLUMN payload TYPE text USING payload::text,
+                                     ALTER COLUMN payload DROP NOT NULL;
+             ALTER TABLE bytea_outbox ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8'),
+                                      ALTER COLUMN payload DROP NOT NULL;",
+        )
+        .await
+        .unwrap();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--table", tables, "--topic", "{table}"]);
+    let inserts = |phase: &'static str| {
+        let client = &client;
+        async move {
+            let rows: [(&str, &str, &str); 5] = [
+                ("json_outbox", "j", r#"'{"b":  2,   "a": [1]}'"#),
+                ("text_outbox", "t", "'plain text, not JSON'"),
+                ("text_outbox", "t-null", "NULL"),
+                ("bytea_outbox", "b", r"'\x00ff7f41'::bytea"),
+                ("bytea_outbox", "b-null", "NULL"),
+            ];
+            for (table, aggregate, payload) in rows {
+                client
+                    .batch_execute(&format!(
+                        "INSERT INTO {table} (event_id, aggregate_type, aggregate_id, event_type, payload)
+                         VALUES (gen_random_uuid(), 'Doc', '{aggregate}-{phase}', 'E', {payload})"
+                    ))
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    // The CDC path, then the polling path.
+    for mode in ["cdc", "poll"] {
+        let mut phase_args = args.clone();
+        phase_args.extend(["--mode", mode]);
+        let outboxd = Outboxd::spawn(&phase_args);
+        if mode == "cdc" {
+            wait_slot_active(&client, "outboxd").await;
+        }
+        inserts(mode).await;
+        for table in ["json_outbox", "text_outbox", "bytea_outbox"] {
+            wait_all_published_in(&client, table).await;
+        }
+        drop(outboxd);
+    }
+    let records = consume_all(
+        &brokers,
+        &["json_outbox", "text_outbox", "bytea_outbox"],
+        10,
+        Duration::from_secs(60),
+    );
+    assert_eq!(records.len(), 10, "each event once");
+    for mode in ["cdc", "poll"] {
+        let value = |aggregate: &str| {
+            let key = format!("{aggregate}-{mode}");
+            records
+                .iter()
+                .find(|r| r.key.as_deref() == Some(key.as_str()))
+                .unwrap_or_else(|| panic!("no record for {key}"))
+                .value
+                .clone()
+        };
+        // json keeps its text as written; jsonb would normalise it.
+        assert_eq!(
+            value("j").as_deref(),
+            Some(&br#"{"b":  2,   "a": [1]}"#[..]),
+            "{mode}"
+        );
+        assert_eq!(
+            value("t").as_deref(),
+            Some(&b"plain text, not JSON"[..]),
+            "{mode}"
+        );
+        assert_eq!(
+            value("b").as_deref(),
+            Some(&[0x00, 0xff, 0x7f, 0x41][..]),
+            "{mode}"
+        );
+        assert_eq!(value("t-null"), None, "{mode}: NULL payload is a tombstone");
+        assert_eq!(value("b-null"), None, "{mode}: NULL payload is a tombstone");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partitioned_table_streams_across_partitions_and_retention_drops_old_ones() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.outbox_p (
+                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
+             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
+                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
+             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
+                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');",
+        )
+        .await
+        .unwrap();
+    migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
+    let via_root: bool = client
+        .query_one(
+            "SELECT pubviaroot FROM pg_publication WHERE pubname = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        via_root,
+        "the publication must publish via the partition root"
+    );
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--table",
+        "outbox_p",
+        "--retention",
+        "30d",
+        "--retention-interval",
+        "1s",
+    ]);
+    let _outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    // One aggregate's events alternate between the two partitions.
+    let mut committed = Vec::new();
+    for seq in 0..20i64 {
+        let id = uuid::Uuid::new_v4();
+        let created_at = if seq % 2 == 0 {
+            "'2020-06-01 00:00:00+00'"
+        } else {
+            "now()"
+        };
+        client
+            .batch_execute(&format!(
+                "INSERT INTO outbox_p (event_id, aggregate_type, aggregate_id, event_type, payload, created_at)
+                 VALUES ('{id}', 'Order', 'order-1', 'E', '{{\"seq\": {seq}}}', {created_at})"
+            ))
+            .await
+            .unwrap();
+        committed.push(Inserted {
+            event_id: id,
+            aggregate_id: "order-1".into(),
+            seq,
+        });
+    }
+    let (_, report) = verify_delivery(&brokers, &committed, &[], 60, "partitioned table");
+    assert_eq!(report.duplicates, 0);
+    wait_for_async(
+        "retention to drop the 2020 partition",
+        Duration::from_secs(60),
+        || async {
+            let left = count(
+                &client,
+                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'",
+            )
+            .await;
+            (left == 0).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_p").await,
+        10,
+        "the current partition keeps its rows"
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM outbox_p WHERE published_at IS NULL"
+        )
+        .await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_schemas_tables_stream_through_one_slot_to_their_own_topics() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let tables = [
+        "--table",
+        "orders.outbox_event",
+        "--table",
+        "billing.outbox_event",
+    ];
+    migrate_with(&url, &tables);
+    let mut args = run_args(&url, &brokers);
+    args.extend(tables);
+    args.extend(["--topic", "{schema}.{aggregate_type}"]);
+    let _outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    let insert = |schema: &str, aggregate_type: &str, n: i64| {
+        format!(
+            "INSERT INTO {schema}.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), '{aggregate_type}', 'agg-{n}', 'E', '{{\"n\": {n}}}');"
+        )
+    };
+    // Every third transaction writes to both tables: one transaction, two tables.
+    for n in 0..30i64 {
+        let mut sql = format!("BEGIN; {}", insert("orders", "Order", n));
+        if n % 3 == 0 {
+            sql.push_str(&insert("billing", "Invoice", n));
+        }
+        sql.push_str("COMMIT;");
+        client.batch_execute(&sql).await.unwrap();
+    }
+    let records = consume_all(
+        &brokers,
+        &["orders.Order", "billing.Invoice"],
+        40,
+        Duration::from_secs(60),
+    );
+    assert_eq!(records.len(), 40, "each event once");
+    assert_eq!(
+        records
+            .iter()
+            .filter(|r| r.topic == "billing.Invoice")
+            .count(),
+        10
+    );
+    assert_eq!(
+        records.iter().filter(|r| r.topic == "orders.Order").count(),
+        30
+    );
+    wait_all_published_in(&client, "orders.outbox_event").await;
+    wait_all_published_in(&client, "billing.outbox_event").await;
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'"
+        )
+        .await,
+        1,
+        "one slot for both tables"
+    );
+    let published: i64 = count(
+        &client,
+        "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'outboxd'",
+    )
+    .await;
+    assert_eq!(published, 2, "one publication covering both tables");
+}
