@@ -865,6 +865,68 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("topic-partitions"), "{err}");
+        // One table or a list of tables.
+        for (text, expected) in [
+            ("table = \"app.outbox\"\n", 1),
+            ("table = [\"a.outbox\", \"b.outbox\"]\n", 2),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let merged = options(&["--config", path.to_str().unwrap()])
+                .with_file()
+                .unwrap();
+            assert_eq!(merged.table.map(|t| t.len()), Some(expected), "{text}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn table_mapping_options() {
+        let base = ["--database-url", "postgres://h/db", "--brokers", "b:9092"];
+        let run = options(
+            &[
+                &base[..],
+                &[
+                    "--table",
+                    "orders.outboxevent",
+                    "--table",
+                    "billing.outboxevent",
+                    "--table-style",
+                    "debezium",
+                    "--column",
+                    "created_at=occurred_at",
+                    "--header-column",
+                    "traceparent",
+                ],
+            ]
+            .concat(),
+        )
+        .run()
+        .unwrap();
+        let tables = &run.database.tables;
+        assert_eq!(tables.len(), 2);
+        assert_eq!(tables[1].name.schema, "billing");
+        assert_eq!(tables[0].required(crate::table::Role::EventId), "id");
+        assert_eq!(
+            tables[1].column(crate::table::Role::CreatedAt),
+            Some("occurred_at")
+        );
+        assert_eq!(tables[0].header_columns, vec!["traceparent".to_string()]);
+        assert_eq!(
+            run.topic.render(&tables[0].name, "Order", "x"),
+            "outbox.event.Order"
+        );
+        for (flag, value, expected) in [
+            ("--column", "event_id", "ROLE=COLUMN"),
+            ("--column", "key=id", "unknown role"),
+            ("--column", "payload=bo dy", "not a valid identifier"),
+            ("--header-column", "x\"y", "not a valid identifier"),
+            ("--table", "public.outbox_event,outbox_event", "given twice"),
+        ] {
+            let err = options(&[&base[..], &[flag, value]].concat())
+                .run()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expected), "{flag} {value}: {err}");
+        }
     }
 }

@@ -117,7 +117,7 @@ async fn drop_old_partitions(
                     substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']+)''\\)')
              FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
              JOIN pg_namespace n ON n.oid = c.relnamespace
-             WHERE i.inhparent = $1::regclass",
+             WHERE i.inhparent = $1::text::regclass",
             &[&table.quoted()],
         )
         .await?;

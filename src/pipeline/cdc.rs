@@ -80,6 +80,15 @@ impl Blocked {
     };
 }
 
+/// What a relation of the stream is to outboxd.
+enum Mapped {
+    /// An outbox table (index into the settings' tables) and how its rows map.
+    Outbox(usize, RowMapping),
+    /// Another table: its rows are ignored, with one warning when the first arrives. (The server may also
+    /// describe partitions of an outbox table whose rows come as the parent's: those never warn.)
+    Other { name: String, warned: bool },
+}
+
 /// A blocked aggregate: (index of its outbox table, aggregate).
 type BlockedKey = (usize, AggregateKey);
 
@@ -94,8 +103,7 @@ struct Session<'a> {
     /// Transactions committed before this session connected may have been published by an earlier run.
     replay_end: Lsn,
     replay_buffer: Vec<Pending>,
-    /// Per relation id: the outbox table it is (index) and how its rows map, or `None` for other tables.
-    mappings: HashMap<u32, Option<(usize, RowMapping)>>,
+    mappings: HashMap<u32, Mapped>,
     current_txn: Option<TxnId>,
     /// xid of the transaction being decoded (from Begin).
     current_xid: u32,
@@ -498,17 +506,17 @@ impl Session<'_> {
                     relation.namespace == t.name.schema && relation.name == t.name.name
                 });
                 let mapping = match table {
-                    Some(index) => Some((
+                    Some(index) => Mapped::Outbox(
                         index,
                         RowMapping::from_relation(
                             &self.settings.database.tables[index],
                             &relation,
                         )?,
-                    )),
-                    None => {
-                        tracing::warn!(relation = %format!("{}.{}", relation.namespace, relation.name), "publication includes a table that is not an outbox table (--table); its rows are ignored");
-                        None
-                    }
+                    ),
+                    None => Mapped::Other {
+                        name: format!("{}.{}", relation.namespace, relation.name),
+                        warned: false,
+                    },
                 };
                 self.mappings.insert(relation.id, mapping);
             }
@@ -517,17 +525,23 @@ impl Session<'_> {
                     return Ok(());
                 }
                 let (Some(txn), Some(mapping)) =
-                    (self.current_txn, self.mappings.get(&insert.relation_id))
+                    (self.current_txn, self.mappings.get_mut(&insert.relation_id))
                 else {
                     return Err(Error::setup(
                         format!("the replication stream sent a row of relation {} outside a transaction or before its Relation message", insert.relation_id),
                         "report this as an outboxd bug, with the server version",
                     ));
                 };
-                let Some((table, mapping)) = mapping else {
-                    return Ok(());
+                let (table, mapping) = match mapping {
+                    Mapped::Outbox(table, mapping) => (*table, &*mapping),
+                    Mapped::Other { name, warned } => {
+                        if !*warned {
+                            tracing::warn!(relation = %name, "publication includes a table that is not an outbox table (--table); its rows are ignored");
+                            *warned = true;
+                        }
+                        return Ok(());
+                    }
                 };
-                let table = *table;
                 let event = match mapping.event(&insert) {
                     Ok(event) => event,
                     // A user's table with a nullable column: the polling path dead-letters the row, in place.
