@@ -394,28 +394,58 @@ impl Options {
         let style = self.table_style.unwrap_or_default();
         let overrides = crate::table::parse_column_overrides(self.column.as_deref().unwrap_or(&[]))
             .map_err(invalid)?;
-        for (_, column) in &overrides {
-            parse_identifier("--column", column)?;
+        for column in &overrides {
+            parse_identifier("--column", &column.value.1)?;
         }
-        let header_columns = self.header_column.clone().unwrap_or_default();
+        let header_columns =
+            crate::table::parse_header_columns(self.header_column.as_deref().unwrap_or(&[]));
         for column in &header_columns {
-            parse_identifier("--header-column", column)?;
+            parse_identifier("--header-column", &column.value)?;
         }
         let names = match &self.table {
             Some(names) if !names.is_empty() => names.clone(),
             _ => vec!["public.outbox_event".to_string()],
         };
+        let names = names
+            .iter()
+            .map(|name| parse_table(name.trim()))
+            .collect::<Result<Vec<_>, _>>()?;
+        // `TABLE:` prefixes must name a --table; unprefixed values apply to every table.
+        let applies_to = |setting: &str, table: &Option<String>, name: &TableName| {
+            let Some(table) = table else {
+                return Ok(true);
+            };
+            let target = parse_table(table)?;
+            if names.contains(&target) {
+                Ok(&target == name)
+            } else {
+                Err(invalid(format!(
+                    "{setting} {table}:...: {table} is not one of the --table values"
+                )))
+            }
+        };
         let mut tables: Vec<OutboxTable> = Vec::with_capacity(names.len());
         for name in &names {
-            let name = parse_table(name.trim())?;
-            if tables.iter().any(|t| t.name == name) {
+            if tables.iter().any(|t| &t.name == name) {
                 return Err(invalid(format!("--table {name} is given twice")));
             }
+            let mut own_overrides = Vec::new();
+            for o in &overrides {
+                if applies_to("--column", &o.table, name)? {
+                    own_overrides.push(o.value.clone());
+                }
+            }
+            let mut own_headers = Vec::new();
+            for h in &header_columns {
+                if applies_to("--header-column", &h.table, name)? {
+                    own_headers.push(h.value.clone());
+                }
+            }
             tables.push(OutboxTable::new(
-                name,
+                name.clone(),
                 style,
-                &overrides,
-                header_columns.clone(),
+                &own_overrides,
+                own_headers,
             ));
         }
         Ok(DatabaseSettings {
@@ -893,7 +923,7 @@ mod tests {
                     "--table-style",
                     "debezium",
                     "--column",
-                    "created_at=occurred_at",
+                    "billing.outboxevent:created_at=occurred_at",
                     "--header-column",
                     "traceparent",
                 ],
@@ -910,6 +940,11 @@ mod tests {
             tables[1].column(crate::table::Role::CreatedAt),
             Some("occurred_at")
         );
+        assert_eq!(
+            tables[0].column(crate::table::Role::CreatedAt),
+            Some("created_at"),
+            "a TABLE: prefix maps that table only"
+        );
         assert_eq!(tables[0].header_columns, vec!["traceparent".to_string()]);
         assert_eq!(
             run.topic.render(&tables[0].name, "Order", "x"),
@@ -921,6 +956,11 @@ mod tests {
             ("--column", "payload=bo dy", "not a valid identifier"),
             ("--header-column", "x\"y", "not a valid identifier"),
             ("--table", "public.outbox_event,outbox_event", "given twice"),
+            (
+                "--column",
+                "other:payload=body",
+                "not one of the --table values",
+            ),
         ] {
             let err = options(&[&base[..], &[flag, value]].concat())
                 .run()

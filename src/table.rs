@@ -276,13 +276,29 @@ impl OutboxTable {
     }
 }
 
-/// Parses `--column ROLE=NAME` values.
-pub fn parse_column_overrides(values: &[String]) -> Result<Vec<(Role, String)>, String> {
+/// A `--column` or `--header-column` value, optionally for one table only (`TABLE:...`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForTable<T> {
+    /// The table as written (`schema.name` or `name`); `None`: every table.
+    pub table: Option<String>,
+    pub value: T,
+}
+
+fn split_table(value: &str) -> (Option<String>, &str) {
+    match value.split_once(':') {
+        Some((table, rest)) => (Some(table.trim().to_string()), rest),
+        None => (None, value),
+    }
+}
+
+/// Parses `--column [TABLE:]ROLE=COLUMN` values.
+pub fn parse_column_overrides(values: &[String]) -> Result<Vec<ForTable<(Role, String)>>, String> {
     values
         .iter()
         .map(|value| {
-            let (role, column) = value.split_once('=').ok_or_else(|| {
-                format!("--column {value:?} must be ROLE=COLUMN, e.g. --column event_id=id")
+            let (table, mapping) = split_table(value);
+            let (role, column) = mapping.split_once('=').ok_or_else(|| {
+                format!("--column {value:?} must be [TABLE:]ROLE=COLUMN, e.g. --column event_id=id")
             })?;
             let role = Role::parse(role.trim()).ok_or_else(|| {
                 format!(
@@ -290,7 +306,24 @@ pub fn parse_column_overrides(values: &[String]) -> Result<Vec<(Role, String)>, 
                     Role::ALL.map(Role::name).join(", ")
                 )
             })?;
-            Ok((role, column.trim().to_string()))
+            Ok(ForTable {
+                table,
+                value: (role, column.trim().to_string()),
+            })
+        })
+        .collect()
+}
+
+/// Parses `--header-column [TABLE:]COLUMN` values.
+pub fn parse_header_columns(values: &[String]) -> Vec<ForTable<String>> {
+    values
+        .iter()
+        .map(|value| {
+            let (table, column) = split_table(value);
+            ForTable {
+                table,
+                value: column.trim().to_string(),
+            }
         })
         .collect()
 }
@@ -367,8 +400,18 @@ mod tests {
     #[test]
     fn parses_column_overrides() {
         assert_eq!(
-            parse_column_overrides(&["event_id=id".into(), " payload = body".into()]).unwrap(),
-            vec![(Role::EventId, "id".into()), (Role::Payload, "body".into())]
+            parse_column_overrides(&["event_id=id".into(), "billing.outbox:payload = body".into()])
+                .unwrap(),
+            vec![
+                ForTable {
+                    table: None,
+                    value: (Role::EventId, "id".into())
+                },
+                ForTable {
+                    table: Some("billing.outbox".into()),
+                    value: (Role::Payload, "body".into())
+                }
+            ]
         );
         assert!(parse_column_overrides(&["eventid=id".into()])
             .unwrap_err()

@@ -412,11 +412,15 @@ async fn two_schemas_tables_stream_through_one_slot_to_their_own_topics() {
     let broker = Broker::start();
     let (url, brokers) = (pg.url(), broker.addr());
     let client = pg.client().await;
+    // billing's table names its payload column `body`: each table is mapped with its own columns (migrate
+    // creates it that way).
     let tables = [
         "--table",
         "orders.outbox_event",
         "--table",
         "billing.outbox_event",
+        "--column",
+        "billing.outbox_event:payload=body",
     ];
     migrate_with(&url, &tables);
     let mut args = run_args(&url, &brokers);
@@ -425,8 +429,13 @@ async fn two_schemas_tables_stream_through_one_slot_to_their_own_topics() {
     let _outboxd = Outboxd::spawn(&args);
     wait_slot_active(&client, "outboxd").await;
     let insert = |schema: &str, aggregate_type: &str, n: i64| {
+        let payload = if schema == "billing" {
+            "body"
+        } else {
+            "payload"
+        };
         format!(
-            "INSERT INTO {schema}.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+            "INSERT INTO {schema}.outbox_event (event_id, aggregate_type, aggregate_id, event_type, {payload})
              VALUES (gen_random_uuid(), '{aggregate_type}', 'agg-{n}', 'E', '{{\"n\": {n}}}');"
         )
     };
@@ -446,6 +455,12 @@ async fn two_schemas_tables_stream_through_one_slot_to_their_own_topics() {
         Duration::from_secs(60),
     );
     assert_eq!(records.len(), 40, "each event once");
+    for record in &records {
+        let value: serde_json::Value =
+            serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
+        let key = record.key.as_deref().unwrap();
+        assert_eq!(format!("agg-{}", value["n"]), key, "{}", record.topic);
+    }
     assert_eq!(
         records
             .iter()

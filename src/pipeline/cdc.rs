@@ -251,8 +251,11 @@ impl CdcPipeline {
             .await
             .map_err(replication_error)?;
         let identity = conn.identify_system().await?;
-        if can_hand_off {
+        // A lost slot is replaced only when every table's gap can be covered by the polling path.
+        if super::has_polling_columns(&settings) {
             slot::drop_if_lost(&sql, &db.slot).await?;
+        }
+        if can_hand_off {
             slot::undo_interrupted_creation(&sql, &db.slot).await?;
         }
         match slot::check_existing_slot(&sql, &db.slot).await? {
