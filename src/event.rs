@@ -265,15 +265,17 @@ pub fn decode_bytea_hex(text: &[u8]) -> Option<Bytes> {
 }
 
 /// Converts PostgreSQL's ISO `timestamptz` text (`2026-11-30 05:02:15.123456+00`, `...+05:30`) to RFC 3339
-/// (`2026-11-30T05:02:15.123456Z`, `...+05:30`). Text it does not recognise is returned unchanged.
+/// (`2026-11-30T05:02:15.123456Z`, `...+05:30`). A `timestamp` without time zone is taken as UTC. Text it
+/// does not recognise is returned unchanged.
 pub fn to_rfc3339(pg_text: &str) -> String {
     let Some((date, time)) = pg_text.split_once(' ') else {
         return pg_text.to_string();
     };
-    let Some(sign_at) = time.rfind(['+', '-']) else {
-        return pg_text.to_string();
+    let (clock, offset) = match time.rfind(['+', '-']) {
+        Some(sign_at) => time.split_at(sign_at),
+        None if time.starts_with(|c: char| c.is_ascii_digit()) => (time, "+00"),
+        None => return pg_text.to_string(),
     };
-    let (clock, offset) = time.split_at(sign_at);
     let mut rfc3339 = String::with_capacity(pg_text.len() + 3);
     rfc3339.push_str(date);
     rfc3339.push('T');
@@ -523,6 +525,11 @@ mod tests {
             "1850-01-01T00:00:00+00:53"
         );
         assert_eq!(to_rfc3339("infinity"), "infinity");
+        assert_eq!(
+            to_rfc3339("2026-11-30 05:02:15.5"),
+            "2026-11-30T05:02:15.5Z",
+            "timestamp without time zone: UTC"
+        );
     }
 
     #[test]

@@ -105,8 +105,18 @@ fn accepted_types(role: Role) -> &'static [&'static str] {
     match role {
         Role::EventId => &["uuid"],
         Role::Payload => &["jsonb", "json", "text", "bytea"],
-        Role::CreatedAt => &["timestamp with time zone"],
+        Role::CreatedAt => &["timestamp with time zone", "timestamp without time zone"],
         _ => &[],
+    }
+}
+
+/// A type name without its modifier: `timestamp(3) with time zone` -> `timestamp with time zone`.
+fn without_modifier(type_name: &str) -> String {
+    match (type_name.find('('), type_name.find(')')) {
+        (Some(open), Some(close)) if open < close => {
+            format!("{}{}", &type_name[..open], &type_name[close + 1..])
+        }
+        _ => type_name.to_string(),
     }
 }
 
@@ -234,7 +244,7 @@ impl OutboxTable {
                 });
             };
             let accepted = accepted_types(role);
-            if !accepted.is_empty() && !accepted.contains(&actual) {
+            if !accepted.is_empty() && !accepted.contains(&without_modifier(actual).as_str()) {
                 return Err(TableMismatch {
                     problem: format!(
                         "column {column} of {table} ({} column) has type {actual}, expected {}",
@@ -389,6 +399,11 @@ mod tests {
         let mut t = table(TableStyle::Standard, &[]);
         t.resolve(&standard, false).unwrap();
         assert_eq!(t.payload_type, PayloadType::Bytes);
+        let mut with_precision = standard.clone();
+        with_precision.push(("created_at".into(), "timestamp(3) with time zone".into()));
+        let mut t = table(TableStyle::Standard, &[]);
+        t.resolve(&with_precision, false).unwrap();
+        assert_eq!(t.column(Role::CreatedAt), Some("created_at"));
         let mut bad = standard.clone();
         bad[0].1 = "bigint".into();
         let err = table(TableStyle::Standard, &[])

@@ -23,9 +23,9 @@ trait Socket: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Socket for T {}
 
 /// Session settings sent in the startup packet, as PostgreSQL's own subscriber does, so pgoutput's text
-/// values have one known format.
+/// values have one known format (bytea in hex, whatever the server's default).
 const SESSION_OPTIONS: &str =
-    "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c TimeZone=UTC";
+    "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c TimeZone=UTC -c bytea_output=hex";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicationError {
