@@ -490,3 +490,52 @@ async fn two_schemas_tables_stream_through_one_slot_to_their_own_topics() {
     .await;
     assert_eq!(published, 2, "one publication covering both tables");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deleted_rows_of_an_aggregate_waiting_for_the_polling_path_are_still_published() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    // An event older than the slot, held by another worker's lease: its aggregate waits for the polling path.
+    let old = insert_events(&mut client, 0, 1, 1, 1, None).await.0;
+    client
+        .batch_execute(
+            "UPDATE outbox_event SET lease_token = gen_random_uuid(), lease_until = now() + interval '1 hour'",
+        )
+        .await
+        .unwrap();
+    let mut args = run_args(&url, &brokers);
+    // A small window: the aggregate's later events are soon handed to the polling path, not parked.
+    args.extend(["--max-in-flight-events", "16"]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    let mut committed = old.clone();
+    for t in 1..=20 {
+        let tx = client.transaction().await.unwrap();
+        let events = insert_txn_events(&tx, t, 1, 1).await;
+        tx.batch_execute("DELETE FROM outbox_event WHERE handoff_at IS NULL")
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        committed.extend(events);
+    }
+    wait_for(
+        "a handed-off event without a row published from the stream",
+        Duration::from_secs(60),
+        || {
+            outboxd
+                .log_text()
+                .contains("publishing it from the stream")
+                .then_some(())
+        },
+    );
+    // The lease ends: the polling path publishes the old event and the aggregate is unblocked.
+    client
+        .batch_execute("UPDATE outbox_event SET lease_token = NULL, lease_until = NULL")
+        .await
+        .unwrap();
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(report.missing, 0, "{report:?}");
+    wait_all_published(&client, Duration::from_secs(60)).await;
+}

@@ -39,6 +39,12 @@ pub enum Finished {
     /// Acknowledged by the broker and `published_at` written, or handed off and `handoff_at` written:
     /// (tag, bytes) per event.
     Events(Vec<(CdcTag, usize)>),
+    /// Sent before the `Events` of a batch with hand-offs: the handed-off events whose rows were gone
+    /// (deleted by their own transaction, or already published), which the polling path will never see.
+    HandOffs {
+        handed_off: Vec<Uuid>,
+        rowless: Vec<Uuid>,
+    },
     /// A delivery or a `published_at` write failed; the session must restart from the confirmed position.
     Failed(Error),
 }
@@ -85,6 +91,7 @@ pub async fn run(
                 }
             }
         }
+        let mut rowless_hand_offs = Vec::new();
         if let Some((client, sql)) = &connection {
             for (table, sql) in sql.iter().enumerate() {
                 let of_table: Vec<&Delivery<CdcTag>> =
@@ -92,11 +99,29 @@ pub async fn run(
                 if of_table.is_empty() {
                     continue;
                 }
-                if let Err(error) = write_batch(client, sql, &of_table).await {
-                    let _ = finished.send(Finished::Failed(error));
-                    return;
+                match write_batch(client, sql, &of_table).await {
+                    Ok(rowless) => rowless_hand_offs.extend(rowless),
+                    Err(error) => {
+                        let _ = finished.send(Finished::Failed(error));
+                        return;
+                    }
                 }
             }
+        }
+        let handed_off: Vec<Uuid> = batch
+            .iter()
+            .filter(|d| d.tag.hand_off)
+            .map(|d| d.event_id)
+            .collect();
+        if !handed_off.is_empty()
+            && finished
+                .send(Finished::HandOffs {
+                    handed_off,
+                    rowless: rowless_hand_offs,
+                })
+                .is_err()
+        {
+            return;
         }
         let events = batch.drain(..).map(|d| (d.tag, d.bytes)).collect();
         if finished.send(Finished::Events(events)).is_err() {
@@ -108,16 +133,18 @@ pub async fn run(
 /// Writes `published_at` (or `handoff_at`) for every event of the batch. Rows not yet visible (their
 /// transaction's commit was decoded before it became visible here) are retried until their transaction is
 /// visible; rows still missing then are gone (already published, or deleted by their own transaction).
+/// Returns the handed-off events whose rows were gone.
 async fn write_batch(
     client: &tokio_postgres::Client,
     sql: &OutboxSql,
     batch: &[&Delivery<CdcTag>],
-) -> Result<(), Error> {
+) -> Result<Vec<Uuid>, Error> {
     let mut pending: Vec<(Uuid, u32, bool)> = batch
         .iter()
         .map(|d| (d.event_id, d.tag.xid, d.tag.hand_off))
         .collect();
     let mut delay = Duration::from_millis(2);
+    let mut rowless_hand_offs = Vec::new();
     loop {
         // Which transactions are visible *before* the UPDATE: their rows, if missing, are gone for good.
         let mut visible: HashSet<u32> = HashSet::new();
@@ -137,9 +164,15 @@ async fn write_batch(
         if !hand_off.is_empty() {
             written.extend(sql.hand_off(client, &hand_off).await?);
         }
-        pending.retain(|(id, xid, _)| !written.contains(id) && !visible.contains(xid));
+        pending.retain(|(id, xid, hand_off)| {
+            let gone = !written.contains(id) && visible.contains(xid);
+            if gone && *hand_off {
+                rowless_hand_offs.push(*id);
+            }
+            !written.contains(id) && !gone
+        });
         if pending.is_empty() {
-            return Ok(());
+            return Ok(rowless_hand_offs);
         }
         tracing::debug!(
             rows = pending.len(),

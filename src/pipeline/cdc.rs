@@ -80,6 +80,25 @@ impl Blocked {
     };
 }
 
+/// Why an event went to the polling path instead of the producer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HandOffReason {
+    /// Its aggregate has earlier events in the polling path.
+    Blocked,
+    /// The producer refused it for good (e.g. too large): the polling path retries and dead-letters it.
+    Refused,
+    /// A required column is NULL: the polling path dead-letters it.
+    Invalid,
+}
+
+/// An event handed to the polling path, kept until its `handoff_at` is written: if its row is gone (deleted
+/// by its own transaction) the polling path will never see it, and the stream must publish it itself.
+struct HandedOff {
+    tag: CdcTag,
+    event: OutboxEvent,
+    reason: HandOffReason,
+}
+
 /// What a relation of the stream is to outboxd.
 enum Mapped {
     /// An outbox table (index into the settings' tables) and how its rows map.
@@ -91,6 +110,16 @@ enum Mapped {
 
 /// A blocked aggregate: (index of its outbox table, aggregate).
 type BlockedKey = (usize, AggregateKey);
+
+fn blocked_key(tag: &CdcTag, event: &OutboxEvent) -> BlockedKey {
+    (
+        tag.table,
+        (
+            event.aggregate_type.to_string(),
+            event.aggregate_id.to_string(),
+        ),
+    )
+}
 
 /// Per-session state of the stream loop.
 struct Session<'a> {
@@ -122,6 +151,8 @@ struct Session<'a> {
     /// Events of blocked aggregates held back (in stream order) until the polling path drained them.
     parked: VecDeque<Pending>,
     hand_offs_in_flight: usize,
+    /// Hand-offs whose `handoff_at` is not written yet, by event id.
+    hand_offs_unwritten: HashMap<Uuid, HandedOff>,
     handed_off: u64,
 }
 
@@ -356,6 +387,7 @@ impl CdcPipeline {
             blocked,
             parked: VecDeque::new(),
             hand_offs_in_flight: 0,
+            hand_offs_unwritten: HashMap::new(),
             handed_off: 0,
         };
         let result = session
@@ -417,6 +449,9 @@ impl Session<'_> {
                             self.finish_event(tag.txn, bytes);
                         }
                         crate::metrics::published("cdc", published);
+                    }
+                    Some(Finished::HandOffs { handed_off, rowless }) => {
+                        self.publish_rowless_hand_offs(&handed_off, &rowless).await?;
                     }
                     Some(Finished::Failed(error)) => {
                         crate::metrics::publish_error(match error {
@@ -565,7 +600,12 @@ impl Session<'_> {
                         };
                         let id = event_id.parse::<Uuid>().unwrap_or_default();
                         self.start_event(txn, placeholder.size_bytes());
-                        return self.hand_off(self.tag_for(txn, table), &placeholder, id);
+                        return self.hand_off(
+                            self.tag_for(txn, table),
+                            &placeholder,
+                            id,
+                            HandOffReason::Invalid,
+                        );
                     }
                     Err(error) => return Err(error.into()),
                 };
@@ -624,18 +664,9 @@ impl Session<'_> {
     /// (see [`Hold`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
     /// which retries and dead-letters it; its aggregate is blocked behind it, so order per aggregate holds.
     async fn publish(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
-        let aggregate = || {
-            (
-                tag.table,
-                (
-                    event.aggregate_type.to_string(),
-                    event.aggregate_id.to_string(),
-                ),
-            )
-        };
         // Checked without allocating while nothing is blocked (the common case).
         if !self.blocked.is_empty() {
-            let key = aggregate();
+            let key = blocked_key(&tag, event);
             if let Some(blocked) = self.blocked.get_mut(&key) {
                 let park_limit = (self.settings.max_in_flight_events / 8).max(1);
                 if blocked.hold == Hold::Park && blocked.parked < park_limit {
@@ -651,9 +682,14 @@ impl Session<'_> {
                     *blocked = Blocked::HANDING_OFF;
                     self.hand_off_parked(&key)?;
                 }
-                return self.hand_off(tag, event, event_id);
+                return self.hand_off(tag, event, event_id, HandOffReason::Blocked);
             }
         }
+        self.produce(tag, event, event_id).await
+    }
+
+    /// Hands one event to the producer; a permanent refusal sends it to the polling path.
+    async fn produce(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
         let topic = self.settings.topic.render(
             &self.settings.database.tables[tag.table].name,
             &event.aggregate_type,
@@ -672,14 +708,21 @@ impl Session<'_> {
                 if rejection.permanent && self.outbox_sql[tag.table].can_hand_off() =>
             {
                 tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
-                self.blocked.insert(aggregate(), Blocked::HANDING_OFF);
-                self.hand_off(tag, event, event_id)
+                self.blocked
+                    .insert(blocked_key(&tag, event), Blocked::HANDING_OFF);
+                self.hand_off(tag, event, event_id, HandOffReason::Refused)
             }
             Err(error) => Err(error.into()),
         }
     }
 
-    fn hand_off(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+    fn hand_off(
+        &mut self,
+        tag: CdcTag,
+        event: &OutboxEvent,
+        event_id: Uuid,
+        reason: HandOffReason,
+    ) -> Result<()> {
         let tag = CdcTag {
             hand_off: true,
             ..tag
@@ -696,6 +739,47 @@ impl Session<'_> {
         })?;
         self.hand_offs_in_flight += 1;
         self.handed_off += 1;
+        self.hand_offs_unwritten.insert(
+            event_id,
+            HandedOff {
+                tag,
+                event: event.clone(),
+                reason,
+            },
+        );
+        Ok(())
+    }
+
+    /// The backfill wrote (or tried to write) `handoff_at` for `handed_off`; `rowless` had no row left. A
+    /// blocked aggregate's event without a row is published from the stream now (possibly ahead of its
+    /// aggregate's earlier events, which is better than never); a refused or invalid one cannot be retried
+    /// or dead-lettered without its row, and is reported.
+    async fn publish_rowless_hand_offs(
+        &mut self,
+        handed_off: &[Uuid],
+        rowless: &[Uuid],
+    ) -> Result<()> {
+        let mut rowless_events = Vec::new();
+        for event_id in handed_off {
+            if let Some(handed) = self.hand_offs_unwritten.remove(event_id) {
+                if rowless.contains(event_id) {
+                    rowless_events.push((*event_id, handed));
+                }
+            }
+        }
+        for (event_id, handed) in rowless_events {
+            if handed.reason != HandOffReason::Blocked {
+                tracing::error!(%event_id, reason = ?handed.reason, "event could not be published and its row was deleted by its own transaction: it cannot be retried or dead-lettered");
+                continue;
+            }
+            tracing::warn!(%event_id, aggregate_id = %handed.event.aggregate_id, "handed-off event has no row (deleted by its own transaction): publishing it from the stream, possibly ahead of earlier events of its aggregate");
+            let tag = CdcTag {
+                hand_off: false,
+                ..handed.tag
+            };
+            self.start_event(tag.txn, handed.event.size_bytes());
+            self.produce(tag, &handed.event, event_id).await?;
+        }
         Ok(())
     }
 
@@ -706,7 +790,12 @@ impl Session<'_> {
                 && *pending.event.aggregate_type == *aggregate.0
                 && *pending.event.aggregate_id == *aggregate.1
             {
-                self.hand_off(pending.tag, &pending.event, pending.event_id)?;
+                self.hand_off(
+                    pending.tag,
+                    &pending.event,
+                    pending.event_id,
+                    HandOffReason::Blocked,
+                )?;
             } else {
                 self.parked.push_back(pending);
             }
@@ -739,13 +828,7 @@ impl Session<'_> {
             return Ok(());
         }
         for held in std::mem::take(&mut self.parked) {
-            let key = (
-                held.tag.table,
-                (
-                    held.event.aggregate_type.to_string(),
-                    held.event.aggregate_id.to_string(),
-                ),
-            );
+            let key = blocked_key(&held.tag, &held.event);
             match self.blocked.get(&key) {
                 Some(blocked) if blocked.hold == Hold::Park => self.parked.push_back(held),
                 // Unblocked (or blocked again by a refusal just now): publish decides.
