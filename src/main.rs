@@ -72,8 +72,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             for table in &report.cdc_only {
                 tracing::warn!(%table, "existing table left without the polling columns: outboxd will run CDC only (no backfill of older rows, no polling fallback, no retries or dead letters); add them with `outboxd migrate --add-polling-columns`");
             }
-            let tables: Vec<String> = settings.tables.iter().map(|t| t.name.to_string()).collect();
-            tracing::info!(applied = ?report.applied, publication_created = report.publication_created, tables = %tables.join(", "), publication = %settings.publication, "migrations done");
+            tracing::info!(applied = ?report.applied, publication_created = report.publication_created, tables = %outboxd::table::names(&settings.tables), publication = %settings.publication, "migrations done");
             Ok(ExitCode::SUCCESS)
         }
         Command::Run(_) => {

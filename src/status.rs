@@ -155,9 +155,8 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
     for table in tables.iter().filter(|t| t.polling) {
         dead_events += outbox::dead_count(&client, table).await?;
     }
-    let names: Vec<String> = tables.iter().map(|t| t.name.to_string()).collect();
     Ok(Status {
-        table: names.join(", "),
+        table: crate::table::names(&tables),
         slot_name: settings.slot.clone(),
         slot_exists: state.is_some(),
         active: state.as_ref().map(|s| s.active),

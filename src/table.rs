@@ -202,6 +202,15 @@ impl OutboxTable {
         format!("\"{}\"", self.required(role))
     }
 
+    /// The quoted columns after `position` that order events (created_at when the table has it, then
+    /// event_id), ready for SQL.
+    pub fn order_key(&self) -> String {
+        match self.column(Role::CreatedAt) {
+            Some(created_at) => format!("\"{created_at}\", {}", self.col(Role::EventId)),
+            None => self.col(Role::EventId),
+        }
+    }
+
     /// Checks the mapping against the table's columns (`(name, type)` pairs as `format_type` prints them)
     /// and records what the table supports. Optional roles whose default column is missing are dropped.
     pub fn resolve(
@@ -299,6 +308,15 @@ fn split_table(value: &str) -> (Option<String>, &str) {
         Some((table, rest)) => (Some(table.trim().to_string()), rest),
         None => (None, value),
     }
+}
+
+/// `schema.a, schema.b`: the names of `tables`, for messages.
+pub fn names<'a>(tables: impl IntoIterator<Item = &'a OutboxTable>) -> String {
+    tables
+        .into_iter()
+        .map(|t| t.name.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Parses `--column [TABLE:]ROLE=COLUMN` values.

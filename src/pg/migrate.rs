@@ -55,11 +55,6 @@ fn render_migration(sql: &str, table: &OutboxTable) -> String {
     let schema = format!("\"{}\"", name.schema);
     let bare = &name.name;
     let position_seq = format!("{schema}.\"{bare}_position_seq\"");
-    let id = table.col(Role::EventId);
-    let order_key = match table.column(Role::CreatedAt) {
-        Some(created_at) => format!("\"{created_at}\", {id}"),
-        None => id.clone(),
-    };
     let created_at = format!(
         "\"{}\"",
         table.column(Role::CreatedAt).unwrap_or("created_at")
@@ -72,13 +67,13 @@ fn render_migration(sql: &str, table: &OutboxTable) -> String {
         ("{{claim_index}}", format!("\"{bare}_claim_idx\"")),
         ("{{handoff_index}}", format!("\"{bare}_handoff_idx\"")),
         ("{{published_index}}", format!("\"{bare}_published_idx\"")),
-        ("{{event_id}}", id),
+        ("{{event_id}}", table.col(Role::EventId)),
         ("{{aggregate_type}}", table.col(Role::AggregateType)),
         ("{{aggregate_id}}", table.col(Role::AggregateId)),
         ("{{event_type}}", table.col(Role::EventType)),
         ("{{payload}}", table.col(Role::Payload)),
         ("{{created_at}}", created_at),
-        ("{{order_key}}", order_key),
+        ("{{order_key}}", table.order_key()),
     ];
     placeholders
         .iter()

@@ -50,11 +50,6 @@ impl OutboxSql {
         Ok(sql)
     }
 
-    /// True when the table records what was published (has `published_at`).
-    pub fn marks_published(&self) -> bool {
-        self.mark_published.is_some()
-    }
-
     /// Sets `published_at` for the given events (one statement); rows already published are left alone.
     /// Returns the rows it changed (all of them, without `published_at`: nothing to write).
     pub async fn mark_published(&self, client: &Client, event_ids: &[Uuid]) -> Result<Vec<Uuid>> {
@@ -285,10 +280,7 @@ impl PollSql {
             ClaimScope::All => "",
             ClaimScope::HandedOff => "AND handoff_at IS NOT NULL",
         };
-        let order_by = match &created_at {
-            Some(created_at) => format!("position NULLS FIRST, {created_at}, {id}"),
-            None => format!("position NULLS FIRST, {id}"),
-        };
+        let order_by = format!("position NULLS FIRST, {}", outbox.order_key());
         let picked = match order {
             // An event is claimable only when it and every earlier unpublished, non-dead event of its aggregate
             // are claimable (not leased, not waiting for a retry). Earlier events always precede later ones in

@@ -93,8 +93,7 @@ pub async fn publication_state(
 /// The publication exists, publishes inserts and covers the outbox table.
 pub async fn check_publication(client: &Client, settings: &DatabaseSettings) -> Result<()> {
     let publication = &settings.publication;
-    let names: Vec<String> = settings.tables.iter().map(|t| t.name.to_string()).collect();
-    let names = names.join(", ");
+    let names = crate::table::names(&settings.tables);
     for table in &settings.tables {
         let name = &table.name;
         let Some(state) = publication_state(client, publication, name).await? else {

@@ -62,15 +62,9 @@ pub async fn acquire(
     settings: &RunSettings,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<Option<Leadership>> {
-    let tables: Vec<String> = settings
-        .database
-        .tables
-        .iter()
-        .map(|t| t.name.to_string())
-        .collect();
     let key = format!(
         "outboxd.leader.{}.{}",
-        tables.join(","),
+        crate::table::names(&settings.database.tables),
         settings.database.slot
     );
     let mut standing_by = false;

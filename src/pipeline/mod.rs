@@ -173,15 +173,9 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         retry_until(&settings, deadline, || preflight_database(&settings)).await?;
     let can_sweep = has_polling_columns(&settings);
     if settings.mode != Mode::Poll && !can_sweep {
-        let tables: Vec<String> = settings
-            .database
-            .tables
-            .iter()
-            .filter(|t| !t.polling)
-            .map(|t| t.name.to_string())
-            .collect();
+        let tables = crate::table::names(settings.database.tables.iter().filter(|t| !t.polling));
         tracing::warn!(
-            tables = %tables.join(", "),
+            %tables,
             "running CDC only: without the polling columns there is no backfill of rows older than the slot, no polling fallback, no retry queue or dead letters{}; add them with `outboxd migrate --add-polling-columns`",
             if settings.database.tables.iter().any(|t| !t.marks_published) { ", and no published_at (rows re-sent after a restart are published again)" } else { "" }
         );
@@ -206,14 +200,8 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         Mode::Poll => {}
     }
     retry_until(&settings, deadline, || preflight_brokers(&settings)).await?;
-    let tables: Vec<String> = settings
-        .database
-        .tables
-        .iter()
-        .map(|t| t.name.to_string())
-        .collect();
     tracing::info!(
-        tables = %tables.join(", "),
+        tables = %crate::table::names(&settings.database.tables),
         mode = ?settings.mode,
         slot = %settings.database.slot,
         publication = %settings.database.publication,
