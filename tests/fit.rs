@@ -97,6 +97,15 @@ async fn a_debezium_outbox_table_is_published_as_debeziums_router_publishes_it()
         outboxd.log_text()
     );
 
+    // `status` reads a CDC-only table too: the slot is there, no backlog to count.
+    let mut status_args = vec!["status", "--database-url", &url, "--json"];
+    status_args.extend(table);
+    let status = run_outboxd(&status_args);
+    let status_json: serde_json::Value = serde_json::from_slice(&status.stdout)
+        .unwrap_or_else(|e| panic!("status is not JSON ({e}): {}", stderr_of(&status)));
+    assert_eq!(status_json["slot_exists"], true, "{status_json}");
+    assert_eq!(status_json["table"], "public.outboxevent", "{status_json}");
+
     // Adding the polling columns when asked: later events get published_at.
     outboxd.terminate();
     let mut with_polling = table.to_vec();
@@ -538,4 +547,50 @@ async fn deleted_rows_of_an_aggregate_waiting_for_the_polling_path_are_still_pub
     let report = check_delivery(&records, &committed, &[]);
     assert_eq!(report.missing, 0, "{report:?}");
     wait_all_published(&client, Duration::from_secs(60)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_killed() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    // The standard columns and nothing else: no published_at, no polling columns.
+    client
+        .batch_execute(
+            "CREATE TABLE public.outbox_event (
+                 event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .unwrap();
+    migrate_with(&url, &[]);
+    let args = run_args(&url, &brokers);
+    let mut committed = Vec::new();
+    let mut txn = 0;
+    for _ in 0..4 {
+        let mut outboxd = Outboxd::spawn(&args);
+        wait_slot_active(&client, "outboxd").await;
+        // An order service that keeps its outbox empty: insert and delete in one transaction.
+        for _ in 0..40 {
+            let tx = client.transaction().await.unwrap();
+            let events = insert_txn_events(&tx, txn, 5, 7).await;
+            tx.batch_execute("DELETE FROM outbox_event").await.unwrap();
+            tx.commit().await.unwrap();
+            committed.extend(events);
+            txn += 1;
+        }
+        outboxd.kill();
+    }
+    let _outboxd = Outboxd::spawn(&args);
+    let end = current_wal_lsn(&client).await;
+    wait_for_async(
+        "the slot to pass every insert",
+        Duration::from_secs(60),
+        || async { (confirmed_flush(&client, "outboxd").await >= end).then_some(()) },
+    )
+    .await;
+    let (_, report) = verify_delivery(&brokers, &committed, &[], 60, "CDC-only, killed 4 times");
+    println!("duplicates after 4 kills: {}", report.duplicates);
+    assert_eq!(count(&client, "SELECT count(*) FROM outbox_event").await, 0);
 }
