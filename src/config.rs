@@ -130,9 +130,11 @@ pub struct Options {
     /// Column playing a role, ROLE=COLUMN (repeatable); roles: event_id, aggregate_type, aggregate_id,
     /// event_type, payload, created_at. Applies to every --table.
     #[arg(long, env = "OUTBOXD_COLUMN", value_delimiter = ',')]
+    #[serde(default, deserialize_with = "one_or_many")]
     pub column: Option<Vec<String>>,
     /// Column copied to a Kafka header of the same name (repeatable), e.g. traceparent; NULL: no header.
     #[arg(long, env = "OUTBOXD_HEADER_COLUMN", value_delimiter = ',')]
+    #[serde(default, deserialize_with = "one_or_many")]
     pub header_column: Option<Vec<String>>,
     /// migrate: add the polling columns (published_at, leases, position, dead letters) to an existing
     /// table; without them outboxd runs CDC only.
@@ -906,6 +908,16 @@ mod tests {
                 .unwrap();
             assert_eq!(merged.table.map(|t| t.len()), Some(expected), "{text}");
         }
+        std::fs::write(
+            &path,
+            "column = \"event_id=id\"\nheader-column = [\"a\", \"b\"]\n",
+        )
+        .unwrap();
+        let merged = options(&["--config", path.to_str().unwrap()])
+            .with_file()
+            .unwrap();
+        assert_eq!(merged.column, Some(vec!["event_id=id".to_string()]));
+        assert_eq!(merged.header_column.map(|h| h.len()), Some(2));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
