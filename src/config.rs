@@ -127,12 +127,13 @@ pub struct Options {
     /// payload; `id` header; topic outbox.event.{aggregate_type}) [default: standard].
     #[arg(long, env = "OUTBOXD_TABLE_STYLE", value_enum)]
     pub table_style: Option<TableStyle>,
-    /// Column playing a role, ROLE=COLUMN (repeatable); roles: event_id, aggregate_type, aggregate_id,
-    /// event_type, payload, created_at. Applies to every --table.
+    /// Column playing a role, [TABLE:]ROLE=COLUMN (repeatable); roles: event_id, aggregate_type,
+    /// aggregate_id, event_type, payload, created_at. Every --table, or only TABLE when prefixed.
     #[arg(long, env = "OUTBOXD_COLUMN", value_delimiter = ',')]
     #[serde(default, deserialize_with = "one_or_many")]
     pub column: Option<Vec<String>>,
-    /// Column copied to a Kafka header of the same name (repeatable), e.g. traceparent; NULL: no header.
+    /// Column copied to a Kafka header of the same name, [TABLE:]COLUMN (repeatable), e.g. traceparent;
+    /// NULL: no header.
     #[arg(long, env = "OUTBOXD_HEADER_COLUMN", value_delimiter = ',')]
     #[serde(default, deserialize_with = "one_or_many")]
     pub header_column: Option<Vec<String>>,

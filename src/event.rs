@@ -450,7 +450,7 @@ mod tests {
 
     #[test]
     fn debezium_table_without_created_at_bytea_payload_and_null_payload() {
-        let table = OutboxTable::new(
+        let mut table = OutboxTable::new(
             crate::config::TableName {
                 schema: "public".into(),
                 name: "outboxevent".into(),
@@ -468,7 +468,6 @@ mod tests {
             "traceparent",
         ]);
         rel.columns[4].type_oid = BYTEA_OID;
-        let mut table = table;
         let types = [
             ("id", "uuid"),
             ("aggregatetype", "text"),

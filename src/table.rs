@@ -285,14 +285,6 @@ impl OutboxTable {
         self.partitioned = partitioned;
         Ok(())
     }
-
-    /// Polling columns the table lacks.
-    pub fn missing_polling_columns(columns: &[(String, String)]) -> Vec<&'static str> {
-        POLLING_COLUMNS
-            .into_iter()
-            .filter(|c| !columns.iter().any(|(n, _)| n == c))
-            .collect()
-    }
 }
 
 /// A `--column` or `--header-column` value, optionally for one table only (`TABLE:...`).
