@@ -18,28 +18,32 @@ fn migrate_with(url: &str, args: &[&str]) -> String {
     stderr
 }
 
+/// A PostgreSQL cluster with `create` run in it, a broker, and a client.
+async fn stack_with(create: &str) -> (Postgres, Broker, tokio_postgres::Client) {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let client = pg.client().await;
+    client.batch_execute(create).await.unwrap();
+    (pg, broker, client)
+}
+
 async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_debezium_outbox_table_is_published_as_debeziums_router_publishes_it() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    let (url, brokers) = (pg.url(), broker.addr());
-    let client = pg.client().await;
     // Debezium's documented outbox table, as a team already runs it.
-    client
-        .batch_execute(
-            "CREATE TABLE public.outboxevent (
+    let (pg, broker, client) = stack_with(
+        "CREATE TABLE public.outboxevent (
                  id uuid NOT NULL PRIMARY KEY,
                  aggregatetype varchar(255) NOT NULL,
                  aggregateid varchar(255) NOT NULL,
                  type varchar(255) NOT NULL,
                  payload jsonb)",
-        )
-        .await
-        .unwrap();
+    )
+    .await;
+    let (url, brokers) = (pg.url(), broker.addr());
     let table = ["--table", "public.outboxevent", "--table-style", "debezium"];
     let stderr = migrate_with(&url, &table);
     assert!(
@@ -130,19 +134,11 @@ async fn a_debezium_outbox_table_is_published_as_debeziums_router_publishes_it()
 
 #[tokio::test(flavor = "multi_thread")]
 async fn header_columns_become_headers_and_null_leaves_the_header_out() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    let (url, brokers) = (pg.url(), broker.addr());
-    let client = pg.client().await;
-    client
-        .batch_execute(
-            "CREATE TABLE public.traced_outbox (
+    let (pg, broker, client) = stack_with("CREATE TABLE public.traced_outbox (
                  event_id uuid PRIMARY KEY, kind text NOT NULL, aggregate_type text NOT NULL,
                  aggregate_id text NOT NULL, body jsonb NOT NULL, occurred_at timestamptz NOT NULL DEFAULT now(),
-                 traceparent text, tenant_id integer)",
-        )
-        .await
-        .unwrap();
+                 traceparent text, tenant_id integer)").await;
+    let (url, brokers) = (pg.url(), broker.addr());
     let table = [
         "--table",
         "traced_outbox",
@@ -319,23 +315,15 @@ async fn json_text_and_bytea_payloads_go_out_as_stored_and_null_is_a_tombstone()
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partitioned_table_streams_across_partitions_and_retention_drops_old_ones() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    let (url, brokers) = (pg.url(), broker.addr());
-    let client = pg.client().await;
-    client
-        .batch_execute(
-            "CREATE TABLE public.outbox_p (
+    let (pg, broker, client) = stack_with("CREATE TABLE public.outbox_p (
                  event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
                  event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
                  PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
              CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
                  FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
              CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
-                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');",
-        )
-        .await
-        .unwrap();
+                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');").await;
+    let (url, brokers) = (pg.url(), broker.addr());
     migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
     let via_root: bool = client
         .query_one(
@@ -559,19 +547,11 @@ async fn deleted_rows_of_an_aggregate_waiting_for_the_polling_path_are_still_pub
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_killed() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    let (url, brokers) = (pg.url(), broker.addr());
-    let mut client = pg.client().await;
     // The standard columns and nothing else: no published_at, no polling columns.
-    client
-        .batch_execute(
-            "CREATE TABLE public.outbox_event (
+    let (pg, broker, mut client) = stack_with("CREATE TABLE public.outbox_event (
                  event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .await
-        .unwrap();
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())").await;
+    let (url, brokers) = (pg.url(), broker.addr());
     migrate_with(&url, &[]);
     let args = run_args(&url, &brokers);
     let mut committed = Vec::new();
