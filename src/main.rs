@@ -95,13 +95,6 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                 outboxd::http::serve(addr, metrics).await?;
             }
             tokio::spawn(outboxd::stats::run(std::sync::Arc::new(settings.clone())));
-            if let Some(retention) = &settings.retention {
-                tokio::spawn(outboxd::retention::run(
-                    settings.database.database_url.clone(),
-                    settings.database.tables.clone(),
-                    std::sync::Arc::new(retention.clone()),
-                ));
-            }
             pipeline::run(settings, stop_rx).await?;
             Ok(ExitCode::SUCCESS)
         }

@@ -186,6 +186,33 @@ async fn missing_or_mistyped_column() {
     assert_mentions(&stderr, &["no column agg", "--column aggregate_id="]);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_on_a_table_without_published_at() {
+    let pg = Postgres::start();
+    pg.client()
+        .await
+        .batch_execute(
+            "CREATE TABLE cdc_only (event_id uuid PRIMARY KEY, aggregate_type text, aggregate_id text,
+                                    event_type text, payload jsonb);
+             CREATE PUBLICATION outboxd FOR TABLE cdc_only WITH (publish = 'insert');",
+        )
+        .await
+        .unwrap();
+    let stderr = run_expecting_failure(
+        &pg.url(),
+        NO_BROKER,
+        &["--table", "cdc_only", "--retention", "7d"],
+    );
+    assert_mentions(
+        &stderr,
+        &[
+            "--retention needs the published_at column",
+            "public.cdc_only",
+            "--add-polling-columns",
+        ],
+    );
+}
+
 #[test]
 fn missing_publication() {
     let pg = migrated();

@@ -199,7 +199,23 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         }
         Mode::Poll => {}
     }
+    if let (Some(_), Some(table)) = (
+        &settings.retention,
+        settings.database.tables.iter().find(|t| !t.marks_published),
+    ) {
+        return Err(Error::setup(
+            format!("--retention needs the published_at column to know what was published, and {} has none", table.name),
+            "run `outboxd migrate --add-polling-columns`, or drop --retention",
+        ));
+    }
     retry_until(&settings, deadline, || preflight_brokers(&settings)).await?;
+    if let Some(retention) = &settings.retention {
+        tokio::spawn(crate::retention::run(
+            settings.database.database_url.clone(),
+            settings.database.tables.clone(),
+            Arc::new(retention.clone()),
+        ));
+    }
     tracing::info!(
         tables = %crate::table::names(&settings.database.tables),
         mode = ?settings.mode,
