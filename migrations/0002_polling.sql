@@ -20,5 +20,5 @@ ALTER SEQUENCE {{position_seq}} OWNED BY {{table}}.position;
 
 CREATE INDEX IF NOT EXISTS {{claim_index}} ON {{table}} (position, {{order_key}})
     WHERE published_at IS NULL AND dead_at IS NULL;
-CREATE INDEX IF NOT EXISTS {{handoff_index}} ON {{table}} ({{aggregate_type}}, {{aggregate_id}})
+CREATE INDEX IF NOT EXISTS {{handoff_index}} ON {{table}} ({{aggregate_key}})
     WHERE handoff_at IS NOT NULL AND published_at IS NULL AND dead_at IS NULL;

@@ -71,9 +71,12 @@ impl PartialEq<&str> for Text {
 pub struct OutboxEvent {
     /// Lowercase canonical UUID text.
     pub event_id: Text,
-    pub aggregate_type: Text,
+    /// `None` when the table has no aggregate_type column.
+    pub aggregate_type: Option<Text>,
+    /// The record key.
     pub aggregate_id: Text,
-    pub event_type: Text,
+    /// `None` when the table has no event_type column, or it is NULL.
+    pub event_type: Option<Text>,
     /// The payload as stored (JSON or text as is, bytea as raw bytes); `None` (a NULL payload) publishes a
     /// tombstone.
     pub payload: Option<Bytes>,
@@ -87,9 +90,9 @@ impl OutboxEvent {
     /// Approximate size in memory, for the in-flight byte budget.
     pub fn size_bytes(&self) -> usize {
         self.event_id.len()
-            + self.aggregate_type.len()
+            + self.aggregate_type.as_ref().map_or(0, |t| t.len())
             + self.aggregate_id.len()
-            + self.event_type.len()
+            + self.event_type.as_ref().map_or(0, |t| t.len())
             + self.payload.as_ref().map_or(0, Bytes::len)
             + self.created_at.as_ref().map_or(0, |t| t.len())
             + self
@@ -134,9 +137,8 @@ pub enum MappingError {
 pub struct RowMapping {
     pub table: String,
     column_count: usize,
-    /// Indexes of event_id, aggregate_type, aggregate_id, event_type, payload (`Role::ALL` order).
-    indexes: [usize; 5],
-    created_at: Option<usize>,
+    /// Index per role (`Role::ALL` order); `None` for an optional role the table lacks.
+    columns: [Option<usize>; 6],
     payload_is_bytea: bool,
     headers: Vec<(Arc<str>, usize)>,
 }
@@ -144,43 +146,35 @@ pub struct RowMapping {
 impl RowMapping {
     pub fn from_relation(outbox: &OutboxTable, relation: &Relation) -> Result<Self, MappingError> {
         let table = format!("{}.{}", relation.namespace, relation.name);
-        let position = |column: &str| relation.columns.iter().position(|c| c.name == column);
-        let mut indexes = [0usize; 5];
-        for (slot, role) in indexes.iter_mut().zip(Role::ALL) {
-            let column = outbox.required(role);
-            *slot = position(column).ok_or_else(|| MappingError::MissingColumn {
-                table: table.clone(),
-                column: column.to_string(),
-                role: role.name(),
-            })?;
-        }
-        let created_at = match outbox.column(Role::CreatedAt) {
-            Some(column) => Some(position(column).ok_or_else(|| MappingError::MissingColumn {
-                table: table.clone(),
-                column: column.to_string(),
-                role: Role::CreatedAt.name(),
-            })?),
-            None => None,
+        let position = |column: &str, role: &'static str| {
+            relation
+                .columns
+                .iter()
+                .position(|c| c.name == column)
+                .ok_or_else(|| MappingError::MissingColumn {
+                    table: table.clone(),
+                    column: column.to_string(),
+                    role,
+                })
         };
+        let mut columns = [None; 6];
+        for (slot, role) in columns.iter_mut().zip(Role::ALL) {
+            *slot = match outbox.column(role) {
+                Some(column) => Some(position(column, role.name())?),
+                None => None,
+            };
+        }
         let headers = outbox
             .header_columns
             .iter()
-            .map(|column| {
-                position(column)
-                    .map(|at| (Arc::from(column.as_str()), at))
-                    .ok_or_else(|| MappingError::MissingColumn {
-                        table: table.clone(),
-                        column: column.clone(),
-                        role: "header",
-                    })
-            })
+            .map(|column| Ok((Arc::from(column.as_str()), position(column, "header")?)))
             .collect::<Result<_, _>>()?;
+        let payload = columns[Role::Payload as usize].unwrap_or_default();
         Ok(RowMapping {
+            payload_is_bytea: relation.columns.get(payload).map(|c| c.type_oid) == Some(BYTEA_OID),
             table,
             column_count: relation.columns.len(),
-            payload_is_bytea: relation.columns[indexes[4]].type_oid == BYTEA_OID,
-            indexes,
-            created_at,
+            columns,
             headers,
         })
     }
@@ -194,21 +188,33 @@ impl RowMapping {
             });
         }
         let raw = |at: usize| -> Option<&Bytes> { insert.values[at].as_text() };
-        let text = |role: usize| -> Result<Text, MappingError> {
-            let column = Role::ALL[role].name();
-            let bytes = raw(self.indexes[role]).ok_or_else(|| MappingError::NullValue {
-                table: self.table.clone(),
-                event_id: raw(self.indexes[0])
-                    .map(|b| String::from_utf8_lossy(b).into_owned())
-                    .unwrap_or_default(),
-                column,
-            })?;
+        let utf8 = |bytes: &Bytes, column: &'static str| {
             Text::from_utf8(bytes.clone()).map_err(|_| MappingError::NotUtf8 {
                 table: self.table.clone(),
                 column,
             })
         };
-        let payload = match raw(self.indexes[4]) {
+        // The role's text; `None` when the table lacks the role, or the value is NULL where that is allowed.
+        let text = |role: Role| -> Result<Option<Text>, MappingError> {
+            let Some(at) = self.columns[role as usize] else {
+                return Ok(None);
+            };
+            match raw(at) {
+                Some(bytes) => utf8(bytes, role.name()).map(Some),
+                // A nullable event_type or created_at column: no header.
+                None if matches!(role, Role::EventType | Role::CreatedAt) => Ok(None),
+                None => Err(MappingError::NullValue {
+                    table: self.table.clone(),
+                    event_id: self.columns[Role::EventId as usize]
+                        .and_then(raw)
+                        .map(|b| String::from_utf8_lossy(b).into_owned())
+                        .unwrap_or_default(),
+                    column: role.name(),
+                }),
+            }
+        };
+        let required = |role: Role| text(role).map(Option::unwrap_or_default);
+        let payload = match self.columns[Role::Payload as usize].and_then(raw) {
             Some(bytes) if self.payload_is_bytea => Some(decode_bytea_hex(bytes).ok_or_else(
                 || MappingError::BadBytea {
                     table: self.table.clone(),
@@ -217,35 +223,19 @@ impl RowMapping {
             Some(bytes) => Some(bytes.clone()),
             None => None,
         };
-        let created_at = match self.created_at.and_then(raw) {
-            Some(bytes) => Some(
-                Text::from_utf8(bytes.clone())
-                    .map(|t| Text::from(to_rfc3339(&t)))
-                    .map_err(|_| MappingError::NotUtf8 {
-                        table: self.table.clone(),
-                        column: "created_at",
-                    })?,
-            ),
-            // A nullable created_at column: no header.
-            None => None,
-        };
         let mut headers = Vec::new();
         for (name, at) in &self.headers {
             if let Some(bytes) = raw(*at) {
-                let value = Text::from_utf8(bytes.clone()).map_err(|_| MappingError::NotUtf8 {
-                    table: self.table.clone(),
-                    column: "header",
-                })?;
-                headers.push((name.clone(), value));
+                headers.push((name.clone(), utf8(bytes, "header")?));
             }
         }
         Ok(OutboxEvent {
-            event_id: text(0)?,
-            aggregate_type: text(1)?,
-            aggregate_id: text(2)?,
-            event_type: text(3)?,
+            event_id: required(Role::EventId)?,
+            aggregate_type: text(Role::AggregateType)?,
+            aggregate_id: required(Role::AggregateId)?,
+            event_type: text(Role::EventType)?,
             payload,
-            created_at,
+            created_at: text(Role::CreatedAt)?.map(|t| Text::from(to_rfc3339(&t))),
             headers,
         })
     }
@@ -369,9 +359,9 @@ mod tests {
         };
         let event = mapping.event(&insert).unwrap();
         assert_eq!(event.event_id, "0b7d6f0e-8f3c-4c1b-9d6e-1f2a3b4c5d6e");
-        assert_eq!(event.aggregate_type, "Order");
+        assert_eq!(event.aggregate_type.unwrap(), "Order");
         assert_eq!(event.aggregate_id, "order-7");
-        assert_eq!(event.event_type, "OrderCreated");
+        assert_eq!(event.event_type.unwrap(), "OrderCreated");
         assert_eq!(event.payload.as_deref(), Some(&br#"{"a":1}"#[..]));
         assert_eq!(event.created_at.unwrap(), "2026-11-30T05:02:15.5Z");
         assert_eq!(

@@ -293,20 +293,23 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             .await
             .map_err(PublishError::Failed)?;
         let mut headers = OwnedHeaders::new_with_capacity(5 + event.headers.len());
-        for (key, value) in [
-            (self.event_id_header, event.event_id.as_str()),
-            ("event_type", event.event_type.as_str()),
-            ("aggregate_type", event.aggregate_type.as_str()),
-        ]
-        .into_iter()
-        .chain(
-            event
-                .created_at
-                .as_ref()
-                .map(|c| ("created_at", c.as_str())),
-        )
-        .chain(event.headers.iter().map(|(k, v)| (&**k, v.as_str())))
-        .chain(error.map(|e| ("error", e)))
+        for (key, value) in [(self.event_id_header, event.event_id.as_str())]
+            .into_iter()
+            .chain(event.event_type.as_deref().map(|t| ("event_type", t)))
+            .chain(
+                event
+                    .aggregate_type
+                    .as_deref()
+                    .map(|t| ("aggregate_type", t)),
+            )
+            .chain(
+                event
+                    .created_at
+                    .as_ref()
+                    .map(|c| ("created_at", c.as_str())),
+            )
+            .chain(event.headers.iter().map(|(k, v)| (&**k, v.as_str())))
+            .chain(error.map(|e| ("error", e)))
         {
             headers = headers.insert(Header {
                 key,

@@ -45,9 +45,13 @@ impl Role {
         Role::ALL.into_iter().find(|role| role.name() == text)
     }
 
-    /// A table without this column still works (the header it feeds is left out).
+    /// A table without this column still works: the header it feeds is left out (and aggregates are keyed
+    /// by aggregate_id alone).
     pub fn optional(self) -> bool {
-        self == Role::CreatedAt
+        matches!(
+            self,
+            Role::AggregateType | Role::EventType | Role::CreatedAt
+        )
     }
 }
 
@@ -200,6 +204,26 @@ impl OutboxTable {
     /// The quoted column of a required role, ready for SQL.
     pub fn col(&self, role: Role) -> String {
         format!("\"{}\"", self.required(role))
+    }
+
+    /// The column of `role` as text for SQL: the quoted column cast to text, or `fallback` (an SQL text
+    /// literal or NULL) when the table lacks the optional role.
+    pub fn text_expr(&self, role: Role, fallback: &str) -> String {
+        match self.column(role) {
+            Some(column) => format!("\"{column}\"::text"),
+            None => fallback.to_string(),
+        }
+    }
+
+    /// The quoted columns that identify an aggregate: aggregate_type (when the table has it) and
+    /// aggregate_id.
+    pub fn aggregate_key(&self) -> String {
+        match self.column(Role::AggregateType) {
+            Some(aggregate_type) => {
+                format!("\"{aggregate_type}\", {}", self.col(Role::AggregateId))
+            }
+            None => self.col(Role::AggregateId),
+        }
     }
 
     /// The quoted columns after `position` that order events (created_at when the table has it, then
@@ -420,6 +444,31 @@ mod tests {
             .resolve(&bad, false)
             .unwrap_err();
         assert!(err.problem.contains("expected uuid"), "{err:?}");
+    }
+
+    #[test]
+    fn only_event_id_aggregate_id_and_payload_are_required() {
+        let mut t = table(TableStyle::Standard, &[]);
+        t.resolve(
+            &columns(&[
+                ("event_id", "uuid"),
+                ("aggregate_id", "bigint"),
+                ("payload", "jsonb"),
+            ]),
+            false,
+        )
+        .unwrap();
+        assert_eq!(t.column(Role::AggregateType), None);
+        assert_eq!(t.column(Role::EventType), None);
+        assert_eq!(t.aggregate_key(), "\"aggregate_id\"");
+        assert_eq!(t.text_expr(Role::EventType, "NULL::text"), "NULL::text");
+        let err = table(TableStyle::Standard, &[])
+            .resolve(
+                &columns(&[("event_id", "uuid"), ("payload", "jsonb")]),
+                false,
+            )
+            .unwrap_err();
+        assert!(err.problem.contains("no column aggregate_id"), "{err:?}");
     }
 
     #[test]

@@ -79,6 +79,25 @@ impl TopicTemplate {
         Ok(TopicTemplate { parts })
     }
 
+    /// The topic of `event`, from outbox table `table` (an absent aggregate_type or event_type renders empty;
+    /// start-up refuses templates that name a column a table lacks).
+    pub fn render_event(&self, table: &TableName, event: &crate::event::OutboxEvent) -> String {
+        self.render(
+            table,
+            event.aggregate_type.as_deref().unwrap_or_default(),
+            event.event_type.as_deref().unwrap_or_default(),
+        )
+    }
+
+    /// Whether the template uses `{aggregate_type}` / `{event_type}`.
+    pub fn uses_aggregate_type(&self) -> bool {
+        self.parts.contains(&Part::AggregateType)
+    }
+
+    pub fn uses_event_type(&self) -> bool {
+        self.parts.contains(&Part::EventType)
+    }
+
     /// Renders the topic for one event. Characters Kafka does not allow in topic names are replaced by `_`
     /// (as Debezium does), so no event is ever unroutable; the name is cut at Kafka's 249-character limit.
     pub fn render(&self, table: &TableName, aggregate_type: &str, event_type: &str) -> String {

@@ -582,3 +582,70 @@ async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_k
     println!("duplicates after 4 kills: {}", report.duplicates);
     assert_eq!(count(&client, "SELECT count(*) FROM outbox_event").await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_table_of_only_id_key_and_payload_is_published_with_what_it_has() {
+    let (pg, broker, client) = stack_with(
+        "CREATE TABLE public.lean_outbox (id uuid PRIMARY KEY, entity text NOT NULL, body jsonb NOT NULL)",
+    )
+    .await;
+    let (url, brokers) = (pg.url(), broker.addr());
+    let table = [
+        "--table",
+        "lean_outbox",
+        "--column",
+        "event_id=id",
+        "--column",
+        "aggregate_id=entity",
+        "--column",
+        "payload=body",
+    ];
+    // The default topic names {aggregate_type}, which this table lacks: refused with the fix.
+    let mut refused = vec!["run", "--database-url", &url, "--brokers", "127.0.0.1:1"];
+    refused.extend(table);
+    let output = run_outboxd(&refused);
+    let stderr = stderr_of(&output);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("--topic uses {aggregate_type}")
+            && stderr.contains("no aggregate_type column"),
+        "{stderr}"
+    );
+    migrate_with(&url, &[&table[..], &["--add-polling-columns"]].concat());
+    let mut args = run_args(&url, &brokers);
+    args.extend(table);
+    args.extend(["--topic", "events.{table}"]);
+    for (n, mode) in ["cdc", "poll"].into_iter().enumerate() {
+        let mut phase_args = args.clone();
+        phase_args.extend(["--mode", mode]);
+        let outboxd = Outboxd::spawn(&phase_args);
+        if mode == "cdc" {
+            wait_slot_active(&client, "outboxd").await;
+        }
+        client
+            .batch_execute(&format!(
+                "INSERT INTO lean_outbox (id, entity, body) VALUES (gen_random_uuid(), 'e-{mode}', '{{\"n\": {n}}}')"
+            ))
+            .await
+            .unwrap();
+        wait_all_published_in(&client, "lean_outbox").await;
+        drop(outboxd);
+    }
+    let records = consume_all(
+        &brokers,
+        &["events.lean_outbox"],
+        2,
+        Duration::from_secs(60),
+    );
+    assert_eq!(records.len(), 2, "each event once");
+    for record in &records {
+        let mut names: Vec<&str> = record.headers.keys().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["event_id"],
+            "{:?}: only what the table has",
+            record.key
+        );
+    }
+}

@@ -74,6 +74,7 @@ fn render_migration(sql: &str, table: &OutboxTable) -> String {
         ("{{payload}}", table.col(Role::Payload)),
         ("{{created_at}}", created_at),
         ("{{order_key}}", table.order_key()),
+        ("{{aggregate_key}}", table.aggregate_key()),
     ];
     placeholders
         .iter()

@@ -164,9 +164,9 @@ pub async fn aggregates_pending_hand_off(
     let rows = client
         .query(
             &format!(
-                "SELECT DISTINCT {}::text, {}::text FROM {}
+                "SELECT DISTINCT {}, {}::text FROM {}
                  WHERE handoff_at IS NOT NULL AND published_at IS NULL AND dead_at IS NULL",
-                table.col(Role::AggregateType),
+                table.text_expr(Role::AggregateType, "''::text"),
                 table.col(Role::AggregateId),
                 table.name.quoted()
             ),
@@ -251,6 +251,7 @@ pub struct ClaimedRow {
 pub struct PollSql {
     claim: String,
     payload_type: PayloadType,
+    has_aggregate_type: bool,
     header_columns: Vec<std::sync::Arc<str>>,
     serialize_claims: bool,
     table_key: String,
@@ -271,10 +272,7 @@ impl PollSql {
         let table = &outbox.name;
         let t = table.quoted();
         let id = outbox.col(Role::EventId);
-        let (aggregate_type, aggregate_id) = (
-            outbox.col(Role::AggregateType),
-            outbox.col(Role::AggregateId),
-        );
+        let aggregate_key = outbox.aggregate_key();
         let created_at = outbox.column(Role::CreatedAt).map(|c| format!("\"{c}\""));
         let scope_filter = match scope {
             ClaimScope::All => "",
@@ -289,13 +287,13 @@ impl PollSql {
             // aggregate between them.
             crate::config::PollOrder::PerAggregate => format!(
                 "prefix AS (
-                     SELECT {id}, {aggregate_type}, {aggregate_id}, position{created_at_column},
+                     SELECT {id}, {aggregate_key}, position{created_at_column},
                             (available_at <= now() AND (lease_until IS NULL OR lease_until < now())) AS ready
                      FROM {t} WHERE published_at IS NULL AND dead_at IS NULL {scope_filter}
                      ORDER BY {order_by} LIMIT $4),
                  ranked AS (
                      SELECT {id}, position{created_at_column},
-                            bool_and(ready) OVER (PARTITION BY {aggregate_type}, {aggregate_id} ORDER BY {order_by}
+                            bool_and(ready) OVER (PARTITION BY {aggregate_key} ORDER BY {order_by}
                                                   ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS ready_prefix
                      FROM prefix),
                  picked AS (
@@ -330,14 +328,17 @@ impl PollSql {
              UPDATE {t} e SET lease_token = $1, lease_until = now() + make_interval(secs => $2::float8),
                               attempts = e.attempts + 1
              FROM picked WHERE e.{id} = picked.picked_id
-             RETURNING e.{id}, e.{aggregate_type}::text, e.{aggregate_id}::text, e.{event_type}::text, {payload},
+             RETURNING e.{id}, {aggregate_type}, e.{aggregate_id}::text, {event_type}, {payload},
                        {created_at_text}, e.attempts, e.position{headers}",
-            event_type = outbox.col(Role::EventType),
+            aggregate_type = outbox.text_expr(Role::AggregateType, "NULL::text"),
+            aggregate_id = outbox.col(Role::AggregateId),
+            event_type = outbox.text_expr(Role::EventType, "NULL::text"),
         );
         let prepare = |sql: String| async move { client.prepare(&sql).await };
         Ok(PollSql {
             claim,
             payload_type: outbox.payload_type,
+            has_aggregate_type: outbox.column(Role::AggregateType).is_some(),
             header_columns: outbox
                 .header_columns
                 .iter()
@@ -406,14 +407,14 @@ impl PollSql {
                 let event_id: Uuid = row.get(0);
                 let created_at: Option<String> = row.get(5);
                 let text = |index: usize| row.get::<_, Option<String>>(index);
+                // As on the CDC path: a NULL event_type only leaves its header out.
                 let null_columns: Vec<&str> = [
-                    (1, "aggregate_type"),
-                    (2, "aggregate_id"),
-                    (3, "event_type"),
+                    (1, "aggregate_type", self.has_aggregate_type),
+                    (2, "aggregate_id", true),
                 ]
                 .into_iter()
-                .filter(|(index, _)| text(*index).is_none())
-                .map(|(_, name)| name)
+                .filter(|(index, _, present)| *present && text(*index).is_none())
+                .map(|(_, name, _)| name)
                 .collect();
                 let invalid = (!null_columns.is_empty()).then(|| {
                     format!(
@@ -434,9 +435,9 @@ impl PollSql {
                     .collect();
                 let event = crate::event::OutboxEvent {
                     event_id: event_id.to_string().into(),
-                    aggregate_type: text(1).unwrap_or_default().into(),
+                    aggregate_type: text(1).map(Into::into),
                     aggregate_id: text(2).unwrap_or_default().into(),
-                    event_type: text(3).unwrap_or_default().into(),
+                    event_type: text(3).map(Into::into),
                     payload,
                     created_at: created_at
                         .as_deref()

@@ -115,7 +115,11 @@ fn blocked_key(tag: &CdcTag, event: &OutboxEvent) -> BlockedKey {
     (
         tag.table,
         (
-            event.aggregate_type.to_string(),
+            event
+                .aggregate_type
+                .as_deref()
+                .unwrap_or_default()
+                .to_string(),
             event.aggregate_id.to_string(),
         ),
     )
@@ -690,11 +694,10 @@ impl Session<'_> {
 
     /// Hands one event to the producer; a permanent refusal sends it to the polling path.
     async fn produce(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
-        let topic = self.settings.topic.render(
-            &self.settings.database.tables[tag.table].name,
-            &event.aggregate_type,
-            &event.event_type,
-        );
+        let topic = self
+            .settings
+            .topic
+            .render_event(&self.settings.database.tables[tag.table].name, event);
         match self
             .publisher
             .publish(&topic, event, event_id, tag, None)
@@ -787,7 +790,7 @@ impl Session<'_> {
     fn hand_off_parked(&mut self, (table, aggregate): &BlockedKey) -> Result<()> {
         for pending in std::mem::take(&mut self.parked) {
             if pending.tag.table == *table
-                && *pending.event.aggregate_type == *aggregate.0
+                && pending.event.aggregate_type.as_deref().unwrap_or_default() == aggregate.0
                 && *pending.event.aggregate_id == *aggregate.1
             {
                 self.hand_off(

@@ -22,7 +22,7 @@ use crate::kafka::{self, KnownTopics, Publisher};
 use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::{ReplicationConnection, ReplicationError};
 use crate::pg::{self, slot};
-use crate::table::OutboxTable;
+use crate::table::{OutboxTable, Role};
 
 /// Maps replication-connection failures a person must fix to setup errors that say how.
 pub fn replication_error(error: ReplicationError) -> Error {
@@ -69,6 +69,24 @@ async fn preflight_database(settings: &RunSettings) -> Result<Vec<OutboxTable>> 
         }
     }
     Ok(tables)
+}
+
+/// The topic template names only columns every table has.
+fn check_topic_template(settings: &RunSettings) -> Result<()> {
+    for table in &settings.database.tables {
+        for (used, role) in [
+            (settings.topic.uses_aggregate_type(), Role::AggregateType),
+            (settings.topic.uses_event_type(), Role::EventType),
+        ] {
+            if used && table.column(role).is_none() {
+                return Err(Error::setup(
+                    format!("--topic uses {{{}}}, but {} has no {} column", role.name(), table.name, role.name()),
+                    format!("map it with --column {}=<column>, or give a --topic without {{{}}} (e.g. --topic outbox.{{table}})", role.name(), role.name()),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A broker answers a metadata request (and the Kafka options are valid).
@@ -171,6 +189,7 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
     let deadline = Instant::now() + settings.startup_timeout;
     settings.database.tables =
         retry_until(&settings, deadline, || preflight_database(&settings)).await?;
+    check_topic_template(&settings)?;
     let can_sweep = has_polling_columns(&settings);
     if settings.mode != Mode::Poll && !can_sweep {
         let tables = crate::table::names(settings.database.tables.iter().filter(|t| !t.polling));

@@ -258,7 +258,7 @@ impl PollWorker {
         let mut in_flight = 0usize;
         for (index, row) in rows.iter().enumerate() {
             let aggregate = (
-                row.event.aggregate_type.as_str(),
+                row.event.aggregate_type.as_deref().unwrap_or_default(),
                 row.event.aggregate_id.as_str(),
             );
             if poll.order == PollOrder::PerAggregate && failed_aggregates.contains(&aggregate) {
@@ -269,11 +269,10 @@ impl PollWorker {
                 outcomes.push(Outcome::Invalid(reason.clone()));
                 continue;
             }
-            let topic = self.settings.topic.render(
-                &self.table().name,
-                &row.event.aggregate_type,
-                &row.event.event_type,
-            );
+            let topic = self
+                .settings
+                .topic
+                .render_event(&self.table().name, &row.event);
             let outcome = match publisher
                 .publish(&topic, &row.event, row.event_id, Some(index), None)
                 .await
