@@ -762,6 +762,7 @@ impl Session<'_> {
         handed_off: &[Uuid],
         rowless: &[Uuid],
     ) -> Result<()> {
+        let rowless: HashSet<&Uuid> = rowless.iter().collect();
         let mut rowless_events = Vec::new();
         for event_id in handed_off {
             if let Some(handed) = self.hand_offs_unwritten.remove(event_id) {
