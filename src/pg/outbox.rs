@@ -21,31 +21,30 @@ impl OutboxSql {
     pub async fn prepare(client: &Client, outbox: &OutboxTable) -> Result<Self> {
         let table = outbox.name.quoted();
         let id = outbox.col(Role::EventId);
+        // Stamps `column` on the given unpublished rows and returns the ids it changed.
+        let stamp = |column: &str| {
+            format!(
+                "UPDATE {table} SET {column} = now() WHERE {id} = ANY($1::uuid[]) AND published_at IS NULL
+                 RETURNING {id}"
+            )
+        };
         let mut sql = OutboxSql {
             mark_published: None,
             find_published: None,
             hand_off: None,
         };
         if outbox.marks_published {
-            sql.mark_published = Some(client
-                .prepare(&format!(
-                    "UPDATE {table} SET published_at = now() WHERE {id} = ANY($1::uuid[]) AND published_at IS NULL
-                     RETURNING {id}"
-                ))
-                .await?);
-            sql.find_published = Some(client
-                .prepare(&format!(
-                    "SELECT {id} FROM {table} WHERE {id} = ANY($1::uuid[]) AND published_at IS NOT NULL"
-                ))
-                .await?);
+            sql.mark_published = Some(client.prepare(&stamp("published_at")).await?);
+            sql.find_published = Some(
+                client
+                    .prepare(&format!(
+                        "SELECT {id} FROM {table} WHERE {id} = ANY($1::uuid[]) AND published_at IS NOT NULL"
+                    ))
+                    .await?,
+            );
         }
         if outbox.polling {
-            sql.hand_off = Some(client
-                .prepare(&format!(
-                    "UPDATE {table} SET handoff_at = now() WHERE {id} = ANY($1::uuid[]) AND published_at IS NULL
-                     RETURNING {id}"
-                ))
-                .await?);
+            sql.hand_off = Some(client.prepare(&stamp("handoff_at")).await?);
         }
         Ok(sql)
     }
