@@ -649,3 +649,70 @@ async fn a_table_of_only_id_key_and_payload_is_published_with_what_it_has() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_tables_through_one_slot_lose_nothing_when_outboxd_is_killed() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let tables = [
+        "--table",
+        "orders.outbox_event",
+        "--table",
+        "billing.outbox_event",
+    ];
+    migrate_with(&url, &tables);
+    let mut args = run_args(&url, &brokers);
+    args.extend(tables);
+    args.extend(["--topic", "{schema}.{aggregate_type}"]);
+    let mut committed = Vec::new();
+    for round in 0..4i64 {
+        let mut outboxd = Outboxd::spawn(&args);
+        wait_slot_active(&client, "outboxd").await;
+        // Each transaction writes one event to each table; the aggregate's events alternate tables.
+        for n in 0..50i64 {
+            let seq = round * 50 + n;
+            let tx = client.transaction().await.unwrap();
+            for schema in ["orders", "billing"] {
+                let id = uuid::Uuid::new_v4();
+                let aggregate = format!("agg-{}", seq % 5);
+                tx.execute(
+                    &format!(
+                        "INSERT INTO {schema}.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                         VALUES ($1, 'Order', $2, 'E', '{{}}')"
+                    ),
+                    &[&id, &aggregate],
+                )
+                .await
+                .unwrap();
+                committed.push((
+                    schema,
+                    Inserted {
+                        event_id: id,
+                        aggregate_id: aggregate,
+                        seq,
+                    },
+                ));
+            }
+            tx.commit().await.unwrap();
+        }
+        outboxd.kill();
+    }
+    let _outboxd = Outboxd::spawn(&args);
+    wait_all_published_in(&client, "orders.outbox_event").await;
+    wait_all_published_in(&client, "billing.outbox_event").await;
+    for schema in ["orders", "billing"] {
+        let topic = format!("{schema}.Order");
+        let mine: Vec<Inserted> = committed
+            .iter()
+            .filter(|(s, _)| *s == schema)
+            .map(|(_, e)| e.clone())
+            .collect();
+        let records = consume_all(&brokers, &[&topic], mine.len(), Duration::from_secs(60));
+        let report = check_delivery(&records, &mine, &[]);
+        println!("{topic} after 4 kills: {report:?}");
+        assert_eq!(report.missing, 0, "{topic}");
+        assert_eq!(report.order_violations, 0, "{topic}");
+    }
+}
