@@ -27,6 +27,24 @@ async fn stack_with(create: &str) -> (Postgres, Broker, tokio_postgres::Client) 
     (pg, broker, client)
 }
 
+/// Migrates `orders.outbox_event` and `billing.outbox_event` (with `extra` mapping options) and returns the
+/// `run` arguments that stream both through one slot, to `{schema}.{aggregate_type}` topics.
+fn two_schema_args(pg: &Postgres, broker: &Broker, extra: &[&str]) -> Vec<String> {
+    let mut tables = vec![
+        "--table",
+        "orders.outbox_event",
+        "--table",
+        "billing.outbox_event",
+    ];
+    tables.extend_from_slice(extra);
+    let (url, brokers) = (pg.url(), broker.addr());
+    migrate_with(&url, &tables);
+    let mut args = run_args(&url, &brokers);
+    args.extend(tables);
+    args.extend(["--topic", "{schema}.{aggregate_type}"]);
+    args.into_iter().map(String::from).collect()
+}
+
 async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
@@ -415,22 +433,16 @@ async fn a_partitioned_table_streams_across_partitions_and_retention_drops_old_o
 async fn two_schemas_tables_stream_through_one_slot_to_their_own_topics() {
     let pg = Postgres::start();
     let broker = Broker::start();
-    let (url, brokers) = (pg.url(), broker.addr());
     let client = pg.client().await;
     // billing's table names its payload column `body`: each table is mapped with its own columns (migrate
     // creates it that way).
-    let tables = [
-        "--table",
-        "orders.outbox_event",
-        "--table",
-        "billing.outbox_event",
-        "--column",
-        "billing.outbox_event:payload=body",
-    ];
-    migrate_with(&url, &tables);
-    let mut args = run_args(&url, &brokers);
-    args.extend(tables);
-    args.extend(["--topic", "{schema}.{aggregate_type}"]);
+    let args = two_schema_args(
+        &pg,
+        &broker,
+        &["--column", "billing.outbox_event:payload=body"],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let brokers = broker.addr();
     let _outboxd = Outboxd::spawn(&args);
     wait_slot_active(&client, "outboxd").await;
     let insert = |schema: &str, aggregate_type: &str, n: i64| {
@@ -654,18 +666,10 @@ async fn a_table_of_only_id_key_and_payload_is_published_with_what_it_has() {
 async fn two_tables_through_one_slot_lose_nothing_when_outboxd_is_killed() {
     let pg = Postgres::start();
     let broker = Broker::start();
-    let (url, brokers) = (pg.url(), broker.addr());
     let mut client = pg.client().await;
-    let tables = [
-        "--table",
-        "orders.outbox_event",
-        "--table",
-        "billing.outbox_event",
-    ];
-    migrate_with(&url, &tables);
-    let mut args = run_args(&url, &brokers);
-    args.extend(tables);
-    args.extend(["--topic", "{schema}.{aggregate_type}"]);
+    let args = two_schema_args(&pg, &broker, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let brokers = broker.addr();
     let mut committed = Vec::new();
     for round in 0..4i64 {
         let mut outboxd = Outboxd::spawn(&args);

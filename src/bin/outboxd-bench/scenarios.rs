@@ -123,6 +123,17 @@ impl Bench {
             .unwrap_or(false)
     }
 
+    /// Waits until outboxd streams from its slot.
+    async fn wait_slot_streaming(&self) -> BenchResult<()> {
+        wait_until(
+            "the slot",
+            Duration::from_secs(60),
+            Duration::from_millis(50),
+            || self.slot_streaming(),
+        )
+        .await
+    }
+
     async fn unpublished(&self) -> BenchResult<i64> {
         self.scalar_i64("SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
             .await
@@ -191,13 +202,7 @@ impl Bench {
         self.reset().await?;
         {
             let _first = self.spawn("cdc", &[], "drain-slot.log")?;
-            wait_until(
-                "the slot",
-                Duration::from_secs(60),
-                Duration::from_millis(50),
-                || self.slot_streaming(),
-            )
-            .await?;
+            self.wait_slot_streaming().await?;
         }
         self.sql
             .batch_execute("SELECT pg_create_logical_replication_slot('bench_source', 'pgoutput')")
@@ -393,13 +398,7 @@ impl Bench {
             &format!("steady-{mode}-{rate}.log"),
         )?;
         if mode == "cdc" {
-            wait_until(
-                "the slot",
-                Duration::from_secs(60),
-                Duration::from_millis(50),
-                || self.slot_streaming(),
-            )
-            .await?;
+            self.wait_slot_streaming().await?;
         }
         // Warm up (producer connected, topic known, first batch through) and measure from here on.
         self.insert_backlog(10).await?;
@@ -476,13 +475,7 @@ impl Bench {
     pub async fn big_transaction(&self, events: usize) -> BenchResult<(f64, Usage)> {
         self.reset().await?;
         let outboxd = self.spawn("cdc", &[], "big.log")?;
-        wait_until(
-            "the slot",
-            Duration::from_secs(60),
-            Duration::from_millis(50),
-            || self.slot_streaming(),
-        )
-        .await?;
+        self.wait_slot_streaming().await?;
         self.sql
             .execute(
                 "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
