@@ -164,6 +164,10 @@ pub struct Options {
     /// How long to retry unreachable PostgreSQL or brokers at first start [default: 60s].
     #[arg(long, env = "OUTBOXD_STARTUP_TIMEOUT")]
     pub startup_timeout: Option<String>,
+    /// How long a running outboxd waits for its database to come back after a failover, restore or
+    /// switchover (unreachable, database missing, server still in recovery) before it gives up [default: 10m].
+    #[arg(long, env = "OUTBOXD_RECONNECT_TIMEOUT")]
+    pub reconnect_timeout: Option<String>,
     /// How long to drain in-flight events on SIGINT/SIGTERM [default: 30s].
     #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT")]
     pub shutdown_timeout: Option<String>,
@@ -288,6 +292,7 @@ pub struct RunSettings {
     pub topic_replication_factor: Option<i32>,
     pub create_topics: bool,
     pub startup_timeout: Duration,
+    pub reconnect_timeout: Duration,
     pub shutdown_timeout: Duration,
     pub max_in_flight_events: usize,
     pub max_in_flight_bytes: usize,
@@ -363,6 +368,7 @@ impl Options {
                 .or(file.topic_replication_factor),
             no_create_topics: self.no_create_topics || file.no_create_topics,
             startup_timeout: self.startup_timeout.or(file.startup_timeout),
+            reconnect_timeout: self.reconnect_timeout.or(file.reconnect_timeout),
             shutdown_timeout: self.shutdown_timeout.or(file.shutdown_timeout),
             max_in_flight_events: self.max_in_flight_events.or(file.max_in_flight_events),
             max_in_flight_bytes: self.max_in_flight_bytes.or(file.max_in_flight_bytes),
@@ -575,6 +581,10 @@ impl Options {
                 "--startup-timeout",
                 self.startup_timeout.as_deref().unwrap_or("60s"),
             )?,
+            reconnect_timeout: parse_duration(
+                "--reconnect-timeout",
+                self.reconnect_timeout.as_deref().unwrap_or("10m"),
+            )?,
             shutdown_timeout: parse_duration(
                 "--shutdown-timeout",
                 self.shutdown_timeout.as_deref().unwrap_or("30s"),
@@ -758,6 +768,7 @@ mod tests {
         assert_eq!(run.topic_replication_factor, None);
         assert!(run.create_topics);
         assert_eq!(run.startup_timeout, Duration::from_secs(60));
+        assert_eq!(run.reconnect_timeout, Duration::from_secs(600));
         assert_eq!(run.shutdown_timeout, Duration::from_secs(30));
         assert_eq!(
             run.topic.render(&run.database.tables[0].name, "Order", "x"),

@@ -16,6 +16,15 @@ pub enum Error {
     /// The server does not let us use logical replication (wal_level, permission, pg_hba): `auto` polls.
     #[error("{problem}; fix: {fix}")]
     ReplicationUnavailable { problem: String, fix: String },
+    /// The database is there but not ready for outboxd: missing, or a standby still in recovery. Definite at
+    /// first start (a wrong URL); after a failover, restore or switchover a running outboxd waits for it
+    /// (`--reconnect-timeout`), saying what it waits for.
+    #[error("{problem}; fix: {fix}")]
+    NotReady {
+        problem: String,
+        fix: String,
+        waiting_for: String,
+    },
     #[error("PostgreSQL: {}", postgres_error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("PostgreSQL replication: {0}")]
@@ -38,6 +47,13 @@ fn is_transient_sqlstate(code: &str) -> bool {
         || matches!(code, "53300" | "55006" | "40001" | "40P01")
 }
 
+/// Connection failures and a server shutting down, restarting or starting up.
+fn is_unreachable_sqlstate(code: &str) -> bool {
+    code.starts_with("08") || code.starts_with("57P")
+}
+
+const ACCEPTING_CONNECTIONS: &str = "PostgreSQL to accept connections";
+
 impl Error {
     pub fn setup(problem: impl Into<String>, fix: impl Into<String>) -> Self {
         Error::Setup {
@@ -53,12 +69,53 @@ impl Error {
         }
     }
 
+    /// The database does not exist (SQLSTATE 3D000).
+    pub fn database_missing(message: &str) -> Self {
+        Error::NotReady {
+            problem: format!("the database does not exist ({message})"),
+            fix: "create it or fix the database name in --database-url / --replication-url".into(),
+            waiting_for: "the database to exist".into(),
+        }
+    }
+
+    /// The server is a standby still in recovery: logical decoding needs a primary.
+    pub fn in_recovery() -> Self {
+        Error::NotReady {
+            problem: "the server is a standby in recovery, and logical decoding needs a primary".into(),
+            fix: "promote the standby (pg_ctl promote, or SELECT pg_promote()), or point --database-url at the primary".into(),
+            waiting_for: "the standby to be promoted".into(),
+        }
+    }
+
+    /// What a running pipeline waits for when the database went away or is not ready yet (a failover, a
+    /// restore, a switchover): `None` for errors that are not about the database being reachable and ready.
+    pub fn awaited_database(&self) -> Option<&str> {
+        match self {
+            Error::NotReady { waiting_for, .. } => Some(waiting_for),
+            Error::Postgres(e) => match e.code() {
+                None => self.is_transient(),
+                Some(code) => is_unreachable_sqlstate(code.code()),
+            }
+            .then_some(ACCEPTING_CONNECTIONS),
+            Error::Replication(
+                ReplicationError::Io(_)
+                | ReplicationError::Closed
+                | ReplicationError::Connect { .. },
+            ) => Some(ACCEPTING_CONNECTIONS),
+            Error::Replication(ReplicationError::Server { code, .. }) => {
+                is_unreachable_sqlstate(code).then_some(ACCEPTING_CONNECTIONS)
+            }
+            _ => None,
+        }
+    }
+
     /// True when waiting and retrying can succeed; false when a person must change something first.
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Config(_)
             | Error::Setup { .. }
             | Error::ReplicationUnavailable { .. }
+            | Error::NotReady { .. }
             | Error::Mapping(_)
             | Error::Decode(_) => false,
             Error::Postgres(e) => match e.code() {

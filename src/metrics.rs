@@ -17,10 +17,11 @@ pub const OLDEST_UNPUBLISHED_AGE: &str = "outboxd_oldest_unpublished_age_seconds
 pub const INFLIGHT_EVENTS: &str = "outboxd_inflight_events";
 pub const COMMIT_TO_ACK: &str = "outboxd_commit_to_ack_seconds";
 pub const MODE: &str = "outboxd_mode";
+pub const HISTORY_CHANGES: &str = "outboxd_database_history_changes_total";
 pub const UP: &str = "outboxd_up";
 
 /// Every metric name `/metrics` exports (the Grafana dashboard may only use these).
-pub const ALL: [&str; 13] = [
+pub const ALL: [&str; 14] = [
     SLOT_LAG_BYTES,
     SLOT_RETAINED_WAL_BYTES,
     SLOT_SAFE_WAL_BYTES,
@@ -33,6 +34,7 @@ pub const ALL: [&str; 13] = [
     INFLIGHT_EVENTS,
     COMMIT_TO_ACK,
     MODE,
+    HISTORY_CHANGES,
     UP,
 ];
 
@@ -91,6 +93,10 @@ pub fn install() -> Result<PrometheusHandle, String> {
         "from the transaction's commit to the broker's acknowledgement"
     );
     describe_gauge!(MODE, "1 for the current mode");
+    describe_counter!(
+        HISTORY_CHANGES,
+        "times the server behind the URL had another history (failover, restore, switchover, slot gone)"
+    );
     describe_gauge!(UP, "1 while outboxd runs");
     for path in ["cdc", "poll"] {
         counter!(EVENTS_PUBLISHED, "path" => path).increment(0);
@@ -99,6 +105,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         counter!(PUBLISH_ERRORS, "kind" => kind).increment(0);
     }
     counter!(EVENTS_DEAD).increment(0);
+    counter!(HISTORY_CHANGES).increment(0);
     for name in [
         SLOT_LAG_BYTES,
         SLOT_RETAINED_WAL_BYTES,
@@ -140,6 +147,10 @@ pub fn publish_error(kind: &'static str) {
 
 pub fn dead(events: u64) {
     counter!(EVENTS_DEAD).increment(events);
+}
+
+pub fn history_changed() {
+    counter!(HISTORY_CHANGES).increment(1);
 }
 
 pub fn in_flight(events: usize) {

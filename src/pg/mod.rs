@@ -80,6 +80,14 @@ pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
     Ok(client)
 }
 
+/// True while the server is a standby in recovery (logical decoding and writes need a primary).
+pub async fn in_recovery(client: &tokio_postgres::Client) -> Result<bool> {
+    Ok(client
+        .query_one("SELECT pg_is_in_recovery()", &[])
+        .await?
+        .get(0))
+}
+
 /// Turns connection failures that retrying cannot fix into setup errors naming the fix.
 pub fn classify_connect_error(error: tokio_postgres::Error, ssl_mode: tls::SslMode) -> Error {
     let Some(code) = error.code().map(|c| c.code().to_string()) else {
@@ -101,10 +109,7 @@ pub fn classify_connect_error(error: tokio_postgres::Error, ssl_mode: tls::SslMo
             format!("PostgreSQL refused the connection ({message})"),
             "allow this user/host in pg_hba.conf (a replication connection matches the database column)",
         ),
-        "3D000" => Error::setup(
-            format!("the database does not exist ({message})"),
-            "create it or fix the database name in --database-url",
-        ),
+        "3D000" => Error::database_missing(&message),
         _ => Error::Postgres(error),
     }
 }

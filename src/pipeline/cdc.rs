@@ -23,6 +23,7 @@ use crate::pg::pgoutput::{self, PgOutputMessage};
 use crate::pg::replication::{protocol, ReplicationConnection, ReplicationStream, ServerMessage};
 use crate::pg::{self, slot};
 use crate::pipeline::backfill::{self, CdcTag, Finished};
+use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory};
 use crate::pipeline::leader;
 use crate::pipeline::replication_error;
 use crate::pipeline::watermark::{TxnId, Watermark};
@@ -41,6 +42,12 @@ pub struct CdcPipeline {
     known_topics: KnownTopics,
     /// Whether a session of this process ever reached streaming (a slot held since start-up is an error).
     ever_streamed: bool,
+    /// Whether the latest session reached streaming (ends a database outage).
+    reached_streaming: bool,
+    /// The server history `watermark`'s confirmed position belongs to (`None` before the first session).
+    history: Option<ServerHistory>,
+    /// When a session last stopped streaming: where a history change may have left a gap.
+    last_streamed_at: Option<std::time::SystemTime>,
 }
 
 /// An event decoded in the replay region, waiting for the `published_at` lookup.
@@ -167,6 +174,9 @@ impl CdcPipeline {
             watermark: Watermark::new(Lsn::ZERO),
             known_topics,
             ever_streamed: false,
+            reached_streaming: false,
+            history: None,
+            last_streamed_at: None,
         }
     }
 
@@ -240,10 +250,15 @@ impl CdcPipeline {
 
     async fn sessions(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        let mut outage = super::DatabaseOutage::new(self.settings.reconnect_timeout);
         let first_attempt = Instant::now();
         loop {
             let started = Instant::now();
-            match self.session(&mut shutdown).await {
+            let result = self.session(&mut shutdown).await;
+            if std::mem::take(&mut self.reached_streaming) {
+                outage.ended();
+            }
+            match result {
                 Ok(()) => return Ok(()),
                 // Held by another client since start-up (not a walsender that is still dying): say so.
                 Err(Error::Replication(error))
@@ -256,12 +271,19 @@ impl CdcPipeline {
                         "stop that client (see pg_stat_replication / pg_replication_slots.active_pid), or give outboxd its own --slot",
                     ));
                 }
-                Err(error) if error.is_transient() => {
+                Err(error) if error.is_transient() || error.awaited_database().is_some() => {
                     if started.elapsed() > Duration::from_secs(60) {
                         backoff.reset();
                     }
                     let delay = backoff.next_delay();
-                    tracing::warn!(%error, retry_in = ?delay, confirmed = %self.watermark.confirmed(), "replication session ended; reconnecting");
+                    match outage.judge(&error)? {
+                        Some(waiting_for) => {
+                            tracing::warn!(%error, retry_in = ?delay, %waiting_for, "cannot stream: waiting for the database (up to --reconnect-timeout)")
+                        }
+                        None => {
+                            tracing::warn!(%error, retry_in = ?delay, confirmed = %self.watermark.confirmed(), "replication session ended; reconnecting")
+                        }
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
                         _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
@@ -272,10 +294,55 @@ impl CdcPipeline {
         }
     }
 
+    /// Counts and logs a history change once. With a table that has no polling columns, nothing could
+    /// publish what the change may have skipped: stop, saying what may be missing and how to recover.
+    fn history_changed(
+        &self,
+        change: &HistoryChange,
+        here: &ServerHistory,
+        wal_end: Lsn,
+    ) -> Result<()> {
+        crate::metrics::history_changed();
+        let confirmed = self.watermark.confirmed();
+        let (old_system_id, old_timeline) = self
+            .history
+            .as_ref()
+            .map(|h| (h.system_id.as_str(), h.timeline))
+            .unwrap_or_default();
+        if !super::has_polling_columns(&self.settings) {
+            let since = self
+                .last_streamed_at
+                .map(|t| humantime::format_rfc3339_seconds(t).to_string())
+                .unwrap_or_else(|| "start-up".into());
+            let tables =
+                crate::table::names(self.settings.database.tables.iter().filter(|t| !t.polling));
+            return Err(Error::setup(
+                format!(
+                    "the database behind --database-url has another history: {change}. {tables} has no polling columns, so events committed there that the old position skips would never be published: those committed on this server since outboxd last streamed ({since}), up to its WAL end {wal_end} (outboxd had confirmed {confirmed} on system {old_system_id} timeline {old_timeline})"
+                ),
+                "publish (or re-insert) the rows of that table committed since then yourself, then restart outboxd, which streams from a new slot; `outboxd migrate --add-polling-columns` lets outboxd cover such gaps by itself",
+            ));
+        }
+        tracing::warn!(
+            %change,
+            old_system_id,
+            old_timeline,
+            new_system_id = %here.system_id,
+            new_timeline = here.timeline,
+            old_confirmed = %confirmed,
+            server_wal_end = %wal_end,
+            "database history changed: the old position is dropped; streaming from the slot's own position (a new slot hands the unpublished rows older than it to the polling path)"
+        );
+        Ok(())
+    }
+
     async fn session(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<()> {
         let settings = self.settings.clone();
         let db = &settings.database;
         let mut sql = pg::connect(&db.database_url).await?;
+        if pg::in_recovery(&sql).await? {
+            return Err(Error::in_recovery());
+        }
         let mut outbox_sql = Vec::with_capacity(db.tables.len());
         for table in &db.tables {
             outbox_sql.push(OutboxSql::prepare(&sql, table).await?);
@@ -293,10 +360,29 @@ impl CdcPipeline {
         if can_hand_off {
             slot::undo_interrupted_creation(&sql, &db.slot).await?;
         }
-        match slot::check_existing_slot(&sql, &db.slot).await? {
+        let existing = slot::check_existing_slot(&sql, &db.slot).await?;
+        let here = ServerHistory {
+            system_id: identity.system_id.clone(),
+            timeline: identity.timeline,
+        };
+        let reached = Reached {
+            history: &here,
+            wal_end: identity.xlog_position,
+            slot_missing: existing.is_none(),
+        };
+        let change = history::judge(self.history.as_ref(), self.watermark.confirmed(), &reached);
+        if let Some(change) = &change {
+            self.history_changed(change, &here, identity.xlog_position)?;
+        }
+        self.history = Some(here);
+        match existing {
             Some(state) => {
-                if let Some(lsn) = state.confirmed_flush() {
-                    self.watermark.raise_confirmed(lsn);
+                let position = state.confirmed_flush().unwrap_or(Lsn::ZERO);
+                if change.is_some() {
+                    // The slot belongs to the server's own history: its position is the only valid one.
+                    self.watermark.reset(position);
+                } else {
+                    self.watermark.raise_confirmed(position);
                 }
             }
             None => {
@@ -335,7 +421,9 @@ impl CdcPipeline {
                     handed_off_to_polling = handed_off,
                     "created replication slot"
                 );
-                self.watermark.raise_confirmed(created.consistent_point);
+                // Never carry a position over to a new slot: anything between its consistent point and an
+                // older, higher position would be skipped.
+                self.watermark.reset(created.consistent_point);
             }
         }
         let mut blocked = HashMap::new();
@@ -353,6 +441,7 @@ impl CdcPipeline {
         tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
         crate::http::READINESS.set_mode("cdc");
         self.ever_streamed = true;
+        self.reached_streaming = true;
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
@@ -398,6 +487,7 @@ impl CdcPipeline {
             .stream(&mut stream, &mut finished_rx, shutdown)
             .await;
         backfill.abort();
+        self.last_streamed_at = Some(std::time::SystemTime::now());
         tracing::info!(
             published = session.published,
             skipped_already_published = session.skipped_already_published,

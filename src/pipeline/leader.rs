@@ -69,14 +69,20 @@ pub async fn acquire(
     );
     let mut standing_by = false;
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    // After a failover or switchover the database may be missing or in recovery for a while.
+    let mut outage = super::DatabaseOutage::new(settings.reconnect_timeout);
     loop {
         let (client, connection) = match settings.database.database_url.connect_raw().await {
-            Ok(pair) => pair,
+            Ok(pair) => {
+                outage.ended();
+                pair
+            }
             Err(error) => {
-                if !error.is_transient() {
+                let waiting_for = outage.judge(&error)?;
+                if waiting_for.is_none() && !error.is_transient() {
                     return Err(error);
                 }
-                tracing::warn!(%error, "cannot reach PostgreSQL for the leadership lock; retrying");
+                tracing::warn!(%error, waiting_for = waiting_for.as_deref(), "cannot reach PostgreSQL for the leadership lock; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff.next_delay()) => continue,
                     _ = shutdown.wait_for(|stop| *stop) => return Ok(None),

@@ -6,6 +6,7 @@
 
 pub mod backfill;
 pub mod cdc;
+pub mod history;
 pub mod leader;
 pub mod poll;
 pub mod watermark;
@@ -23,6 +24,44 @@ use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::{ReplicationConnection, ReplicationError};
 use crate::pg::{self, slot};
 use crate::table::{OutboxTable, Role};
+
+/// A running pipeline's patience with its database: after a failover, restore or switchover the server
+/// behind the URL may refuse connections for a while, lack the database, or still be a standby in recovery.
+/// Such failures are waited out for `--reconnect-timeout` from the first of an unbroken run of them.
+pub struct DatabaseOutage {
+    limit: Duration,
+    since: Option<Instant>,
+}
+
+impl DatabaseOutage {
+    pub fn new(limit: Duration) -> Self {
+        DatabaseOutage { limit, since: None }
+    }
+
+    /// The database answered as it should: the next outage starts its own clock.
+    pub fn ended(&mut self) {
+        self.since = None;
+    }
+
+    /// `Ok(Some(what))` to wait and retry (saying what for), `Ok(None)` when `error` is not about the
+    /// database being reachable and ready, and an error naming what it waited for once the limit passed.
+    pub fn judge(&mut self, error: &Error) -> Result<Option<String>> {
+        let Some(waiting_for) = error.awaited_database() else {
+            return Ok(None);
+        };
+        let since = *self.since.get_or_insert_with(Instant::now);
+        if since.elapsed() >= self.limit {
+            return Err(Error::setup(
+                format!(
+                    "gave up after --reconnect-timeout {:?} waiting for {waiting_for}: {error}",
+                    self.limit
+                ),
+                "bring the database back behind --database-url (promote the standby, finish the restore), or raise --reconnect-timeout",
+            ));
+        }
+        Ok(Some(waiting_for.to_string()))
+    }
+}
 
 /// Maps replication-connection failures a person must fix to setup errors that say how.
 pub fn replication_error(error: ReplicationError) -> Error {
@@ -43,7 +82,8 @@ pub fn replication_error(error: ReplicationError) -> Error {
             format!("PostgreSQL rejected the password of the replication connection ({message})"),
             "check the password in --replication-url / --database-url",
         ),
-        Some("3D000") => Error::setup(format!("the database does not exist ({message})"), "fix the database name in the URL"),
+        Some("3D000") => Error::database_missing(&message),
+        Some("55000") if message.contains("recovery") => Error::in_recovery(),
         Some("55000") if message.contains("wal_level") => Error::replication_unavailable(
             format!("logical decoding is not enabled ({message})"),
             "set wal_level = logical and restart PostgreSQL",

@@ -42,7 +42,7 @@ impl Watermark {
         }
     }
 
-    /// The highest position confirmed so far; never moves backwards.
+    /// The highest position confirmed so far; never moves backwards, except by [`Watermark::reset`].
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
     }
@@ -63,6 +63,13 @@ impl Watermark {
         self.first_id += self.entries.len() as u64;
         self.entries.clear();
         self.open = None;
+    }
+
+    /// Starts over on another server history (see `history`): forgets the confirmed position and everything
+    /// in flight, and takes `confirmed` (the slot's own position there). The only way it moves backwards.
+    pub fn reset(&mut self, confirmed: Lsn) {
+        self.restart();
+        self.confirmed = confirmed;
     }
 
     /// A Begin arrived.

@@ -287,6 +287,163 @@ impl Postgres {
     }
 }
 
+/// Copies of a cluster, for failover and restore tests. None is started; `start_again` starts one.
+impl Postgres {
+    /// A `pg_basebackup` of this running server, listening on a port of its own. With `standby`, it
+    /// streams from this server once started (a physical standby, `pg_ctl promote` to fail over).
+    pub fn basebackup(&self, standby: bool) -> Postgres {
+        let dir = scratch_dir("pg-copy");
+        let port = free_port();
+        let (dir_arg, port_arg, source) = (
+            dir.to_str().unwrap().to_string(),
+            port.to_string(),
+            self.port.to_string(),
+        );
+        let mut args = vec!["basebackup", &dir_arg, &port_arg, &source];
+        if standby {
+            args.push("standby");
+        }
+        run_script("pg.sh", &args, &[]);
+        Postgres { dir, port }
+    }
+
+    /// A file-level copy of this (stopped) cluster: a cold base backup, replication slots included.
+    pub fn cold_copy(&self) -> Postgres {
+        let dir = scratch_dir("pg-copy");
+        let port = free_port();
+        let status = Command::new("cp")
+            .arg("-a")
+            .arg(self.dir.join("data"))
+            .arg(dir.join("data"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "cannot copy the data directory");
+        let conf = dir.join("data/postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf).unwrap();
+        text.push_str(&format!(
+            "port = {port}\nunix_socket_directories = '{}'\n",
+            dir.display()
+        ));
+        std::fs::write(&conf, text).unwrap();
+        let _ = Command::new("chown")
+            .args(["-R", "postgres:"])
+            .arg(&dir)
+            .status();
+        Postgres { dir, port }
+    }
+
+    /// Promotes a standby and waits until it accepts writes.
+    pub fn promote(&self) {
+        run_script("pg.sh", &["promote", self.dir.to_str().unwrap()], &[]);
+    }
+
+    /// Stops the server without a shutdown checkpoint (a crash, as far as the server can tell).
+    pub fn stop_immediate(&self) {
+        run_script(
+            "pg.sh",
+            &["stop", self.dir.to_str().unwrap(), "immediate"],
+            &[],
+        );
+    }
+
+    pub fn url_of_database(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+}
+
+/// An application that keeps inserting outbox transactions through one URL, the way an order service
+/// does: every failure (a server gone, read-only, or missing the database) is retried on a new connection,
+/// so it writes through a failover or switchover. Transaction numbers only grow, so the events' `seq`
+/// follows commit order.
+pub struct Writer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    committed: std::sync::Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Writer {
+    pub fn start(url: String, per_txn: usize, aggregates: usize) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let committed = std::sync::Arc::new(AtomicUsize::new(0));
+        let (stopping, count) = (stop.clone(), committed.clone());
+        let task = tokio::spawn(async move {
+            let mut t = 0;
+            while !stopping.load(Ordering::SeqCst) {
+                let connected = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    tokio_postgres::connect(&url, tokio_postgres::NoTls),
+                )
+                .await;
+                let Ok(Ok((mut client, connection))) = connected else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                tokio::spawn(connection);
+                while !stopping.load(Ordering::SeqCst) {
+                    t += 1;
+                    let Ok(tx) = client.transaction().await else {
+                        break;
+                    };
+                    if try_insert_txn_events(&tx, t, per_txn, aggregates)
+                        .await
+                        .is_err()
+                        || tx.commit().await.is_err()
+                    {
+                        break;
+                    }
+                    count.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        Writer {
+            stop,
+            committed,
+            task,
+        }
+    }
+
+    /// Transactions committed so far (whose COMMIT was answered).
+    pub fn committed(&self) -> usize {
+        self.committed.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `more` transactions beyond the current count are committed.
+    pub async fn wait_more(&self, more: usize, what: &str) {
+        let target = self.committed() + more;
+        wait_for_async(what, Duration::from_secs(120), || async {
+            (self.committed() >= target).then_some(())
+        })
+        .await;
+    }
+
+    pub async fn stop(self) -> usize {
+        self.stop.store(true, Ordering::SeqCst);
+        let committed = self.committed.clone();
+        self.task.await.unwrap();
+        committed.load(Ordering::SeqCst)
+    }
+}
+
+/// The events in the outbox table of the server behind `client`, in commit order (by the writer's `seq`).
+pub async fn events_in_table(client: &tokio_postgres::Client) -> Vec<Inserted> {
+    client
+        .query(
+            "SELECT event_id, aggregate_id, (payload->>'seq')::int8 AS seq FROM outbox_event ORDER BY seq",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| Inserted {
+            event_id: row.get(0),
+            aggregate_id: row.get(1),
+            seq: row.get(2),
+        })
+        .collect()
+}
+
 impl Drop for Postgres {
     fn drop(&mut self) {
         run_script("pg.sh", &["stop", self.dir.to_str().unwrap()], &[]);
@@ -589,6 +746,18 @@ pub async fn insert_txn_events(
     per_txn: usize,
     aggregates: usize,
 ) -> Vec<Inserted> {
+    try_insert_txn_events(tx, t, per_txn, aggregates)
+        .await
+        .expect("cannot insert outbox events")
+}
+
+/// [`insert_txn_events`] for writers that outlive a failing server.
+pub async fn try_insert_txn_events(
+    tx: &tokio_postgres::Transaction<'_>,
+    t: usize,
+    per_txn: usize,
+    aggregates: usize,
+) -> Result<Vec<Inserted>, tokio_postgres::Error> {
     let mut events = Vec::new();
     for i in 0..per_txn {
         let aggregate_id = format!("order-{}", (t * 7 + i / 3) % aggregates);
@@ -599,15 +768,14 @@ pub async fn insert_txn_events(
             "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'Order', $2, $3, $4)",
             &[&event_id, &aggregate_id, &format!("OrderEvent{}", i % 3), &payload],
         )
-        .await
-        .unwrap();
+        .await?;
         events.push(Inserted {
             event_id,
             aggregate_id,
             seq,
         });
     }
-    events
+    Ok(events)
 }
 
 /// What a delivery check found.

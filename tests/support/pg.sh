@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Throwaway PostgreSQL 15 cluster for tests and the demo.
 #   pg.sh start DIR PORT    initdb (if needed) and start; wal_level=logical unless PG_WAL_LEVEL is set
-#   pg.sh stop DIR          stop it (fast)
+#   pg.sh stop DIR [MODE]   stop it (-m fast, or MODE: immediate)
 #   pg.sh restart DIR MODE  restart with -m fast|immediate
+#   pg.sh basebackup DIR PORT SOURCE_PORT [standby]
+#                           pg_basebackup of the server on SOURCE_PORT into DIR, set to listen on PORT (not
+#                           started: use start); with "standby" it streams from the source (-R)
+#   pg.sh promote DIR       promote a standby and wait until it accepts writes
 # Runs the server as the unprivileged user 'postgres' when invoked as root (PostgreSQL refuses root).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -38,7 +42,20 @@ CONF
       || { tail -20 "$dir/server.log" >&2; exit 1; }
     ;;
   stop)
-    [ -f "$dir/data/postmaster.pid" ] && as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null || true
+    [ -f "$dir/data/postmaster.pid" ] && as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -m "${3:-fast}" -w stop >/dev/null || true
+    ;;
+  basebackup)
+    port="${3:?PORT required}"
+    source_port="${4:?SOURCE_PORT required}"
+    mkdir -p "$dir"
+    [ "$(id -u)" -eq 0 ] && chown postgres: "$dir"
+    as_pg "$PG_BIN/pg_basebackup" -h 127.0.0.1 -p "$source_port" -U postgres -D "$dir/data" -X stream --no-sync \
+      ${5:+--write-recovery-conf} >"$dir/basebackup.log" 2>&1 || { cat "$dir/basebackup.log" >&2; exit 1; }
+    # Later lines win: listen on our own port and socket directory.
+    printf "port = %s\nunix_socket_directories = '%s'\n" "$port" "$dir" >>"$dir/data/postgresql.conf"
+    ;;
+  promote)
+    as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -w -t 60 promote >/dev/null
     ;;
   restart)
     as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" -m "${3:-fast}" -w -t 60 restart >/dev/null

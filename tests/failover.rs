@@ -1,0 +1,359 @@
+//! Failover, restore and switchover behind one address, on real PostgreSQL 15: outboxd keeps running
+//! through a test-owned TCP proxy while the server behind it is replaced, an application keeps inserting
+//! through the same proxy, and every event present in the database outboxd ends up on must be published,
+//! in order per aggregate.
+
+mod support;
+
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outboxd::lsn::Lsn;
+use support::*;
+
+const SLOT: &str = "outboxd";
+/// WAL written on the old server after the copy/standby stopped following it: far more than the new
+/// server writes in the test afterwards, so a position carried over would skip all of it.
+const FILLER_ROWS: i32 = 8_000;
+
+/// One address (a proxy) whose server can be switched, as a DNS name or a load balancer would.
+struct Address {
+    target: Arc<AtomicU16>,
+    proxy: Proxy,
+}
+
+impl Address {
+    fn of(pg: &Postgres) -> Self {
+        let target = Arc::new(AtomicU16::new(pg.port));
+        let proxy = Proxy::start(target.clone());
+        Address { target, proxy }
+    }
+
+    fn url(&self, database: &str) -> String {
+        format!(
+            "postgres://postgres@127.0.0.1:{}/{database}",
+            self.proxy.port
+        )
+    }
+
+    /// Points the address at `pg`, dropping every connection to the old server.
+    fn switch_to(&self, pg: &Postgres) {
+        self.target.store(pg.port, Ordering::SeqCst);
+        self.proxy.cut();
+        self.proxy.restore();
+    }
+}
+
+async fn client_of(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("cannot connect");
+    tokio::spawn(connection);
+    client
+}
+
+/// Writes WAL that carries no event (a table outside the publication) and waits until outboxd confirmed
+/// it: the slot's position is then well past anything another server will write in the test.
+async fn write_filler_and_wait_confirmed(client: &tokio_postgres::Client) -> Lsn {
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE IF NOT EXISTS filler (x text);
+             INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, {FILLER_ROWS})"
+        ))
+        .await
+        .unwrap();
+    let end = current_wal_lsn(client).await;
+    wait_for_async(
+        "outboxd to confirm the old server's WAL past the filler",
+        Duration::from_secs(60),
+        || async {
+            let confirmed = confirmed_flush(client, SLOT).await;
+            (confirmed >= end).then_some(confirmed)
+        },
+    )
+    .await
+}
+
+fn wait_for_log(outboxd: &Outboxd, text: &str) {
+    wait_for(
+        &format!("outboxd to log {text:?}"),
+        Duration::from_secs(60),
+        || outboxd.log_text().contains(text).then_some(()),
+    );
+}
+
+/// Every event in the final server's table is published (published_at and in Kafka), each aggregate in
+/// commit order; returns the report for its duplicates.
+async fn verify_final(
+    client: &tokio_postgres::Client,
+    brokers: &str,
+    what: &str,
+    started: Instant,
+) -> DeliveryReport {
+    wait_all_published(client, Duration::from_secs(120)).await;
+    let recovered = started.elapsed();
+    let committed = events_in_table(client).await;
+    let records = consume_all(brokers, &[TOPIC], committed.len(), Duration::from_secs(90));
+    let report = check_delivery(&records, &committed, &[]);
+    println!(
+        "{what}: {} events in the final database, {} records; every row published {recovered:?} after the switch; {report:?}",
+        committed.len(),
+        records.len()
+    );
+    assert_eq!(report.missing, 0, "{what}: events missing from Kafka");
+    assert_eq!(report.order_violations, 0, "{what}: per-aggregate order");
+    report
+}
+
+/// Stops a standby's WAL receiver (it keeps its data and stays in recovery): it lags from now on.
+async fn stop_wal_receiver(standby: &Postgres) {
+    let auto_conf = standby.dir.join("data/postgresql.auto.conf");
+    let mut text = std::fs::read_to_string(&auto_conf).unwrap();
+    text.push_str("primary_conninfo = ''\n");
+    std::fs::write(&auto_conf, text).unwrap();
+    let client = standby.client().await;
+    client
+        .execute("SELECT pg_reload_conf()", &[])
+        .await
+        .unwrap();
+    wait_for_async(
+        "the standby's WAL receiver to stop",
+        Duration::from_secs(30),
+        || async {
+            let receivers: i64 = client
+                .query_one("SELECT count(*) FROM pg_stat_wal_receiver", &[])
+                .await
+                .unwrap()
+                .get(0);
+            (receivers == 0).then_some(())
+        },
+    )
+    .await;
+}
+
+fn spawn_outboxd(url: &str, brokers: &str) -> Outboxd {
+    let mut args = run_args(url, brokers);
+    args.extend(["--reconnect-timeout", "120s"]);
+    Outboxd::spawn(&args)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_to_a_lagging_standby_publishes_what_was_committed_on_it() {
+    let primary = Postgres::start();
+    migrate(&primary);
+    let broker = Broker::start();
+    let brokers = broker.addr();
+    let standby = primary.basebackup(true);
+    standby.start_again();
+    let address = Address::of(&primary);
+    let url = address.url("postgres");
+    let outboxd = spawn_outboxd(&url, &brokers);
+    let primary_client = primary.client().await;
+    wait_slot_active(&primary_client, SLOT).await;
+
+    let writer = Writer::start(url.clone(), 3, 20);
+    writer.wait_more(100, "writes on the primary").await;
+    stop_wal_receiver(&standby).await;
+    writer
+        .wait_more(100, "writes the standby does not receive")
+        .await;
+    let confirmed = write_filler_and_wait_confirmed(&primary_client).await;
+    let standby_client = standby.client().await;
+    let replayed: String = standby_client
+        .query_one("SELECT pg_last_wal_replay_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let replayed: Lsn = replayed.parse().unwrap();
+    assert!(
+        confirmed.bytes_since(replayed) > 4_000_000,
+        "the standby must lag behind what outboxd confirmed: confirmed {confirmed}, standby at {replayed}"
+    );
+
+    // The primary dies; the address reaches the standby while it is still in recovery.
+    primary.stop_immediate();
+    let switched = Instant::now();
+    address.switch_to(&standby);
+    wait_for_log(&outboxd, "the standby to be promoted");
+    standby.promote();
+    writer
+        .wait_more(300, "writes on the promoted standby")
+        .await;
+    let total = writer.stop().await;
+    let report = verify_final(&standby_client, &brokers, "failover", switched).await;
+    println!("failover: {total} transactions committed by the application in all");
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("database history changed") && log.contains("new timeline"),
+        "the change is logged"
+    );
+    assert!(report.duplicates <= 10_000);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn restore_of_an_earlier_backup_publishes_what_is_committed_after_it() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let broker = Broker::start();
+    let brokers = broker.addr();
+    let address = Address::of(&pg);
+    let url = address.url("postgres");
+    let mut outboxd = spawn_outboxd(&url, &brokers);
+    let client = pg.client().await;
+    wait_slot_active(&client, SLOT).await;
+
+    let writer = Writer::start(url.clone(), 3, 20);
+    writer.wait_more(100, "writes before the backup").await;
+    // A cold base backup (a file copy of the stopped cluster, replication slot included).
+    pg.stop();
+    let backup = pg.cold_copy();
+    pg.start_again();
+    let client = pg.client().await;
+    writer.wait_more(200, "writes after the backup").await;
+    write_filler_and_wait_confirmed(&client).await;
+
+    // The database is restored from the backup, behind the same address: it goes back in time.
+    pg.stop_immediate();
+    backup.start_again();
+    let switched = Instant::now();
+    address.switch_to(&backup);
+    writer
+        .wait_more(300, "writes on the restored database")
+        .await;
+    writer.stop().await;
+    let restored = backup.client().await;
+    verify_final(&restored, &brokers, "restore", switched).await;
+    assert!(outboxd.try_wait().is_none(), "outboxd kept running");
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("database history changed") && log.contains("before the position"),
+        "the change is logged"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn switchover_to_another_cluster_waits_for_its_database_and_publishes_everything() {
+    let blue = Postgres::start();
+    blue.client()
+        .await
+        .batch_execute("CREATE DATABASE shop")
+        .await
+        .unwrap();
+    let migrate_db = |pg: &Postgres, database: &str| {
+        let output = run_outboxd(&["migrate", "--database-url", &pg.url_of_database(database)]);
+        assert!(output.status.success(), "{}", stderr_of(&output));
+    };
+    migrate_db(&blue, "shop");
+    let broker = Broker::start();
+    let brokers = broker.addr();
+    let address = Address::of(&blue);
+    let url = address.url("shop");
+    let mut outboxd = spawn_outboxd(&url, &brokers);
+    let blue_client = client_of(&blue.url_of_database("shop")).await;
+    wait_slot_active(&blue_client, SLOT).await;
+    let writer = Writer::start(url.clone(), 3, 20);
+    writer.wait_more(150, "writes on blue").await;
+    write_filler_and_wait_confirmed(&blue_client).await;
+
+    // Green is a new cluster; the address switches to it before its database exists.
+    let green = Postgres::start();
+    blue.stop();
+    let switched = Instant::now();
+    address.switch_to(&green);
+    wait_for_log(&outboxd, "the database to exist");
+    // The database appears whole (created and migrated under another name, then renamed).
+    green
+        .client()
+        .await
+        .batch_execute("CREATE DATABASE shop_new")
+        .await
+        .unwrap();
+    migrate_db(&green, "shop_new");
+    green
+        .client()
+        .await
+        .batch_execute("ALTER DATABASE shop_new RENAME TO shop")
+        .await
+        .unwrap();
+    writer.wait_more(300, "writes on green").await;
+    writer.stop().await;
+    let green_client = client_of(&green.url_of_database("shop")).await;
+    verify_final(&green_client, &brokers, "switchover", switched).await;
+    assert!(outboxd.try_wait().is_none(), "outboxd kept running");
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("database history changed") && log.contains("another PostgreSQL cluster"),
+        "the change is logged"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn gives_up_after_the_reconnect_timeout_saying_what_it_waited_for() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let address = Address::of(&pg);
+    let url = address.url("postgres");
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--reconnect-timeout", "3s"]);
+    let mut outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&pg.client().await, SLOT).await;
+    address.proxy.cut();
+    let status = wait_for("outboxd to give up", Duration::from_secs(90), || {
+        outboxd.try_wait()
+    });
+    assert!(!status.success());
+    let log = outboxd.log_text();
+    assert!(
+        log.contains(
+            "gave up after --reconnect-timeout 3s waiting for PostgreSQL to accept connections"
+        ),
+        "{log}"
+    );
+    assert!(log.contains("raise --reconnect-timeout"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cdc_only_table_on_another_history_stops_with_what_may_be_missing() {
+    const TABLE: &str = "CREATE TABLE outbox_event (
+        event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+        event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())";
+    let prepare = |pg: &Postgres| {
+        let url = pg.url();
+        async move {
+            client_of(&url).await.batch_execute(TABLE).await.unwrap();
+            let output = run_outboxd(&["migrate", "--database-url", &url]);
+            assert!(output.status.success(), "{}", stderr_of(&output));
+        }
+    };
+    let blue = Postgres::start();
+    prepare(&blue).await;
+    let green = Postgres::start();
+    prepare(&green).await;
+    let broker = Broker::start();
+    let address = Address::of(&blue);
+    let mut outboxd = spawn_outboxd(&address.url("postgres"), &broker.addr());
+    let mut client = blue.client().await;
+    wait_slot_active(&client, SLOT).await;
+    let (committed, _) = insert_events(&mut client, 0, 10, 2, 3, None).await;
+    consume_all(
+        &broker.addr(),
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(60),
+    );
+
+    address.switch_to(&green);
+    let status = wait_for(
+        "outboxd to stop on the history change",
+        Duration::from_secs(60),
+        || outboxd.try_wait(),
+    );
+    assert!(!status.success());
+    let log = outboxd.log_text();
+    assert!(log.contains("another history"), "{log}");
+    assert!(log.contains("another PostgreSQL cluster"), "{log}");
+    assert!(log.contains("has no polling columns"), "{log}");
+    assert!(log.contains("since outboxd last streamed"), "{log}");
+    assert!(log.contains("--add-polling-columns"), "{log}");
+}
