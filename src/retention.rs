@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tokio_postgres::Client;
 
-use crate::config::{Retention, TableName};
+use crate::config::Retention;
 use crate::error::Result;
 use crate::pg::{self, slot};
 use crate::table::OutboxTable;
@@ -63,7 +63,7 @@ pub async fn sweep_once(
         return Ok(Removed::default());
     }
     if table.partitioned && retention.archive_table.is_none() {
-        let partitions = drop_old_partitions(&client, &table.name, retention).await?;
+        let partitions = drop_old_partitions(&client, table, retention).await?;
         return Ok(Removed {
             rows: 0,
             partitions,
@@ -108,9 +108,10 @@ pub async fn sweep_once(
 /// that holds no unpublished row. Partitions of other kinds (list, hash, default) are left alone.
 async fn drop_old_partitions(
     client: &Client,
-    table: &TableName,
+    outbox: &OutboxTable,
     retention: &Retention,
 ) -> Result<Vec<String>> {
+    let table = &outbox.name;
     let rows = client
         .query(
             "SELECT format('%I.%I', n.nspname, c.relname),
@@ -147,13 +148,63 @@ async fn drop_old_partitions(
             tracing::warn!(%partition, "partition is past --retention but still holds unpublished rows; kept");
             continue;
         }
-        client
-            .batch_execute(&format!(
-                "ALTER TABLE {} DETACH PARTITION {partition}; DROP TABLE {partition}",
-                table.quoted()
-            ))
-            .await?;
-        dropped.push(partition);
+        if detach_and_drop_if_published(client, outbox, &partition).await? {
+            dropped.push(partition);
+        }
     }
     Ok(dropped)
+}
+
+/// Detaches and drops `partition` unless, under the lock the detach takes anyway, it holds an unpublished
+/// row: a row committed (or re-queued) after the unlocked check above is never dropped. Only rows that
+/// can have appeared since need checking under the lock, and the claim index covers them (`published_at
+/// IS NULL AND dead_at IS NULL`), so the application's inserts wait milliseconds at most; a lock not
+/// granted within the lock timeout leaves the partition to the next pass. (The connection is this pass's
+/// own: an error leaves nothing open behind.)
+async fn detach_and_drop_if_published(
+    client: &Client,
+    table: &OutboxTable,
+    partition: &str,
+) -> Result<bool> {
+    let parent = table.name.quoted();
+    // Without the polling columns there is no claim index (nor dead letters): check every row.
+    let unpublished = if table.polling {
+        "published_at IS NULL AND dead_at IS NULL"
+    } else {
+        "published_at IS NULL"
+    };
+    client
+        .batch_execute("BEGIN; SET LOCAL lock_timeout = '500ms'")
+        .await?;
+    let locked = client
+        .batch_execute(&format!(
+            "LOCK TABLE {parent}, {partition} IN ACCESS EXCLUSIVE MODE"
+        ))
+        .await;
+    if let Err(error) = locked {
+        client.batch_execute("ROLLBACK").await?;
+        if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+            tracing::info!(%partition, "partition past --retention is in use (no lock within 500ms); trying again next pass");
+            return Ok(false);
+        }
+        return Err(error.into());
+    }
+    let written_since: bool = client
+        .query_one(
+            &format!("SELECT EXISTS (SELECT 1 FROM {partition} WHERE {unpublished})"),
+            &[],
+        )
+        .await?
+        .get(0);
+    if written_since {
+        client.batch_execute("ROLLBACK").await?;
+        tracing::warn!(%partition, "an unpublished row arrived in the partition past --retention while it was checked; kept");
+        return Ok(false);
+    }
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {parent} DETACH PARTITION {partition}; DROP TABLE {partition}; COMMIT"
+        ))
+        .await?;
+    Ok(true)
 }

@@ -720,3 +720,119 @@ async fn two_tables_through_one_slot_lose_nothing_when_outboxd_is_killed() {
         assert_eq!(report.order_violations, 0, "{topic}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handed_off_row_with_null_aggregate_columns_is_dead_lettered_and_the_rest_flows() {
+    // A fitted table whose aggregate columns are nullable; rows written before outboxd's slot exists are
+    // handed to the polling path at slot creation, NULL ones included.
+    let (pg, broker, client) = stack_with(
+        "CREATE TABLE public.outbox_event (
+            event_id uuid PRIMARY KEY, aggregate_type text, aggregate_id text,
+            event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .await;
+    let (url, brokers) = (pg.url(), broker.addr());
+    migrate_with(&url, &["--add-polling-columns"]);
+    let insert = "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                  VALUES ($1, $2, $3, 'OrderPlaced', '{}')";
+    let null_id = uuid::Uuid::new_v4();
+    let null_type = uuid::Uuid::new_v4();
+    let good = uuid::Uuid::new_v4();
+    for (id, aggregate_type, aggregate_id) in [
+        (null_id, Some("Order"), None),
+        (null_type, None, Some("order-1")),
+        (good, Some("Order"), Some("order-2")),
+    ] {
+        client
+            .execute(insert, &[&id, &aggregate_type, &aggregate_id])
+            .await
+            .unwrap();
+    }
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let later = uuid::Uuid::new_v4();
+    client
+        .execute(insert, &[&later, &Some("Order"), &Some("order-2")])
+        .await
+        .unwrap();
+    let records = consume_all(&brokers, &[TOPIC], 2, Duration::from_secs(60));
+    let ids: Vec<String> = records
+        .iter()
+        .filter_map(|r| r.headers.get("event_id").cloned())
+        .collect();
+    assert_eq!(ids, [good.to_string(), later.to_string()], "order-2 in order");
+    for (id, column) in [(null_id, "aggregate_id"), (null_type, "aggregate_type")] {
+        let error: String = wait_for_async("the NULL row to be dead-lettered", Duration::from_secs(60), || async {
+            client
+                .query_opt(
+                    "SELECT last_error FROM outbox_event WHERE event_id = $1 AND dead_at IS NOT NULL",
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .map(|row| row.get(0))
+        })
+        .await;
+        assert!(error.contains(column), "last_error of the NULL {column} row: {error}");
+    }
+    assert!(outboxd.try_wait().is_none(), "outboxd kept running");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_never_drops_a_partition_while_a_row_is_being_written_into_it() {
+    let (pg, broker, client) = stack_with("CREATE TABLE public.outbox_p (
+                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
+             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
+                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
+             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
+                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');").await;
+    let (url, brokers) = (pg.url(), broker.addr());
+    migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
+    // The application writes a back-dated row into the old, empty partition and has not committed yet.
+    let app = pg.client().await;
+    let id = uuid::Uuid::new_v4();
+    app.batch_execute(&format!(
+        "BEGIN; INSERT INTO outbox_p (event_id, aggregate_type, aggregate_id, event_type, payload, created_at)
+         VALUES ('{id}', 'Order', 'order-1', 'E', '{{}}', '2020-06-01 00:00:00+00')"
+    ))
+    .await
+    .unwrap();
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--table",
+        "outbox_p",
+        "--mode",
+        "poll",
+        "--retention",
+        "30d",
+        "--retention-interval",
+        "1s",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    // Retention found the partition empty of committed rows and waits for the application's lock.
+    wait_for_async("retention to wait for the partition's lock", Duration::from_secs(60), || async {
+        let waiting = count(
+            &client,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%outbox_p%'",
+        )
+        .await;
+        (waiting > 0).then_some(())
+    })
+    .await;
+    app.batch_execute("COMMIT").await.unwrap();
+    let records = consume_all(&brokers, &[TOPIC], 1, Duration::from_secs(60));
+    assert_eq!(
+        records[0].headers.get("event_id"),
+        Some(&id.to_string()),
+        "the row committed during the check is published"
+    );
+    // Once it is published, the partition goes as usual.
+    wait_for_async("retention to drop the 2020 partition", Duration::from_secs(60), || async {
+        let left = count(&client, "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'").await;
+        (left == 0).then_some(())
+    })
+    .await;
+    drop(outboxd);
+}

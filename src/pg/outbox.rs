@@ -155,21 +155,25 @@ pub async fn hand_off_rows_older_than_slot(
 pub type AggregateKey = (String, String);
 
 /// Aggregates with handed-off rows still waiting for the polling path. The CDC path must not publish their
-/// later events ahead of them.
+/// later events ahead of them. At most `limit + 1` (more than `limit` means "too many to track").
 pub async fn aggregates_pending_hand_off(
     client: &Client,
     table: &OutboxTable,
+    limit: usize,
 ) -> Result<std::collections::HashSet<AggregateKey>> {
     let rows = client
         .query(
             &format!(
-                "SELECT DISTINCT {}, {}::text FROM {}
-                 WHERE handoff_at IS NOT NULL AND published_at IS NULL AND dead_at IS NULL",
+                // NULLs (nullable columns of a fitted table) read as '', as the CDC path keys such rows;
+                // the polling path dead-letters them.
+                "SELECT DISTINCT coalesce({}, ''), coalesce({}::text, '') FROM {}
+                 WHERE handoff_at IS NOT NULL AND published_at IS NULL AND dead_at IS NULL
+                 LIMIT $1",
                 table.text_expr(Role::AggregateType, "''::text"),
                 table.col(Role::AggregateId),
                 table.name.quoted()
             ),
-            &[],
+            &[&(limit as i64 + 1)],
         )
         .await?;
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())

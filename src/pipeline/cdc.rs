@@ -33,8 +33,14 @@ use crate::table::OutboxTable;
 const REPLAY_BATCH: usize = 1_000;
 /// Least time between two status updates sent because the watermark moved.
 const MIN_CONFIRM_GAP: Duration = Duration::from_millis(100);
-/// How often a session with blocked aggregates asks whether the polling path has drained them.
+/// How often, at most, a session with blocked aggregates asks whether the polling path has drained them.
 const UNBLOCK_CHECK: Duration = Duration::from_millis(100);
+/// The check waits at least this many times its own last duration, so that asking costs the database at
+/// most ~5% of one backend however many aggregates are blocked.
+const UNBLOCK_CHECK_COST_FACTOR: u32 = 20;
+/// Most blocked aggregates tracked one by one. A table with more (a huge hand-off after a slot was
+/// recreated) is held whole: all its events go to the polling path, in order, until few enough remain.
+const MAX_TRACKED_BLOCKED: usize = 50_000;
 
 pub struct CdcPipeline {
     settings: Arc<RunSettings>,
@@ -159,6 +165,8 @@ struct Session<'a> {
     hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
     /// Aggregates with rows waiting in the polling path: their later events are never published ahead.
     blocked: HashMap<BlockedKey, Blocked>,
+    /// Tables with more blocked aggregates than [`MAX_TRACKED_BLOCKED`]: every event of them is handed off.
+    held_tables: HashSet<usize>,
     /// Events of blocked aggregates held back (in stream order) until the polling path drained them.
     parked: VecDeque<Pending>,
     hand_offs_in_flight: usize,
@@ -427,8 +435,16 @@ impl CdcPipeline {
             }
         }
         let mut blocked = HashMap::new();
+        let mut held_tables = HashSet::new();
         for (index, table) in db.tables.iter().enumerate().filter(|(_, t)| t.polling) {
-            for aggregate in outbox::aggregates_pending_hand_off(&sql, table).await? {
+            let pending =
+                outbox::aggregates_pending_hand_off(&sql, table, MAX_TRACKED_BLOCKED).await?;
+            if pending.len() > MAX_TRACKED_BLOCKED {
+                tracing::info!(table = %table.name, "more than {MAX_TRACKED_BLOCKED} aggregates wait in the polling path: handing it every event of the table until it has drained them");
+                held_tables.insert(index);
+                continue;
+            }
+            for aggregate in pending {
                 blocked.insert((index, aggregate), Blocked::PARKING);
             }
         }
@@ -478,6 +494,7 @@ impl CdcPipeline {
             skipped_already_published: 0,
             hand_offs: delivery_tx,
             blocked,
+            held_tables,
             parked: VecDeque::new(),
             hand_offs_in_flight: 0,
             hand_offs_unwritten: HashMap::new(),
@@ -515,8 +532,7 @@ impl Session<'_> {
         let mut last_sent = self.watermark.confirmed();
         let mut last_sent_at = Instant::now();
         let mut drain_deadline: Option<tokio::time::Instant> = None;
-        let mut unblock_timer = tokio::time::interval(UNBLOCK_CHECK);
-        unblock_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK;
         stream.send_status(last_sent).await?;
         loop {
             let window_open = self.window_open();
@@ -560,8 +576,10 @@ impl Session<'_> {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
-                _ = unblock_timer.tick(), if !self.blocked.is_empty() && drain_deadline.is_none() => {
+                _ = tokio::time::sleep_until(next_unblock_check), if self.has_blocked() && drain_deadline.is_none() => {
+                    let started = tokio::time::Instant::now();
                     self.unblock_drained_aggregates().await?;
+                    next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK.max(started.elapsed() * UNBLOCK_CHECK_COST_FACTOR);
                 }
                 _ = sleep_until_opt(drain_deadline) => {
                     tracing::warn!(in_flight = self.in_flight_events, "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
@@ -758,6 +776,9 @@ impl Session<'_> {
     /// (see [`Hold`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
     /// which retries and dead-letters it; its aggregate is blocked behind it, so order per aggregate holds.
     async fn publish(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+        if !self.held_tables.is_empty() && self.held_tables.contains(&tag.table) {
+            return self.hand_off(tag, event, event_id, HandOffReason::Blocked);
+        }
         // Checked without allocating while nothing is blocked (the common case).
         if !self.blocked.is_empty() {
             let key = blocked_key(&tag, event);
@@ -803,7 +824,11 @@ impl Session<'_> {
                 tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
                 self.blocked
                     .insert(blocked_key(&tag, event), Blocked::HANDING_OFF);
-                self.hand_off(tag, event, event_id, HandOffReason::Refused)
+                self.hand_off(tag, event, event_id, HandOffReason::Refused)?;
+                if self.blocked.len() > MAX_TRACKED_BLOCKED {
+                    self.hold_table(tag.table)?;
+                }
+                Ok(())
             }
             Err(error) => Err(error.into()),
         }
@@ -877,6 +902,26 @@ impl Session<'_> {
         Ok(())
     }
 
+    fn has_blocked(&self) -> bool {
+        !self.blocked.is_empty() || !self.held_tables.is_empty()
+    }
+
+    /// Stops tracking `table`'s blocked aggregates one by one: what it parked goes to the polling path (in
+    /// order), and so does every later event of it until the polling path has drained it.
+    fn hold_table(&mut self, table: usize) -> Result<()> {
+        tracing::info!(table = %self.settings.database.tables[table].name, "more than {MAX_TRACKED_BLOCKED} aggregates wait in the polling path: handing it every event of the table until it has drained them");
+        for pending in std::mem::take(&mut self.parked) {
+            if pending.tag.table == table {
+                self.hand_off(pending.tag, &pending.event, pending.event_id, HandOffReason::Blocked)?;
+            } else {
+                self.parked.push_back(pending);
+            }
+        }
+        self.blocked.retain(|(t, _), _| *t != table);
+        self.held_tables.insert(table);
+        Ok(())
+    }
+
     /// Hands the parked events of `aggregate` to the polling path, in order.
     fn hand_off_parked(&mut self, (table, aggregate): &BlockedKey) -> Result<()> {
         for pending in std::mem::take(&mut self.parked) {
@@ -907,11 +952,27 @@ impl Session<'_> {
         if self.hand_offs_in_flight > 0 {
             return Ok(());
         }
+        // A held table whose pending aggregates are few enough again is tracked one by one from now on.
+        for table in self.held_tables.clone() {
+            let outbox_table: &OutboxTable = &self.settings.database.tables[table];
+            let pending =
+                outbox::aggregates_pending_hand_off(&self.sql, outbox_table, MAX_TRACKED_BLOCKED)
+                    .await?;
+            if pending.len() <= MAX_TRACKED_BLOCKED {
+                self.held_tables.remove(&table);
+                for aggregate in pending {
+                    self.blocked.insert((table, aggregate), Blocked::PARKING);
+                }
+            }
+        }
         let tables: HashSet<usize> = self.blocked.keys().map(|(table, _)| *table).collect();
         let mut pending: HashSet<BlockedKey> = HashSet::new();
         for table in tables {
             let outbox_table: &OutboxTable = &self.settings.database.tables[table];
-            for aggregate in outbox::aggregates_pending_hand_off(&self.sql, outbox_table).await? {
+            for aggregate in
+                outbox::aggregates_pending_hand_off(&self.sql, outbox_table, MAX_TRACKED_BLOCKED)
+                    .await?
+            {
                 pending.insert((table, aggregate));
             }
         }
