@@ -733,7 +733,8 @@ async fn a_handed_off_row_with_null_aggregate_columns_is_dead_lettered_and_the_r
     .await;
     let (url, brokers) = (pg.url(), broker.addr());
     migrate_with(&url, &["--add-polling-columns"]);
-    let insert = "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+    let insert =
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
                   VALUES ($1, $2, $3, 'OrderPlaced', '{}')";
     let null_id = uuid::Uuid::new_v4();
     let null_type = uuid::Uuid::new_v4();
@@ -760,7 +761,11 @@ async fn a_handed_off_row_with_null_aggregate_columns_is_dead_lettered_and_the_r
         .iter()
         .filter_map(|r| r.headers.get("event_id").cloned())
         .collect();
-    assert_eq!(ids, [good.to_string(), later.to_string()], "order-2 in order");
+    assert_eq!(
+        ids,
+        [good.to_string(), later.to_string()],
+        "order-2 in order"
+    );
     for (id, column) in [(null_id, "aggregate_id"), (null_type, "aggregate_type")] {
         let error: String = wait_for_async("the NULL row to be dead-lettered", Duration::from_secs(60), || async {
             client
@@ -773,7 +778,10 @@ async fn a_handed_off_row_with_null_aggregate_columns_is_dead_lettered_and_the_r
                 .map(|row| row.get(0))
         })
         .await;
-        assert!(error.contains(column), "last_error of the NULL {column} row: {error}");
+        assert!(
+            error.contains(column),
+            "last_error of the NULL {column} row: {error}"
+        );
     }
     assert!(outboxd.try_wait().is_none(), "outboxd kept running");
 }
@@ -829,10 +837,72 @@ async fn retention_never_drops_a_partition_while_a_row_is_being_written_into_it(
         "the row committed during the check is published"
     );
     // Once it is published, the partition goes as usual.
-    wait_for_async("retention to drop the 2020 partition", Duration::from_secs(60), || async {
-        let left = count(&client, "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'").await;
-        (left == 0).then_some(())
-    })
+    wait_for_async(
+        "retention to drop the 2020 partition",
+        Duration::from_secs(60),
+        || async {
+            let left = count(
+                &client,
+                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'",
+            )
+            .await;
+            (left == 0).then_some(())
+        },
+    )
     .await;
     drop(outboxd);
+}
+
+/// A team's table without the polling columns gets ten single-row INSERTs and one five-row INSERT of one
+/// aggregate in one transaction, then `migrate --add-polling-columns`: outboxd (in `mode`) publishes the
+/// fifteen rows, which have no position, in insert order.
+async fn rows_without_position_go_out_in_insert_order(mode: &str) {
+    let (pg, broker, client) = stack_with(
+        "CREATE TABLE public.outbox_event (
+            event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+            event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .await;
+    let ids: Vec<uuid::Uuid> = (0..15).map(|_| uuid::Uuid::new_v4()).collect();
+    let row = |i: usize| {
+        format!(
+            "('{}', 'Order', 'order-1', 'E', '{{\"seq\": {i}}}')",
+            ids[i]
+        )
+    };
+    let mut sql = String::from("BEGIN;");
+    for i in 0..10 {
+        sql.push_str(&format!(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES {};",
+            row(i)
+        ));
+    }
+    let multi: Vec<String> = (10..15).map(row).collect();
+    sql.push_str(&format!(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES {}; COMMIT",
+        multi.join(", ")
+    ));
+    client.batch_execute(&sql).await.unwrap();
+    let (url, brokers) = (pg.url(), broker.addr());
+    migrate_with(&url, &["--add-polling-columns"]);
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", mode]);
+    let _outboxd = Outboxd::spawn(&args);
+    let records = consume_all(&brokers, &[TOPIC], 15, Duration::from_secs(60));
+    let published: Vec<String> = records
+        .iter()
+        .filter_map(|r| r.headers.get("event_id").cloned())
+        .collect();
+    let inserted: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
+    assert_eq!(published, inserted, "{mode}: insert order");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_without_position_are_handed_off_in_insert_order() {
+    rows_without_position_go_out_in_insert_order("auto").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_without_position_are_polled_in_insert_order() {
+    rows_without_position_go_out_in_insert_order("poll").await;
 }

@@ -88,6 +88,26 @@ pub async fn in_recovery(client: &tokio_postgres::Client) -> Result<bool> {
         .get(0))
 }
 
+/// The server's system identifier, or `None` where the role may not read it (`pg_control_system()` needs
+/// superuser or pg_monitor-like rights on some services).
+pub async fn system_identifier(client: &tokio_postgres::Client) -> Result<Option<String>> {
+    match client
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+    {
+        Ok(row) => Ok(Some(row.get(0))),
+        Err(error)
+            if error.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
+        {
+            Ok(None)
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
 /// Turns connection failures that retrying cannot fix into setup errors naming the fix.
 pub fn classify_connect_error(error: tokio_postgres::Error, ssl_mode: tls::SslMode) -> Error {
     let Some(code) = error.code().map(|c| c.code().to_string()) else {

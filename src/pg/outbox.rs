@@ -3,7 +3,7 @@
 //! columns through its mapping (`table::OutboxTable`). Owns the statements; batching decisions belong to
 //! the pipeline.
 
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 use uuid::Uuid;
 
 use crate::error::Result;
@@ -136,6 +136,7 @@ pub async fn hand_off_rows_older_than_slot(
         .await?;
     let mut marked = 0;
     for table in tables.iter().filter(|t| t.polling) {
+        number_rows_without_position(&tx, table).await?;
         marked += tx
             .execute(
                 &format!(
@@ -149,6 +150,37 @@ pub async fn hand_off_rows_older_than_slot(
     }
     tx.commit().await?;
     Ok(marked)
+}
+
+/// Gives the unpublished rows that have no `position` (older than the polling migration, or in a table given
+/// `migrate --add-polling-columns`) one in insert order, before every sequence-filled row: by `created_at`
+/// (the transaction's start), then the inserting transaction's id and the command id within it (one per
+/// INSERT statement), then physical order (rows of one multi-row INSERT). xmin and cmin are the insert's only
+/// while the row was never updated, so this runs before outboxd first touches them: when the polling path
+/// starts and inside the slot's hand-off. Returns the rows numbered (none once done).
+pub async fn number_rows_without_position(
+    client: &impl GenericClient,
+    table: &OutboxTable,
+) -> Result<u64> {
+    let created_at = table
+        .column(Role::CreatedAt)
+        .map(|column| format!("\"{column}\", "))
+        .unwrap_or_default();
+    let name = table.name.quoted();
+    Ok(client
+        .execute(
+            &format!(
+                "WITH ordered AS (
+                     SELECT tableoid AS rel, ctid AS tid, count(*) OVER () AS total,
+                            row_number() OVER (ORDER BY {created_at}xmin::text::int8, cmin::text::int8, tableoid, ctid) AS n
+                     FROM {name} WHERE position IS NULL AND published_at IS NULL)
+                 UPDATE {name} t SET position = ordered.n - ordered.total - 1
+                 FROM ordered
+                 WHERE t.tableoid = ordered.rel AND t.ctid = ordered.tid AND t.position IS NULL"
+            ),
+            &[],
+        )
+        .await?)
 }
 
 /// An aggregate: (aggregate_type, aggregate_id).

@@ -361,6 +361,16 @@ impl CdcPipeline {
             .await
             .map_err(replication_error)?;
         let identity = conn.identify_system().await?;
+        // The slot is inspected over SQL: during a switchover the two connections can reach two servers.
+        if let Some(sql_system) = pg::system_identifier(&sql).await? {
+            if sql_system != identity.system_id {
+                return Err(Error::NotReady {
+                    problem: format!("the SQL connection reached system {sql_system} but the replication connection system {}", identity.system_id),
+                    fix: "point --database-url and --replication-url at the same server".into(),
+                    waiting_for: "both connections to reach one server (a switchover under way)".into(),
+                });
+            }
+        }
         // A lost slot is replaced only when every table's gap can be covered by the polling path.
         if super::has_polling_columns(&settings) {
             slot::drop_if_lost(&sql, &db.slot).await?;
@@ -912,7 +922,12 @@ impl Session<'_> {
         tracing::info!(table = %self.settings.database.tables[table].name, "more than {MAX_TRACKED_BLOCKED} aggregates wait in the polling path: handing it every event of the table until it has drained them");
         for pending in std::mem::take(&mut self.parked) {
             if pending.tag.table == table {
-                self.hand_off(pending.tag, &pending.event, pending.event_id, HandOffReason::Blocked)?;
+                self.hand_off(
+                    pending.tag,
+                    &pending.event,
+                    pending.event_id,
+                    HandOffReason::Blocked,
+                )?;
             } else {
                 self.parked.push_back(pending);
             }

@@ -18,7 +18,7 @@ use crate::config::{PollOrder, RunSettings};
 use crate::error::{Error, Result};
 use crate::kafka::{KnownTopics, PublishError, Publisher, Rejection};
 use crate::pg;
-use crate::pg::outbox::{ClaimScope, ClaimedRow, PollSql};
+use crate::pg::outbox::{self, ClaimScope, ClaimedRow, PollSql};
 
 /// What happened to one claimed row.
 #[derive(Debug)]
@@ -165,6 +165,12 @@ impl PollWorker {
         client
             .batch_execute("SET datestyle = 'ISO'; SET TIME ZONE 'UTC'")
             .await?;
+        if self.scope == ClaimScope::All {
+            let numbered = outbox::number_rows_without_position(&client, self.table()).await?;
+            if numbered > 0 {
+                tracing::info!(table = %self.table().name, rows = numbered, "gave rows without a position one, in insert order");
+            }
+        }
         let sql = PollSql::prepare(&client, self.table(), poll.order, self.scope).await?;
         let (delivery_tx, mut deliveries) = mpsc::unbounded_channel();
         // Let a send fail well within the lease, so a broker outage shows up as retries with backoff.
