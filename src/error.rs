@@ -29,6 +29,9 @@ pub enum Error {
     Postgres(#[from] tokio_postgres::Error),
     #[error("PostgreSQL replication: {0}")]
     Replication(#[from] ReplicationError),
+    /// The replication session must start over (its state would be unsafe to change in place).
+    #[error("restarting the replication session: {0}")]
+    SessionRestart(String),
     #[error("Kafka: {message}")]
     Kafka { message: String, transient: bool },
     #[error(transparent)]
@@ -53,6 +56,7 @@ fn is_unreachable_sqlstate(code: &str) -> bool {
 }
 
 const ACCEPTING_CONNECTIONS: &str = "PostgreSQL to accept connections";
+const PROMOTION: &str = "the standby to be promoted";
 
 impl Error {
     pub fn setup(problem: impl Into<String>, fix: impl Into<String>) -> Self {
@@ -83,7 +87,7 @@ impl Error {
         Error::NotReady {
             problem: "the server is a standby in recovery, and logical decoding needs a primary".into(),
             fix: "promote the standby (pg_ctl promote, or SELECT pg_promote()), or point --database-url at the primary".into(),
-            waiting_for: "the standby to be promoted".into(),
+            waiting_for: PROMOTION.into(),
         }
     }
 
@@ -92,6 +96,8 @@ impl Error {
     pub fn awaited_database(&self) -> Option<&str> {
         match self {
             Error::NotReady { waiting_for, .. } => Some(waiting_for),
+            // A write on a standby (the address reached one before its promotion).
+            Error::Postgres(e) if e.code().map(|c| c.code()) == Some("25006") => Some(PROMOTION),
             Error::Postgres(e) => match e.code() {
                 None => self.is_transient(),
                 Some(code) => is_unreachable_sqlstate(code.code()),
@@ -134,6 +140,7 @@ impl Error {
                 | ReplicationError::PasswordRequired => false,
             },
             Error::Kafka { transient, .. } => *transient,
+            Error::SessionRestart(_) => true,
         }
     }
 }

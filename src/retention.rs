@@ -155,43 +155,30 @@ async fn drop_old_partitions(
     Ok(dropped)
 }
 
-/// Detaches and drops `partition` unless, under the lock the detach takes anyway, it holds an unpublished
-/// row: a row committed (or re-queued) after the unlocked check above is never dropped. Only rows that
-/// can have appeared since need checking under the lock, and the claim index covers them (`published_at
-/// IS NULL AND dead_at IS NULL`), so the application's inserts wait milliseconds at most; a lock not
-/// granted within the lock timeout leaves the partition to the next pass. (The connection is this pass's
-/// own: an error leaves nothing open behind.)
+/// Detaches and drops `partition` unless, under its lock, it holds an unpublished row: a row committed (or
+/// re-queued) after the unlocked check above is never dropped. The partition is locked first and checked
+/// while only inserts routed to it wait (rows of an old range are rare); the parent's lock, which DETACH
+/// needs, is taken only for the detach itself. Either lock not granted within the lock timeout (shorter than
+/// `deadlock_timeout`, so outboxd, never the application, gives way) leaves the partition for the next pass.
+/// (The connection is this pass's own: an error leaves nothing open behind.)
 async fn detach_and_drop_if_published(
     client: &Client,
     table: &OutboxTable,
     partition: &str,
 ) -> Result<bool> {
     let parent = table.name.quoted();
-    // Without the polling columns there is no claim index (nor dead letters): check every row.
-    let unpublished = if table.polling {
-        "published_at IS NULL AND dead_at IS NULL"
-    } else {
-        "published_at IS NULL"
-    };
     client
         .batch_execute("BEGIN; SET LOCAL lock_timeout = '500ms'")
         .await?;
-    let locked = client
-        .batch_execute(&format!(
-            "LOCK TABLE {parent}, {partition} IN ACCESS EXCLUSIVE MODE"
-        ))
+    let partition_locked = client
+        .batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
         .await;
-    if let Err(error) = locked {
-        client.batch_execute("ROLLBACK").await?;
-        if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
-            tracing::info!(%partition, "partition past --retention is in use (no lock within 500ms); trying again next pass");
-            return Ok(false);
-        }
-        return Err(error.into());
+    if !lock_granted(client, partition, partition_locked).await? {
+        return Ok(false);
     }
     let written_since: bool = client
         .query_one(
-            &format!("SELECT EXISTS (SELECT 1 FROM {partition} WHERE {unpublished})"),
+            &format!("SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL)"),
             &[],
         )
         .await?
@@ -201,10 +188,34 @@ async fn detach_and_drop_if_published(
         tracing::warn!(%partition, "an unpublished row arrived in the partition past --retention while it was checked; kept");
         return Ok(false);
     }
+    let parent_locked = client
+        .batch_execute(&format!("LOCK TABLE {parent} IN ACCESS EXCLUSIVE MODE"))
+        .await;
+    if !lock_granted(client, partition, parent_locked).await? {
+        return Ok(false);
+    }
     client
         .batch_execute(&format!(
             "ALTER TABLE {parent} DETACH PARTITION {partition}; DROP TABLE {partition}; COMMIT"
         ))
         .await?;
     Ok(true)
+}
+
+/// True when a LOCK TABLE succeeded; a lock timeout rolls back and says so (next pass), other errors
+/// propagate.
+async fn lock_granted(
+    client: &Client,
+    partition: &str,
+    locked: std::result::Result<(), tokio_postgres::Error>,
+) -> Result<bool> {
+    let Err(error) = locked else {
+        return Ok(true);
+    };
+    client.batch_execute("ROLLBACK").await?;
+    if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+        tracing::info!(%partition, "partition past --retention is in use (no lock within 500ms); trying again next pass");
+        return Ok(false);
+    }
+    Err(error.into())
 }

@@ -156,6 +156,8 @@ struct Session<'a> {
     /// Commit time of that transaction (from Begin), for commit-to-ack latency.
     current_commit_micros: i64,
     in_replay_region: bool,
+    /// Every table records `published_at`, so re-sent rows can be checked instead of dropped.
+    can_look_up_published: bool,
     skipping_resent_txn: bool,
     in_flight_events: usize,
     in_flight_bytes: usize,
@@ -167,6 +169,9 @@ struct Session<'a> {
     blocked: HashMap<BlockedKey, Blocked>,
     /// Tables with more blocked aggregates than [`MAX_TRACKED_BLOCKED`]: every event of them is handed off.
     held_tables: HashSet<usize>,
+    /// Reading pauses until hand-offs in flight are written, so that a held table's check can run (under
+    /// steady load some hand-off of it is almost always in flight).
+    pausing_for_check: bool,
     /// Events of blocked aggregates held back (in stream order) until the polling path drained them.
     parked: VecDeque<Pending>,
     hand_offs_in_flight: usize,
@@ -360,7 +365,7 @@ impl CdcPipeline {
         let mut conn = ReplicationConnection::connect(&db.replication_url)
             .await
             .map_err(replication_error)?;
-        let identity = conn.identify_system().await?;
+        let identity = conn.identify_system().await.map_err(replication_error)?;
         // The slot is inspected over SQL: during a switchover the two connections can reach two servers.
         if let Some(sql_system) = pg::system_identifier(&sql).await? {
             if sql_system != identity.system_id {
@@ -388,27 +393,33 @@ impl CdcPipeline {
             wal_end: identity.xlog_position,
             slot_missing: existing.is_none(),
         };
-        let change = history::judge(self.history.as_ref(), self.watermark.confirmed(), &reached);
+        let change = history::judge(
+            self.history.as_ref(),
+            self.watermark.highest_confirmed(),
+            &reached,
+        );
+        let slot_position = existing
+            .as_ref()
+            .map(|state| state.confirmed_flush().unwrap_or(Lsn::ZERO));
         if let Some(change) = &change {
             self.history_changed(change, &here, identity.xlog_position)?;
+            // At once, before anything below can fail: the old position never pairs with the new history.
+            self.watermark.reset(slot_position.unwrap_or(Lsn::ZERO));
         }
         self.history = Some(here);
-        match existing {
-            Some(state) => {
-                let position = state.confirmed_flush().unwrap_or(Lsn::ZERO);
-                if change.is_some() {
-                    // The slot belongs to the server's own history: its position is the only valid one.
-                    self.watermark.reset(position);
-                } else {
-                    self.watermark.raise_confirmed(position);
-                }
-            }
+        match slot_position {
+            // The slot belongs to the server's own history: stream from its position (what lies between it
+            // and a higher position confirmed before is re-sent and recognised).
+            Some(position) => self.watermark.resume_at(position),
             None => {
                 slot::check_publication(&sql, db).await?;
                 if can_hand_off {
                     slot::begin_creation(&sql, &db.slot).await?;
                 }
-                let created = conn.create_logical_slot(&db.slot).await?;
+                let created = conn
+                    .create_logical_slot(&db.slot)
+                    .await
+                    .map_err(replication_error)?;
                 let handed_off = if can_hand_off {
                     match outbox::hand_off_rows_older_than_slot(
                         &mut sql,
@@ -458,7 +469,6 @@ impl CdcPipeline {
                 blocked.insert((index, aggregate), Blocked::PARKING);
             }
         }
-        self.watermark.restart();
         let start = self.watermark.confirmed();
         let mut stream = conn
             .start_replication(&db.slot, start, &db.publication)
@@ -497,6 +507,7 @@ impl CdcPipeline {
             current_xid: 0,
             current_commit_micros: 0,
             in_replay_region: false,
+            can_look_up_published: db.tables.iter().all(|t| t.marks_published),
             skipping_resent_txn: false,
             in_flight_events: 0,
             in_flight_bytes: 0,
@@ -505,6 +516,7 @@ impl CdcPipeline {
             hand_offs: delivery_tx,
             blocked,
             held_tables,
+            pausing_for_check: false,
             parked: VecDeque::new(),
             hand_offs_in_flight: 0,
             hand_offs_unwritten: HashMap::new(),
@@ -582,7 +594,7 @@ impl Session<'_> {
                     }
                     None => return Err(Error::Kafka { message: "the backfill task stopped".into(), transient: true }),
                 },
-                message = stream.next_message(), if window_open && drain_deadline.is_none() => {
+                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check => {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
@@ -595,6 +607,9 @@ impl Session<'_> {
                     tracing::warn!(in_flight = self.in_flight_events, "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
                     break;
                 }
+            }
+            if self.pausing_for_check && self.hand_offs_in_flight == 0 {
+                next_unblock_check = tokio::time::Instant::now();
             }
             // Buffered replayed rows count against the window: flush them before it can block reading.
             if !self.replay_buffer.is_empty()
@@ -640,11 +655,16 @@ impl Session<'_> {
     async fn handle_pgoutput(&mut self, data: Bytes) -> Result<()> {
         match pgoutput::decode(data)? {
             PgOutputMessage::Begin(begin) => {
-                if self.watermark.is_already_confirmed(begin.final_lsn) {
+                let resent = self.watermark.is_already_confirmed(begin.final_lsn);
+                // A re-sent transaction was probably published already. Where every table records
+                // published_at, its rows are looked up like any replayed row: on a server restored from a
+                // snapshot, the same positions can hold transactions never seen before. Elsewhere nothing can
+                // tell, and it is dropped.
+                if resent && !self.can_look_up_published {
                     self.skipping_resent_txn = true;
                     tracing::debug!(final_lsn = %begin.final_lsn, "skipping re-sent transaction");
                 } else {
-                    self.in_replay_region = begin.final_lsn < self.replay_end;
+                    self.in_replay_region = resent || begin.final_lsn < self.replay_end;
                     if !self.in_replay_region {
                         self.flush_replay_buffer().await?;
                     }
@@ -836,7 +856,12 @@ impl Session<'_> {
                     .insert(blocked_key(&tag, event), Blocked::HANDING_OFF);
                 self.hand_off(tag, event, event_id, HandOffReason::Refused)?;
                 if self.blocked.len() > MAX_TRACKED_BLOCKED {
-                    self.hold_table(tag.table)?;
+                    // Events of these aggregates may still be in flight: holding the table in place could let
+                    // a later one overtake them through the polling path. The next session holds it from
+                    // its start, when nothing is in flight.
+                    return Err(Error::SessionRestart(format!(
+                        "more than {MAX_TRACKED_BLOCKED} aggregates wait in the polling path"
+                    )));
                 }
                 Ok(())
             }
@@ -916,27 +941,6 @@ impl Session<'_> {
         !self.blocked.is_empty() || !self.held_tables.is_empty()
     }
 
-    /// Stops tracking `table`'s blocked aggregates one by one: what it parked goes to the polling path (in
-    /// order), and so does every later event of it until the polling path has drained it.
-    fn hold_table(&mut self, table: usize) -> Result<()> {
-        tracing::info!(table = %self.settings.database.tables[table].name, "more than {MAX_TRACKED_BLOCKED} aggregates wait in the polling path: handing it every event of the table until it has drained them");
-        for pending in std::mem::take(&mut self.parked) {
-            if pending.tag.table == table {
-                self.hand_off(
-                    pending.tag,
-                    &pending.event,
-                    pending.event_id,
-                    HandOffReason::Blocked,
-                )?;
-            } else {
-                self.parked.push_back(pending);
-            }
-        }
-        self.blocked.retain(|(t, _), _| *t != table);
-        self.held_tables.insert(table);
-        Ok(())
-    }
-
     /// Hands the parked events of `aggregate` to the polling path, in order.
     fn hand_off_parked(&mut self, (table, aggregate): &BlockedKey) -> Result<()> {
         for pending in std::mem::take(&mut self.parked) {
@@ -965,8 +969,10 @@ impl Session<'_> {
             blocked.hold = Hold::Park;
         }
         if self.hand_offs_in_flight > 0 {
+            self.pausing_for_check = !self.held_tables.is_empty();
             return Ok(());
         }
+        self.pausing_for_check = false;
         // A held table whose pending aggregates are few enough again is tracked one by one from now on.
         for table in self.held_tables.clone() {
             let outbox_table: &OutboxTable = &self.settings.database.tables[table];

@@ -83,7 +83,8 @@ pub fn replication_error(error: ReplicationError) -> Error {
             "check the password in --replication-url / --database-url",
         ),
         Some("3D000") => Error::database_missing(&message),
-        Some("55000") if message.contains("recovery") => Error::in_recovery(),
+        // PG 15 says "logical decoding cannot be used while in recovery" with 0A000 (55000 on some paths).
+        Some("0A000" | "55000") if message.contains("recovery") => Error::in_recovery(),
         Some("55000") if message.contains("wal_level") => Error::replication_unavailable(
             format!("logical decoding is not enabled ({message})"),
             "set wal_level = logical and restart PostgreSQL",

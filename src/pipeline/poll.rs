@@ -138,12 +138,21 @@ impl PollWorker {
     /// Polls until `shutdown` turns true; transient failures reconnect with capped backoff, forever.
     pub async fn run(&self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        let mut outage = super::DatabaseOutage::new(self.settings.reconnect_timeout);
         loop {
-            match self.session(&mut shutdown, &mut backoff).await {
+            let result = self.session(&mut shutdown, &mut backoff, &mut outage).await;
+            match result {
                 Ok(()) => return Ok(()),
-                Err(error) if error.is_transient() => {
+                Err(error) if error.is_transient() || error.awaited_database().is_some() => {
                     let delay = backoff.next_delay();
-                    tracing::warn!(%error, retry_in = ?delay, "polling interrupted; reconnecting");
+                    match outage.judge(&error)? {
+                        Some(waiting_for) => {
+                            tracing::warn!(%error, retry_in = ?delay, %waiting_for, "cannot poll: waiting for the database (up to --reconnect-timeout)")
+                        }
+                        None => {
+                            tracing::warn!(%error, retry_in = ?delay, "polling interrupted; reconnecting")
+                        }
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
                         _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
@@ -158,9 +167,13 @@ impl PollWorker {
         &self,
         shutdown: &mut watch::Receiver<bool>,
         backoff: &mut Backoff,
+        outage: &mut super::DatabaseOutage,
     ) -> Result<()> {
         let poll = &self.settings.poll;
         let mut client = pg::connect(&self.settings.database.database_url).await?;
+        if pg::in_recovery(&client).await? {
+            return Err(Error::in_recovery());
+        }
         // created_at is read as text: make it ISO and UTC, as on the replication connection.
         client
             .batch_execute("SET datestyle = 'ISO'; SET TIME ZONE 'UTC'")
@@ -195,6 +208,7 @@ impl PollWorker {
                 .claim(&mut client, token, poll.lease, poll.batch_size)
                 .await?;
             backoff.reset();
+            outage.ended();
             if rows.is_empty() {
                 let notified = async {
                     match &wake {

@@ -6,8 +6,10 @@
 //! the last entry of the longest finished prefix, so a transaction is confirmed only after it and every earlier
 //! one are done, and an idle stream confirms the server's latest `wal_end`.
 //!
-//! The highest confirmed position survives [`Watermark::restart`] (a reconnect), so transactions the server
-//! re-sends at or below it can be recognised and dropped. Owns no I/O.
+//! The highest position ever confirmed on the current server history survives a reconnect
+//! ([`Watermark::resume_at`]), so transactions the server re-sends below it can be recognised: PG 15 can move
+//! the slot back after a restart. A new session still starts from (and reports) the slot's own position, so
+//! nothing the server holds between the two is skipped unseen. Owns no I/O.
 
 use std::collections::VecDeque;
 
@@ -29,7 +31,10 @@ pub struct Watermark {
     entries: VecDeque<Entry>,
     /// Id of `entries[0]`.
     first_id: u64,
+    /// Confirmed in this session: what status updates report.
     confirmed: Lsn,
+    /// The highest position confirmed on this server history, across sessions.
+    highest: Lsn,
     open: Option<TxnId>,
 }
 
@@ -38,24 +43,35 @@ impl Watermark {
     pub fn new(confirmed: Lsn) -> Self {
         Watermark {
             confirmed,
+            highest: confirmed,
             ..Default::default()
         }
     }
 
-    /// The highest position confirmed so far; never moves backwards, except by [`Watermark::reset`].
+    /// The position confirmed in this session (the slot's, at its start); moves only forwards within it.
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
     }
 
-    /// Raises the confirmed position to `lsn` if it is higher (e.g. the slot's position read at connect).
-    pub fn raise_confirmed(&mut self, lsn: Lsn) {
-        self.confirmed = self.confirmed.max(lsn);
+    /// The highest position confirmed on this server history, across sessions.
+    pub fn highest_confirmed(&self) -> Lsn {
+        self.highest
     }
 
-    /// True when a transaction whose commit record starts at `final_lsn` was already confirmed, i.e. the
-    /// server is re-sending it (PG 15 can move `confirmed_flush_lsn` back after a restart).
+    /// A new session on the same server history starts from the slot's own position. What lies between it
+    /// and the highest confirmed position is re-sent by the server and recognised by
+    /// [`Watermark::is_already_confirmed`]; everything in flight is forgotten (it is re-sent too).
+    pub fn resume_at(&mut self, slot_position: Lsn) {
+        self.restart();
+        self.confirmed = slot_position;
+        self.highest = self.highest.max(slot_position);
+    }
+
+    /// True when a transaction whose commit record starts at `final_lsn` lies below the highest position
+    /// confirmed on this history, i.e. the server is re-sending it (PG 15 can move `confirmed_flush_lsn` back
+    /// after a restart): probably published already, which the caller checks where it can.
     pub fn is_already_confirmed(&self, final_lsn: Lsn) -> bool {
-        final_lsn < self.confirmed
+        final_lsn < self.highest
     }
 
     /// Forgets everything in flight (after a reconnect the server re-sends it); keeps the confirmed position.
@@ -70,6 +86,7 @@ impl Watermark {
     pub fn reset(&mut self, confirmed: Lsn) {
         self.restart();
         self.confirmed = confirmed;
+        self.highest = confirmed;
     }
 
     /// A Begin arrived.
@@ -133,6 +150,7 @@ impl Watermark {
             match front.position {
                 Some(position) if front.pending_events == 0 => {
                     self.confirmed = self.confirmed.max(position);
+                    self.highest = self.highest.max(self.confirmed);
                     self.entries.pop_front();
                     self.first_id += 1;
                 }
@@ -267,12 +285,42 @@ mod tests {
     }
 
     #[test]
-    fn confirmed_never_moves_backwards() {
+    fn confirmed_never_moves_backwards_within_a_session() {
         let mut w = Watermark::new(Lsn(1000));
         let t = w.begin();
         w.commit(t, Lsn(500));
         assert_eq!(w.advance(), Lsn(1000));
-        w.raise_confirmed(Lsn(10));
-        assert_eq!(w.confirmed(), Lsn(1000));
+    }
+
+    #[test]
+    fn resuming_behind_the_highest_position_reports_the_slot_and_recognises_resent_transactions() {
+        let mut w = Watermark::new(Lsn(0));
+        let t = w.begin();
+        w.commit(t, Lsn(1000));
+        assert_eq!(w.advance(), Lsn(1000));
+        // The server came back with the slot at 400 (PG 15 after a restart, or a restored snapshot).
+        w.resume_at(Lsn(400));
+        assert_eq!(w.confirmed(), Lsn(400), "report the slot's own position");
+        assert_eq!(w.highest_confirmed(), Lsn(1000));
+        assert!(w.is_already_confirmed(Lsn(999)));
+        assert!(!w.is_already_confirmed(Lsn(1000)));
+        let resent = w.begin();
+        w.commit(resent, Lsn(700));
+        assert_eq!(w.advance(), Lsn(700));
+        assert_eq!(w.highest_confirmed(), Lsn(1000));
+        // A slot another instance moved ahead raises both.
+        w.resume_at(Lsn(1500));
+        assert_eq!(
+            (w.confirmed(), w.highest_confirmed()),
+            (Lsn(1500), Lsn(1500))
+        );
+    }
+
+    #[test]
+    fn reset_forgets_the_old_history() {
+        let mut w = Watermark::new(Lsn(1000));
+        w.reset(Lsn(10));
+        assert_eq!((w.confirmed(), w.highest_confirmed()), (Lsn(10), Lsn(10)));
+        assert!(!w.is_already_confirmed(Lsn(10)));
     }
 }

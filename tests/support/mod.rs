@@ -363,11 +363,16 @@ pub struct Writer {
 
 impl Writer {
     pub fn start(url: String, per_txn: usize, aggregates: usize) -> Self {
+        Self::start_at(url, 0, per_txn, aggregates)
+    }
+
+    /// A writer whose transaction numbers start after `first_txn` (to follow another writer's).
+    pub fn start_at(url: String, first_txn: usize, per_txn: usize, aggregates: usize) -> Self {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let committed = std::sync::Arc::new(AtomicUsize::new(0));
         let (stopping, count) = (stop.clone(), committed.clone());
         let task = tokio::spawn(async move {
-            let mut t = 0;
+            let mut t = first_txn;
             while !stopping.load(Ordering::SeqCst) {
                 let connected = tokio::time::timeout(
                     Duration::from_secs(5),
