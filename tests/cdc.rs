@@ -646,3 +646,67 @@ async fn rows_deleted_in_their_own_transaction_are_still_published() {
         "errors or warnings for rows that are gone:\n{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hand_off_of_more_aggregates_than_are_tracked_holds_the_table_and_keeps_order() {
+    // 60,000 unpublished rows of 60,000 aggregates before the slot exists: more blocked aggregates than
+    // outboxd tracks one by one (50,000), so the table is held whole while the sweeper drains them.
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'order-' || i, 'OrderPlaced', jsonb_build_object('seq', i)
+             FROM generate_series(0, 59999) AS i",
+        )
+        .await
+        .unwrap();
+    let mut committed: Vec<Inserted> = client
+        .query(
+            "SELECT event_id, aggregate_id, position FROM outbox_event ORDER BY position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| Inserted {
+            event_id: row.get(0),
+            aggregate_id: row.get(1),
+            seq: row.get(2),
+        })
+        .collect();
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    // Later events of some of those aggregates, while they wait in the polling path.
+    let (later, _) = insert_events(&mut client, 0, 200, 5, 100, None).await;
+    committed.extend(later);
+    wait_all_published(&client, Duration::from_secs(180)).await;
+    let log = wait_for(
+        "the table to be tracked again",
+        Duration::from_secs(60),
+        || {
+            let log = outboxd.log_text();
+            log.contains("tracking them one by one again")
+                .then_some(log)
+        },
+    );
+    assert!(
+        log.contains("handing it every event of the table"),
+        "held at start"
+    );
+    let records = consume_all(
+        &brokers,
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(180),
+    );
+    let report = check_delivery(&records, &committed, &[]);
+    println!(
+        "{} events, {} records: {report:?}",
+        committed.len(),
+        records.len()
+    );
+    assert_eq!(report.missing, 0);
+    assert_eq!(report.order_violations, 0);
+}

@@ -980,6 +980,7 @@ impl Session<'_> {
                 outbox::aggregates_pending_hand_off(&self.sql, outbox_table, MAX_TRACKED_BLOCKED)
                     .await?;
             if pending.len() <= MAX_TRACKED_BLOCKED {
+                tracing::info!(table = %outbox_table.name, blocked = pending.len(), "few enough aggregates wait in the polling path: tracking them one by one again");
                 self.held_tables.remove(&table);
                 for aggregate in pending {
                     self.blocked.insert((table, aggregate), Blocked::PARKING);
