@@ -35,10 +35,16 @@ impl OutboxSql {
         };
         if outbox.marks_published {
             sql.mark_published = Some(client.prepare(&stamp("published_at")).await?);
+            // Dead-lettered rows are finished too: never produced again from the stream.
+            let finished = if outbox.polling {
+                "(published_at IS NOT NULL OR dead_at IS NOT NULL)"
+            } else {
+                "published_at IS NOT NULL"
+            };
             sql.find_published = Some(
                 client
                     .prepare(&format!(
-                        "SELECT {id} FROM {table} WHERE {id} = ANY($1::uuid[]) AND published_at IS NOT NULL"
+                        "SELECT {id} FROM {table} WHERE {id} = ANY($1::uuid[]) AND {finished}"
                     ))
                     .await?,
             );

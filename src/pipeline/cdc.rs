@@ -156,9 +156,10 @@ struct Session<'a> {
     /// Commit time of that transaction (from Begin), for commit-to-ack latency.
     current_commit_micros: i64,
     in_replay_region: bool,
-    /// Every table records `published_at`, so re-sent rows can be checked instead of dropped.
-    can_look_up_published: bool,
-    skipping_resent_txn: bool,
+    /// A diverged transaction (see `Watermark::is_resent`) was reported in this session.
+    warned_divergence: bool,
+    /// The transaction being decoded is re-sent (see `Watermark::is_resent`).
+    current_txn_resent: bool,
     in_flight_events: usize,
     in_flight_bytes: usize,
     published: u64,
@@ -172,6 +173,9 @@ struct Session<'a> {
     /// Reading pauses until hand-offs in flight are written, so that a held table's check can run (under
     /// steady load some hand-off of it is almost always in flight).
     pausing_for_check: bool,
+    /// A table outgrew [`MAX_TRACKED_BLOCKED`]: reading stops, and the session restarts once its hand-offs
+    /// are written.
+    restart_after_hand_offs: bool,
     /// Events of blocked aggregates held back (in stream order) until the polling path drained them.
     parked: VecDeque<Pending>,
     hand_offs_in_flight: usize,
@@ -316,7 +320,7 @@ impl CdcPipeline {
         wal_end: Lsn,
     ) -> Result<()> {
         crate::metrics::history_changed();
-        let confirmed = self.watermark.confirmed();
+        let confirmed = self.watermark.highest_confirmed();
         let (old_system_id, old_timeline) = self
             .history
             .as_ref()
@@ -406,7 +410,6 @@ impl CdcPipeline {
             // At once, before anything below can fail: the old position never pairs with the new history.
             self.watermark.reset(slot_position.unwrap_or(Lsn::ZERO));
         }
-        self.history = Some(here);
         match slot_position {
             // The slot belongs to the server's own history: stream from its position (what lies between it
             // and a higher position confirmed before is re-sent and recognised).
@@ -455,6 +458,17 @@ impl CdcPipeline {
                 self.watermark.reset(created.consistent_point);
             }
         }
+        let start = self.watermark.confirmed();
+        let mut stream = conn
+            .start_replication(&db.slot, start, &db.publication)
+            .await
+            .map_err(replication_error)?;
+        tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
+        // This history is the position's from now on (not before: a session that fails before streaming
+        // must not make a slot it never streamed from look like one that vanished).
+        self.history = Some(here);
+        // Read only now that this session holds the slot: an instance that led before may have handed off
+        // rows until it let go of it.
         let mut blocked = HashMap::new();
         let mut held_tables = HashSet::new();
         for (index, table) in db.tables.iter().enumerate().filter(|(_, t)| t.polling) {
@@ -469,12 +483,7 @@ impl CdcPipeline {
                 blocked.insert((index, aggregate), Blocked::PARKING);
             }
         }
-        let start = self.watermark.confirmed();
-        let mut stream = conn
-            .start_replication(&db.slot, start, &db.publication)
-            .await
-            .map_err(replication_error)?;
-        tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
+
         crate::http::READINESS.set_mode("cdc");
         self.ever_streamed = true;
         self.reached_streaming = true;
@@ -507,8 +516,8 @@ impl CdcPipeline {
             current_xid: 0,
             current_commit_micros: 0,
             in_replay_region: false,
-            can_look_up_published: db.tables.iter().all(|t| t.marks_published),
-            skipping_resent_txn: false,
+            warned_divergence: false,
+            current_txn_resent: false,
             in_flight_events: 0,
             in_flight_bytes: 0,
             published: 0,
@@ -517,6 +526,7 @@ impl CdcPipeline {
             blocked,
             held_tables,
             pausing_for_check: false,
+            restart_after_hand_offs: false,
             parked: VecDeque::new(),
             hand_offs_in_flight: 0,
             hand_offs_unwritten: HashMap::new(),
@@ -574,7 +584,7 @@ impl Session<'_> {
                         for (tag, bytes) in events {
                             if tag.hand_off {
                                 self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
-                            } else {
+                            } else if !tag.resent {
                                 published += 1;
                                 crate::metrics::commit_to_ack((now - tag.commit_micros).max(0) as f64 / 1e6);
                             }
@@ -594,7 +604,7 @@ impl Session<'_> {
                     }
                     None => return Err(Error::Kafka { message: "the backfill task stopped".into(), transient: true }),
                 },
-                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check => {
+                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs => {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
@@ -607,6 +617,11 @@ impl Session<'_> {
                     tracing::warn!(in_flight = self.in_flight_events, "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
                     break;
                 }
+            }
+            if self.restart_after_hand_offs && self.hand_offs_in_flight == 0 {
+                return Err(Error::SessionRestart(format!(
+                    "more than {MAX_TRACKED_BLOCKED} aggregates of one table wait in the polling path"
+                )));
             }
             if self.pausing_for_check && self.hand_offs_in_flight == 0 {
                 next_unblock_check = tokio::time::Instant::now();
@@ -655,30 +670,34 @@ impl Session<'_> {
     async fn handle_pgoutput(&mut self, data: Bytes) -> Result<()> {
         match pgoutput::decode(data)? {
             PgOutputMessage::Begin(begin) => {
-                let resent = self.watermark.is_already_confirmed(begin.final_lsn);
-                // A re-sent transaction was probably published already. Where every table records
-                // published_at, its rows are looked up like any replayed row: on a server restored from a
-                // snapshot, the same positions can hold transactions never seen before. Elsewhere nothing can
-                // tell, and it is dropped.
-                if resent && !self.can_look_up_published {
-                    self.skipping_resent_txn = true;
-                    tracing::debug!(final_lsn = %begin.final_lsn, "skipping re-sent transaction");
+                self.current_txn_resent = self
+                    .watermark
+                    .is_resent(begin.final_lsn, begin.commit_time_micros);
+                if self.current_txn_resent {
+                    tracing::debug!(final_lsn = %begin.final_lsn, "re-sent transaction: not producing it again");
                 } else {
-                    self.in_replay_region = resent || begin.final_lsn < self.replay_end;
+                    if self.watermark.is_below_confirmed(begin.final_lsn) && !self.warned_divergence
+                    {
+                        // Committed after everything confirmed, yet below it: new WAL at old positions.
+                        tracing::warn!(final_lsn = %begin.final_lsn, highest_confirmed = %self.watermark.highest_confirmed(), "the server sends a transaction below the confirmed position that committed after it: its WAL diverged from what was confirmed (a restore from a snapshot?); publishing what it holds");
+                        crate::metrics::history_changed();
+                        self.warned_divergence = true;
+                    }
+                    self.in_replay_region = begin.final_lsn < self.replay_end;
                     if !self.in_replay_region {
                         self.flush_replay_buffer().await?;
                     }
-                    self.current_txn = Some(self.watermark.begin());
-                    self.current_xid = begin.xid;
-                    self.current_commit_micros = begin.commit_time_micros;
                 }
+                self.current_txn = Some(self.watermark.begin());
+                self.current_xid = begin.xid;
+                self.current_commit_micros = begin.commit_time_micros;
             }
             PgOutputMessage::Commit(commit) => {
-                if self.skipping_resent_txn {
-                    self.skipping_resent_txn = false;
-                } else if let Some(txn) = self.current_txn.take() {
+                self.current_txn_resent = false;
+                if let Some(txn) = self.current_txn.take() {
                     tracing::trace!(end_lsn = %commit.end_lsn, published = self.published, handed_off = self.handed_off, "transaction decoded");
-                    self.watermark.commit(txn, commit.end_lsn);
+                    self.watermark
+                        .commit_at(txn, commit.end_lsn, self.current_commit_micros);
                 }
             }
             PgOutputMessage::Relation(relation) => {
@@ -701,9 +720,6 @@ impl Session<'_> {
                 self.mappings.insert(relation.id, mapping);
             }
             PgOutputMessage::Insert(insert) => {
-                if self.skipping_resent_txn {
-                    return Ok(());
-                }
                 let (Some(txn), Some(mapping)) =
                     (self.current_txn, self.mappings.get_mut(&insert.relation_id))
                 else {
@@ -722,8 +738,14 @@ impl Session<'_> {
                         return Ok(());
                     }
                 };
+                if self.current_txn_resent && !self.settings.database.tables[table].marks_published
+                {
+                    return Ok(());
+                }
                 let event = match mapping.event(&insert) {
                     Ok(event) => event,
+                    // Handed off (and dead-lettered) when it was first sent.
+                    Err(MappingError::NullValue { .. }) if self.current_txn_resent => return Ok(()),
                     // A user's table with a nullable column: the polling path dead-letters the row, in place.
                     Err(MappingError::NullValue {
                         event_id, column, ..
@@ -759,6 +781,9 @@ impl Session<'_> {
                 })?;
                 self.start_event(txn, event.size_bytes());
                 let tag = self.tag_for(txn, table);
+                if tag.resent {
+                    return self.mark_resent(tag, &event, event_id);
+                }
                 if self.in_replay_region {
                     self.replay_buffer.push(Pending {
                         tag,
@@ -782,7 +807,26 @@ impl Session<'_> {
             xid: self.current_xid,
             commit_micros: self.current_commit_micros,
             hand_off: false,
+            resent: self.current_txn_resent,
         }
+    }
+
+    /// A re-sent event was published before: it is not produced again, but its `published_at` is written
+    /// where it is missing (a no-op for a row written back before, or gone) before its position is confirmed.
+    fn mark_resent(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+        self.hand_offs
+            .send(Delivery {
+                tag,
+                event_id,
+                bytes: event.size_bytes(),
+                result: Ok(()),
+            })
+            .map_err(|_| Error::Kafka {
+                message: "the backfill task stopped".into(),
+                transient: true,
+            })?;
+        self.skipped_already_published += 1;
+        Ok(())
     }
 
     fn window_open(&self) -> bool {
@@ -855,13 +899,13 @@ impl Session<'_> {
                 self.blocked
                     .insert(blocked_key(&tag, event), Blocked::HANDING_OFF);
                 self.hand_off(tag, event, event_id, HandOffReason::Refused)?;
-                if self.blocked.len() > MAX_TRACKED_BLOCKED {
+                let table_blocked = self.blocked.keys().filter(|(t, _)| *t == tag.table).count();
+                if table_blocked > MAX_TRACKED_BLOCKED {
                     // Events of these aggregates may still be in flight: holding the table in place could let
                     // a later one overtake them through the polling path. The next session holds it from
-                    // its start, when nothing is in flight.
-                    return Err(Error::SessionRestart(format!(
-                        "more than {MAX_TRACKED_BLOCKED} aggregates wait in the polling path"
-                    )));
+                    // its start, when nothing is in flight, once this hand-off is written (so that it
+                    // finds the aggregates waiting).
+                    self.restart_after_hand_offs = true;
                 }
                 Ok(())
             }
@@ -935,6 +979,11 @@ impl Session<'_> {
             self.produce(tag, &handed.event, event_id).await?;
         }
         Ok(())
+    }
+
+    fn is_blocked(&self, tag: &CdcTag, event: &OutboxEvent) -> bool {
+        self.held_tables.contains(&tag.table)
+            || (!self.blocked.is_empty() && self.blocked.contains_key(&blocked_key(tag, event)))
     }
 
     fn has_blocked(&self) -> bool {
@@ -1036,6 +1085,16 @@ impl Session<'_> {
             if already.contains(&pending.event_id) {
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
+            } else if self.is_blocked(&pending.tag, &pending.event) {
+                // What waits in the polling path for this aggregate may be *later* than this replayed event
+                // (handed off by the session that failed to deliver it): parking it would publish it after
+                // them. The polling path orders it among them by position.
+                self.hand_off(
+                    pending.tag,
+                    &pending.event,
+                    pending.event_id,
+                    HandOffReason::Blocked,
+                )?;
             } else {
                 self.publish(pending.tag, &pending.event, pending.event_id)
                     .await?;

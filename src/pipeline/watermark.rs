@@ -24,6 +24,8 @@ struct Entry {
     /// `None` while the transaction's Commit has not arrived.
     position: Option<Lsn>,
     pending_events: u64,
+    /// The transaction's commit time, when known (keepalive markers have none).
+    commit_micros: Option<i64>,
 }
 
 #[derive(Debug, Default)]
@@ -35,6 +37,9 @@ pub struct Watermark {
     confirmed: Lsn,
     /// The highest position confirmed on this server history, across sessions.
     highest: Lsn,
+    /// Commit time of the latest transaction confirmed on this history (`None` before one, or after a
+    /// restart of the process: then nothing is taken for re-sent).
+    highest_commit_micros: Option<i64>,
     open: Option<TxnId>,
 }
 
@@ -67,10 +72,20 @@ impl Watermark {
         self.highest = self.highest.max(slot_position);
     }
 
-    /// True when a transaction whose commit record starts at `final_lsn` lies below the highest position
-    /// confirmed on this history, i.e. the server is re-sending it (PG 15 can move `confirmed_flush_lsn` back
-    /// after a restart): probably published already, which the caller checks where it can.
-    pub fn is_already_confirmed(&self, final_lsn: Lsn) -> bool {
+    /// True when the server is re-sending a transaction this history already confirmed (PG 15 can move
+    /// `confirmed_flush_lsn` back after a restart): its commit record starts below the highest confirmed
+    /// position, and it committed no later than the latest confirmed transaction. A transaction below that
+    /// position that committed later is new: the server's WAL diverged from what was confirmed (a restore
+    /// from a snapshot that was written past the old position) and it must not be dropped.
+    pub fn is_resent(&self, final_lsn: Lsn, commit_micros: i64) -> bool {
+        final_lsn < self.highest
+            && self
+                .highest_commit_micros
+                .is_some_and(|c| commit_micros <= c)
+    }
+
+    /// True when a transaction at `final_lsn` lies below the highest confirmed position (re-sent or not).
+    pub fn is_below_confirmed(&self, final_lsn: Lsn) -> bool {
         final_lsn < self.highest
     }
 
@@ -87,6 +102,7 @@ impl Watermark {
         self.restart();
         self.confirmed = confirmed;
         self.highest = confirmed;
+        self.highest_commit_micros = None;
     }
 
     /// A Begin arrived.
@@ -95,6 +111,7 @@ impl Watermark {
         self.entries.push_back(Entry {
             position: None,
             pending_events: 0,
+            commit_micros: None,
         });
         self.open = Some(id);
         id
@@ -124,6 +141,14 @@ impl Watermark {
         }
     }
 
+    /// [`Watermark::commit`], remembering when the transaction committed (see [`Watermark::is_resent`]).
+    pub fn commit_at(&mut self, txn: TxnId, end_lsn: Lsn, commit_micros: i64) {
+        if let Some(entry) = self.entry_mut(txn) {
+            entry.commit_micros = Some(commit_micros);
+        }
+        self.commit(txn, end_lsn);
+    }
+
     /// A keepalive reported the server's `wal_end`. Outside a transaction everything up to it has been
     /// received, so it becomes confirmable once everything before it is finished.
     pub fn keepalive(&mut self, wal_end: Lsn) {
@@ -140,6 +165,7 @@ impl Watermark {
             _ => self.entries.push_back(Entry {
                 position: Some(wal_end),
                 pending_events: 0,
+                commit_micros: None,
             }),
         }
     }
@@ -151,6 +177,10 @@ impl Watermark {
                 Some(position) if front.pending_events == 0 => {
                     self.confirmed = self.confirmed.max(position);
                     self.highest = self.highest.max(self.confirmed);
+                    if let Some(commit) = front.commit_micros {
+                        self.highest_commit_micros =
+                            Some(self.highest_commit_micros.map_or(commit, |c| c.max(commit)));
+                    }
                     self.entries.pop_front();
                     self.first_id += 1;
                 }
@@ -270,8 +300,8 @@ mod tests {
         w.event_finished(stale);
         w.commit(fresh, Lsn(200));
         assert_eq!(w.advance(), Lsn(100));
-        assert!(w.is_already_confirmed(Lsn(99)));
-        assert!(!w.is_already_confirmed(Lsn(100)));
+        assert!(w.is_below_confirmed(Lsn(99)));
+        assert!(!w.is_below_confirmed(Lsn(100)));
         w.event_finished(fresh);
         assert_eq!(w.advance(), Lsn(200));
     }
@@ -296,14 +326,22 @@ mod tests {
     fn resuming_behind_the_highest_position_reports_the_slot_and_recognises_resent_transactions() {
         let mut w = Watermark::new(Lsn(0));
         let t = w.begin();
-        w.commit(t, Lsn(1000));
+        w.commit_at(t, Lsn(1000), 5_000);
         assert_eq!(w.advance(), Lsn(1000));
         // The server came back with the slot at 400 (PG 15 after a restart, or a restored snapshot).
         w.resume_at(Lsn(400));
         assert_eq!(w.confirmed(), Lsn(400), "report the slot's own position");
         assert_eq!(w.highest_confirmed(), Lsn(1000));
-        assert!(w.is_already_confirmed(Lsn(999)));
-        assert!(!w.is_already_confirmed(Lsn(1000)));
+        assert!(w.is_resent(Lsn(999), 5_000), "committed no later: re-sent");
+        assert!(w.is_resent(Lsn(500), 4_000));
+        assert!(
+            !w.is_resent(Lsn(999), 5_001),
+            "committed later at an old position: new"
+        );
+        assert!(
+            !w.is_resent(Lsn(1000), 4_000),
+            "at or past the position: new"
+        );
         let resent = w.begin();
         w.commit(resent, Lsn(700));
         assert_eq!(w.advance(), Lsn(700));
@@ -318,9 +356,20 @@ mod tests {
 
     #[test]
     fn reset_forgets_the_old_history() {
-        let mut w = Watermark::new(Lsn(1000));
+        let mut w = Watermark::new(Lsn(0));
+        let t = w.begin();
+        w.commit_at(t, Lsn(1000), 5_000);
+        w.advance();
         w.reset(Lsn(10));
         assert_eq!((w.confirmed(), w.highest_confirmed()), (Lsn(10), Lsn(10)));
-        assert!(!w.is_already_confirmed(Lsn(10)));
+        assert!(!w.is_resent(Lsn(5), 1));
+    }
+
+    #[test]
+    fn nothing_is_taken_for_resent_before_a_transaction_was_confirmed() {
+        // After a restart of outboxd itself the slot's position is known but no commit time.
+        let mut w = Watermark::new(Lsn(0));
+        w.resume_at(Lsn(1000));
+        assert!(!w.is_resent(Lsn(500), 0));
     }
 }
