@@ -662,20 +662,7 @@ async fn a_hand_off_of_more_aggregates_than_are_tracked_holds_the_table_and_keep
         )
         .await
         .unwrap();
-    let mut committed: Vec<Inserted> = client
-        .query(
-            "SELECT event_id, aggregate_id, position FROM outbox_event ORDER BY position",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| Inserted {
-            event_id: row.get(0),
-            aggregate_id: row.get(1),
-            seq: row.get(2),
-        })
-        .collect();
+    let mut committed = events_in_table(&client, "position").await;
     let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     wait_slot_active(&client, "outboxd").await;
     // Later events of some of those aggregates, while they wait in the polling path.

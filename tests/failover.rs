@@ -93,7 +93,7 @@ async fn verify_final(
 ) -> DeliveryReport {
     wait_all_published(client, Duration::from_secs(120)).await;
     let recovered = started.elapsed();
-    let committed = events_in_table(client).await;
+    let committed = events_in_table(client, "(payload->>'seq')::int8").await;
     let records = consume_all(brokers, &[TOPIC], committed.len(), Duration::from_secs(90));
     let report = check_delivery(&records, &committed, &[]);
     println!(
@@ -130,6 +130,16 @@ async fn stop_wal_receiver(standby: &Postgres) {
         },
     )
     .await;
+}
+
+/// outboxd is still running and logged the history change, naming `what` changed.
+fn assert_history_change_survived(outboxd: &mut Outboxd, what: &str) {
+    assert!(outboxd.try_wait().is_none(), "outboxd kept running");
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("database history changed") && log.contains(what),
+        "the change is logged, naming {what:?}"
+    );
 }
 
 fn spawn_outboxd(url: &str, brokers: &str) -> Outboxd {
@@ -194,27 +204,60 @@ async fn failover_to_a_lagging_standby_publishes_what_was_committed_on_it() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn restore_of_an_earlier_backup_publishes_what_is_committed_after_it() {
+/// A running stack whose database was backed up (cold: a file copy, replication slot included) while the
+/// application wrote, and which then went on past the backup by far more than the tests write afterwards.
+struct Restore {
+    pg: Postgres,
+    broker: Broker,
+    brokers: String,
+    address: Address,
+    outboxd: Outboxd,
+    writer: Writer,
+    backup: Postgres,
+    /// What outboxd confirmed on `pg` after the backup.
+    old_position: Lsn,
+}
+
+async fn stream_then_back_up() -> Restore {
     let pg = Postgres::start();
     migrate(&pg);
     let broker = Broker::start();
     let brokers = broker.addr();
     let address = Address::of(&pg);
     let url = address.url("postgres");
-    let mut outboxd = spawn_outboxd(&url, &brokers);
-    let client = pg.client().await;
-    wait_slot_active(&client, SLOT).await;
-
+    let outboxd = spawn_outboxd(&url, &brokers);
+    wait_slot_active(&pg.client().await, SLOT).await;
     let writer = Writer::start(url.clone(), 3, 20);
     writer.wait_more(100, "writes before the backup").await;
-    // A cold base backup (a file copy of the stopped cluster, replication slot included).
     pg.stop();
     let backup = pg.cold_copy();
     pg.start_again();
-    let client = pg.client().await;
-    writer.wait_more(200, "writes after the backup").await;
-    write_filler_and_wait_confirmed(&client).await;
+    writer.wait_more(100, "writes after the backup").await;
+    let old_position = write_filler_and_wait_confirmed(&pg.client().await).await;
+    Restore {
+        pg,
+        broker,
+        brokers,
+        address,
+        outboxd,
+        writer,
+        backup,
+        old_position,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn restore_of_an_earlier_backup_publishes_what_is_committed_after_it() {
+    let Restore {
+        pg,
+        broker: _broker,
+        brokers,
+        address,
+        mut outboxd,
+        writer,
+        backup,
+        ..
+    } = stream_then_back_up().await;
 
     // The database is restored from the backup, behind the same address: it goes back in time.
     pg.stop_immediate();
@@ -227,33 +270,21 @@ async fn restore_of_an_earlier_backup_publishes_what_is_committed_after_it() {
     writer.stop().await;
     let restored = backup.client().await;
     verify_final(&restored, &brokers, "restore", switched).await;
-    assert!(outboxd.try_wait().is_none(), "outboxd kept running");
-    let log = outboxd.log_text();
-    assert!(
-        log.contains("database history changed") && log.contains("before the position"),
-        "the change is logged"
-    );
+    assert_history_change_survived(&mut outboxd, "before the position");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn restore_of_a_snapshot_that_writes_past_the_old_position_before_outboxd_reconnects() {
-    let pg = Postgres::start();
-    migrate(&pg);
-    let broker = Broker::start();
-    let brokers = broker.addr();
-    let address = Address::of(&pg);
-    let url = address.url("postgres");
-    let mut outboxd = spawn_outboxd(&url, &brokers);
-    let client = pg.client().await;
-    wait_slot_active(&client, SLOT).await;
-    let writer = Writer::start(url.clone(), 3, 20);
-    writer.wait_more(100, "writes before the snapshot").await;
-    pg.stop();
-    let snapshot = pg.cold_copy();
-    pg.start_again();
-    let client = pg.client().await;
-    writer.wait_more(100, "writes after the snapshot").await;
-    let old_position = write_filler_and_wait_confirmed(&client).await;
+    let Restore {
+        pg,
+        broker: _broker,
+        brokers,
+        address,
+        mut outboxd,
+        writer,
+        backup: snapshot,
+        old_position,
+    } = stream_then_back_up().await;
     writer.stop().await;
 
     // Restored from the snapshot while outboxd cannot reach it; the application, already on the restored
@@ -333,12 +364,7 @@ async fn switchover_to_another_cluster_waits_for_its_database_and_publishes_ever
     writer.stop().await;
     let green_client = client_of(&green.url_of_database("shop")).await;
     verify_final(&green_client, &brokers, "switchover", switched).await;
-    assert!(outboxd.try_wait().is_none(), "outboxd kept running");
-    let log = outboxd.log_text();
-    assert!(
-        log.contains("database history changed") && log.contains("another PostgreSQL cluster"),
-        "the change is logged"
-    );
+    assert_history_change_survived(&mut outboxd, "another PostgreSQL cluster");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -45,6 +45,32 @@ fn two_schema_args(pg: &Postgres, broker: &Broker, extra: &[&str]) -> Vec<String
     args.into_iter().map(String::from).collect()
 }
 
+/// `outbox_p`, partitioned by `created_at`: a 2020 partition and one for everything since.
+const PARTITIONED_TABLE: &str = "CREATE TABLE public.outbox_p (
+                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
+             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
+                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
+             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
+                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');";
+
+async fn wait_2020_partition_dropped(client: &tokio_postgres::Client) {
+    wait_for_async(
+        "retention to drop the 2020 partition",
+        Duration::from_secs(60),
+        || async {
+            let left = count(
+                client,
+                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'",
+            )
+            .await;
+            (left == 0).then_some(())
+        },
+    )
+    .await;
+}
+
 async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
@@ -333,14 +359,7 @@ async fn json_text_and_bytea_payloads_go_out_as_stored_and_null_is_a_tombstone()
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partitioned_table_streams_across_partitions_and_retention_drops_old_ones() {
-    let (pg, broker, client) = stack_with("CREATE TABLE public.outbox_p (
-                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
-                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
-             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
-                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
-             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
-                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');").await;
+    let (pg, broker, client) = stack_with(PARTITIONED_TABLE).await;
     let (url, brokers) = (pg.url(), broker.addr());
     migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
     let via_root: bool = client
@@ -388,19 +407,7 @@ async fn a_partitioned_table_streams_across_partitions_and_retention_drops_old_o
     outboxd.terminate();
     args.extend(["--retention", "30d", "--retention-interval", "1s"]);
     let outboxd = Outboxd::spawn(&args);
-    wait_for_async(
-        "retention to drop the 2020 partition",
-        Duration::from_secs(60),
-        || async {
-            let left = count(
-                &client,
-                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'",
-            )
-            .await;
-            (left == 0).then_some(())
-        },
-    )
-    .await;
+    wait_2020_partition_dropped(&client).await;
     assert_eq!(
         count(&client, "SELECT count(*) FROM outbox_p").await,
         10,
@@ -788,14 +795,7 @@ async fn a_handed_off_row_with_null_aggregate_columns_is_dead_lettered_and_the_r
 
 #[tokio::test(flavor = "multi_thread")]
 async fn retention_never_drops_a_partition_while_a_row_is_being_written_into_it() {
-    let (pg, broker, client) = stack_with("CREATE TABLE public.outbox_p (
-                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
-                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
-             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
-                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
-             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
-                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');").await;
+    let (pg, broker, client) = stack_with(PARTITIONED_TABLE).await;
     let (url, brokers) = (pg.url(), broker.addr());
     migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
     // The application writes a back-dated row into the old, empty partition and has not committed yet.
@@ -837,19 +837,7 @@ async fn retention_never_drops_a_partition_while_a_row_is_being_written_into_it(
         "the row committed during the check is published"
     );
     // Once it is published, the partition goes as usual.
-    wait_for_async(
-        "retention to drop the 2020 partition",
-        Duration::from_secs(60),
-        || async {
-            let left = count(
-                &client,
-                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'",
-            )
-            .await;
-            (left == 0).then_some(())
-        },
-    )
-    .await;
+    wait_2020_partition_dropped(&client).await;
     drop(outboxd);
 }
 

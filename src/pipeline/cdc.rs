@@ -990,6 +990,16 @@ impl Session<'_> {
         !self.blocked.is_empty() || !self.held_tables.is_empty()
     }
 
+    /// Hands a held event of a blocked aggregate to the polling path.
+    fn hand_off_blocked(&mut self, pending: &Pending) -> Result<()> {
+        self.hand_off(
+            pending.tag,
+            &pending.event,
+            pending.event_id,
+            HandOffReason::Blocked,
+        )
+    }
+
     /// Hands the parked events of `aggregate` to the polling path, in order.
     fn hand_off_parked(&mut self, (table, aggregate): &BlockedKey) -> Result<()> {
         for pending in std::mem::take(&mut self.parked) {
@@ -997,12 +1007,7 @@ impl Session<'_> {
                 && pending.event.aggregate_type.as_deref().unwrap_or_default() == aggregate.0
                 && *pending.event.aggregate_id == *aggregate.1
             {
-                self.hand_off(
-                    pending.tag,
-                    &pending.event,
-                    pending.event_id,
-                    HandOffReason::Blocked,
-                )?;
+                self.hand_off_blocked(&pending)?;
             } else {
                 self.parked.push_back(pending);
             }
@@ -1089,12 +1094,7 @@ impl Session<'_> {
                 // What waits in the polling path for this aggregate may be *later* than this replayed event
                 // (handed off by the session that failed to deliver it): parking it would publish it after
                 // them. The polling path orders it among them by position.
-                self.hand_off(
-                    pending.tag,
-                    &pending.event,
-                    pending.event_id,
-                    HandOffReason::Blocked,
-                )?;
+                self.hand_off_blocked(&pending)?;
             } else {
                 self.publish(pending.tag, &pending.event, pending.event_id)
                     .await?;

@@ -431,11 +431,14 @@ impl Writer {
     }
 }
 
-/// The events in the outbox table of the server behind `client`, in commit order (by the writer's `seq`).
-pub async fn events_in_table(client: &tokio_postgres::Client) -> Vec<Inserted> {
+/// The events in the outbox table of the server behind `client`, in commit order: by `order`, an int8
+/// expression that also becomes their `seq` (the writers' `(payload->>'seq')::int8`, or `position`).
+pub async fn events_in_table(client: &tokio_postgres::Client, order: &str) -> Vec<Inserted> {
     client
         .query(
-            "SELECT event_id, aggregate_id, (payload->>'seq')::int8 AS seq FROM outbox_event ORDER BY seq",
+            &format!(
+                "SELECT event_id, aggregate_id, {order} AS seq FROM outbox_event ORDER BY seq"
+            ),
             &[],
         )
         .await
