@@ -1043,18 +1043,21 @@ impl Session<'_> {
         }
         let tables: HashSet<usize> = self.blocked.keys().map(|(table, _)| *table).collect();
         let mut pending: HashSet<BlockedKey> = HashSet::new();
+        // A table whose answer was cut at the limit cannot tell which aggregates drained: none unblocks.
+        let mut cut: HashSet<usize> = HashSet::new();
         for table in tables {
             let outbox_table: &OutboxTable = &self.settings.database.tables[table];
-            for aggregate in
+            let aggregates =
                 outbox::aggregates_pending_hand_off(&self.sql, outbox_table, MAX_TRACKED_BLOCKED)
-                    .await?
-            {
-                pending.insert((table, aggregate));
+                    .await?;
+            if aggregates.len() > MAX_TRACKED_BLOCKED {
+                cut.insert(table);
             }
+            pending.extend(aggregates.into_iter().map(|aggregate| (table, aggregate)));
         }
         let before = self.blocked.len();
         self.blocked
-            .retain(|aggregate, _| pending.contains(aggregate));
+            .retain(|aggregate, _| cut.contains(&aggregate.0) || pending.contains(aggregate));
         if self.blocked.len() == before {
             return Ok(());
         }
