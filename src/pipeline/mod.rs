@@ -369,3 +369,55 @@ async fn run_auto(
 fn is_replication_setup_error(error: &Error) -> bool {
     matches!(error, Error::ReplicationUnavailable { .. })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_outage_is_waited_out_then_given_up_naming_what_it_waited_for() {
+        let mut outage = DatabaseOutage::new(Duration::from_secs(3600));
+        assert_eq!(
+            outage.judge(&Error::in_recovery()).unwrap().as_deref(),
+            Some("the standby to be promoted")
+        );
+        assert_eq!(
+            outage
+                .judge(&Error::database_missing("database \"shop\" does not exist"))
+                .unwrap()
+                .as_deref(),
+            Some("the database to exist")
+        );
+        let broker_down = Error::Kafka {
+            message: "all brokers down".into(),
+            transient: true,
+        };
+        assert_eq!(
+            outage.judge(&broker_down).unwrap(),
+            None,
+            "not the database's"
+        );
+
+        let mut impatient = DatabaseOutage::new(Duration::ZERO);
+        let error = impatient.judge(&Error::in_recovery()).unwrap_err();
+        assert!(!error.is_transient());
+        let text = error.to_string();
+        assert!(
+            text.contains("gave up after --reconnect-timeout")
+                && text.contains("the standby to be promoted")
+                && text.contains("raise --reconnect-timeout"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn recovery_errors_of_the_replication_connection_are_waited_for() {
+        let error = replication_error(ReplicationError::Server {
+            severity: "ERROR".into(),
+            code: "0A000".into(),
+            message: "logical decoding cannot be used while in recovery".into(),
+            detail: None,
+        });
+        assert_eq!(error.awaited_database(), Some("the standby to be promoted"));
+    }
+}
