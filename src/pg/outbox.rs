@@ -13,7 +13,7 @@ use crate::table::{OutboxTable, PayloadType, Role};
 /// is recorded, and every row the slot re-sends is published again.
 pub struct OutboxSql {
     mark_published: Option<tokio_postgres::Statement>,
-    find_published: Option<tokio_postgres::Statement>,
+    row_states: Option<tokio_postgres::Statement>,
     hand_off: Option<tokio_postgres::Statement>,
 }
 
@@ -30,21 +30,22 @@ impl OutboxSql {
         };
         let mut sql = OutboxSql {
             mark_published: None,
-            find_published: None,
+            row_states: None,
             hand_off: None,
         };
         if outbox.marks_published {
             sql.mark_published = Some(client.prepare(&stamp("published_at")).await?);
-            // Dead-lettered rows are finished too: never produced again from the stream.
+            // Dead-lettered rows and rows handed to the polling path are finished too, as far as the
+            // stream is concerned: never produced again from it.
             let finished = if outbox.polling {
-                "(published_at IS NOT NULL OR dead_at IS NOT NULL)"
+                "published_at IS NOT NULL OR dead_at IS NOT NULL OR handoff_at IS NOT NULL"
             } else {
                 "published_at IS NOT NULL"
             };
-            sql.find_published = Some(
+            sql.row_states = Some(
                 client
                     .prepare(&format!(
-                        "SELECT {id} FROM {table} WHERE {id} = ANY($1::uuid[]) AND {finished}"
+                        "SELECT {id}, {finished} FROM {table} WHERE {id} = ANY($1::uuid[])"
                     ))
                     .await?,
             );
@@ -86,12 +87,19 @@ impl OutboxSql {
     }
 
     /// The subset of `event_ids` whose rows already have `published_at` (none without that column).
-    pub async fn find_published(&self, client: &Client, event_ids: &[Uuid]) -> Result<Vec<Uuid>> {
-        let Some(statement) = &self.find_published else {
-            return Ok(Vec::new());
+    /// The rows of the given events as they stand: event id -> finished (published, dead-lettered or handed
+    /// to the polling path). An id missing from the answer has no row (deleted), or the table does not
+    /// record `published_at` (then nothing is known).
+    pub async fn row_states(
+        &self,
+        client: &Client,
+        event_ids: &[Uuid],
+    ) -> Result<std::collections::HashMap<Uuid, bool>> {
+        let Some(statement) = &self.row_states else {
+            return Ok(Default::default());
         };
         let rows = client.query(statement, &[&event_ids]).await?;
-        Ok(rows.iter().map(|row| row.get(0)).collect())
+        Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
     }
 }
 

@@ -584,7 +584,7 @@ impl Session<'_> {
                         for (tag, bytes) in events {
                             if tag.hand_off {
                                 self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
-                            } else if !tag.resent {
+                            } else {
                                 published += 1;
                                 crate::metrics::commit_to_ack((now - tag.commit_micros).max(0) as f64 / 1e6);
                             }
@@ -781,10 +781,8 @@ impl Session<'_> {
                 })?;
                 self.start_event(txn, event.size_bytes());
                 let tag = self.tag_for(txn, table);
-                if tag.resent {
-                    return self.mark_resent(tag, &event, event_id);
-                }
-                if self.in_replay_region {
+                // Re-sent rows are checked like replayed ones (see `flush_replay_buffer`).
+                if self.in_replay_region || tag.resent {
                     self.replay_buffer.push(Pending {
                         tag,
                         event,
@@ -809,24 +807,6 @@ impl Session<'_> {
             hand_off: false,
             resent: self.current_txn_resent,
         }
-    }
-
-    /// A re-sent event was published before: it is not produced again, but its `published_at` is written
-    /// where it is missing (a no-op for a row written back before, or gone) before its position is confirmed.
-    fn mark_resent(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
-        self.hand_offs
-            .send(Delivery {
-                tag,
-                event_id,
-                bytes: event.size_bytes(),
-                result: Ok(()),
-            })
-            .map_err(|_| Error::Kafka {
-                message: "the backfill task stopped".into(),
-                transient: true,
-            })?;
-        self.skipped_already_published += 1;
-        Ok(())
     }
 
     fn window_open(&self) -> bool {
@@ -1077,7 +1057,7 @@ impl Session<'_> {
         if self.replay_buffer.is_empty() {
             return Ok(());
         }
-        let mut already: HashSet<Uuid> = HashSet::new();
+        let mut states: HashMap<Uuid, bool> = HashMap::new();
         for (table, sql) in self.outbox_sql.iter().enumerate() {
             let ids: Vec<Uuid> = self
                 .replay_buffer
@@ -1086,11 +1066,19 @@ impl Session<'_> {
                 .map(|p| p.event_id)
                 .collect();
             if !ids.is_empty() {
-                already.extend(sql.find_published(&self.sql, &ids).await?);
+                states.extend(sql.row_states(&self.sql, &ids).await?);
             }
         }
         for pending in std::mem::take(&mut self.replay_buffer) {
-            if already.contains(&pending.event_id) {
+            // A row gone: a re-sent one was finished before (deleted after publishing, or by retention); a
+            // replayed one may have been deleted by its own transaction and is published from the stream.
+            // A re-sent row that exists unfinished lost its marks (a server restored from a snapshot taken
+            // before they were written): it is published again.
+            let finished = states
+                .get(&pending.event_id)
+                .copied()
+                .unwrap_or(pending.tag.resent);
+            if finished {
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
             } else if self.is_blocked(&pending.tag, &pending.event) {
