@@ -697,3 +697,75 @@ async fn a_hand_off_of_more_aggregates_than_are_tracked_holds_the_table_and_keep
     assert_eq!(report.missing, 0);
     assert_eq!(report.order_violations, 0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handed_off_event_re_sent_after_a_postgres_restart_stays_the_polling_paths() {
+    // An event the producer refuses (too large) is handed to the polling path and its transaction
+    // confirmed. PostgreSQL then restarts without saving the slot's position, so it re-sends that
+    // transaction: the row must stay the polling path's (retried, then dead-lettered), never be taken for
+    // published.
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--max-attempts",
+        "2",
+        "--retry-base",
+        "1s",
+        "--retry-cap",
+        "2s",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    // The slot's saved position stays before the poison event's transaction.
+    client.batch_execute("CHECKPOINT").await.unwrap();
+    let poison = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', 'order-1', 'E', jsonb_build_object('pad', repeat('x', 1500000)))",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    let end = current_wal_lsn(&client).await;
+    wait_for_async(
+        "the poison event's transaction to be confirmed",
+        Duration::from_secs(60),
+        || async { (confirmed_flush(&client, "outboxd").await >= end).then_some(()) },
+    )
+    .await;
+    pg.restart("immediate");
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    wait_for(
+        "the server to re-send the transaction",
+        Duration::from_secs(60),
+        || {
+            outboxd
+                .log_text()
+                .contains("re-sent transaction")
+                .then_some(())
+        },
+    );
+    let (published, dead): (Option<std::time::SystemTime>, Option<std::time::SystemTime>) =
+        wait_for_async(
+            "the poison event to be dead-lettered",
+            Duration::from_secs(60),
+            || async {
+                let row = client
+                    .query_one(
+                        "SELECT published_at, dead_at FROM outbox_event WHERE event_id = $1",
+                        &[&poison],
+                    )
+                    .await
+                    .unwrap();
+                let dead: Option<std::time::SystemTime> = row.get(1);
+                dead.map(|d| (row.get(0), Some(d)))
+            },
+        )
+        .await;
+    assert_eq!(published, None, "never produced, so never published");
+    assert!(dead.is_some());
+}
