@@ -86,7 +86,6 @@ impl OutboxSql {
         }
     }
 
-    /// The subset of `event_ids` whose rows already have `published_at` (none without that column).
     /// The rows of the given events as they stand: event id -> finished (published, dead-lettered or handed
     /// to the polling path). An id missing from the answer has no row (deleted), or the table does not
     /// record `published_at` (then nothing is known).

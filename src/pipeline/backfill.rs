@@ -29,8 +29,9 @@ pub struct CdcTag {
     pub commit_micros: i64,
     /// True: not published; set `handoff_at` so the polling path publishes it.
     pub hand_off: bool,
-    /// True: re-sent by the server and published before; not produced again, only its `published_at`
-    /// written where it is missing (a server restored from a snapshot taken before it was).
+    /// True: of a transaction the server re-sends (confirmed before on this history): produced again only
+    /// if its row exists without the marks of what was done with it (a server restored from an older
+    /// snapshot).
     pub resent: bool,
 }
 

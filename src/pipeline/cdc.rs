@@ -1,7 +1,9 @@
 //! The CDC fast path: slot stream -> decode -> publish -> (ack + backfill) -> watermark -> confirm.
 //!
 //! One *session* is one replication connection. Transient failures end the session; the next one resumes
-//! from the highest confirmed position (kept in memory, because PG 15 can move `confirmed_flush_lsn` back).
+//! from the slot's own position, and recognises what it confirmed before by the highest confirmed position
+//! kept in memory (PG 15 can move `confirmed_flush_lsn` back). A position is kept only for its own server
+//! history (see `history`).
 //! Reading stops while the in-flight window is full, but standby status updates keep flowing on a timer.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -674,7 +676,7 @@ impl Session<'_> {
                     .watermark
                     .is_resent(begin.final_lsn, begin.commit_time_micros);
                 if self.current_txn_resent {
-                    tracing::debug!(final_lsn = %begin.final_lsn, "re-sent transaction: not producing it again");
+                    tracing::debug!(final_lsn = %begin.final_lsn, "re-sent transaction: looking its rows up");
                 } else {
                     if self.watermark.is_below_confirmed(begin.final_lsn) && !self.warned_divergence
                     {
@@ -744,8 +746,6 @@ impl Session<'_> {
                 }
                 let event = match mapping.event(&insert) {
                     Ok(event) => event,
-                    // Handed off (and dead-lettered) when it was first sent.
-                    Err(MappingError::NullValue { .. }) if self.current_txn_resent => return Ok(()),
                     // A user's table with a nullable column: the polling path dead-letters the row, in place.
                     Err(MappingError::NullValue {
                         event_id, column, ..
@@ -1057,7 +1057,7 @@ impl Session<'_> {
         if self.replay_buffer.is_empty() {
             return Ok(());
         }
-        let mut states: HashMap<Uuid, bool> = HashMap::new();
+        let mut states: HashMap<(usize, Uuid), bool> = HashMap::new();
         for (table, sql) in self.outbox_sql.iter().enumerate() {
             let ids: Vec<Uuid> = self
                 .replay_buffer
@@ -1066,7 +1066,8 @@ impl Session<'_> {
                 .map(|p| p.event_id)
                 .collect();
             if !ids.is_empty() {
-                states.extend(sql.row_states(&self.sql, &ids).await?);
+                let answer = sql.row_states(&self.sql, &ids).await?;
+                states.extend(answer.into_iter().map(|(id, state)| ((table, id), state)));
             }
         }
         for pending in std::mem::take(&mut self.replay_buffer) {
@@ -1075,7 +1076,7 @@ impl Session<'_> {
             // A re-sent row that exists unfinished lost its marks (a server restored from a snapshot taken
             // before they were written): it is published again.
             let finished = states
-                .get(&pending.event_id)
+                .get(&(pending.tag.table, pending.event_id))
                 .copied()
                 .unwrap_or(pending.tag.resent);
             if finished {

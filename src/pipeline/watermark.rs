@@ -65,11 +65,16 @@ impl Watermark {
 
     /// A new session on the same server history starts from the slot's own position. What lies between it
     /// and the highest confirmed position is re-sent by the server and recognised by
-    /// [`Watermark::is_already_confirmed`]; everything in flight is forgotten (it is re-sent too).
+    /// [`Watermark::is_resent`]; everything in flight is forgotten (it is re-sent too). A slot moved past
+    /// the highest position (by another instance) leaves no commit time to compare with: nothing counts as
+    /// re-sent until this session confirms a transaction.
     pub fn resume_at(&mut self, slot_position: Lsn) {
         self.restart();
         self.confirmed = slot_position;
-        self.highest = self.highest.max(slot_position);
+        if slot_position > self.highest {
+            self.highest = slot_position;
+            self.highest_commit_micros = None;
+        }
     }
 
     /// True when the server is re-sending a transaction this history already confirmed (PG 15 can move
