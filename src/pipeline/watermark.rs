@@ -351,12 +351,13 @@ mod tests {
         w.commit(resent, Lsn(700));
         assert_eq!(w.advance(), Lsn(700));
         assert_eq!(w.highest_confirmed(), Lsn(1000));
-        // A slot another instance moved ahead raises both.
+        // A slot another instance moved ahead raises both, and leaves no commit time to compare with.
         w.resume_at(Lsn(1500));
         assert_eq!(
             (w.confirmed(), w.highest_confirmed()),
             (Lsn(1500), Lsn(1500))
         );
+        assert!(!w.is_resent(Lsn(999), 4_000));
     }
 
     #[test]
