@@ -626,12 +626,7 @@ async fn rows_deleted_in_their_own_transaction_are_still_published() {
         committed.extend(events);
     }
     let end = current_wal_lsn(&client).await;
-    wait_for_async(
-        "the slot to pass the deletes",
-        Duration::from_secs(60),
-        || async { (confirmed_flush(&client, "outboxd").await >= end).then_some(()) },
-    )
-    .await;
+    wait_confirmed_past(&client, "outboxd", end, "the slot to pass the deletes").await;
     let (_, report) = verify_delivery(&brokers, &committed, &[], 60, "insert-then-delete");
     assert_eq!(report.duplicates, 0);
     let rows: i64 = client
@@ -730,10 +725,11 @@ async fn a_handed_off_event_re_sent_after_a_postgres_restart_stays_the_polling_p
         .await
         .unwrap();
     let end = current_wal_lsn(&client).await;
-    wait_for_async(
+    wait_confirmed_past(
+        &client,
+        "outboxd",
+        end,
         "the poison event's transaction to be confirmed",
-        Duration::from_secs(60),
-        || async { (confirmed_flush(&client, "outboxd").await >= end).then_some(()) },
     )
     .await;
     pg.restart("immediate");

@@ -392,10 +392,11 @@ async fn chaos() {
     }
     wait_all_published(&client, Duration::from_secs(600)).await;
     let end_of_load = current_wal_lsn(&client).await;
-    wait_for_async(
+    wait_confirmed_past(
+        &client,
+        "outboxd",
+        end_of_load,
         "the slot to confirm the end of the load",
-        Duration::from_secs(120),
-        || async { (confirmed_flush(&client, "outboxd").await >= end_of_load).then_some(()) },
     )
     .await;
     let final_lag: i64 = client

@@ -64,13 +64,11 @@ async fn write_filler_and_wait_confirmed(client: &tokio_postgres::Client) -> Lsn
         .await
         .unwrap();
     let end = current_wal_lsn(client).await;
-    wait_for_async(
+    wait_confirmed_past(
+        client,
+        SLOT,
+        end,
         "outboxd to confirm the old server's WAL past the filler",
-        Duration::from_secs(60),
-        || async {
-            let confirmed = confirmed_flush(client, SLOT).await;
-            (confirmed >= end).then_some(confirmed)
-        },
     )
     .await
 }

@@ -591,12 +591,7 @@ async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_k
     }
     let _outboxd = Outboxd::spawn(&args);
     let end = current_wal_lsn(&client).await;
-    wait_for_async(
-        "the slot to pass every insert",
-        Duration::from_secs(60),
-        || async { (confirmed_flush(&client, "outboxd").await >= end).then_some(()) },
-    )
-    .await;
+    wait_confirmed_past(&client, "outboxd", end, "the slot to pass every insert").await;
     let (_, report) = verify_delivery(&brokers, &committed, &[], 60, "CDC-only, killed 4 times");
     println!("duplicates after 4 kills: {}", report.duplicates);
     assert_eq!(count(&client, "SELECT count(*) FROM outbox_event").await, 0);

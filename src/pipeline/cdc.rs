@@ -1007,7 +1007,9 @@ impl Session<'_> {
             return Ok(());
         }
         self.pausing_for_check = false;
-        // A held table whose pending aggregates are few enough again is tracked one by one from now on.
+        // A held table whose pending aggregates are few enough again is tracked one by one from now on
+        // (from exactly what was just read: it is not asked again below).
+        let mut released: HashSet<usize> = HashSet::new();
         for table in self.held_tables.clone() {
             let outbox_table: &OutboxTable = &self.settings.database.tables[table];
             let pending =
@@ -1016,12 +1018,18 @@ impl Session<'_> {
             if pending.len() <= MAX_TRACKED_BLOCKED {
                 tracing::info!(table = %outbox_table.name, blocked = pending.len(), "few enough aggregates wait in the polling path: tracking them one by one again");
                 self.held_tables.remove(&table);
+                released.insert(table);
                 for aggregate in pending {
                     self.blocked.insert((table, aggregate), Blocked::PARKING);
                 }
             }
         }
-        let tables: HashSet<usize> = self.blocked.keys().map(|(table, _)| *table).collect();
+        let tables: HashSet<usize> = self
+            .blocked
+            .keys()
+            .map(|(table, _)| *table)
+            .filter(|table| !released.contains(table))
+            .collect();
         let mut pending: HashSet<BlockedKey> = HashSet::new();
         // A table whose answer was cut at the limit cannot tell which aggregates drained: none unblocks.
         let mut cut: HashSet<usize> = HashSet::new();
@@ -1036,8 +1044,11 @@ impl Session<'_> {
             pending.extend(aggregates.into_iter().map(|aggregate| (table, aggregate)));
         }
         let before = self.blocked.len();
-        self.blocked
-            .retain(|aggregate, _| cut.contains(&aggregate.0) || pending.contains(aggregate));
+        self.blocked.retain(|aggregate, _| {
+            released.contains(&aggregate.0)
+                || cut.contains(&aggregate.0)
+                || pending.contains(aggregate)
+        });
         if self.blocked.len() == before {
             return Ok(());
         }

@@ -1034,6 +1034,20 @@ pub async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> out
     text.unwrap_or_default().parse().unwrap_or_default()
 }
 
+/// Waits until `slot` has confirmed `lsn` (or more); returns what it confirmed.
+pub async fn wait_confirmed_past(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    lsn: outboxd::lsn::Lsn,
+    what: &str,
+) -> outboxd::lsn::Lsn {
+    wait_for_async(what, Duration::from_secs(120), || async {
+        let confirmed = confirmed_flush(client, slot).await;
+        (confirmed >= lsn).then_some(confirmed)
+    })
+    .await
+}
+
 pub async fn current_wal_lsn(client: &tokio_postgres::Client) -> outboxd::lsn::Lsn {
     let text: String = client
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
