@@ -44,7 +44,13 @@ const MODES: [&str; 4] = ["cdc", "poll", "standby", "starting"];
 /// `outboxd_slot_wal_status` values, as in pg_replication_slots.wal_status.
 const WAL_STATUSES: [&str; 5] = ["reserved", "extended", "unreserved", "lost", "none"];
 
-/// Installs the global recorder and gives every metric its first sample.
+/// How often recorded histogram samples are folded into their buckets. Until then the exporter keeps every
+/// sample (8 bytes and more per event); folding only at scrape time let memory grow without bound when
+/// nobody scraped.
+const UPKEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Installs the global recorder, gives every metric its first sample and starts the upkeep task that keeps
+/// the recorder's memory flat whether or not anyone scrapes (needs a Tokio runtime).
 pub fn install() -> Result<PrometheusHandle, String> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
@@ -121,6 +127,14 @@ pub fn install() -> Result<PrometheusHandle, String> {
     gauge!(UP).set(1.0);
     // Registering the histogram renders its (empty) buckets from start-up on.
     let _ = histogram!(COMMIT_TO_ACK);
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(UPKEEP_EVERY);
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
     Ok(handle)
 }
 

@@ -569,9 +569,15 @@ pub struct Outboxd {
 
 impl Outboxd {
     pub fn spawn(args: &[&str]) -> Self {
+        Self::spawn_with_env(args, &[])
+    }
+
+    /// With extra environment (e.g. `RUST_LOG=warn` for long runs, where trace logging only costs CPU).
+    pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let log = scratch_dir("outboxd").join("outboxd.log");
         let file = std::fs::File::create(&log).unwrap();
         let child = outboxd_command(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()

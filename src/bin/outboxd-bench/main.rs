@@ -8,8 +8,11 @@
 //! the sink limit (a plain rdkafka producer) and the backfill limit (batched UPDATEs by event_id); the same
 //! backlog through `--mode poll` with 1 and 4 instances; steady insert rates in both modes (latency
 //! percentiles); one big transaction (duration, peak RSS).
+//!
+//!     cargo run --release --bin outboxd-bench -- --soak  # memory over 10 million events per path (`soak`)
 
 mod scenarios;
+mod soak;
 mod stack;
 
 use std::fmt::Write as _;
@@ -45,6 +48,31 @@ struct Args {
     /// An extra argument for every outboxd run, repeatable (e.g. `--outboxd-arg=--kafka-option=linger.ms=20`).
     #[arg(long, allow_hyphen_values = true)]
     outboxd_arg: Vec<String>,
+    /// Only the soak: a steady load per mode, once with `/metrics` scraped and once never, with outboxd's
+    /// memory, descriptors, threads and its PostgreSQL backends' memory sampled (`--quick`: 300,000 events).
+    #[arg(long)]
+    soak: bool,
+    /// Events per soak run.
+    #[arg(long, default_value_t = 10_000_000)]
+    soak_events: u64,
+    /// Offered events per second in the soak.
+    #[arg(long, default_value_t = 10_000)]
+    soak_rate: u64,
+    /// Events per transaction in the soak.
+    #[arg(long, default_value_t = 5)]
+    soak_events_per_txn: u32,
+    /// Aggregates the soak's events are spread over (at random).
+    #[arg(long, default_value_t = 1_000_000)]
+    soak_aggregates: u32,
+    /// Modes to soak.
+    #[arg(long, value_delimiter = ',', default_value = "cdc,poll")]
+    soak_modes: Vec<String>,
+    /// How often `/metrics` is scraped in each soak run (`never`: not at all).
+    #[arg(long, value_delimiter = ',', default_value = "15s,never")]
+    soak_scrape: Vec<String>,
+    /// Fail (exit 1) when outboxd's RSS grows faster than this after warm-up, in MiB per million events.
+    #[arg(long)]
+    max_growth: Option<f64>,
     /// Where the results (markdown, CSV) go.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -71,6 +99,9 @@ async fn run(mut args: Args) -> BenchResult<()> {
         args.steady_secs = args.steady_secs.min(3);
         args.rates = vec![500, 2_000];
     }
+    if args.quick && args.soak {
+        args.soak_events = args.soak_events.min(300_000);
+    }
     std::fs::create_dir_all(&args.out)?;
     let outboxd = stack::outboxd_binary()?;
     // Under the temp dir, not the checkout: the server runs as `postgres`, which may not reach a home directory.
@@ -95,6 +126,10 @@ async fn run(mut args: Args) -> BenchResult<()> {
         sql,
         outboxd_args: args.outboxd_arg.clone(),
     };
+
+    if args.soak {
+        return soak_runs(&bench, &args, &machine).await;
+    }
 
     eprintln!("drain: {} events ...", args.backlog);
     let (drain, limits) = bench.drain(args.backlog).await?;
@@ -288,6 +323,110 @@ async fn run(mut args: Args) -> BenchResult<()> {
         args.out.display(),
         args.out.display()
     );
+    Ok(())
+}
+
+/// Every soak run the arguments name; prints and writes the table, the charts and one CSV per run.
+async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()> {
+    let mut scrapes = Vec::new();
+    for scrape in &args.soak_scrape {
+        scrapes.push(match scrape.as_str() {
+            "never" => None,
+            every => Some(humantime::parse_duration(every).map_err(|e| {
+                format!("--soak-scrape {every}: {e} (a duration such as 15s, or never)")
+            })?),
+        });
+    }
+    let duration = args.soak_events as f64 / args.soak_rate.max(1) as f64;
+    let plan = soak::Plan {
+        events: args.soak_events,
+        rate: args.soak_rate,
+        events_per_txn: args.soak_events_per_txn.max(1),
+        aggregates: args.soak_aggregates.max(1),
+        scrape_every: None,
+        // About 300 samples a run.
+        sample_every: Duration::from_secs_f64((duration / 300.0).clamp(1.0, 10.0)),
+        // Twice outboxd's default in-flight window.
+        burst_events: 20_000,
+        warmup_events: (args.soak_events / 10)
+            .max(100_000)
+            .min(args.soak_events / 2),
+    };
+    let mut report = format!(
+        "{machine}\n\nSoak: {} events per run at {}/s offered, {} per transaction, {} aggregates at random; \
+         warm-up {} events; growth is the least-squares slope after warm-up.\n\n\
+         | mode | /metrics | events/s | RSS MiB after warm-up → end (max) | RSS growth MiB per M events | anon RSS growth MiB per M | fds | threads | PG backends MiB after warm-up → end | PG growth MiB per M | max slot lag MiB | max backlog |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        plan.events, plan.rate, plan.events_per_txn, plan.aggregates, plan.warmup_events
+    );
+    let mut charts = String::new();
+    let mut too_fast = Vec::new();
+    for mode in &args.soak_modes {
+        let mode: &'static str = match mode.as_str() {
+            "cdc" => "cdc",
+            "poll" => "poll",
+            other => return Err(format!("--soak-modes {other}: the modes are cdc and poll").into()),
+        };
+        for &scrape_every in &scrapes {
+            let scraped = scrape_every.map_or("never".to_string(), |every| {
+                format!("every {}", humantime::format_duration(every))
+            });
+            eprintln!(
+                "soak {mode}, /metrics scraped {scraped}: {} events ...",
+                plan.events
+            );
+            let result = bench
+                .soak(
+                    mode,
+                    &soak::Plan {
+                        scrape_every,
+                        ..plan.clone()
+                    },
+                )
+                .await?;
+            let name = format!("soak-{mode}-{}", scraped.replace(' ', "-"));
+            std::fs::write(args.out.join(format!("{name}.csv")), result.csv())?;
+            use soak::Measure::*;
+            let (rss_from, rss_to) = result.steady_range(RssMib);
+            let (fds_from, fds_to) = result.steady_range(Fds);
+            let (threads_from, threads_to) = result.steady_range(Threads);
+            let (pg_from, pg_to) = result.steady_range(BackendsMib);
+            let growth = result.growth_per_million(RssMib);
+            writeln!(
+                report,
+                "| {mode} | {scraped} | {:.0} | {rss_from:.1} → {rss_to:.1} ({:.1}) | {growth:.2} | {:.2} | {fds_from} → {fds_to} | {threads_from} → {threads_to} | {pg_from:.1} → {pg_to:.1} | {:.2} | {:.1} | {:.0} |",
+                plan.events as f64 / result.seconds,
+                result.max_of(|s| RssMib.of(s)),
+                result.growth_per_million(RssAnonMib),
+                result.growth_per_million(BackendsMib),
+                result.max_of(|s| s.slot_lag_bytes as f64) / 1048576.0,
+                result.max_of(|s| s.backlog as f64),
+            )?;
+            writeln!(
+                charts,
+                "\noutboxd RSS (MiB) against published events, {mode}, /metrics scraped {scraped}:\n```\n{}```",
+                result.chart(RssMib, 60, 12)
+            )?;
+            if args.max_growth.is_some_and(|bound| growth > bound) {
+                too_fast.push(format!(
+                    "{mode} (scraped {scraped}): {growth:.2} MiB per million events"
+                ));
+            }
+        }
+    }
+    report.push_str(&charts);
+    println!("{report}");
+    std::fs::write(args.out.join("soak.md"), &report)?;
+    eprintln!("wrote {}/soak.md and soak-*.csv", args.out.display());
+    if let Some(bound) = args.max_growth {
+        if !too_fast.is_empty() {
+            return Err(format!(
+                "outboxd's memory grew faster than {bound} MiB per million events: {}",
+                too_fast.join("; ")
+            )
+            .into());
+        }
+    }
     Ok(())
 }
 

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use tokio_postgres::Client;
 
+use crate::soak;
 use crate::stack::{free_port, wait_until, BenchResult, Outboxd, Stack, Usage};
 
 /// Rows per backlog transaction (over 1,000 aggregates, ~200-byte payloads).
@@ -468,6 +469,31 @@ impl Bench {
             backlog_at_end,
             peak_rss_kib,
         })
+    }
+
+    /// A soak of outboxd in `mode` (see `soak`): a fresh table and slot, outboxd with a metrics listener
+    /// (scraped or not, as the plan says), the plan's load until it is all published.
+    pub async fn soak(&self, mode: &'static str, plan: &soak::Plan) -> BenchResult<soak::Soak> {
+        self.reset().await?;
+        let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+        let scraped = plan.scrape_every.map_or("never".to_string(), |every| {
+            humantime::format_duration(every).to_string()
+        });
+        let outboxd = self.spawn(
+            mode,
+            &["--metrics-addr", &metrics_addr],
+            &format!("soak-{mode}-{scraped}.log"),
+        )?;
+        if mode == "cdc" {
+            self.wait_slot_streaming().await?;
+        }
+        let target = soak::Target {
+            outboxd_pid: outboxd.pid(),
+            sql: &self.sql,
+            pg_url: self.stack.pg_url(),
+            metrics_addr: Some(metrics_addr),
+        };
+        soak::run(&target, plan).await
     }
 
     /// One transaction of `events` rows: seconds from its commit until the slot is confirmed past it, and

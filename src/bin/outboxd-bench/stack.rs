@@ -143,6 +143,10 @@ impl Outboxd {
         Ok(Outboxd { child })
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// CPU time (all threads) and peak RSS so far.
     pub fn usage(&self) -> BenchResult<Usage> {
         usage(self.child.id())
