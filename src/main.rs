@@ -22,24 +22,7 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
-/// glibc's allocator gives threads that allocate at the same time arenas of their own (up to 8 per core).
-/// An event's memory is allocated on one thread and freed on another (the decoder, librdkafka's threads, the
-/// backfill task), which leaves free memory scattered over many arenas: RSS crept up by 3-4 MiB per million
-/// events over the first million or two, more with more cores (`outboxd-bench --soak`). Two arenas keep it
-/// flat, at no measurable CPU cost (per-thread caches keep the arena lock off the hot path). A
-/// `MALLOC_ARENA_MAX` in the environment wins.
-fn limit_allocator_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: mallopt only sets an allocator parameter; called before any other thread exists.
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 2);
-        }
-    }
-}
-
 fn main() -> ExitCode {
-    limit_allocator_arenas();
     let cli = Cli::parse();
     let options = match &cli.command {
         Command::Migrate(options) | Command::Run(options) => options.clone(),

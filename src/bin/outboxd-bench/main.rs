@@ -355,8 +355,8 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
     let mut report = format!(
         "{machine}\n\nSoak: {} events per run at {}/s offered, {} per transaction, {} aggregates at random; \
          warm-up {} events; growth is the least-squares slope after warm-up.\n\n\
-         | mode | /metrics | events/s | RSS MiB after warm-up → end (max) | RSS growth MiB per M events | anon RSS growth MiB per M | fds | threads | PG backends MiB after warm-up → end | PG growth MiB per M | max slot lag MiB | max backlog |\n\
-         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+         | mode | /metrics | events/s | RSS MiB idle | RSS MiB after warm-up → end (max) | RSS growth MiB per M events | anon RSS growth MiB per M | fds | threads | PG backends MiB after warm-up → end | PG growth MiB per M | max slot lag MiB | max backlog |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
         plan.events, plan.rate, plan.events_per_txn, plan.aggregates, plan.warmup_events
     );
     let mut charts = String::new();
@@ -394,8 +394,9 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
             let growth = result.growth_per_million(RssMib);
             writeln!(
                 report,
-                "| {mode} | {scraped} | {:.0} | {rss_from:.1} → {rss_to:.1} ({:.1}) | {growth:.2} | {:.2} | {fds_from} → {fds_to} | {threads_from} → {threads_to} | {pg_from:.1} → {pg_to:.1} | {:.2} | {:.1} | {:.0} |",
+                "| {mode} | {scraped} | {:.0} | {:.1} | {rss_from:.1} → {rss_to:.1} ({:.1}) | {growth:.2} | {:.2} | {fds_from} → {fds_to} | {threads_from} → {threads_to} | {pg_from:.1} → {pg_to:.1} | {:.2} | {:.1} | {:.0} |",
                 plan.events as f64 / result.seconds,
+                result.samples.first().map_or(f64::NAN, |s| RssMib.of(s)),
                 result.max_of(|s| RssMib.of(s)),
                 result.growth_per_million(RssAnonMib),
                 result.growth_per_million(BackendsMib),

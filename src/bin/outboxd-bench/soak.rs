@@ -238,6 +238,8 @@ pub async fn run(target: &Target<'_>, plan: &Plan) -> SoakResult<Soak> {
     // One connection commits a few hundred small transactions a second with room to spare.
     let connections = (txns_per_second / 400.0).ceil().max(1.0) as u64;
     let started = Instant::now();
+    // Idle: connected, streaming (CDC), nothing to do yet.
+    let mut samples = vec![sample(target, started, 0).await?];
     if plan.burst_events > 0 {
         insert_burst(&application_url(&target.pg_url), plan).await?;
         inserted.store(plan.burst_events, Ordering::Relaxed);
@@ -266,7 +268,6 @@ pub async fn run(target: &Target<'_>, plan: &Plan) -> SoakResult<Soak> {
         _ => None,
     };
 
-    let mut samples = Vec::new();
     let mut ticker = tokio::time::interval(plan.sample_every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let result = loop {
