@@ -63,10 +63,15 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             let settings = options.database()?;
             let mut client = pg::connect(&settings.database_url).await?;
             let report = pg::migrate::migrate(&mut client, &settings).await?;
-            if options.poll_notify {
-                for table in &settings.tables {
+            for table in &settings.tables {
+                let trigger = pg::migrate::notify_trigger(&client, &table.name).await?;
+                if options.poll_notify {
                     pg::migrate::install_notify_trigger(&client, &table.name).await?;
                     tracing::warn!(table = %table.name, "installed the LISTEN/NOTIFY trigger: every insert now notifies (serialising commits); drop it with DROP TRIGGER outboxd_notify ON <table>");
+                } else if trigger == pg::migrate::NotifyTrigger::Outdated {
+                    // An older version's trigger: with a long table name it makes every insert fail.
+                    pg::migrate::install_notify_trigger(&client, &table.name).await?;
+                    tracing::info!(table = %table.name, "updated the LISTEN/NOTIFY trigger to this version's channel name");
                 }
             }
             for table in &report.cdc_only {

@@ -588,6 +588,102 @@ async fn poll_notify_wakes_an_idle_poller_and_is_off_by_default() {
     verify_delivery(&brokers, &committed, &[], 30, "woken by NOTIFY");
 }
 
+/// PostgreSQL refuses NOTIFY channels over 63 bytes, inside the insert trigger: a channel named after a long
+/// schema and table made every application insert fail. And an older version's trigger (on the old channel)
+/// is brought up to date by a plain `migrate`.
+#[tokio::test(flavor = "multi_thread")]
+async fn poll_notify_on_long_table_names_never_fails_an_insert() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let schema = "fulfilment_and_inventory_reservations";
+    let table = format!("{schema}.order_service_transactional_outbox_events_partitioned_by_month");
+    let migrated = run_outboxd(&[
+        "migrate",
+        "--database-url",
+        &url,
+        "--table",
+        &table,
+        "--poll-notify",
+    ]);
+    assert!(migrated.status.success(), "{}", stderr_of(&migrated));
+    let insert = format!(
+        "INSERT INTO {table} (event_id, aggregate_type, aggregate_id, event_type, payload)
+         VALUES (gen_random_uuid(), 'Order', 'o-1', 'OrderPlaced', '{{}}') RETURNING event_id::text"
+    );
+    let first: String = client
+        .query_one(&insert, &[])
+        .await
+        .expect("an application insert into a long-named table with the NOTIFY trigger")
+        .get(0);
+
+    // A 10-minute polling interval: only the notification can deliver the second event within the wait.
+    let outboxd = Outboxd::spawn(&args(
+        &url,
+        &brokers,
+        &[
+            "--table",
+            &table,
+            "--mode",
+            "poll",
+            "--poll-notify",
+            "--poll-interval",
+            "10m",
+        ],
+    ));
+    let records = consume_all(&brokers, &[TOPIC], 1, Duration::from_secs(60));
+    assert_eq!(
+        records.len(),
+        1,
+        "the first event, from the poller's first round"
+    );
+    let second: String = client.query_one(&insert, &[]).await.unwrap().get(0);
+    let records = consume_all(&brokers, &[TOPIC], 2, Duration::from_secs(60));
+    let ids: Vec<&str> = records
+        .iter()
+        .map(|r| r.headers["event_id"].as_str())
+        .collect();
+    assert_eq!(ids, [first.as_str(), second.as_str()], "woken by NOTIFY");
+    assert!(
+        !outboxd.log_text().contains("trigger is missing"),
+        "{}",
+        outboxd.log_text()
+    );
+
+    // An older version's trigger on the default table: function and channel `outboxd_public_outbox_event`.
+    migrate(&pg);
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.outboxd_public_outbox_event() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN PERFORM pg_notify('outboxd_public_outbox_event', ''); RETURN NULL; END $$;
+             CREATE TRIGGER outboxd_notify AFTER INSERT ON public.outbox_event
+                 FOR EACH STATEMENT EXECUTE FUNCTION public.outboxd_public_outbox_event();",
+        )
+        .await
+        .unwrap();
+    migrate(&pg);
+    let function: String = client
+        .query_one(
+            "SELECT p.proname::text FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+             WHERE t.tgname = 'outboxd_notify' AND t.tgrelid = 'public.outbox_event'::regclass",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(function, "outboxd_public_outbox_event_2843650bfe0a9fc4");
+    let legacy: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_proc WHERE proname = 'outboxd_public_outbox_event'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(legacy, 0, "the old function is dropped");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn leases_are_renewed_while_a_slow_send_is_in_flight() {
     let pg = Postgres::start();

@@ -54,7 +54,7 @@ fn render_migration(sql: &str, table: &OutboxTable) -> String {
     let name = &table.name;
     let schema = format!("\"{}\"", name.schema);
     let bare = &name.name;
-    let position_seq = format!("{schema}.\"{bare}_position_seq\"");
+    let position_seq = format!("{schema}.\"{}\"", derived_name(bare, "position_seq"));
     let created_at = format!(
         "\"{}\"",
         table.column(Role::CreatedAt).unwrap_or("created_at")
@@ -64,9 +64,18 @@ fn render_migration(sql: &str, table: &OutboxTable) -> String {
         ("{{schema}}", schema.clone()),
         ("{{position_seq_text}}", position_seq.clone()),
         ("{{position_seq}}", position_seq),
-        ("{{claim_index}}", format!("\"{bare}_claim_idx\"")),
-        ("{{handoff_index}}", format!("\"{bare}_handoff_idx\"")),
-        ("{{published_index}}", format!("\"{bare}_published_idx\"")),
+        (
+            "{{claim_index}}",
+            format!("\"{}\"", derived_name(bare, "claim_idx")),
+        ),
+        (
+            "{{handoff_index}}",
+            format!("\"{}\"", derived_name(bare, "handoff_idx")),
+        ),
+        (
+            "{{published_index}}",
+            format!("\"{}\"", derived_name(bare, "published_idx")),
+        ),
         ("{{event_id}}", table.col(Role::EventId)),
         ("{{aggregate_type}}", table.col(Role::AggregateType)),
         ("{{aggregate_id}}", table.col(Role::AggregateId)),
@@ -179,9 +188,58 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
     Ok(report)
 }
 
-/// The NOTIFY channel of an outbox table's insert trigger.
+/// The NOTIFY channel of an outbox table's insert trigger, also the name of the trigger's function:
+/// `outboxd_<schema>_<table>` cut to fit, then a hash of the full name, so it stays within PostgreSQL's
+/// 63 bytes (a longer channel makes `pg_notify` fail, and with it every insert into the table) and two
+/// tables never share it. Stable across versions: pollers and the trigger must agree on it.
 pub fn notify_channel(table: &TableName) -> String {
+    const READABLE: usize = 63 - "outboxd_".len() - "_".len() - 16;
+    let readable: String = format!("{}_{}", table.schema, table.name)
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .take(READABLE)
+        .collect();
+    format!(
+        "outboxd_{readable}_{:016x}",
+        fnv1a(format!("{}.{}", table.schema, table.name).as_bytes())
+    )
+}
+
+/// The name of an index or sequence of table `bare`: `<bare>_<suffix>`, or, when that would pass PostgreSQL's
+/// 63 bytes (which cuts names, so that a long table's sequence and indexes all got one name), `bare` cut to
+/// fit plus a hash of it. Names that fit are the ones earlier versions created.
+fn derived_name(bare: &str, suffix: &str) -> String {
+    let plain = format!("{bare}_{suffix}");
+    if plain.len() <= 63 {
+        return plain;
+    }
+    let mut keep = 63 - suffix.len() - "_12345678_".len();
+    while !bare.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    format!(
+        "{}_{:08x}_{suffix}",
+        &bare[..keep],
+        fnv1a(bare.as_bytes()) as u32
+    )
+}
+
+/// The channel name of outboxd before 0.2 (`outboxd_<schema>_<table>`), whose function an upgrade drops.
+fn legacy_notify_channel(table: &TableName) -> String {
     format!("outboxd_{}_{}", table.schema, table.name)
+}
+
+/// 64-bit FNV-1a: a fixed, documented hash (std's hasher may change between Rust releases).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// Installs the statement-level trigger that wakes `--poll-notify` pollers (only when asked: NOTIFY takes a
@@ -197,7 +255,43 @@ pub async fn install_notify_trigger(client: &Client, table: &TableName) -> Resul
             table.quoted()
         ))
         .await?;
+    // The trigger no longer calls an older version's function (which, for a long table name, notified on
+    // a channel PostgreSQL refuses).
+    let legacy = legacy_notify_channel(table);
+    if legacy != channel {
+        client
+            .batch_execute(&format!(
+                "DROP FUNCTION IF EXISTS \"{}\".\"{legacy}\"()",
+                table.schema
+            ))
+            .await?;
+    }
     Ok(())
+}
+
+/// Whether `table` has outboxd's insert trigger, and whether it notifies on this version's channel.
+pub async fn notify_trigger(client: &Client, table: &TableName) -> Result<NotifyTrigger> {
+    let function: Option<String> = client
+        .query_opt(
+            "SELECT p.proname::text FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+             WHERE t.tgname = 'outboxd_notify' AND t.tgrelid = to_regclass($1)",
+            &[&table.quoted()],
+        )
+        .await?
+        .map(|row| row.get(0));
+    Ok(match function {
+        None => NotifyTrigger::Missing,
+        Some(function) if function == notify_channel(table) => NotifyTrigger::Current,
+        Some(_) => NotifyTrigger::Outdated,
+    })
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotifyTrigger {
+    Missing,
+    Current,
+    /// Installed by an older version, on another channel.
+    Outdated,
 }
 
 #[cfg(test)]
@@ -227,6 +321,60 @@ mod tests {
             MIGRATIONS.iter().map(|m| m.0).collect::<Vec<_>>(),
             (1..=MIGRATIONS.len() as i32).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn notify_channels_fit_postgres_and_never_collide() {
+        let table = |schema: &str, name: &str| TableName {
+            schema: schema.into(),
+            name: name.into(),
+        };
+        // Pinned: a poller and a trigger installed by another version must agree on it.
+        assert_eq!(
+            notify_channel(&table("public", "outbox_event")),
+            "outboxd_public_outbox_event_2843650bfe0a9fc4"
+        );
+        let long = "order_service_transactional_outbox_events_partitioned_by_month";
+        let a = notify_channel(&table("fulfilment_and_inventory_reservations", long));
+        let b = notify_channel(&table(
+            "fulfilment_and_inventory_reservations",
+            &format!("{long}_archive"),
+        ));
+        for channel in [&a, &b] {
+            assert!(channel.len() <= 63, "{channel} is {} bytes", channel.len());
+            assert!(channel
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+        }
+        assert_ne!(a, b, "tables sharing a long prefix get their own channel");
+        assert_ne!(
+            notify_channel(&table("a_b", "c")),
+            notify_channel(&table("a", "b_c"))
+        );
+    }
+
+    #[test]
+    fn derived_names_fit_postgres_and_keep_short_names() {
+        assert_eq!(
+            derived_name("outbox_event", "claim_idx"),
+            "outbox_event_claim_idx"
+        );
+        let long = "order_service_transactional_outbox_events_partitioned_by_month";
+        let names: Vec<String> = ["position_seq", "claim_idx", "handoff_idx", "published_idx"]
+            .iter()
+            .map(|suffix| derived_name(long, suffix))
+            .collect();
+        for name in &names {
+            assert!(name.len() <= 63, "{name} is {} bytes", name.len());
+        }
+        let distinct: std::collections::HashSet<&String> = names.iter().collect();
+        assert_eq!(distinct.len(), names.len(), "{names:?}");
+        assert_ne!(
+            derived_name(&format!("{long}_a"), "claim_idx"),
+            derived_name(&format!("{long}_b"), "claim_idx")
+        );
+        // Cut at a character boundary.
+        assert!(derived_name(&"é".repeat(40), "claim_idx").len() <= 63);
     }
 
     #[test]

@@ -66,12 +66,14 @@ async fn listen(
     client
         .batch_execute(&format!("LISTEN \"{channel}\""))
         .await?;
-    let installed: bool = client
-        .query_one("SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'outboxd_notify' AND tgrelid = to_regclass($1))", &[&table.quoted()])
-        .await?
-        .get(0);
-    if !installed {
-        tracing::warn!(%table, "--poll-notify is set but the trigger is missing: run `outboxd migrate --poll-notify`; polling on the interval meanwhile");
+    match pg::migrate::notify_trigger(&client, table).await? {
+        pg::migrate::NotifyTrigger::Current => {}
+        pg::migrate::NotifyTrigger::Missing => {
+            tracing::warn!(%table, "--poll-notify is set but the trigger is missing: run `outboxd migrate --poll-notify`; polling on the interval meanwhile")
+        }
+        pg::migrate::NotifyTrigger::Outdated => {
+            tracing::warn!(%table, %channel, "--poll-notify is set but the trigger was installed by an older outboxd and notifies on another channel: run `outboxd migrate --poll-notify` to update it; polling on the interval meanwhile")
+        }
     }
     Ok((client, notify))
 }
