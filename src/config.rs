@@ -149,7 +149,8 @@ pub struct Options {
     #[arg(long, env = "OUTBOXD_PUBLICATION")]
     pub publication: Option<String>,
     /// librdkafka property passed through, key=value (repeatable), e.g. security.protocol=SASL_SSL.
-    #[arg(long, env = "OUTBOXD_KAFKA_OPTION", value_delimiter = ',')]
+    /// Several in one value are separated by commas; a comma inside a value stays (see `split_kafka_options`).
+    #[arg(long, env = "OUTBOXD_KAFKA_OPTION")]
     pub kafka_option: Option<Vec<String>>,
     /// Partitions of topics outboxd creates [default: 6].
     #[arg(long, env = "OUTBOXD_TOPIC_PARTITIONS")]
@@ -485,21 +486,7 @@ impl Options {
                 .as_deref()
                 .unwrap_or(database.style.default_topic()),
         )?;
-        let kafka_options = self
-            .kafka_option
-            .iter()
-            .flatten()
-            .map(|kv| {
-                kv.split_once('=')
-                    .filter(|(k, _)| !k.trim().is_empty())
-                    .map(|(k, v)| (k.trim().to_string(), v.to_string()))
-                    .ok_or_else(|| {
-                        invalid(format!(
-                            "--kafka-option {kv:?} must be key=value, e.g. compression.type=lz4"
-                        ))
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let kafka_options = split_kafka_options(self.kafka_option.iter().flatten())?;
         let topic_partitions = self.topic_partitions.unwrap_or(6);
         if topic_partitions < 1 {
             return Err(invalid(format!(
@@ -732,6 +719,53 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// `--kafka-option` values as (property, value). One value may hold several options separated by commas
+/// (`OUTBOXD_KAFKA_OPTION=acks=all,linger.ms=5`); a comma starts a new option only where a property name and
+/// `=` follow, so values with commas (passwords, JAAS configurations) stay whole. Errors never repeat what
+/// was given: it may be a secret.
+fn split_kafka_options<'a>(
+    values: impl Iterator<Item = &'a String>,
+) -> Result<Vec<(String, String)>, ConfigError> {
+    let is_property = |s: &str| {
+        s.split_once('=').is_some_and(|(key, _)| {
+            !key.is_empty()
+                && key
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        })
+    };
+    let mut options: Vec<(String, String)> = Vec::new();
+    for (n, value) in values.enumerate() {
+        let mut parts = value.split(',');
+        let first = parts.next().unwrap_or_default();
+        let Some((key, v)) = first
+            .split_once('=')
+            .filter(|_| is_property(first.trim_start()))
+        else {
+            return Err(ConfigError::Invalid(format!(
+                "--kafka-option number {} is not property=value (e.g. compression.type=lz4); its text is not shown, as it may hold a secret",
+                n + 1
+            )));
+        };
+        options.push((key.trim().to_string(), v.to_string()));
+        for part in parts {
+            match part
+                .split_once('=')
+                .filter(|_| is_property(part.trim_start()))
+            {
+                Some((key, v)) => options.push((key.trim().to_string(), v.to_string())),
+                None => {
+                    // A comma inside the previous option's value.
+                    let last = options.last_mut().expect("an option was pushed above");
+                    last.1.push(',');
+                    last.1.push_str(part);
+                }
+            }
+        }
+    }
+    Ok(options)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -871,6 +905,29 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("--kafka-option"), "{err}");
+        assert!(!err.contains("nonsense"), "the text is never echoed: {err}");
+    }
+
+    #[test]
+    fn kafka_option_values_keep_their_commas() {
+        let given = [
+            "sasl.password=p,ss w=rd,,x".to_string(),
+            "acks=all,linger.ms=5".to_string(),
+            "sasl.jaas.config=x required user=\"u\",pw".to_string(),
+        ];
+        assert_eq!(
+            split_kafka_options(given.iter()).unwrap(),
+            [
+                ("sasl.password", "p,ss w=rd,,x"),
+                ("acks", "all"),
+                ("linger.ms", "5"),
+                ("sasl.jaas.config", "x required user=\"u\",pw"),
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+        let secret = ["hunter2,sasl.username=me".to_string()];
+        let err = split_kafka_options(secret.iter()).unwrap_err().to_string();
+        assert!(!err.contains("hunter2"), "{err}");
     }
 
     #[test]

@@ -142,9 +142,22 @@ pub fn client_config(settings: &RunSettings) -> ClientConfig {
     config
 }
 
+/// librdkafka's configuration errors name the property and, for some, repeat its value: the value (perhaps a
+/// password, perhaps under a mistyped name) never reaches the message.
 fn config_error(error: KafkaError) -> Error {
+    let problem = match &error {
+        KafkaError::ClientConfig(_, description, key, value) => {
+            let description = if value.is_empty() {
+                description.clone()
+            } else {
+                description.replace(value.as_str(), "<value not shown>")
+            };
+            format!("invalid Kafka client configuration, property {key:?}: {description}")
+        }
+        other => format!("invalid Kafka client configuration: {other}"),
+    };
     Error::setup(
-        format!("invalid Kafka client configuration: {error}"),
+        problem,
         "fix or remove the --kafka-option in question (see librdkafka's CONFIGURATION.md for valid properties)",
     )
 }

@@ -269,6 +269,36 @@ fn unknown_librdkafka_property() {
     assert_mentions(&stderr, &["no.such.property", "--kafka-option"]);
 }
 
+/// A mistyped secret property, a secret given as an invalid value, a secret with a comma in it given through
+/// the environment: the error names the property, never the secret or a fragment of it.
+#[test]
+fn kafka_option_errors_never_show_the_value() {
+    let pg = migrated();
+    for option in [
+        "sasl.pasword=Hunter2-secret",
+        "acks=Hunter2-secret",
+        "Hunter2-secret,sasl.username=me",
+    ] {
+        let stderr = run_expecting_failure(&pg.url(), NO_BROKER, &["--kafka-option", option]);
+        assert_mentions(&stderr, &["--kafka-option"]);
+        assert!(!stderr.contains("Hunter2"), "{option}: {stderr}");
+    }
+    let output = outboxd_command(&run_args(&pg.url(), NO_BROKER))
+        .env(
+            "OUTBOXD_KAFKA_OPTION",
+            "sasl.password=Hunter2,secret,sasl.pasword=x",
+        )
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&output);
+    assert!(!output.status.success());
+    assert_mentions(&stderr, &["sasl.pasword"]);
+    assert!(
+        !stderr.contains("Hunter2") && !stderr.contains("secret"),
+        "a comma inside a value keeps it whole: {stderr}"
+    );
+}
+
 #[test]
 fn unreachable_brokers_give_up_after_startup_timeout() {
     let pg = migrated();
