@@ -137,7 +137,8 @@ impl Error {
                 | ReplicationError::Tls { .. } => true,
                 ReplicationError::Protocol(_)
                 | ReplicationError::Unsupported(_)
-                | ReplicationError::PasswordRequired => false,
+                | ReplicationError::PasswordRequired
+                | ReplicationError::ChannelBindingRequired(_) => false,
             },
             Error::Kafka { transient, .. } => *transient,
             Error::SessionRestart(_) => true,

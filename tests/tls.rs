@@ -160,3 +160,38 @@ async fn every_sslmode_on_sql_and_replication_connections() {
         &["--database-url", "sslrootcert", "/nonexistent/ca.crt"],
     );
 }
+
+/// `channel_binding=require` holds on the replication connection too: SCRAM-SHA-256-PLUS over TLS works,
+/// and a replication connection the server lets in with a plain password (here through
+/// `--replication-url` as another user) is refused at start-up, with the fix, while the SQL connections bind.
+#[tokio::test(flavor = "multi_thread")]
+async fn channel_binding_is_enforced_on_the_replication_connection() {
+    let (pg, broker) = migrated_stack();
+    let client = pg.client().await;
+    let brokers = broker.addr();
+    let certs = TestCertificates::make(&scratch_dir("certs"));
+    pg.enable_tls(&certs).await;
+    client
+        .batch_execute(
+            "SET password_encryption = 'scram-sha-256';
+             CREATE ROLE scram_user LOGIN REPLICATION PASSWORD 'pw-scram';
+             CREATE ROLE plain_user LOGIN REPLICATION PASSWORD 'pw-plain';
+             GRANT SELECT, UPDATE ON outbox_event TO scram_user, plain_user;",
+        )
+        .await
+        .unwrap();
+    pg.prepend_hba(
+        "hostssl all scram_user 127.0.0.1/32 scram-sha-256\nhostssl all plain_user 127.0.0.1/32 password",
+    )
+    .await;
+    let port = pg.port;
+    let url = |user: &str, password: &str| {
+        format!("postgres://{user}:{password}@127.0.0.1:{port}/postgres?sslmode=require&channel_binding=require")
+    };
+    let scram = url("scram_user", "pw-scram");
+    streams_with_tls(&scram, &brokers, true, &client).await;
+
+    let stderr = fails_at_startup(&scram, Some(&url("plain_user", "pw-plain")), &brokers);
+    assert_mentions(&stderr, &["channel_binding=require", "scram-sha-256"]);
+    assert!(!stderr.contains("pw-plain"), "{stderr}");
+}

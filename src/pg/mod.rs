@@ -16,6 +16,8 @@ use crate::error::{Error, Result};
 pub struct PgUrl {
     pub config: tokio_postgres::Config,
     pub tls: tls::TlsSettings,
+    /// Built once at start-up: the replication connection's TLS, and `connector`'s.
+    pub ssl: openssl::ssl::SslConnector,
     connector: postgres_openssl::MakeTlsConnector,
 }
 
@@ -37,15 +39,17 @@ impl PgUrl {
             .parse::<tokio_postgres::Config>()
             .map_err(|e| invalid(&e))?;
         config.ssl_mode(tls::driver_ssl_mode(tls.mode));
-        let connector = tls.connector().map_err(|e| format!("{setting}: {e}"))?;
+        let ssl = tls.ssl_connector().map_err(|e| format!("{setting}: {e}"))?;
+        let connector = tls.connector(ssl.clone());
         Ok(PgUrl {
             config,
             tls,
+            ssl,
             connector,
         })
     }
 
-    /// The TLS connector for this target (also used by the replication connection).
+    /// The SQL connections' TLS connector for this target.
     pub fn connector(&self) -> postgres_openssl::MakeTlsConnector {
         self.connector.clone()
     }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
 use postgres_openssl::MakeTlsConnector;
+use tokio_openssl::SslStream;
 
 /// libpq's `sslmode` values outboxd supports (`allow` is refused: it is never what anyone wants).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,9 +78,9 @@ impl TlsSettings {
         })
     }
 
-    /// Builds the connector used by every PostgreSQL connection of this URL. A missing or unreadable root
-    /// certificate is an error naming `sslrootcert`.
-    pub fn connector(&self) -> Result<MakeTlsConnector, String> {
+    /// Builds the OpenSSL connector used by every PostgreSQL connection of this URL. A missing or unreadable
+    /// root certificate is an error naming `sslrootcert`.
+    pub fn ssl_connector(&self) -> Result<SslConnector, String> {
         let mut builder = SslConnector::builder(SslMethod::tls_client())
             .map_err(|e| format!("cannot initialise OpenSSL: {e}"))?;
         if self.verifies_chain() {
@@ -104,14 +105,62 @@ impl TlsSettings {
         } else {
             builder.set_verify(SslVerifyMode::NONE);
         }
-        let mut connector = MakeTlsConnector::new(builder.build());
+        Ok(builder.build())
+    }
+
+    /// The SQL connections' connector (tokio-postgres), with the host-name check of this mode.
+    pub fn connector(&self, ssl: SslConnector) -> MakeTlsConnector {
+        let mut connector = MakeTlsConnector::new(ssl);
         let check_host_name = self.mode == SslMode::VerifyFull;
         connector.set_callback(move |config, _host| {
             config.set_verify_hostname(check_host_name);
             Ok(())
         });
-        Ok(connector)
+        connector
     }
+
+    /// TLS over `stream` for the replication connection, with the same checks as the SQL connections.
+    /// Returns the stream and its `tls-server-end-point` channel-binding data (RFC 5929), for
+    /// SCRAM-SHA-256-PLUS.
+    pub async fn handshake<S>(
+        &self,
+        ssl: &SslConnector,
+        host: &str,
+        stream: S,
+    ) -> Result<(SslStream<S>, Option<Vec<u8>>), String>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let mut config = ssl.configure().map_err(|e| e.to_string())?;
+        config.set_verify_hostname(self.mode == SslMode::VerifyFull);
+        let ssl = config.into_ssl(host).map_err(|e| e.to_string())?;
+        let mut stream = SslStream::new(ssl, stream).map_err(|e| e.to_string())?;
+        std::pin::Pin::new(&mut stream)
+            .connect()
+            .await
+            .map_err(|e| format!("error performing TLS handshake: {e}"))?;
+        let binding = tls_server_end_point(stream.ssl());
+        Ok((stream, binding))
+    }
+}
+
+/// The hash of the server's certificate with its signature's digest (SHA-256 for MD5 and SHA-1), as
+/// RFC 5929 and PostgreSQL define `tls-server-end-point` (the same rule as postgres-openssl's, which is private).
+fn tls_server_end_point(ssl: &openssl::ssl::SslRef) -> Option<Vec<u8>> {
+    use openssl::hash::MessageDigest;
+    use openssl::nid::Nid;
+    let cert = ssl.peer_certificate()?;
+    let digest = cert
+        .signature_algorithm()
+        .object()
+        .nid()
+        .signature_algorithms()?
+        .digest;
+    let digest = match digest {
+        Nid::MD5 | Nid::SHA1 => MessageDigest::sha256(),
+        nid => MessageDigest::from_nid(nid)?,
+    };
+    cert.digest(digest).ok().map(|bytes| bytes.to_vec())
 }
 
 /// Splits `sslmode`/`sslrootcert` off a libpq URL (`postgres://...?sslmode=...`) or key=value string
@@ -211,7 +260,7 @@ mod tests {
         assert!(with(SslMode::Require, Some("/ca")).verifies_chain());
         assert!(with(SslMode::VerifyCa, None).verifies_chain());
         let err = with(SslMode::VerifyFull, Some("/nonexistent/ca.crt"))
-            .connector()
+            .ssl_connector()
             .err()
             .unwrap();
         assert!(

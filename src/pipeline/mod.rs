@@ -69,6 +69,12 @@ pub fn replication_error(error: ReplicationError) -> Error {
     if let ReplicationError::Tls { mode, .. } = &error {
         return pg::tls_problem(&message, *mode).unwrap_or(Error::Replication(error));
     }
+    if let ReplicationError::ChannelBindingRequired(_) = &error {
+        return Error::setup(
+            message,
+            "authenticate replication connections with scram-sha-256 over TLS (a `hostssl ... scram-sha-256` line in pg_hba.conf, sslmode=require or stricter, a password stored as SCRAM), or drop channel_binding=require from the URL",
+        );
+    }
     match error.code() {
         Some("42501") => Error::replication_unavailable(
             format!("the user may not open a replication connection ({message})"),

@@ -12,7 +12,6 @@ use postgres_protocol::message::{backend, frontend};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_postgres::config::Host;
-use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 
 use super::protocol::{self, ServerMessage};
 use crate::lsn::Lsn;
@@ -53,6 +52,8 @@ pub enum ReplicationError {
     Tls { mode: SslMode, message: String },
     #[error("the server asks for a password but the connection URL has none: add it to the URL or use PGPASSWORD-free auth (trust)")]
     PasswordRequired,
+    #[error("channel_binding=require, but {0}")]
+    ChannelBindingRequired(String),
 }
 
 impl ReplicationError {
@@ -93,22 +94,38 @@ impl ReplicationConnection {
     /// Connects and authenticates in `replication=database` mode.
     pub async fn connect(url: &PgUrl) -> Result<Self, ReplicationError> {
         let config = &url.config;
-        let socket = match open_socket(config).await? {
+        let (socket, channel_binding) = match open_socket(config).await? {
             OpenSocket::Tcp { stream, host } => negotiate_tls(stream, &host, url).await?,
             // libpq does not use TLS on Unix-domain sockets either.
             #[cfg(unix)]
-            OpenSocket::Unix(stream) => Box::new(stream),
+            OpenSocket::Unix(stream) => (Box::new(stream) as Box<dyn Socket>, None),
         };
         let mut conn = ReplicationConnection {
             socket,
             read_buf: BytesMut::with_capacity(64 * 1024),
             write_buf: BytesMut::with_capacity(1024),
         };
-        conn.startup(config).await?;
+        conn.startup(config, channel_binding).await?;
         Ok(conn)
     }
 
-    async fn startup(&mut self, config: &tokio_postgres::Config) -> Result<(), ReplicationError> {
+    /// Startup and authentication. `channel_binding` is the TLS connection's `tls-server-end-point` data:
+    /// with it SCRAM binds to the TLS channel (SCRAM-SHA-256-PLUS) when the server offers it, and the URL's
+    /// `channel_binding` (libpq's: disable, prefer, require) is enforced as libpq does.
+    async fn startup(
+        &mut self,
+        config: &tokio_postgres::Config,
+        channel_binding: Option<Vec<u8>>,
+    ) -> Result<(), ReplicationError> {
+        use tokio_postgres::config::ChannelBinding as Wanted;
+        let wanted = config.get_channel_binding();
+        let channel_binding = channel_binding.filter(|_| wanted != Wanted::Disable);
+        let required = |what: &str| {
+            ReplicationError::ChannelBindingRequired(format!(
+                "{what} (channel binding needs SCRAM-SHA-256 over TLS)"
+            ))
+        };
+        let mut bound = false;
         let user = config.get_user().unwrap_or("postgres");
         let database = config.get_dbname().unwrap_or(user);
         let mut params = vec![
@@ -129,7 +146,20 @@ impl ReplicationConnection {
         let mut scram: Option<sasl::ScramSha256> = None;
         loop {
             match self.next_backend_message().await? {
+                backend::Message::AuthenticationOk if wanted == Wanted::Require && !bound => {
+                    return Err(required(
+                        "the server let the replication connection in without SCRAM authentication",
+                    ))
+                }
                 backend::Message::AuthenticationOk => break,
+                backend::Message::AuthenticationCleartextPassword
+                | backend::Message::AuthenticationMd5Password(_)
+                    if wanted == Wanted::Require =>
+                {
+                    return Err(required(
+                        "the server asks the replication connection for a plain or MD5 password",
+                    ))
+                }
                 backend::Message::AuthenticationCleartextPassword => {
                     let password = password.ok_or(ReplicationError::PasswordRequired)?;
                     frontend::password_message(password, &mut self.write_buf)?;
@@ -144,17 +174,34 @@ impl ReplicationConnection {
                 backend::Message::AuthenticationSasl(body) => {
                     let password = password.ok_or(ReplicationError::PasswordRequired)?;
                     let mut mechanisms = body.mechanisms();
-                    let mut has_scram = false;
+                    let (mut has_scram, mut has_plus) = (false, false);
                     while let Some(mechanism) = mechanisms.next()? {
                         has_scram |= mechanism == sasl::SCRAM_SHA_256;
+                        has_plus |= mechanism == sasl::SCRAM_SHA_256_PLUS;
                     }
-                    if !has_scram {
+                    let (mechanism, binding) = match channel_binding.clone() {
+                        Some(data) if has_plus => {
+                            bound = true;
+                            (sasl::SCRAM_SHA_256_PLUS, sasl::ChannelBinding::tls_server_end_point(data))
+                        }
+                        _ if wanted == Wanted::Require => {
+                            return Err(required(if channel_binding.is_some() {
+                                "the server does not offer SCRAM-SHA-256-PLUS on the replication connection"
+                            } else {
+                                "the replication connection has no TLS"
+                            }))
+                        }
+                        // Able to bind, but the server did not offer it.
+                        Some(_) => (sasl::SCRAM_SHA_256, sasl::ChannelBinding::unrequested()),
+                        None => (sasl::SCRAM_SHA_256, sasl::ChannelBinding::unsupported()),
+                    };
+                    if !has_scram && !bound {
                         return Err(ReplicationError::Unsupported(
                             "the server offers no SASL mechanism outboxd supports (SCRAM-SHA-256)".into(),
                         ));
                     }
-                    let state = sasl::ScramSha256::new(password, sasl::ChannelBinding::unsupported());
-                    frontend::sasl_initial_response(sasl::SCRAM_SHA_256, state.message(), &mut self.write_buf)?;
+                    let state = sasl::ScramSha256::new(password, binding);
+                    frontend::sasl_initial_response(mechanism, state.message(), &mut self.write_buf)?;
                     self.flush().await?;
                     scram = Some(state);
                 }
@@ -382,14 +429,15 @@ enum OpenSocket {
 
 /// Asks for TLS (SSLRequest) unless sslmode=disable and upgrades the socket when the server agrees; a
 /// server without TLS is accepted only for sslmode=prefer.
+/// The socket, TLS or not as `sslmode` says, and the TLS channel's binding data.
 async fn negotiate_tls(
     mut stream: TcpStream,
     host: &str,
     url: &PgUrl,
-) -> Result<Box<dyn Socket>, ReplicationError> {
+) -> Result<(Box<dyn Socket>, Option<Vec<u8>>), ReplicationError> {
     let mode = url.tls.mode;
     if mode == SslMode::Disable {
-        return Ok(Box::new(stream));
+        return Ok((Box::new(stream), None));
     }
     let mut request = BytesMut::new();
     frontend::ssl_request(&mut request);
@@ -398,15 +446,14 @@ async fn negotiate_tls(
     let tls_error = |message: String| ReplicationError::Tls { mode, message };
     match answer {
         b'S' => {
-            let connect = MakeTlsConnect::<TcpStream>::make_tls_connect(&mut url.connector(), host)
-                .map_err(|e| tls_error(e.to_string()))?;
-            let stream = connect
-                .connect(stream)
+            let (stream, binding) = url
+                .tls
+                .handshake(&url.ssl, host, stream)
                 .await
-                .map_err(|e| tls_error(format!("error performing TLS handshake: {e}")))?;
-            Ok(Box::new(stream))
+                .map_err(tls_error)?;
+            Ok((Box::new(stream), binding))
         }
-        b'N' if mode.allows_plaintext() => Ok(Box::new(stream)),
+        b'N' if mode.allows_plaintext() => Ok((Box::new(stream), None)),
         b'N' => Err(tls_error("server does not support TLS".into())),
         other => Err(protocol_error(&format!(
             "unexpected answer {other:#x} to the TLS request"
