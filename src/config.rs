@@ -500,7 +500,9 @@ impl Options {
                 )));
             }
         }
-        let max_in_flight_events = self.max_in_flight_events.unwrap_or(10_000);
+        let max_in_flight_events = self
+            .max_in_flight_events
+            .unwrap_or(DEFAULT_MAX_IN_FLIGHT_EVENTS);
         if max_in_flight_events == 0 {
             return Err(invalid("--max-in-flight-events must be at least 1"));
         }
@@ -718,6 +720,9 @@ pub fn redact_url(url: &str) -> String {
         None => "(key=value connection string)".to_string(),
     }
 }
+
+/// `--max-in-flight-events` unless set.
+pub const DEFAULT_MAX_IN_FLIGHT_EVENTS: usize = 10_000;
 
 /// `--kafka-option` values as (property, value). One value may hold several options separated by commas
 /// (`OUTBOXD_KAFKA_OPTION=acks=all,linger.ms=5`); a comma starts a new option only where a property name and

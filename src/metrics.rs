@@ -127,8 +127,10 @@ pub fn install() -> Result<PrometheusHandle, String> {
     gauge!(UP).set(1.0);
     // Registering the histogram renders its (empty) buckets from start-up on.
     let _ = histogram!(COMMIT_TO_ACK);
+    let runtime = tokio::runtime::Handle::try_current()
+        .map_err(|_| "metrics need a Tokio runtime for their upkeep".to_string())?;
     let upkeep = handle.clone();
-    tokio::spawn(async move {
+    runtime.spawn(async move {
         let mut every = tokio::time::interval(UPKEEP_EVERY);
         loop {
             every.tick().await;

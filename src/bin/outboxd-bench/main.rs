@@ -9,7 +9,7 @@
 //! backlog through `--mode poll` with 1 and 4 instances; steady insert rates in both modes (latency
 //! percentiles); one big transaction (duration, peak RSS).
 //!
-//!     cargo run --release --bin outboxd-bench -- --soak  # memory over 10 million events per path (`soak`)
+//!     cargo run --release --bin outboxd-bench -- --soak  # memory over 10 million events per run (`soak`)
 
 mod scenarios;
 mod soak;
@@ -70,7 +70,8 @@ struct Args {
     /// How often `/metrics` is scraped in each soak run (`never`: not at all).
     #[arg(long, value_delimiter = ',', default_value = "15s,never")]
     soak_scrape: Vec<String>,
-    /// Fail (exit 1) when outboxd's RSS grows faster than this after warm-up, in MiB per million events.
+    /// Fail (exit 1) when outboxd's RSS or its anonymous part grows faster than this after warm-up, in MiB
+    /// per million events.
     #[arg(long)]
     max_growth: Option<f64>,
     /// Where the results (markdown, CSV) go.
@@ -340,14 +341,13 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
     let duration = args.soak_events as f64 / args.soak_rate.max(1) as f64;
     let plan = soak::Plan {
         events: args.soak_events,
-        rate: args.soak_rate,
+        rate: args.soak_rate.max(1),
         events_per_txn: args.soak_events_per_txn.max(1),
         aggregates: args.soak_aggregates.max(1),
         scrape_every: None,
         // About 300 samples a run.
         sample_every: Duration::from_secs_f64((duration / 300.0).clamp(1.0, 10.0)),
-        // Twice outboxd's default in-flight window.
-        burst_events: 20_000,
+        burst_events: 2 * outboxd::config::DEFAULT_MAX_IN_FLIGHT_EVENTS as u64,
         warmup_events: (args.soak_events / 10)
             .max(100_000)
             .min(args.soak_events / 2),
@@ -368,9 +368,7 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
             other => return Err(format!("--soak-modes {other}: the modes are cdc and poll").into()),
         };
         for &scrape_every in &scrapes {
-            let scraped = scrape_every.map_or("never".to_string(), |every| {
-                format!("every {}", humantime::format_duration(every))
-            });
+            let scraped = scenarios::scrape_label(scrape_every);
             eprintln!(
                 "soak {mode}, /metrics scraped {scraped}: {} events ...",
                 plan.events
@@ -385,6 +383,11 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
                 )
                 .await?;
             let name = format!("soak-{mode}-{}", scraped.replace(' ', "-"));
+            let scraped = if scrape_every.is_some() {
+                format!("every {scraped}")
+            } else {
+                scraped
+            };
             std::fs::write(args.out.join(format!("{name}.csv")), result.csv())?;
             use soak::Measure::*;
             let (rss_from, rss_to) = result.steady_range(RssMib);
@@ -392,13 +395,14 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
             let (threads_from, threads_to) = result.steady_range(Threads);
             let (pg_from, pg_to) = result.steady_range(BackendsMib);
             let growth = result.growth_per_million(RssMib);
+            let anon_growth = result.growth_per_million(RssAnonMib);
             writeln!(
                 report,
                 "| {mode} | {scraped} | {:.0} | {:.1} | {rss_from:.1} → {rss_to:.1} ({:.1}) | {growth:.2} | {:.2} | {fds_from} → {fds_to} | {threads_from} → {threads_to} | {pg_from:.1} → {pg_to:.1} | {:.2} | {:.1} | {:.0} |",
                 plan.events as f64 / result.seconds,
                 result.samples.first().map_or(f64::NAN, |s| RssMib.of(s)),
                 result.max_of(|s| RssMib.of(s)),
-                result.growth_per_million(RssAnonMib),
+                anon_growth,
                 result.growth_per_million(BackendsMib),
                 result.max_of(|s| s.slot_lag_bytes as f64) / 1048576.0,
                 result.max_of(|s| s.backlog as f64),
@@ -408,9 +412,12 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
                 "\noutboxd RSS (MiB) against published events, {mode}, /metrics scraped {scraped}:\n```\n{}```",
                 result.chart(RssMib, 60, 12)
             )?;
-            if args.max_growth.is_some_and(|bound| growth > bound) {
+            if args
+                .max_growth
+                .is_some_and(|bound| growth.max(anon_growth) > bound)
+            {
                 too_fast.push(format!(
-                    "{mode} (scraped {scraped}): {growth:.2} MiB per million events"
+                    "{mode} (scraped {scraped}): RSS {growth:.2}, anonymous {anon_growth:.2} MiB per million events"
                 ));
             }
         }

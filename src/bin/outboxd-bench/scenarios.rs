@@ -476,9 +476,7 @@ impl Bench {
     pub async fn soak(&self, mode: &'static str, plan: &soak::Plan) -> BenchResult<soak::Soak> {
         self.reset().await?;
         let metrics_addr = format!("127.0.0.1:{}", free_port()?);
-        let scraped = plan.scrape_every.map_or("never".to_string(), |every| {
-            humantime::format_duration(every).to_string()
-        });
+        let scraped = scrape_label(plan.scrape_every);
         let outboxd = self.spawn(
             mode,
             &["--metrics-addr", &metrics_addr],
@@ -523,6 +521,13 @@ impl Bench {
         let seconds = started.elapsed().as_secs_f64();
         Ok((seconds, outboxd.usage()?))
     }
+}
+
+/// How often a soak run scrapes `/metrics`, for file names and the report: `15s`, or `never`.
+pub fn scrape_label(every: Option<Duration>) -> String {
+    every.map_or("never".to_string(), |every| {
+        humantime::format_duration(every).to_string()
+    })
 }
 
 /// Settings outboxd would run with against this stack (for its producer configuration).

@@ -2,7 +2,8 @@
 //! what could grow sampled all along: outboxd's resident memory, open file descriptors and threads, the
 //! private memory of its PostgreSQL backends (walsender and SQL sessions, from `/proc/PID/smaps_rollup`),
 //! slot lag and backlog. `/metrics` is scraped on a schedule or never. The growth per million events after
-//! warm-up is a least-squares slope, so one allocator step does not decide it.
+//! warm-up is a least-squares slope over every sample, so a single outlier does not decide it (a lasting step
+//! of h MiB in the middle of a window of L million events still counts as about 1.5·h/L).
 //!
 //! Owns the load, the sampling and the analysis; not the stack (the caller starts PostgreSQL, the broker
 //! and outboxd and says where they are). Self-contained so that the CI test (`tests/soak.rs`) runs the same
@@ -56,7 +57,8 @@ pub struct Target<'a> {
 pub struct Sample {
     pub seconds: f64,
     pub inserted: u64,
-    /// Inserted minus backlog: the events outboxd has finished.
+    /// Inserted minus backlog: the events outboxd has finished (`inserted` counts a transaction from just
+    /// before it is sent, so this runs ahead by at most one transaction per load connection).
     pub published: u64,
     pub rss_kib: u64,
     /// The anonymous part of RSS (heap, stacks, allocator arenas); the rest is mostly the binary's pages.
@@ -234,7 +236,7 @@ pub fn chart(points: &[(f64, f64)], mark_x: f64, width: usize, height: usize) ->
 pub async fn run(target: &Target<'_>, plan: &Plan) -> SoakResult<Soak> {
     let inserted = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let txns_per_second = plan.rate as f64 / plan.events_per_txn as f64;
+    let txns_per_second = plan.rate.max(1) as f64 / plan.events_per_txn.max(1) as f64;
     // One connection commits a few hundred small transactions a second with room to spare.
     let connections = (txns_per_second / 400.0).ceil().max(1.0) as u64;
     let started = Instant::now();
@@ -270,17 +272,25 @@ pub async fn run(target: &Target<'_>, plan: &Plan) -> SoakResult<Soak> {
 
     let mut ticker = tokio::time::interval(plan.sample_every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Generous: three times the planned duration, plus five minutes to drain.
+    let deadline = started
+        + Duration::from_secs_f64(3.0 * plan.events as f64 / plan.rate.max(1) as f64 + 300.0);
     let result = loop {
         ticker.tick().await;
+        if Instant::now() > deadline {
+            let backlog = samples.last().map_or(0, |s: &Sample| s.backlog);
+            break Err(format!("the soak did not finish in time (backlog {backlog})").into());
+        }
         let sample = match sample(target, started, inserted.load(Ordering::Relaxed)).await {
             Ok(sample) => sample,
             Err(e) => break Err(e),
         };
         samples.push(sample);
         // A connection stops when the budget is spent, or on an error (found when it is joined below).
+        let stopped = writers.iter().any(|w| w.is_finished());
         let budget_spent =
             inserted.load(Ordering::Relaxed) + plan.events_per_txn as u64 > plan.events;
-        if writers.iter().any(|w| w.is_finished()) && !budget_spent {
+        if stopped && !budget_spent {
             break Err("a load connection stopped early".into());
         }
         if writers.iter().all(|w| w.is_finished()) && sample.backlog == 0 {
@@ -417,7 +427,14 @@ async fn scrape(addr: String, every: Duration, stop: Arc<AtomicBool>) {
 
 async fn sample(target: &Target<'_>, started: Instant, inserted: u64) -> SoakResult<Sample> {
     let pid = target.outboxd_pid;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let state = status
+        .lines()
+        .find_map(|l| l.strip_prefix("State:"))
+        .map(str::trim);
+    if state.is_none_or(|s| s.starts_with('Z') || s.starts_with('X')) {
+        return Err(format!("outboxd (pid {pid}) is no longer running: see its log").into());
+    }
     let field = |name: &str| -> u64 {
         status
             .lines()
@@ -459,7 +476,8 @@ async fn sample(target: &Target<'_>, started: Instant, inserted: u64) -> SoakRes
     })
 }
 
-/// A backend's private memory: anonymous pages only, so the shared buffers it touched are not counted.
+/// A backend's private memory: anonymous pages only, so the shared buffers it touched are not counted (0 when
+/// its `/proc` is unreadable: run as root or as the server's user).
 fn private_kib(pid: i32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
         .ok()
@@ -480,7 +498,7 @@ mod tests {
         assert!((slope(&[(0.0, 1.0), (1.0, 3.0), (2.0, 5.0)]) - 2.0).abs() < 1e-9);
         assert_eq!(slope(&[(1.0, 1.0)]), 0.0);
         assert_eq!(slope(&[(1.0, 1.0), (1.0, 2.0)]), 0.0);
-        // One step up in the middle of a flat line counts far less than a steady climb to the same end.
+        // A one-sample spike in the middle of a flat line counts far less than a steady climb to its height.
         let step: Vec<(f64, f64)> = (0..100)
             .map(|i| (i as f64, if i == 50 { 10.0 } else { 0.0 }))
             .collect();
