@@ -47,7 +47,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 fn is_transient_sqlstate(code: &str) -> bool {
     code.starts_with("08")
         || code.starts_with("57P")
-        || matches!(code, "53300" | "55006" | "40001" | "40P01")
+        // Too many connections, object in use, serialization failure, deadlock; a statement cancelled
+        // (statement_timeout, pg_cancel_backend) and a lock wait given up (lock_timeout): the database is
+        // busy, not wrong.
+        || matches!(code, "53300" | "55006" | "40001" | "40P01" | "57014" | "55P03")
 }
 
 /// Connection failures and a server shutting down, restarting or starting up.

@@ -588,6 +588,56 @@ async fn poll_notify_wakes_an_idle_poller_and_is_off_by_default() {
     verify_delivery(&brokers, &committed, &[], 30, "woken by NOTIFY");
 }
 
+/// A statement cancelled by `statement_timeout` (SQLSTATE 57014) or a lock wait given up by `lock_timeout`
+/// (55P03) is the database being busy, not a fault: the poller retries instead of stopping. Here the
+/// application holds an exclusive lock on the table for longer than outboxd's timeouts (set in its URL).
+#[tokio::test(flavor = "multi_thread")]
+async fn statement_and_lock_timeouts_are_retried() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let mut client = pg.client().await;
+    for timeout in ["statement_timeout", "lock_timeout"] {
+        let url = format!("{}?options=-c%20{timeout}%3D300", pg.url());
+        let mut outboxd = Outboxd::spawn(&args(
+            &url,
+            &brokers,
+            &["--mode", "poll", "--poll-interval", "100ms"],
+        ));
+        insert_events(&mut client, 0, 1, 5, 5, None).await;
+        wait_all_published(&client, Duration::from_secs(60)).await;
+        let lock = client.transaction().await.unwrap();
+        lock.batch_execute("LOCK TABLE outbox_event IN ACCESS EXCLUSIVE MODE")
+            .await
+            .unwrap();
+        wait_for(
+            &format!("a claim to fail on {timeout}"),
+            Duration::from_secs(30),
+            || {
+                outboxd
+                    .log_text()
+                    .contains("canceling statement")
+                    .then_some(())
+                    .or_else(|| outboxd.log_text().contains("lock timeout").then_some(()))
+            },
+        );
+        lock.rollback().await.unwrap();
+        assert!(
+            outboxd.try_wait().is_none(),
+            "{timeout}: outboxd stopped:\n{}",
+            outboxd.log_text()
+        );
+        insert_events(&mut client, 1, 1, 5, 5, None).await;
+        wait_all_published(&client, Duration::from_secs(60)).await;
+        assert!(
+            outboxd.try_wait().is_none(),
+            "{timeout}: outboxd stopped:\n{}",
+            outboxd.log_text()
+        );
+        outboxd.kill();
+        client.batch_execute("TRUNCATE outbox_event").await.unwrap();
+    }
+}
+
 /// PostgreSQL refuses NOTIFY channels over 63 bytes, inside the insert trigger: a channel named after a long
 /// schema and table made every application insert fail. And an older version's trigger (on the old channel)
 /// is brought up to date by a plain `migrate`.
