@@ -230,7 +230,8 @@ fn derived_name(bare: &str, suffix: &str) -> String {
     )
 }
 
-/// The channel name of outboxd before 0.2 (`outboxd_<schema>_<table>`), whose function an upgrade drops.
+/// The channel name earlier builds used (`outboxd_<schema>_<table>`, too long for long names); its function is
+/// dropped on upgrade.
 fn legacy_notify_channel(table: &TableName) -> String {
     format!("outboxd_{}_{}", table.schema, table.name)
 }
