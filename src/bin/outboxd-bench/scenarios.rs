@@ -482,6 +482,14 @@ impl Bench {
             &["--metrics-addr", &metrics_addr],
             &format!("soak-{mode}-{scraped}.log"),
         )?;
+        // Idle is measured once outboxd is ready (connected, its pipeline running).
+        wait_until(
+            "outboxd to be ready",
+            Duration::from_secs(60),
+            Duration::from_millis(50),
+            || ready(&metrics_addr),
+        )
+        .await?;
         if mode == "cdc" {
             self.wait_slot_streaming().await?;
         }
@@ -584,6 +592,21 @@ async fn write_at_rate(
         events += 10;
     }
     Ok(events)
+}
+
+/// `/readyz` answers 200.
+async fn ready(addr: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return false;
+    };
+    let request = format!("GET /readyz HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer).await;
+    answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200")
 }
 
 /// `outboxd_commit_to_ack_seconds` buckets as (upper bound, cumulative count).
