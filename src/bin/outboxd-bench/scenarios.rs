@@ -596,29 +596,14 @@ async fn write_at_rate(
 
 /// `/readyz` answers 200.
 async fn ready(addr: &str) -> bool {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-        return false;
-    };
-    let request = format!("GET /readyz HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return false;
-    }
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer).await;
-    answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200")
+    soak::http_get(addr, "/readyz").await.is_some_and(|answer| {
+        answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200")
+    })
 }
 
 /// `outboxd_commit_to_ack_seconds` buckets as (upper bound, cumulative count).
 async fn scrape_histogram(addr: &str) -> Option<Vec<(f64, f64)>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
-    stream
-        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut body = String::new();
-    stream.read_to_string(&mut body).await.ok()?;
+    let body = soak::http_get(addr, "/metrics").await?;
     let mut buckets = Vec::new();
     for line in body.lines() {
         let Some(rest) = line.strip_prefix("outboxd_commit_to_ack_seconds_bucket{le=\"") else {

@@ -407,7 +407,6 @@ async fn delete_published(url: String, stop: Arc<AtomicBool>) -> SoakResult<()> 
 
 /// GET /metrics every `every` (the body is read and dropped), as Prometheus would.
 async fn scrape(addr: String, every: Duration, stop: Arc<AtomicBool>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut next = Instant::now() + every;
     while !stop.load(Ordering::Relaxed) {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -415,14 +414,19 @@ async fn scrape(addr: String, every: Duration, stop: Arc<AtomicBool>) {
             continue;
         }
         next += every;
-        if let Ok(mut stream) = tokio::net::TcpStream::connect(&addr).await {
-            let request = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-            if stream.write_all(request.as_bytes()).await.is_ok() {
-                let mut body = Vec::new();
-                let _ = stream.read_to_end(&mut body).await;
-            }
-        }
+        let _ = http_get(&addr, "/metrics").await;
     }
+}
+
+/// `GET path` over HTTP/1.0: the whole answer (status line, headers, body), or `None` when it fails.
+pub async fn http_get(addr: &str, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.ok()?;
+    Some(answer)
 }
 
 async fn sample(target: &Target<'_>, started: Instant, inserted: u64) -> SoakResult<Sample> {
