@@ -810,6 +810,74 @@ async fn leases_are_renewed_while_a_slow_send_is_in_flight() {
     );
 }
 
+/// The lease is renewed from the moment rows are claimed, not only once their sends are out: creating a new
+/// topic (here behind a stalled broker, up to its 30 s timeout) used to run with no renewal at all, so the
+/// lease lapsed and a second instance published the same rows.
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_are_renewed_while_a_topic_is_being_created() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let (_broker, proxy) = Broker::start_behind_proxy();
+    let (url, brokers) = (pg.url(), Broker::proxied_addr(&proxy));
+    let worker_args = args(
+        &url,
+        &brokers,
+        &[
+            "--mode",
+            "poll",
+            "--lease",
+            "3s",
+            "--topic",
+            "outbox.{event_type}",
+        ],
+    );
+    let first = Outboxd::spawn(&worker_args);
+    let mut client = pg.client().await;
+    wait_for(
+        "the first instance to poll",
+        Duration::from_secs(60),
+        || first.log_text().contains("polling").then_some(()),
+    );
+    proxy.stall();
+    insert_events(&mut client, 0, 1, 1, 1, None).await;
+    let first_lease: std::time::SystemTime =
+        wait_for_async("the row to be claimed", Duration::from_secs(30), || async {
+            client
+                .query_one(
+                    "SELECT max(lease_until) FROM outbox_event WHERE lease_token IS NOT NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, Option<std::time::SystemTime>>(0)
+        })
+        .await;
+    let _second = Outboxd::spawn(&worker_args);
+    wait_for_async(
+        "the lease to outlive three lease lengths",
+        Duration::from_secs(30),
+        || async {
+            let row = client
+                .query_one(
+                    "SELECT min(lease_until), count(*) FILTER (WHERE lease_until IS NULL OR lease_until < now()),
+                            max(attempts)
+                     FROM outbox_event WHERE published_at IS NULL",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let (lapsed, attempts): (i64, i32) = (row.get(1), row.get(2));
+            assert_eq!(lapsed, 0, "the lease lapsed while the topic was being created");
+            assert_eq!(attempts, 1, "a second claim took the row over");
+            row.get::<_, Option<std::time::SystemTime>>(0)
+                .filter(|min| *min > first_lease + Duration::from_secs(6))
+        },
+    )
+    .await;
+    proxy.resume();
+    wait_all_published(&client, Duration::from_secs(120)).await;
+}
+
 async fn null_aggregate_id_is_dead_lettered(mode: &str) {
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
@@ -986,4 +1054,76 @@ async fn a_slot_whose_creation_was_interrupted_is_created_again_with_its_hand_of
         .unwrap()
         .get(0);
     assert_eq!(markers, 0, "the creation marker is removed");
+}
+
+/// A claim that meets an earlier event of an aggregate locked by another session (a worker's retry UPDATE
+/// after its lease lapsed, an operator's `UPDATE`, a `FOR UPDATE`) must leave the whole aggregate alone:
+/// SKIP LOCKED skipped the locked event and claimed the later ones, which were then published first.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_never_skips_a_locked_earlier_event_of_its_aggregate() {
+    use outboxd::pg::outbox::{ClaimScope, PollSql};
+    let pg = Postgres::start();
+    migrate(&pg);
+    let mut client = pg.client().await;
+    let events = ["a", "a", "b", "a"].map(|aggregate| (uuid::Uuid::new_v4(), aggregate));
+    for (id, aggregate) in &events {
+        client
+            .execute(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ($1, 'Order', $2, 'E', '{}')",
+                &[id, aggregate],
+            )
+            .await
+            .unwrap();
+    }
+    let mut table = outboxd::table::OutboxTable::new(
+        outboxd::config::TableName {
+            schema: "public".into(),
+            name: "outbox_event".into(),
+        },
+        Default::default(),
+        &[],
+        vec![],
+    );
+    outboxd::pg::slot::inspect(&client, &mut table)
+        .await
+        .unwrap();
+    let mut claimer = pg.client().await;
+    let lease = Duration::from_secs(30);
+    let sql = PollSql::prepare(
+        &claimer,
+        &table,
+        outboxd::config::PollOrder::PerAggregate,
+        ClaimScope::All,
+    )
+    .await
+    .unwrap();
+    let mut claim = async |claimer: &mut tokio_postgres::Client| -> Vec<uuid::Uuid> {
+        sql.claim(claimer, uuid::Uuid::new_v4(), lease, 100)
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.event_id)
+            .collect()
+    };
+    // Another session holds the first event of aggregate a, as a worker's retry UPDATE would.
+    let locker = client.transaction().await.unwrap();
+    locker
+        .execute(
+            "UPDATE outbox_event SET last_error = 'retrying' WHERE event_id = $1",
+            &[&events[0].0],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        claim(&mut claimer).await,
+        vec![events[2].0],
+        "only aggregate b may be claimed while a's first event is locked"
+    );
+    locker.rollback().await.unwrap();
+    assert_eq!(
+        claim(&mut claimer).await,
+        vec![events[0].0, events[1].0, events[3].0],
+        "aggregate a, in order, once the lock is gone"
+    );
 }

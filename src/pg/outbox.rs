@@ -333,6 +333,12 @@ impl PollSql {
             // the global order, so a prefix of that order is enough to decide, and LIMIT never takes an event
             // without its predecessors. Claims are serialised (advisory lock) so two workers never split one
             // aggregate between them.
+            //
+            // Row locks are taken last, and an aggregate is claimed only up to its first event that could not
+            // be locked: SKIP LOCKED passes over a row another session holds (a worker's retry UPDATE after its
+            // lease lapsed, an operator's UPDATE, a `FOR UPDATE`), and claiming that aggregate's later events
+            // would publish them first. The lock re-checks that the row is still claimable, so a row leased
+            // or published since the statement's snapshot holds its aggregate back too.
             crate::config::PollOrder::PerAggregate => format!(
                 "prefix AS (
                      SELECT {id}, {aggregate_key}, position{created_at_column},
@@ -340,15 +346,26 @@ impl PollSql {
                      FROM {t} WHERE published_at IS NULL AND dead_at IS NULL {scope_filter}
                      ORDER BY {order_by} LIMIT $4),
                  ranked AS (
-                     SELECT {id}, position{created_at_column},
+                     SELECT {id}, {aggregate_key}, position{created_at_column},
                             bool_and(ready) OVER (PARTITION BY {aggregate_key} ORDER BY {order_by}
                                                   ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS ready_prefix
                      FROM prefix),
+                 candidates AS (
+                     SELECT {id}, {aggregate_key}, position{created_at_column} FROM ranked WHERE ready_prefix
+                     ORDER BY {order_by} LIMIT $3),
+                 locked AS (
+                     SELECT {id} AS locked_id FROM {t}
+                     WHERE {id} = ANY (ARRAY(SELECT {id} FROM candidates))
+                       AND published_at IS NULL AND dead_at IS NULL {scope_filter} AND available_at <= now()
+                       AND (lease_until IS NULL OR lease_until < now())
+                     FOR UPDATE SKIP LOCKED),
                  picked AS (
-                     SELECT {id} AS picked_id FROM {t}
-                     WHERE {id} = ANY (ARRAY(SELECT {id} FROM ranked WHERE ready_prefix
-                                             ORDER BY {order_by} LIMIT $3))
-                     FOR UPDATE SKIP LOCKED)",
+                     SELECT {id} AS picked_id FROM (
+                         SELECT {id}, bool_and(locked_id IS NOT NULL) OVER (
+                                    PARTITION BY {aggregate_key} ORDER BY {order_by}
+                                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS locked_prefix
+                         FROM candidates LEFT JOIN locked ON locked_id = {id}) AS claimable
+                     WHERE locked_prefix)",
                 created_at_column = created_at.as_ref().map(|c| format!(", {c}")).unwrap_or_default()
             ),
             crate::config::PollOrder::None => format!(
@@ -415,9 +432,10 @@ impl PollSql {
                  WHERE {id} = ANY($1::uuid[]) AND lease_token = $2"
             ))
             .await?,
+            // By primary key: the claimed rows are known, and a lease token alone matches no index.
             renew: prepare(format!(
                 "UPDATE {t} SET lease_until = now() + make_interval(secs => $2::float8)
-                 WHERE lease_token = $1 AND published_at IS NULL"
+                 WHERE {id} = ANY($3::uuid[]) AND lease_token = $1"
             ))
             .await?,
         })
@@ -550,14 +568,16 @@ impl PollSql {
         Ok(client.execute(&self.release, &[&ids, &token]).await?)
     }
 
+    /// Extends the lease of the given claimed rows (those still under `token`).
     pub async fn renew(
         &self,
         client: &Client,
+        ids: &[Uuid],
         token: Uuid,
         lease: std::time::Duration,
     ) -> Result<u64> {
         Ok(client
-            .execute(&self.renew, &[&token, &lease.as_secs_f64()])
+            .execute(&self.renew, &[&token, &lease.as_secs_f64(), &ids])
             .await?)
     }
 }

@@ -109,6 +109,29 @@ pub async fn poll_all_tables(
     Ok(())
 }
 
+/// Renews the lease of the claimed rows every half lease, counted from the claim, for as long as their batch
+/// is being handled (topic creation, sends, delivery reports, the final marks): a batch may take longer
+/// than a lease, and a lapsed lease lets another worker publish the same rows, or later events of their
+/// aggregates, meanwhile. Returns only on error.
+async fn renew_leases(
+    client: &tokio_postgres::Client,
+    sql: &PollSql,
+    ids: &[Uuid],
+    token: Uuid,
+    lease: Duration,
+    claimed_at: tokio::time::Instant,
+) -> Error {
+    let every = lease / 2;
+    let mut renew_at = claimed_at + every;
+    loop {
+        tokio::time::sleep_until(renew_at).await;
+        if let Err(error) = sql.renew(client, ids, token, lease).await {
+            return error;
+        }
+        renew_at += every;
+    }
+}
+
 /// Polls one outbox table.
 pub struct PollWorker {
     settings: Arc<RunSettings>,
@@ -209,6 +232,7 @@ impl PollWorker {
             let rows = sql
                 .claim(&mut client, token, poll.lease, poll.batch_size)
                 .await?;
+            let claimed_at = tokio::time::Instant::now();
             backoff.reset();
             outage.ended();
             if rows.is_empty() {
@@ -227,9 +251,13 @@ impl PollWorker {
                 continue;
             }
             idle_delay = poll.interval;
-            let report = self
-                .publish_batch(&client, &sql, &publisher, &mut deliveries, token, rows)
-                .await?;
+            let ids: Vec<Uuid> = rows.iter().map(|row| row.event_id).collect();
+            let publishing =
+                self.publish_batch(&client, &sql, &publisher, &mut deliveries, token, rows);
+            let report = tokio::select! {
+                report = publishing => report?,
+                error = renew_leases(&client, &sql, &ids, token, poll.lease, claimed_at) => return Err(error),
+            };
             tracing::debug!(?report, "polling batch done");
             crate::metrics::published("poll", report.published as u64);
             crate::metrics::dead(report.dead as u64);
@@ -318,26 +346,18 @@ impl PollWorker {
             outcomes.push(outcome);
         }
 
-        // Wait for every delivery report, renewing the lease while the broker is slow.
-        let renew_every = poll.lease / 2;
-        let mut renew_at = tokio::time::Instant::now() + renew_every;
+        // Wait for every delivery report (the caller renews the lease meanwhile).
         while in_flight > 0 {
-            tokio::select! {
-                delivery = deliveries.recv() => {
-                    let Some(delivery) = delivery else { break };
-                    let Some(index) = delivery.tag else { continue };
-                    if let Some(outcome @ Outcome::InFlight) = outcomes.get_mut(index) {
-                        *outcome = match delivery.result {
-                            Ok(()) => Outcome::Delivered,
-                            Err(rejection) => Outcome::Failed(rejection),
-                        };
-                        in_flight -= 1;
-                    }
-                }
-                _ = tokio::time::sleep_until(renew_at) => {
-                    sql.renew(client, token, poll.lease).await?;
-                    renew_at += renew_every;
-                }
+            let Some(delivery) = deliveries.recv().await else {
+                break;
+            };
+            let Some(index) = delivery.tag else { continue };
+            if let Some(outcome @ Outcome::InFlight) = outcomes.get_mut(index) {
+                *outcome = match delivery.result {
+                    Ok(()) => Outcome::Delivered,
+                    Err(rejection) => Outcome::Failed(rejection),
+                };
+                in_flight -= 1;
             }
         }
 
