@@ -1127,3 +1127,65 @@ async fn a_claim_never_skips_a_locked_earlier_event_of_its_aggregate() {
         "aggregate a, in order, once the lock is gone"
     );
 }
+
+/// An event dead-lettered while outboxd ran in poll mode, replayed after it moved to CDC: the slot streamed it
+/// long ago and the sweeper claims only handed-off rows, so `replay` must hand it to the polling path (it
+/// used to stay unpublished forever).
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_under_cdc_publishes_an_event_dead_lettered_in_poll_mode() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let mut poller = Outboxd::spawn(&args(
+        &url,
+        &brokers,
+        &["--mode", "poll", "--max-attempts", "1"],
+    ));
+    let poison = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', 'A', 'E', jsonb_build_object('pad', repeat('x', 1500000)))",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    wait_for_async("the event to be dead", Duration::from_secs(60), || async {
+        client
+            .query_one(
+                "SELECT dead_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+                &[&poison],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+            .then_some(())
+    })
+    .await;
+    poller.kill();
+    let _cdc = Outboxd::spawn(&args(&url, &brokers, &["--mode", "cdc"]));
+    wait_slot_active(&client, "outboxd").await;
+    // The operator fixes the payload, then replays the event.
+    client
+        .execute(
+            "UPDATE outbox_event SET payload = '{\"fixed\": true}' WHERE event_id = $1",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    let replay = run_outboxd(&[
+        "replay",
+        "--database-url",
+        &url,
+        "--event-id",
+        &poison.to_string(),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&replay.stdout).contains("re-queued 1"),
+        "{}",
+        stderr_of(&replay)
+    );
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let records = consume_all(&brokers, &[TOPIC], 1, Duration::from_secs(60));
+    assert_eq!(records[0].headers["event_id"], poison.to_string());
+}

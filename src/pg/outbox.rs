@@ -589,9 +589,11 @@ pub async fn replay_dead(
     filter: &ReplayFilter,
 ) -> Result<u64> {
     let t = table.name.quoted();
+    // Handed to the polling path: the slot streamed the row long ago, and next to the CDC path only handed-off
+    // rows are swept (a row dead-lettered in poll mode never was). `--mode poll` claims every row regardless.
     let base = format!(
         "UPDATE {t} SET dead_at = NULL, attempts = 0, last_error = NULL, available_at = now(),
-                        lease_token = NULL, lease_until = NULL
+                        lease_token = NULL, lease_until = NULL, handoff_at = coalesce(handoff_at, now())
          WHERE dead_at IS NOT NULL AND published_at IS NULL"
     );
     Ok(match filter {
