@@ -428,7 +428,8 @@ impl PollSql {
             ))
             .await?,
             release: prepare(format!(
-                "UPDATE {t} SET lease_token = NULL, lease_until = NULL, attempts = greatest(attempts - 1, 0)
+                "UPDATE {t} SET lease_token = NULL, lease_until = NULL, attempts = greatest(attempts - 1, 0),
+                                last_error = coalesce($3, last_error)
                  WHERE {id} = ANY($1::uuid[]) AND lease_token = $2"
             ))
             .await?,
@@ -563,9 +564,18 @@ impl PollSql {
             .await?)
     }
 
-    /// Gives rows back without counting the attempt (they were never sent).
-    pub async fn release(&self, client: &Client, ids: &[Uuid], token: Uuid) -> Result<u64> {
-        Ok(client.execute(&self.release, &[&ids, &token]).await?)
+    /// Gives rows back at once without counting the attempt: they were never sent, or the broker as a whole
+    /// failed them (`error`, kept as `last_error`), which says nothing about the rows.
+    pub async fn release(
+        &self,
+        client: &Client,
+        ids: &[Uuid],
+        token: Uuid,
+        error: Option<&str>,
+    ) -> Result<u64> {
+        Ok(client
+            .execute(&self.release, &[&ids, &token, &error])
+            .await?)
     }
 
     /// Extends the lease of the given claimed rows (those still under `token`).

@@ -39,7 +39,14 @@ pub struct BatchReport {
     pub retried: usize,
     pub dead: usize,
     pub held_back: usize,
+    /// Nothing was delivered and every failure was transient: the broker (or the way to it) is down, so the
+    /// rows went back without a per-row backoff and the worker waits instead.
+    pub broker_down: bool,
 }
+
+/// The longest a worker waits between batches while the broker fails every send: once it is back,
+/// publishing resumes within this (plus librdkafka's reconnect backoff).
+const BROKER_DOWN_MAX_WAIT: Duration = Duration::from_secs(5);
 
 /// LISTENs on the table's NOTIFY channel on a dedicated connection; the returned `Notify` fires on every
 /// notification (and when the connection ends, so the poller never sleeps on a dead listener).
@@ -224,6 +231,10 @@ impl PollWorker {
             _ => None,
         };
         let mut idle_delay = poll.interval;
+        let mut broker_down = Backoff::new(
+            poll.retry_base.min(BROKER_DOWN_MAX_WAIT),
+            BROKER_DOWN_MAX_WAIT,
+        );
         loop {
             if *shutdown.borrow() {
                 return Ok(());
@@ -261,6 +272,16 @@ impl PollWorker {
             tracing::debug!(?report, "polling batch done");
             crate::metrics::published("poll", report.published as u64);
             crate::metrics::dead(report.dead as u64);
+            if report.broker_down {
+                let delay = broker_down.next_delay();
+                tracing::warn!(rows = report.retried, retry_in = ?delay, "the broker failed every send of the batch; retrying the rows once it answers");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                }
+            } else {
+                broker_down.reset();
+            }
         }
     }
 
@@ -376,8 +397,28 @@ impl PollWorker {
         }
         let held_back = ids_where(|o| matches!(o, Outcome::HeldBack));
         if !held_back.is_empty() {
-            sql.release(client, &held_back, token).await?;
+            sql.release(client, &held_back, token, None).await?;
             report.held_back = held_back.len();
+        }
+        // A broker-wide failure is not a property of the rows: a per-row backoff (growing with every attempt
+        // an outage costs, up to --retry-cap) would keep them back for minutes after the broker returned.
+        let failures = || {
+            outcomes.iter().filter_map(|o| match o {
+                Outcome::Failed(rejection) => Some(rejection),
+                _ => None,
+            })
+        };
+        report.broker_down = delivered.is_empty()
+            && failures().next().is_some()
+            && failures().all(|rejection| !rejection.permanent);
+        if report.broker_down {
+            let failed = ids_where(|o| matches!(o, Outcome::Failed(_)));
+            let reason = failures().next().map(|r| r.reason.as_str());
+            sql.release(client, &failed, token, reason).await?;
+            report.retried = failed.len();
+            failed
+                .iter()
+                .for_each(|_| crate::metrics::publish_error("refused"));
         }
         for (row, outcome) in rows.iter().zip(&outcomes) {
             if let Outcome::Invalid(reason) = outcome {
@@ -389,6 +430,9 @@ impl PollWorker {
             let Outcome::Failed(rejection) = outcome else {
                 continue;
             };
+            if report.broker_down {
+                continue;
+            }
             if rejection.permanent && row.attempts >= poll.max_attempts {
                 sql.dead_letter(client, row.event_id, token, &rejection.reason)
                     .await?;
