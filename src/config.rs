@@ -86,6 +86,18 @@ pub enum Mode {
     Poll,
 }
 
+/// What `migrate --add-polling-columns` makes of the rows a table already holds when it gains `published_at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExistingRows {
+    /// Already sent (by another relay, or by outboxd's CDC path): marked published before outboxd
+    /// (`published_at = '-infinity'`), never claimed, not backlog, removed by retention.
+    #[default]
+    Published,
+    /// Never sent: the polling path publishes them all, oldest first.
+    Unpublished,
+}
+
 /// Ordering rule of the polling path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
@@ -142,6 +154,10 @@ pub struct Options {
     #[arg(long, env = "OUTBOXD_ADD_POLLING_COLUMNS")]
     #[serde(default)]
     pub add_polling_columns: bool,
+    /// migrate --add-polling-columns: whether the rows the table already holds were sent before
+    /// (`published`, the default) or must be published now (`unpublished`).
+    #[arg(long, env = "OUTBOXD_EXISTING_ROWS", value_enum)]
+    pub existing_rows: Option<ExistingRows>,
     /// Logical replication slot name [default: outboxd].
     #[arg(long, env = "OUTBOXD_SLOT")]
     pub slot: Option<String>,
@@ -278,6 +294,7 @@ pub struct DatabaseSettings {
     pub tables: Vec<OutboxTable>,
     pub style: TableStyle,
     pub add_polling_columns: bool,
+    pub existing_rows: ExistingRows,
     pub slot: String,
     pub publication: String,
 }
@@ -360,6 +377,7 @@ impl Options {
             column: self.column.or(file.column),
             header_column: self.header_column.or(file.header_column),
             add_polling_columns: self.add_polling_columns || file.add_polling_columns,
+            existing_rows: self.existing_rows.or(file.existing_rows),
             slot: self.slot.or(file.slot),
             publication: self.publication.or(file.publication),
             kafka_option: self.kafka_option.or(file.kafka_option),
@@ -464,6 +482,7 @@ impl Options {
             tables,
             style,
             add_polling_columns: self.add_polling_columns,
+            existing_rows: self.existing_rows.unwrap_or_default(),
             slot: parse_slot_name(self.slot.as_deref().unwrap_or("outboxd"))?,
             publication: parse_identifier(
                 "--publication",

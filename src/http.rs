@@ -47,6 +47,11 @@ impl Readiness {
         crate::metrics::set_mode(mode);
     }
 
+    /// True while a pipeline runs here (cdc or poll), not while starting or standing by.
+    pub fn is_active(&self) -> bool {
+        matches!(self.mode.load(Ordering::Relaxed), 1 | 2)
+    }
+
     /// `Ok(mode)` when ready, else the reason.
     pub fn check(&self) -> std::result::Result<&'static str, &'static str> {
         if !self.database.load(Ordering::Relaxed) {

@@ -66,11 +66,11 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             for table in &settings.tables {
                 let trigger = pg::migrate::notify_trigger(&client, &table.name).await?;
                 if options.poll_notify {
-                    pg::migrate::install_notify_trigger(&client, &table.name).await?;
+                    pg::migrate::install_notify_trigger(&mut client, &table.name).await?;
                     tracing::warn!(table = %table.name, "installed the LISTEN/NOTIFY trigger: every insert now notifies (serialising commits); drop it with DROP TRIGGER outboxd_notify ON <table>");
                 } else if trigger == pg::migrate::NotifyTrigger::Outdated {
                     // An older version's trigger: with a long table name it makes every insert fail.
-                    pg::migrate::install_notify_trigger(&client, &table.name).await?;
+                    pg::migrate::install_notify_trigger(&mut client, &table.name).await?;
                     tracing::info!(table = %table.name, "updated the LISTEN/NOTIFY trigger to this version's channel name");
                 }
             }

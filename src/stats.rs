@@ -14,19 +14,32 @@ use crate::pg::{self, outbox, slot};
 
 pub const INTERVAL: Duration = Duration::from_secs(5);
 
+/// The longest one refresh may take, connecting included: a database that stopped answering (a blackholed
+/// network) reads as down within this, instead of leaving the last answer standing.
+const REFRESH_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// Refreshes the gauges and readiness every [`INTERVAL`] until the process ends.
 pub async fn run(settings: std::sync::Arc<RunSettings>) {
     let (deliveries, _) = mpsc::unbounded_channel::<Delivery<()>>();
     let publisher = Publisher::new(&settings, KnownTopics::default(), deliveries, &[]).ok();
     let mut client: Option<tokio_postgres::Client> = None;
     loop {
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = pg::connect(&settings.database.database_url).await.ok();
-        }
-        let database_ok = match &client {
-            Some(client) => refresh(client, &settings).await.is_ok(),
-            None => false,
-        };
+        let refreshed = tokio::time::timeout(REFRESH_TIMEOUT, async {
+            if client.as_ref().is_none_or(|c| c.is_closed()) {
+                client = pg::connect_for_figures(&settings.database.database_url, REFRESH_TIMEOUT)
+                    .await
+                    .ok();
+            }
+            match &client {
+                Some(client) => refresh(client, &settings).await.is_ok(),
+                None => false,
+            }
+        })
+        .await;
+        let database_ok = refreshed.unwrap_or_else(|_| {
+            client = None; // a connection that stopped answering is dropped, not reused
+            false
+        });
         READINESS.set_database(database_ok);
         let broker_ok = match &publisher {
             Some(p) => p.check_brokers(Duration::from_secs(2)).await.is_ok(),
@@ -46,6 +59,13 @@ async fn refresh(client: &tokio_postgres::Client, settings: &RunSettings) -> cra
         .set(bytes(state.as_ref().and_then(|s| s.retained_wal_bytes)));
     gauge!(m::SLOT_SAFE_WAL_BYTES).set(bytes(state.as_ref().and_then(|s| s.safe_wal_bytes)));
     m::set_wal_status(state.as_ref().and_then(|s| s.wal_status.as_deref()));
+    // The backlog is the fleet's, not this instance's: the active instance reports it, standbys do not
+    // add the load (they report 0).
+    if !READINESS.is_active() {
+        gauge!(m::UNPUBLISHED_EVENTS).set(0.0);
+        gauge!(m::OLDEST_UNPUBLISHED_AGE).set(0.0);
+        return Ok(());
+    }
     let mut tables = db.tables.clone();
     slot::inspect_all(client, &mut tables).await?;
     let backlog = outbox::backlog(client, &tables).await?;

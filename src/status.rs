@@ -144,8 +144,11 @@ pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdi
     }
 }
 
+/// How long one of `status`'s queries may run (each reads an index, not the table).
+const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
-    let client = pg::connect(&settings.database_url).await?;
+    let client = pg::connect_for_figures(&settings.database_url, STATEMENT_TIMEOUT).await?;
     let mut tables = settings.tables.clone();
     slot::inspect_all(&client, &mut tables).await?;
     let state = slot::slot_state(&client, &settings.slot).await?;

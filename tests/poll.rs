@@ -1161,7 +1161,7 @@ async fn a_claim_never_skips_a_locked_earlier_event_of_its_aggregate() {
     )
     .await
     .unwrap();
-    let mut claim = async |claimer: &mut tokio_postgres::Client| -> Vec<uuid::Uuid> {
+    let claim = async |claimer: &mut tokio_postgres::Client| -> Vec<uuid::Uuid> {
         sql.claim(claimer, uuid::Uuid::new_v4(), lease, 100)
             .await
             .unwrap()

@@ -1,11 +1,15 @@
 //! `outboxd migrate`: embedded plain-SQL migrations tracked in `outboxd_migrations`, then the publication.
-//! Idempotent and safe to run concurrently (one transaction under an advisory lock); needs no broker and
-//! works with `wal_level = replica`.
+//! Idempotent, safe to run concurrently (one migrate at a time, under a session advisory lock), and safe on a
+//! large table the application keeps writing: statements that lock the table run in short transactions under
+//! `lock_timeout`, retried while the lock is busy, so application inserts never queue behind a long wait; indexes
+//! are built `CONCURRENTLY` outside any transaction. Needs no broker and works with `wal_level = replica`.
+
+use std::time::Duration;
 
 use tokio_postgres::{Client, GenericClient};
 
-use crate::config::{DatabaseSettings, TableName};
-use crate::error::Result;
+use crate::config::{DatabaseSettings, ExistingRows, TableName};
+use crate::error::{Error, Result};
 use crate::pg::slot;
 use crate::table::{OutboxTable, Role};
 
@@ -31,7 +35,22 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "claim_order",
         include_str!("../../migrations/0004_claim_order.sql"),
     ),
+    (
+        5,
+        "dead_letters",
+        include_str!("../../migrations/0005_dead_letters.sql"),
+    ),
 ];
+
+/// The migration that puts the claim index in `position NULLS FIRST` order (skipped where it already is).
+const CLAIM_ORDER_VERSION: i32 = 4;
+
+/// How long a statement that locks the outbox table may wait for its lock before it gives up and tries again
+/// later: an application insert queued behind it waits at most about this long.
+const LOCK_TIMEOUT: Duration = Duration::from_millis(300);
+
+/// How long migrate keeps trying to take a table lock before it reports what holds it.
+const LOCK_PATIENCE: Duration = Duration::from_secs(600);
 
 /// Arbitrary constant naming outboxd's migration lock.
 const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d67; // "outboxmg"
@@ -50,7 +69,8 @@ pub struct MigrationReport {
 
 /// Fills a migration's placeholders with quoted identifiers derived from the (validated) table name and
 /// its column mapping.
-fn render_migration(sql: &str, table: &OutboxTable) -> String {
+/// `mark_existing_published`: the table gains `published_at` here and its rows count as sent (see 0002).
+fn render_migration(sql: &str, table: &OutboxTable, mark_existing_published: bool) -> String {
     let name = &table.name;
     let schema = format!("\"{}\"", name.schema);
     let bare = &name.name;
@@ -59,7 +79,20 @@ fn render_migration(sql: &str, table: &OutboxTable) -> String {
         "\"{}\"",
         table.column(Role::CreatedAt).unwrap_or("created_at")
     );
+    let (published_at_default, published_at_drop_default) = if mark_existing_published {
+        (
+            " DEFAULT '-infinity'".to_string(),
+            format!(
+                "ALTER TABLE {} ALTER COLUMN published_at DROP DEFAULT;",
+                name.quoted()
+            ),
+        )
+    } else {
+        (String::new(), String::new())
+    };
     let placeholders = [
+        ("{{published_at_default}}", published_at_default),
+        ("{{published_at_drop_default}}", published_at_drop_default),
         ("{{table}}", name.quoted()),
         ("{{schema}}", schema.clone()),
         ("{{position_seq_text}}", position_seq.clone()),
@@ -67,6 +100,14 @@ fn render_migration(sql: &str, table: &OutboxTable) -> String {
         (
             "{{claim_index}}",
             format!("\"{}\"", derived_name(bare, "claim_idx")),
+        ),
+        (
+            "{{claim_index_next}}",
+            format!("\"{}\"", derived_name(bare, "claim_idx_next")),
+        ),
+        (
+            "{{dead_index}}",
+            format!("\"{}\"", derived_name(bare, "dead_idx")),
         ),
         (
             "{{handoff_index}}",
@@ -99,25 +140,187 @@ async fn table_exists(tx: &impl GenericClient, table: &TableName) -> Result<bool
         .get(0))
 }
 
+/// One step of a rendered migration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    /// Statements run together in one short transaction under [`LOCK_TIMEOUT`], retried while a lock is busy.
+    Locked(String),
+    /// One `CREATE INDEX CONCURRENTLY` / `DROP INDEX CONCURRENTLY`, outside any transaction. `index`: the
+    /// (quoted) name a CREATE builds, whose invalid leftover of an interrupted build is dropped first.
+    Concurrent { sql: String, index: Option<String> },
+}
+
+/// Splits a rendered migration into steps: consecutive ordinary statements form one locked step, each
+/// statement that says `CONCURRENTLY` is a step of its own. Statements end with `;` at the end of a line;
+/// `--` comment lines are dropped.
+fn plan(sql: &str) -> Vec<Step> {
+    let text: String = sql
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let mut steps = Vec::new();
+    let mut locked = String::new();
+    for statement in text.split(";\n").map(str::trim).filter(|s| !s.is_empty()) {
+        let words: Vec<&str> = statement.split_whitespace().collect();
+        if words.contains(&"CONCURRENTLY") {
+            if !locked.is_empty() {
+                steps.push(Step::Locked(std::mem::take(&mut locked)));
+            }
+            let index = match words.as_slice() {
+                ["CREATE", "INDEX", "CONCURRENTLY", "IF", "NOT", "EXISTS", name, ..] => {
+                    Some(name.to_string())
+                }
+                _ => None,
+            };
+            steps.push(Step::Concurrent {
+                sql: statement.to_string(),
+                index,
+            });
+        } else {
+            locked.push_str(statement);
+            locked.push_str(";\n");
+        }
+    }
+    if !locked.is_empty() {
+        steps.push(Step::Locked(locked));
+    }
+    steps
+}
+
+/// Runs `sql` in one transaction whose lock waits end after [`LOCK_TIMEOUT`]; a wait given up is tried again
+/// with backoff (the application's transactions holding the table come and go), for up to [`LOCK_PATIENCE`].
+pub async fn run_locked(client: &mut Client, table: &TableName, sql: &str) -> Result<()> {
+    let started = std::time::Instant::now();
+    let mut backoff =
+        crate::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    loop {
+        let tx = client.transaction().await?;
+        tx.batch_execute(&format!(
+            "SET LOCAL lock_timeout = {}",
+            LOCK_TIMEOUT.as_millis()
+        ))
+        .await?;
+        match tx.batch_execute(sql).await {
+            Ok(()) => return Ok(tx.commit().await?),
+            Err(error)
+                if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+            {
+                drop(tx); // rolled back
+                if started.elapsed() > LOCK_PATIENCE {
+                    return Err(Error::setup(
+                        format!(
+                            "migrate could not lock {table} for {} minutes: a long transaction holds it",
+                            LOCK_PATIENCE.as_secs() / 60
+                        ),
+                        format!("find it with `SELECT pid, xact_start, query FROM pg_stat_activity WHERE pid IN (SELECT pid FROM pg_locks WHERE relation = to_regclass('{table}'))`, end it, and run migrate again"),
+                    ));
+                }
+                let delay = backoff.next_delay();
+                tracing::info!(%table, retry_in = ?delay, "the table is busy: waiting for a moment without a long lock queue");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+/// Runs a `CONCURRENTLY` step outside any transaction. A concurrent build that was interrupted leaves an
+/// invalid index behind, which `IF NOT EXISTS` would keep forever: it is dropped and built again.
+async fn run_concurrent(
+    client: &Client,
+    schema: &str,
+    sql: &str,
+    index: Option<&str>,
+) -> Result<()> {
+    if let Some(index) = index {
+        let qualified = format!("\"{schema}\".{index}");
+        let invalid: Option<bool> = client
+            .query_opt(
+                "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)",
+                &[&qualified],
+            )
+            .await?
+            .map(|row| row.get(0));
+        if invalid == Some(true) {
+            tracing::info!(index = %qualified, "dropping an index an interrupted build left invalid");
+            client
+                .batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"))
+                .await?;
+        }
+    }
+    // A lock_timeout from the URL would cut a long build short; the build blocks no application write.
+    client.batch_execute("SET lock_timeout = 0").await?;
+    client.batch_execute(sql).await?;
+    Ok(())
+}
+
+/// True when the table's claim index exists, is valid and reads in `position NULLS FIRST` order already.
+async fn claim_index_in_order(client: &Client, table: &OutboxTable) -> Result<bool> {
+    let index = format!(
+        "\"{}\".\"{}\"",
+        table.name.schema,
+        derived_name(&table.name.name, "claim_idx")
+    );
+    let definition: Option<String> = client
+        .query_opt(
+            "SELECT pg_get_indexdef(indexrelid) FROM pg_index
+             WHERE indexrelid = to_regclass($1) AND indisvalid",
+            &[&index],
+        )
+        .await?
+        .map(|row| row.get(0));
+    Ok(definition.is_some_and(|d| {
+        d.contains("(\"position\" NULLS FIRST") || d.contains("(position NULLS FIRST")
+    }))
+}
+
 /// Creates each outbox table that does not exist yet (with the polling columns), adds the polling columns
 /// to an existing table only when `--add-polling-columns` asks, then creates or extends the publication.
 pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result<MigrationReport> {
-    let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
+    // Waits by polling, never inside a statement: a concurrent index build waits for every open transaction,
+    // and one blocked in `pg_advisory_lock` behind the builder's own session would be a deadlock.
+    let mut said = false;
+    loop {
+        let held: bool = client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
+            .await?
+            .get(0);
+        if held {
+            break;
+        }
+        if !said {
+            tracing::info!("another outboxd migrate is running: waiting for it to finish");
+            said = true;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let result = migrate_under_lock(client, settings).await;
+    // The lock also ends with the session.
+    let _ = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
+        .await;
+    result
+}
+
+async fn migrate_under_lock(
+    client: &mut Client,
+    settings: &DatabaseSettings,
+) -> Result<MigrationReport> {
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS public.outboxd_migrations (
+                 target text NOT NULL, version integer NOT NULL, name text NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (target, version))",
+        )
         .await?;
-    tx.batch_execute(
-        "CREATE TABLE IF NOT EXISTS public.outboxd_migrations (
-             target text NOT NULL, version integer NOT NULL, name text NOT NULL,
-             applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (target, version))",
-    )
-    .await?;
     let mut report = MigrationReport::default();
     let mut tables = settings.tables.clone();
     for table in &mut tables {
         let target = table.name.to_string();
-        let created_here = !table_exists(&tx, &table.name).await?;
+        let created_here = !table_exists(&*client, &table.name).await?;
         // An earlier migrate added the polling columns: keep upgrading them.
-        let has_polling_migrations: bool = tx
+        let has_polling_migrations: bool = client
             .query_one(
                 "SELECT EXISTS (SELECT 1 FROM public.outboxd_migrations WHERE target = $1 AND version > $2)",
                 &[&target, &CREATE_TABLE_VERSION],
@@ -125,7 +328,7 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
             .await?
             .get(0);
         for (version, name, sql) in MIGRATIONS {
-            let done = tx
+            let done = client
                 .query_opt(
                     "SELECT 1 FROM public.outboxd_migrations WHERE target = $1 AND version = $2",
                     &[&target, version],
@@ -134,57 +337,77 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
             if done.is_some() {
                 continue;
             }
+            let mut mark_existing_published = false;
             if *version > CREATE_TABLE_VERSION {
-                slot::inspect(&tx, table).await?;
+                slot::inspect(&*client, table).await?;
                 if !created_here && !has_polling_migrations && !settings.add_polling_columns {
                     report.cdc_only.push(target.clone());
                     break;
                 }
+                mark_existing_published = !created_here
+                    && !table.marks_published
+                    && settings.existing_rows == ExistingRows::Published;
             }
-            tx.batch_execute(&render_migration(sql, table)).await?;
-            tx.execute(
-                "INSERT INTO public.outboxd_migrations (target, version, name) VALUES ($1, $2, $3)",
-                &[&target, version, name],
-            )
-            .await?;
+            let skip =
+                *version == CLAIM_ORDER_VERSION && claim_index_in_order(client, table).await?;
+            if !skip {
+                let rendered = render_migration(sql, table, mark_existing_published);
+                for step in plan(&rendered) {
+                    match step {
+                        Step::Locked(sql) => run_locked(client, &table.name, &sql).await?,
+                        Step::Concurrent { sql, index } => {
+                            run_concurrent(client, &table.name.schema, &sql, index.as_deref())
+                                .await?
+                        }
+                    }
+                }
+            }
+            client
+                .execute(
+                    "INSERT INTO public.outboxd_migrations (target, version, name) VALUES ($1, $2, $3)
+                     ON CONFLICT DO NOTHING",
+                    &[&target, version, name],
+                )
+                .await?;
             report.applied.push(format!("{target} {version:04}_{name}"));
         }
-        slot::inspect(&tx, table).await?;
+        slot::inspect(&*client, table).await?;
     }
     let publication = &settings.publication;
     let partitioned = tables.iter().any(|t| t.partitioned);
     let mut created = false;
     for table in &tables {
         let name = &table.name;
-        match slot::publication_state(&tx, publication, name).await? {
+        let statement = match slot::publication_state(&*client, publication, name).await? {
             None => {
-                tx.batch_execute(&format!(
+                created = true;
+                Some(format!(
                     "CREATE PUBLICATION \"{publication}\" FOR TABLE {}
                      WITH (publish = 'insert', publish_via_partition_root = true)",
                     name.quoted()
                 ))
-                .await?;
-                created = true;
             }
             Some(state) => {
+                let mut sql = String::new();
                 if partitioned && !state.via_root {
-                    tx.batch_execute(&format!(
-                        "ALTER PUBLICATION \"{publication}\" SET (publish_via_partition_root = true)"
-                    ))
-                    .await?;
+                    sql.push_str(&format!(
+                        "ALTER PUBLICATION \"{publication}\" SET (publish_via_partition_root = true);"
+                    ));
                 }
                 if !state.covers_table {
-                    tx.batch_execute(&format!(
-                        "ALTER PUBLICATION \"{publication}\" ADD TABLE {}",
+                    sql.push_str(&format!(
+                        "ALTER PUBLICATION \"{publication}\" ADD TABLE {};",
                         name.quoted()
-                    ))
-                    .await?;
+                    ));
                 }
+                (!sql.is_empty()).then_some(sql)
             }
+        };
+        if let Some(sql) = statement {
+            run_locked(client, name, &sql).await?;
         }
     }
     report.publication_created = created;
-    tx.commit().await?;
     Ok(report)
 }
 
@@ -245,17 +468,25 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// Installs the statement-level trigger that wakes `--poll-notify` pollers (only when asked: NOTIFY takes a
 /// database-wide lock at commit and serialises every committing transaction that notifies).
-pub async fn install_notify_trigger(client: &Client, table: &TableName) -> Result<()> {
+/// The trigger's creation locks the table against writes: it waits under `lock_timeout`, like a migration.
+pub async fn install_notify_trigger(client: &mut Client, table: &TableName) -> Result<()> {
     let channel = notify_channel(table);
     let function = format!("\"{}\".\"{channel}\"", table.schema);
     client
         .batch_execute(&format!(
             "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS
-                 $$ BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$;
-             CREATE OR REPLACE TRIGGER outboxd_notify AFTER INSERT ON {} FOR EACH STATEMENT EXECUTE FUNCTION {function}();",
-            table.quoted()
+                 $$ BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$"
         ))
         .await?;
+    run_locked(
+        client,
+        table,
+        &format!(
+            "CREATE OR REPLACE TRIGGER outboxd_notify AFTER INSERT ON {} FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
+            table.quoted()
+        ),
+    )
+    .await?;
     // The trigger no longer calls an older version's function (which, for a long table name, notified on
     // a channel PostgreSQL refuses).
     let legacy = legacy_notify_channel(table);
@@ -301,6 +532,50 @@ mod tests {
     use crate::table::TableStyle;
 
     #[test]
+    fn migrations_lock_briefly_and_build_indexes_concurrently() {
+        let table = OutboxTable::new(
+            TableName {
+                schema: "public".into(),
+                name: "outbox_event".into(),
+            },
+            TableStyle::Standard,
+            &[],
+            vec![],
+        );
+        for (version, name, sql) in MIGRATIONS {
+            for step in plan(&render_migration(sql, &table, true)) {
+                match step {
+                    Step::Locked(sql) => assert!(
+                        !sql.contains("INDEX") || sql.contains("ALTER INDEX"),
+                        "migration {version} {name} builds an index under a table lock:\n{sql}"
+                    ),
+                    Step::Concurrent { sql, index } => {
+                        assert!(sql.contains("CONCURRENTLY"));
+                        assert_eq!(index.is_some(), sql.starts_with("CREATE"), "{sql}");
+                    }
+                }
+            }
+        }
+        let steps = plan(&render_migration(MIGRATIONS[1].2, &table, true));
+        assert!(
+            matches!(&steps[0], Step::Locked(sql) if sql.contains("DEFAULT '-infinity'") && sql.contains("DROP DEFAULT")),
+            "{steps:?}"
+        );
+        assert_eq!(
+            steps[1],
+            Step::Concurrent {
+                sql: "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"outbox_event_claim_idx\" ON \"public\".\"outbox_event\" (position NULLS FIRST, \"created_at\", \"event_id\")\n    WHERE published_at IS NULL AND dead_at IS NULL".into(),
+                index: Some("\"outbox_event_claim_idx\"".into()),
+            }
+        );
+        let unmarked = plan(&render_migration(MIGRATIONS[1].2, &table, false));
+        assert!(
+            matches!(&unmarked[0], Step::Locked(sql) if !sql.contains("infinity") && !sql.contains("DROP DEFAULT")),
+            "{unmarked:?}"
+        );
+    }
+
+    #[test]
     fn every_placeholder_of_every_migration_is_filled() {
         let table = OutboxTable::new(
             TableName {
@@ -312,7 +587,7 @@ mod tests {
             vec![],
         );
         for (version, name, sql) in MIGRATIONS {
-            let rendered = render_migration(sql, &table);
+            let rendered = render_migration(sql, &table, true);
             assert!(
                 !rendered.contains("{{"),
                 "migration {version} {name} keeps a placeholder:\n{rendered}"

@@ -84,6 +84,23 @@ pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
     Ok(client)
 }
 
+/// A connection for periodic figures and `outboxd status`: each statement is bounded by `statement_timeout`,
+/// and `timestamp without time zone` columns are read as UTC (as the polling and replication sessions read
+/// them), not in the server's time zone.
+pub async fn connect_for_figures(
+    url: &PgUrl,
+    statement_timeout: std::time::Duration,
+) -> Result<tokio_postgres::Client> {
+    let client = connect(url).await?;
+    client
+        .batch_execute(&format!(
+            "SET statement_timeout = {}; SET TIME ZONE 'UTC'",
+            statement_timeout.as_millis()
+        ))
+        .await?;
+    Ok(client)
+}
+
 /// True while the server is a standby in recovery (logical decoding and writes need a primary).
 pub async fn in_recovery(client: &tokio_postgres::Client) -> Result<bool> {
     Ok(client

@@ -36,11 +36,13 @@ impl OutboxSql {
         if outbox.marks_published {
             sql.mark_published = Some(client.prepare(&stamp("published_at")).await?);
             // Dead-lettered rows and rows handed to the polling path are finished too, as far as the
-            // stream is concerned: never produced again from it.
+            // stream is concerned: never produced again from it. A row marked '-infinity' ("published before
+            // outboxd", by `migrate --add-polling-columns`) may still be in the slot's stream: it is sent again.
+            let published = "(published_at IS NOT NULL AND published_at <> '-infinity')";
             let finished = if outbox.polling {
-                "published_at IS NOT NULL OR dead_at IS NOT NULL OR handoff_at IS NOT NULL"
+                format!("{published} OR dead_at IS NOT NULL OR handoff_at IS NOT NULL")
             } else {
-                "published_at IS NOT NULL"
+                published.to_string()
             };
             sql.row_states = Some(
                 client
@@ -224,18 +226,56 @@ pub async fn aggregates_pending_hand_off(
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// The statements behind the periodic figures of one table (every 5 s on the instance that reports them, and in
+/// `outboxd status`), each matching a partial index of the polling migrations so that it reads the backlog, not
+/// the table: `(count, oldest created_at)` and, with the polling columns, the dead count. Dead events are not
+/// backlog: they wait for a person (`outboxd replay`), and counting them kept "oldest age" climbing forever.
+/// A table without the polling columns has no such index: its count reads the whole table.
+pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
+    let t = table.name.quoted();
+    let unpublished = if table.polling {
+        "published_at IS NULL AND dead_at IS NULL"
+    } else {
+        "published_at IS NULL"
+    };
+    let count = format!("SELECT count(*) FROM {t} WHERE {unpublished}");
+    // The oldest event is the first in claim order (the claim index's order), one index entry away.
+    let oldest = table.column(Role::CreatedAt).map(|created_at| {
+        let first = if table.polling {
+            format!("ORDER BY position NULLS FIRST, {}", table.order_key())
+        } else {
+            format!("ORDER BY \"{created_at}\"")
+        };
+        format!(
+            "SELECT EXTRACT(EPOCH FROM now() - \"{created_at}\")::float8 FROM {t} WHERE {unpublished} {first} LIMIT 1"
+        )
+    });
+    let dead = table.polling.then(|| {
+        format!("SELECT count(*) FROM {t} WHERE dead_at IS NOT NULL AND published_at IS NULL")
+    });
+    BacklogStatements {
+        count,
+        oldest,
+        dead,
+    }
+}
+
+/// See [`backlog_statements`].
+#[derive(Debug, Clone)]
+pub struct BacklogStatements {
+    pub count: String,
+    /// Without a `created_at` column there is no age.
+    pub oldest: Option<String>,
+    /// Only with the polling columns.
+    pub dead: Option<String>,
+}
+
 /// Dead-lettered events (needs the polling columns).
 pub async fn dead_count(client: &Client, table: &OutboxTable) -> Result<i64> {
-    let row = client
-        .query_one(
-            &format!(
-                "SELECT count(*) FROM {} WHERE dead_at IS NOT NULL AND published_at IS NULL",
-                table.name.quoted()
-            ),
-            &[],
-        )
-        .await?;
-    Ok(row.get(0))
+    match backlog_statements(table).dead {
+        Some(sql) => Ok(client.query_one(&sql, &[]).await?.get(0)),
+        None => Ok(0),
+    }
 }
 
 /// Backlog figures of the outbox table.
@@ -246,27 +286,19 @@ pub struct Backlog {
 }
 
 /// The backlog of every table that records what was published (tables without `published_at` have no
-/// backlog to count: their slot lag is the measure).
+/// backlog to count: their slot lag is the measure). Dead events are not counted.
 pub async fn backlog(client: &Client, tables: &[OutboxTable]) -> Result<Backlog> {
     let mut total = Backlog::default();
     for table in tables.iter().filter(|t| t.marks_published) {
-        let age = match table.column(Role::CreatedAt) {
-            Some(created_at) => {
-                format!("EXTRACT(EPOCH FROM now() - min(\"{created_at}\"))::float8")
-            }
-            None => "NULL::float8".to_string(),
+        let statements = backlog_statements(table);
+        total.unpublished_events += client
+            .query_one(&statements.count, &[])
+            .await?
+            .get::<_, i64>(0);
+        let oldest: Option<f64> = match &statements.oldest {
+            Some(sql) => client.query_opt(sql, &[]).await?.map(|row| row.get(0)),
+            None => None,
         };
-        let row = client
-            .query_one(
-                &format!(
-                    "SELECT count(*), {age} FROM {} WHERE published_at IS NULL",
-                    table.name.quoted()
-                ),
-                &[],
-            )
-            .await?;
-        total.unpublished_events += row.get::<_, i64>(0);
-        let oldest: Option<f64> = row.get(1);
         total.oldest_unpublished_age_seconds = match (total.oldest_unpublished_age_seconds, oldest)
         {
             (Some(a), Some(b)) => Some(a.max(b)),
@@ -433,12 +465,7 @@ impl PollSql {
                  WHERE {id} = ANY($1::uuid[]) AND lease_token = $2"
             ))
             .await?,
-            // By primary key: the claimed rows are known, and a lease token alone matches no index.
-            renew: prepare(format!(
-                "UPDATE {t} SET lease_until = now() + make_interval(secs => $2::float8)
-                 WHERE {id} = ANY($3::uuid[]) AND lease_token = $1"
-            ))
-            .await?,
+            renew: prepare(renew_statement(outbox)).await?,
         })
     }
 
@@ -590,6 +617,17 @@ impl PollSql {
             .execute(&self.renew, &[&token, &lease.as_secs_f64(), &ids])
             .await?)
     }
+}
+
+/// The lease renewal: `$1` token, `$2` lease in seconds, `$3` the claimed ids. By primary key: the claimed rows
+/// are known, and a lease token alone matches no index.
+pub fn renew_statement(outbox: &OutboxTable) -> String {
+    format!(
+        "UPDATE {} SET lease_until = now() + make_interval(secs => $2::float8)
+         WHERE {id} = ANY($3::uuid[]) AND lease_token = $1",
+        outbox.name.quoted(),
+        id = outbox.col(Role::EventId)
+    )
 }
 
 /// Re-queues dead events: clears `dead_at`, `attempts` and `last_error`. Returns how many.

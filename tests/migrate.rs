@@ -1,0 +1,320 @@
+//! `outboxd migrate` on large, live tables: the application keeps inserting (with its own `lock_timeout`) and
+//! never fails; indexes are built concurrently and never twice; an index already in place is kept; a table's
+//! history counts as published unless the user says otherwise. Against a real PostgreSQL 15.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::*;
+
+const USER_TABLE: &str = "CREATE TABLE public.outbox_event (
+    event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+    event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())";
+
+fn migrate_with(url: &str, args: &[&str]) -> String {
+    let mut argv = vec!["migrate", "--database-url", url];
+    argv.extend_from_slice(args);
+    let output = run_outboxd(&argv);
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "migrate failed: {stderr}");
+    stderr
+}
+
+/// An application session that inserts one event per transaction, as an order service does, with
+/// `lock_timeout = '1s'`, until stopped. Counts commits and failures.
+struct Application {
+    stop: Arc<AtomicBool>,
+    committed: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<Vec<String>>,
+}
+
+impl Application {
+    async fn start(pg: &Postgres) -> Self {
+        let client = pg.client().await;
+        client
+            .batch_execute("SET lock_timeout = '1s'")
+            .await
+            .unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let committed = Arc::new(AtomicUsize::new(0));
+        let (stop_, committed_) = (stop.clone(), committed.clone());
+        let task = tokio::spawn(async move {
+            let mut failures = Vec::new();
+            while !stop_.load(Ordering::Relaxed) {
+                let result = client
+                    .execute(
+                        "INSERT INTO public.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                         VALUES (gen_random_uuid(), 'Order', 'live', 'E', '{}')",
+                        &[],
+                    )
+                    .await;
+                match result {
+                    Ok(_) => {
+                        committed_.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(error) => failures.push(format!("{error:?}")),
+                }
+            }
+            failures
+        });
+        Application {
+            stop,
+            committed,
+            task,
+        }
+    }
+
+    async fn wait_more(&self, more: usize) {
+        let target = self.committed.load(Ordering::Relaxed) + more;
+        wait_for("the application to insert", Duration::from_secs(60), || {
+            (self.committed.load(Ordering::Relaxed) >= target).then_some(())
+        });
+    }
+
+    /// Stops it; returns (committed, failures).
+    async fn stop(self) -> (usize, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        let failures = self.task.await.unwrap();
+        (self.committed.load(Ordering::Relaxed), failures)
+    }
+}
+
+async fn invalid_indexes(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_index WHERE indrelid = 'public.outbox_event'::regclass AND NOT indisvalid",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn claim_index(client: &tokio_postgres::Client) -> (u32, String) {
+    let row = client
+        .query_one(
+            "SELECT 'public.outbox_event_claim_idx'::regclass::oid, pg_get_indexdef('public.outbox_event_claim_idx'::regclass)",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// Every migration, `--add-polling-columns` on a 5-million-row table, while the application inserts with
+/// `lock_timeout = '1s'`. The old migrations held ACCESS EXCLUSIVE through every index build (seconds on this
+/// table), so the application's inserts timed out.
+#[tokio::test(flavor = "multi_thread")]
+async fn migrations_on_a_live_five_million_row_table_never_fail_an_application_insert() {
+    const ROWS: i64 = 5_000_000;
+    let pg = Postgres::start();
+    let url = pg.url();
+    let client = pg.client().await;
+    client.batch_execute(USER_TABLE).await.unwrap();
+    client
+        .execute(
+            "INSERT INTO public.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             SELECT gen_random_uuid(), 'Order', 'order-' || (i % 100000), 'E', '{}',
+                    now() - interval '1 day' + i * interval '1 millisecond'
+             FROM generate_series(1, $1::int8) AS i",
+            &[&ROWS],
+        )
+        .await
+        .unwrap();
+    client
+        .batch_execute("ANALYZE public.outbox_event")
+        .await
+        .unwrap();
+
+    let application = Application::start(&pg).await;
+    application.wait_more(100).await;
+    let url_ = url.clone();
+    let migrated = tokio::task::spawn_blocking(move || {
+        migrate_with(&url_, &["--add-polling-columns", "--poll-notify"])
+    });
+    let log = migrated.await.unwrap();
+    application.wait_more(100).await;
+    let (committed, failures) = application.stop().await;
+    println!("the application committed {committed} inserts during the migration");
+    assert!(
+        failures.is_empty(),
+        "{} application inserts failed during migrate, first: {}\n{log}",
+        failures.len(),
+        failures[0]
+    );
+    assert_eq!(invalid_indexes(&client).await, 0);
+    let (_, definition) = claim_index(&client).await;
+    assert!(definition.contains("NULLS FIRST"), "{definition}");
+    let row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE published_at = '-infinity'), count(*) FILTER (WHERE published_at IS NULL)
+             FROM public.outbox_event",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (history, unpublished): (i64, i64) = (row.get(0), row.get(1));
+    assert!(
+        history >= ROWS,
+        "the table's history counts as published before outboxd: {history}"
+    );
+    assert!(
+        unpublished > 0 && unpublished as usize <= committed,
+        "rows inserted after the migration are unpublished: {unpublished} of {committed}"
+    );
+}
+
+/// Upgrading from a version whose 0002 built the claim index NULLS LAST replaces it (concurrently, under the
+/// same name); an index already in the right order, pre-built by the user, is kept, not dropped and rebuilt.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_claim_index_is_replaced_only_when_it_is_in_the_old_order() {
+    let pg = Postgres::start();
+    let url = pg.url();
+    let client = pg.client().await;
+    migrate_with(&url, &[]);
+    let forget_claim_order = || async {
+        client
+            .execute(
+                "DELETE FROM public.outboxd_migrations WHERE version >= 4",
+                &[],
+            )
+            .await
+            .unwrap();
+    };
+    // The user pre-built the index (as README shows), then migrates.
+    client
+        .batch_execute(
+            "DROP INDEX public.outbox_event_claim_idx;
+             CREATE INDEX outbox_event_claim_idx ON public.outbox_event (position NULLS FIRST, created_at, event_id)
+                 WITH (fillfactor = 80) WHERE published_at IS NULL AND dead_at IS NULL",
+        )
+        .await
+        .unwrap();
+    forget_claim_order().await;
+    let (prebuilt, _) = claim_index(&client).await;
+    migrate_with(&url, &[]);
+    let (kept, definition) = claim_index(&client).await;
+    assert_eq!(
+        kept, prebuilt,
+        "the pre-built index was dropped: {definition}"
+    );
+    // An index of the old order is replaced.
+    client
+        .batch_execute(
+            "DROP INDEX public.outbox_event_claim_idx;
+             CREATE INDEX outbox_event_claim_idx ON public.outbox_event (position, created_at, event_id)
+                 WHERE published_at IS NULL AND dead_at IS NULL",
+        )
+        .await
+        .unwrap();
+    forget_claim_order().await;
+    migrate_with(&url, &[]);
+    let (_, definition) = claim_index(&client).await;
+    assert!(definition.contains("NULLS FIRST"), "{definition}");
+    assert_eq!(invalid_indexes(&client).await, 0);
+    // An interrupted concurrent build left an invalid index: it is built again.
+    client
+        .batch_execute(
+            "UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'public.outbox_event_dead_idx'::regclass",
+        )
+        .await
+        .unwrap();
+    client
+        .execute(
+            "DELETE FROM public.outboxd_migrations WHERE version = 5",
+            &[],
+        )
+        .await
+        .unwrap();
+    migrate_with(&url, &[]);
+    assert_eq!(invalid_indexes(&client).await, 0);
+}
+
+/// `--add-polling-columns` on a table whose history was already sent: by default that history counts as
+/// published (it was all republished, ahead of live events, and counted as backlog forever);
+/// `--existing-rows unpublished` publishes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tables_history_counts_as_published_unless_asked_otherwise() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client.batch_execute(USER_TABLE).await.unwrap();
+    let (history, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;
+    migrate_with(&url, &["--add-polling-columns"]);
+    let status = run_outboxd(&["status", "--database-url", &url]);
+    let status_text = String::from_utf8_lossy(&status.stdout).to_string();
+    let backlog = status_text
+        .lines()
+        .find(|line| line.starts_with("unpublished events"))
+        .and_then(|line| line.split_whitespace().last());
+    assert_eq!(
+        backlog,
+        Some("0"),
+        "the history is no backlog:\n{status_text}{}",
+        stderr_of(&status)
+    );
+    let mut run = run_args(&url, &brokers);
+    run.extend(["--mode", "poll"]);
+    let _outboxd = Outboxd::spawn(&run);
+    let (live, _) = insert_events(&mut client, 10, 4, 5, 5, None).await;
+    wait_for_async("live events published", Duration::from_secs(60), || async {
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM public.outbox_event WHERE published_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (n == 0).then_some(())
+    })
+    .await;
+    let records = consume_all(&brokers, &[TOPIC], live.len(), Duration::from_secs(60));
+    let history_ids: std::collections::HashSet<String> =
+        history.iter().map(|e| e.event_id.to_string()).collect();
+    assert!(
+        records
+            .iter()
+            .all(|r| !history_ids.contains(&r.headers["event_id"])),
+        "the table's history was republished"
+    );
+    assert_eq!(records.len(), live.len());
+
+    // Asked otherwise: a second table's history is published.
+    client
+        .batch_execute(&USER_TABLE.replace("outbox_event", "older_outbox"))
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO public.older_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'a', 'E', '{}' FROM generate_series(1, 10)",
+        )
+        .await
+        .unwrap();
+    migrate_with(
+        &url,
+        &[
+            "--table",
+            "public.older_outbox",
+            "--publication",
+            "older",
+            "--add-polling-columns",
+            "--existing-rows",
+            "unpublished",
+        ],
+    );
+    let unpublished: i64 = client
+        .query_one(
+            "SELECT count(*) FROM public.older_outbox WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(unpublished, 10);
+}
