@@ -91,7 +91,10 @@ async fn an_existing_archive_needs_no_create_on_the_schema() {
     .await
     .unwrap_or_else(|error| panic!("one pass with README's grants: {error}"));
     assert_eq!(removed.rows, 3);
-    assert_eq!(count(&client, "SELECT count(*) FROM outbox_archive").await, 3);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_archive").await,
+        3
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -171,7 +174,10 @@ async fn rows_are_archived_by_column_name() {
     .await
     .unwrap_or_else(|error| panic!("outbox table with a new column: {error}"));
     assert_eq!(removed.rows, 1);
-    assert_eq!(count(&client, "SELECT count(*) FROM outbox_archive").await, 4);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_archive").await,
+        4
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -369,7 +375,11 @@ async fn an_application_insert_with_lock_timeout_is_never_failed_by_retention() 
     let passes = sweeping.await.unwrap().expect("retention passes");
     assert!(passes > 0);
     assert_eq!(
-        count(&client, "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'").await,
+        count(
+            &client,
+            "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'"
+        )
+        .await,
         1,
         "the partition stays while the parent is in use"
     );
@@ -410,8 +420,7 @@ async fn retention_failures_show_in_metrics_and_status() {
         || {
             let (_, text) = http_get(&metrics_addr, "/metrics")?;
             let failures = metric_value(&text, "outboxd_retention_failures_total", "")?;
-            let consecutive =
-                metric_value(&text, "outboxd_retention_consecutive_failures", "")?;
+            let consecutive = metric_value(&text, "outboxd_retention_consecutive_failures", "")?;
             (failures >= 2.0 && consecutive >= 2.0).then_some(())
         },
     );
@@ -431,16 +440,22 @@ async fn retention_failures_show_in_metrics_and_status() {
         Duration::from_secs(60),
         || {
             let (_, text) = http_get(&metrics_addr, "/metrics")?;
-            let consecutive =
-                metric_value(&text, "outboxd_retention_consecutive_failures", "")?;
-            let last_ok =
-                metric_value(&text, "outboxd_retention_last_success_timestamp_seconds", "")?;
+            let consecutive = metric_value(&text, "outboxd_retention_consecutive_failures", "")?;
+            let last_ok = metric_value(
+                &text,
+                "outboxd_retention_last_success_timestamp_seconds",
+                "",
+            )?;
             (consecutive == 0.0 && last_ok > 0.0).then_some(())
         },
     );
-    wait_for_async("the old rows to be archived", Duration::from_secs(60), || async {
-        (count(&client, "SELECT count(*) FROM outbox_archive").await == 3).then_some(())
-    })
+    wait_for_async(
+        "the old rows to be archived",
+        Duration::from_secs(60),
+        || async {
+            (count(&client, "SELECT count(*) FROM outbox_archive").await == 3).then_some(())
+        },
+    )
     .await;
     let status = wait_for("status to say OK again", Duration::from_secs(60), || {
         let status = run_outboxd(&["status", "--database-url", &url]);
