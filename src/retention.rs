@@ -221,7 +221,7 @@ async fn check_archive(
             .query_one("SELECT to_regclass($1)::oid", &[&table.name.quoted()])
             .await?
             .get(0);
-        if archive_oid.is_some() && oid == archive_oid || *archive == table.name {
+        if (archive_oid.is_some() && oid == archive_oid) || *archive == table.name {
             return Err(Error::setup(
                 format!("--archive-table {archive} is an outbox table (--table {}): archived rows would be published again", table.name),
                 format!("name a table of its own, e.g. --archive-table {}_archive", table.name),
@@ -556,10 +556,14 @@ async fn drop_old_partitions(
         match detach_and_drop_if_published(client, outbox, &partition).await {
             Ok(true) => dropped.push(partition),
             Ok(false) => {}
+            // Checked above, so only when ownership changed in between.
             Err(Error::Postgres(error))
                 if error.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) =>
             {
-                return Err(not_owner(table, &partition, "its owner", &role));
+                return Err(Error::setup(
+                    format!("--retention cannot detach and drop {partition} of {table} as the role {role}: {}", crate::error::postgres_error_text(&error)),
+                    format!("DETACH and DROP need ownership: make {role} a member of the role owning {table} and its partitions (GRANT <owner> TO {role}), or add --archive-table"),
+                ));
             }
             Err(error) => return Err(error),
         }
