@@ -19,9 +19,12 @@ pub const COMMIT_TO_ACK: &str = "outboxd_commit_to_ack_seconds";
 pub const MODE: &str = "outboxd_mode";
 pub const HISTORY_CHANGES: &str = "outboxd_database_history_changes_total";
 pub const UP: &str = "outboxd_up";
+pub const RETENTION_FAILURES: &str = "outboxd_retention_failures_total";
+pub const RETENTION_CONSECUTIVE_FAILURES: &str = "outboxd_retention_consecutive_failures";
+pub const RETENTION_LAST_SUCCESS: &str = "outboxd_retention_last_success_timestamp_seconds";
 
 /// Every metric name `/metrics` exports (the Grafana dashboard may only use these).
-pub const ALL: [&str; 14] = [
+pub const ALL: [&str; 17] = [
     SLOT_LAG_BYTES,
     SLOT_RETAINED_WAL_BYTES,
     SLOT_SAFE_WAL_BYTES,
@@ -36,6 +39,9 @@ pub const ALL: [&str; 14] = [
     MODE,
     HISTORY_CHANGES,
     UP,
+    RETENTION_FAILURES,
+    RETENTION_CONSECUTIVE_FAILURES,
+    RETENTION_LAST_SUCCESS,
 ];
 
 /// Kinds of publish errors counted in `outboxd_publish_errors_total{kind}`.
@@ -104,6 +110,18 @@ pub fn install() -> Result<PrometheusHandle, String> {
         "times the server behind the URL had another history (failover, restore, switchover, slot gone)"
     );
     describe_gauge!(UP, "1 while outboxd runs");
+    describe_counter!(
+        RETENTION_FAILURES,
+        "retention passes that failed, per table (the log says why)"
+    );
+    describe_gauge!(
+        RETENTION_CONSECUTIVE_FAILURES,
+        "retention passes in a row that failed (0 after a successful one)"
+    );
+    describe_gauge!(
+        RETENTION_LAST_SUCCESS,
+        "Unix time of the last successful retention pass (0: none yet, or no --retention)"
+    );
     for path in ["cdc", "poll"] {
         counter!(EVENTS_PUBLISHED, "path" => path).increment(0);
     }
@@ -112,6 +130,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
     }
     counter!(EVENTS_DEAD).increment(0);
     counter!(HISTORY_CHANGES).increment(0);
+    counter!(RETENTION_FAILURES).increment(0);
     for name in [
         SLOT_LAG_BYTES,
         SLOT_RETAINED_WAL_BYTES,
@@ -119,6 +138,8 @@ pub fn install() -> Result<PrometheusHandle, String> {
         UNPUBLISHED_EVENTS,
         OLDEST_UNPUBLISHED_AGE,
         INFLIGHT_EVENTS,
+        RETENTION_CONSECUTIVE_FAILURES,
+        RETENTION_LAST_SUCCESS,
     ] {
         gauge!(name).set(0.0);
     }
@@ -175,4 +196,14 @@ pub fn in_flight(events: usize) {
 
 pub fn commit_to_ack(seconds: f64) {
     histogram!(COMMIT_TO_ACK).record(seconds);
+}
+
+pub fn retention_failed() {
+    counter!(RETENTION_FAILURES).increment(1);
+}
+
+/// After each retention pass: failed passes in a row, and when the last one succeeded (Unix seconds).
+pub fn retention_health(consecutive_failures: u64, last_success: Option<u64>) {
+    gauge!(RETENTION_CONSECUTIVE_FAILURES).set(consecutive_failures as f64);
+    gauge!(RETENTION_LAST_SUCCESS).set(last_success.unwrap_or(0) as f64);
 }

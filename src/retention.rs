@@ -1,44 +1,286 @@
 //! Retention: removes published rows older than `--retention`, on `--retention-interval`. A plain table
-//! loses them 1,000 rows per short transaction (or moves them to `--archive-table`); a partitioned table
-//! loses whole range partitions whose upper bound is older than the window and that hold no unpublished
-//! row (DETACH, then DROP), which leaves no dead tuples behind. Never touches unpublished rows. With
-//! `publish = 'insert'` none of this is streamed by the slot.
+//! loses them 1,000 rows per short transaction (or moves them to `--archive-table`, column by column name);
+//! a partitioned table loses whole range partitions whose upper bound is older than the window and that
+//! hold no unpublished row (DETACH, then DROP), which leaves no dead tuples behind. Never touches
+//! unpublished rows. With `publish = 'insert'` none of this is streamed by the slot.
+//!
+//! Every pass's outcome is counted in `/metrics` and written where `outboxd status` (another process) can
+//! read it from SQL: the `application_name` of one idle connection the sweeper keeps open,
+//! `outboxd retention STATE FAILURES LAST_SUCCESS SLOT` (see [`state_name`], [`read_states`]). That needs
+//! no table and no grant, and disappears with the process.
 
 use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use tokio_postgres::error::SqlState;
 use tokio_postgres::Client;
 
-use crate::config::Retention;
-use crate::error::Result;
+use crate::config::{Retention, TableName};
+use crate::error::{Error, Result};
 use crate::pg::{self, slot};
-use crate::table::OutboxTable;
+use crate::table::{OutboxTable, Role};
 
 /// Rows per statement: small enough to hold locks only briefly.
 const BATCH: i64 = 1_000;
 
-pub async fn run(
-    database_url: crate::pg::PgUrl,
-    tables: Vec<OutboxTable>,
-    retention: Arc<Retention>,
-) {
+/// How long the partition detach waits for a lock before it gives way (and tries again next pass). An
+/// application's statement that queues behind the wait waits at most this long, so this stays below
+/// `deadlock_timeout` (1 s by default) and below any `lock_timeout` an application is likely to use.
+const LOCK_TIMEOUT: &str = "500ms";
+
+/// Where the sweeper runs: the settings `run` needs beside the tables.
+#[derive(Debug, Clone)]
+pub struct Sweeper {
+    pub database_url: crate::pg::PgUrl,
+    pub tables: Vec<OutboxTable>,
+    pub retention: Arc<Retention>,
+    /// The replication publication (an archive in it would be republished).
+    pub publication: String,
+    /// The slot, to tell this deployment's state from another's in `outboxd status`.
+    pub slot: String,
+}
+
+pub async fn run(sweeper: Sweeper) {
+    let mut health = Health::default();
+    let mut marker: Option<Client> = None;
+    let retention = &sweeper.retention;
     loop {
-        for table in &tables {
-            let mut table = table.clone();
-            match sweep_once(&database_url, &mut table, &retention).await {
-                Ok(Removed {
-                    rows: 0,
-                    partitions,
-                }) if partitions.is_empty() => {}
-                Ok(Removed { rows, partitions }) => {
-                    tracing::info!(table = %table.name, rows, partitions = ?partitions, archive = ?retention.archive_table.as_ref().map(|t| t.to_string()), "retention removed published rows")
-                }
-                Err(error) => {
-                    tracing::warn!(table = %table.name, %error, "retention failed; will try again")
+        let mut failed = false;
+        if let Err(error) = check_on_its_own(&sweeper).await {
+            tracing::error!(%error, "retention refused; nothing removed");
+            crate::metrics::retention_failed();
+            failed = true;
+        } else {
+            for table in &sweeper.tables {
+                let mut table = table.clone();
+                match sweep_once(&sweeper.database_url, &mut table, retention).await {
+                    Ok(Removed {
+                        rows: 0,
+                        partitions,
+                        ..
+                    }) if partitions.is_empty() => {}
+                    Ok(Removed {
+                        rows,
+                        partitions,
+                        not_archived,
+                    }) => {
+                        tracing::info!(table = %table.name, rows, partitions = ?partitions, archive = ?retention.archive_table.as_ref().map(|t| t.to_string()), "retention removed published rows");
+                        if !not_archived.is_empty() {
+                            tracing::warn!(table = %table.name, columns = ?not_archived, "the archive table lacks these columns of the outbox table: their values were not archived (add them to the archive with ALTER TABLE ... ADD COLUMN)");
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(table = %table.name, %error, "retention failed; will try again");
+                        crate::metrics::retention_failed();
+                        failed = true;
+                    }
                 }
             }
         }
+        health.record(!failed, unix_now());
+        crate::metrics::retention_health(health.consecutive_failures, health.last_success);
+        mark(&mut marker, &sweeper, &health).await;
         tokio::time::sleep(retention.interval).await;
     }
+}
+
+/// [`check`] on a connection of its own.
+async fn check_on_its_own(sweeper: &Sweeper) -> Result<()> {
+    let client = pg::connect(&sweeper.database_url).await?;
+    let mut tables = sweeper.tables.clone();
+    slot::inspect_all(&client, &mut tables).await?;
+    check(&client, &tables, &sweeper.retention, &sweeper.publication).await
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Consecutive failed passes and the time of the last successful one.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Health {
+    pub consecutive_failures: u64,
+    /// Unix seconds; `None` until a pass succeeded.
+    pub last_success: Option<u64>,
+}
+
+impl Health {
+    pub fn record(&mut self, ok: bool, now: u64) {
+        if ok {
+            self.consecutive_failures = 0;
+            self.last_success = Some(now);
+        } else {
+            self.consecutive_failures += 1;
+        }
+    }
+}
+
+const MARKER: &str = "outboxd retention";
+
+/// The marker connection's `application_name`: `outboxd retention ok|failing FAILURES LAST_SUCCESS SLOT`
+/// (LAST_SUCCESS in Unix seconds, 0 for never), cut to PostgreSQL's 63 bytes (slot names are ASCII).
+pub fn state_name(health: &Health, slot: &str) -> String {
+    let state = if health.consecutive_failures == 0 {
+        "ok"
+    } else {
+        "failing"
+    };
+    let mut name = format!(
+        "{MARKER} {state} {} {} {slot}",
+        health.consecutive_failures,
+        health.last_success.unwrap_or(0)
+    );
+    name.truncate(63);
+    name
+}
+
+/// Parses [`state_name`]; `None` for another deployment's slot or another application.
+pub fn parse_state_name(name: &str, slot: &str) -> Option<Health> {
+    let rest = name.strip_prefix(MARKER)?.strip_prefix(' ')?;
+    let mut fields = rest.splitn(4, ' ');
+    let (_state, failures, last, theirs) = (
+        fields.next()?,
+        fields.next()?.parse().ok()?,
+        fields.next()?.parse::<u64>().ok()?,
+        fields.next()?,
+    );
+    let same_slot = theirs == slot || (name.len() == 63 && slot.starts_with(theirs));
+    same_slot.then_some(Health {
+        consecutive_failures: failures,
+        last_success: (last > 0).then_some(last),
+    })
+}
+
+/// Publishes the state on the marker connection, (re)connecting as needed. Best effort: a database that
+/// cannot be reached shows in the pass's own failure.
+async fn mark(marker: &mut Option<Client>, sweeper: &Sweeper, health: &Health) {
+    if marker.as_ref().is_none_or(|c| c.is_closed()) {
+        *marker = pg::connect(&sweeper.database_url).await.ok();
+    }
+    let Some(client) = marker.as_ref() else {
+        return;
+    };
+    let name = state_name(health, &sweeper.slot);
+    if let Err(error) = client
+        .execute("SELECT set_config('application_name', $1, false)", &[&name])
+        .await
+    {
+        tracing::debug!(%error, "cannot record the retention state; reconnecting next pass");
+        *marker = None;
+    }
+}
+
+/// The retention state of every running sweeper of `slot`, as `outboxd status` sees it.
+pub async fn read_states(client: &Client, slot: &str) -> Result<Vec<Health>> {
+    let rows = client
+        .query(
+            "SELECT application_name FROM pg_stat_activity WHERE application_name LIKE $1",
+            &[&format!("{MARKER} %")],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|row| parse_state_name(row.get(0), slot))
+        .collect())
+}
+
+/// Start-up (and every pass) checks that retention can work as configured: the archive table is none of
+/// the outbox tables and not in the publication (its rows would be published again), and the role owns
+/// the partitioned tables whose partitions it drops.
+pub async fn check(
+    client: &Client,
+    tables: &[OutboxTable],
+    retention: &Retention,
+    publication: &str,
+) -> Result<()> {
+    match &retention.archive_table {
+        Some(archive) => check_archive(client, tables, archive, publication).await,
+        None => {
+            for table in tables.iter().filter(|t| t.partitioned) {
+                check_owner(client, &table.name, &table.name).await?;
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn check_archive(
+    client: &Client,
+    tables: &[OutboxTable],
+    archive: &TableName,
+    publication: &str,
+) -> Result<()> {
+    let archive_oid: Option<u32> = client
+        .query_one("SELECT to_regclass($1)::oid", &[&archive.quoted()])
+        .await?
+        .get(0);
+    for table in tables {
+        let oid: Option<u32> = client
+            .query_one("SELECT to_regclass($1)::oid", &[&table.name.quoted()])
+            .await?
+            .get(0);
+        if (archive_oid.is_some() && oid == archive_oid) || *archive == table.name {
+            return Err(Error::setup(
+                format!("--archive-table {archive} is an outbox table (--table {}): archived rows would be published again", table.name),
+                format!("name a table of its own, e.g. --archive-table {}_archive", table.name),
+            ));
+        }
+    }
+    let all_tables: Option<bool> = client
+        .query_opt(
+            "SELECT puballtables FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await?
+        .map(|row| row.get(0));
+    if all_tables == Some(true) {
+        return Err(Error::setup(
+            format!("--archive-table {archive} is in the publication {publication} (FOR ALL TABLES): every archived row would be published again"),
+            format!("recreate the publication for the outbox tables only (CREATE PUBLICATION {publication} FOR TABLE ... WITH (publish = 'insert'), see README)"),
+        ));
+    }
+    let published = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+            &[&publication, &archive.schema, &archive.name],
+        )
+        .await?
+        .is_some();
+    if published {
+        return Err(Error::setup(
+            format!("--archive-table {archive} is in the publication {publication}: every archived row would be published again"),
+            format!("ALTER PUBLICATION {publication} DROP TABLE {archive}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The role may DETACH and DROP `partition` of `parent` only as (a member of) its owner: grants are not
+/// enough.
+async fn check_owner(client: &Client, parent: &TableName, relation: &TableName) -> Result<()> {
+    let row = client
+        .query_opt(
+            "SELECT pg_has_role(current_user, c.relowner, 'USAGE'), pg_get_userbyid(c.relowner)::text,
+                    current_user::text
+             FROM pg_class c WHERE c.oid = to_regclass($1)",
+            &[&relation.quoted()],
+        )
+        .await?;
+    let Some(row) = row else { return Ok(()) };
+    let (owns, owner, role): (bool, String, String) = (row.get(0), row.get(1), row.get(2));
+    if owns {
+        return Ok(());
+    }
+    Err(not_owner(parent, &relation.to_string(), &owner, &role))
+}
+
+fn not_owner(parent: &TableName, relation: &str, owner: &str, role: &str) -> Error {
+    Error::setup(
+        format!("--retention drops old partitions of {parent} (DETACH, DROP), which needs ownership: the role {role} does not own {relation} (owner: {owner})"),
+        format!("make {role} a member of the owning role (GRANT {owner} TO {role}), or give it the tables (ALTER TABLE {relation} OWNER TO {role}), or add --archive-table, which deletes rows instead and needs no ownership"),
+    )
 }
 
 /// What one retention pass removed.
@@ -47,6 +289,8 @@ pub struct Removed {
     pub rows: u64,
     /// Dropped partitions, schema-qualified.
     pub partitions: Vec<String>,
+    /// Columns of the outbox table the archive table lacks (their values are not archived).
+    pub not_archived: Vec<String>,
 }
 
 /// One pass over one table: batches until no published row older than the window is left, or, for a
@@ -65,8 +309,8 @@ pub async fn sweep_once(
     if table.partitioned && retention.archive_table.is_none() {
         let partitions = drop_old_partitions(&client, table, retention).await?;
         return Ok(Removed {
-            rows: 0,
             partitions,
+            ..Removed::default()
         });
     }
     let t = table.name.quoted();
@@ -76,15 +320,16 @@ pub async fn sweep_once(
            AND published_at < now() - make_interval(secs => $1::float8)
          LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
+    let mut not_archived = Vec::new();
     let statement = match &retention.archive_table {
         Some(archive) => {
+            let copy = archive_plan(&client, table, archive).await?;
+            not_archived = copy.not_archived;
+            let columns = copy.columns.join(", ");
             let a = archive.quoted();
-            client
-                .batch_execute(&format!("CREATE TABLE IF NOT EXISTS {a} (LIKE {t})"))
-                .await?;
             format!(
-                "WITH moved AS (DELETE FROM {t} WHERE {id} IN ({pick}) RETURNING *)
-                 INSERT INTO {a} SELECT * FROM moved"
+                "WITH moved AS (DELETE FROM {t} WHERE {id} IN ({pick}) RETURNING {columns})
+                 INSERT INTO {a} ({columns}) SELECT {columns} FROM moved"
             )
         }
         None => format!("DELETE FROM {t} WHERE {id} IN ({pick})"),
@@ -99,23 +344,179 @@ pub async fn sweep_once(
             return Ok(Removed {
                 rows: total,
                 partitions: Vec::new(),
+                not_archived: if total > 0 { not_archived } else { Vec::new() },
             });
         }
     }
 }
 
+/// How rows are copied into the archive: by name, the archive's columns that the outbox table has too.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ArchivePlan {
+    /// Quoted column names, listed in INSERT and SELECT alike.
+    pub columns: Vec<String>,
+    /// Outbox columns the archive lacks (unquoted).
+    pub not_archived: Vec<String>,
+}
+
+/// A column as the catalog describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Column {
+    pub name: String,
+    pub type_name: String,
+    /// NOT NULL without a default (nor generated, nor identity): an INSERT must give it a value.
+    pub needs_value: bool,
+    /// Generated or identity ALWAYS: an INSERT may not give it a value.
+    pub no_value: bool,
+}
+
+/// Creates the archive when it does not exist (only then: creating needs CREATE on the schema), then
+/// matches its columns to the outbox table's by name.
+async fn archive_plan(
+    client: &Client,
+    table: &OutboxTable,
+    archive: &TableName,
+) -> Result<ArchivePlan> {
+    let mut archive_columns = columns_of(client, archive).await?;
+    if archive_columns.is_empty() {
+        create_archive(client, table, archive).await?;
+        archive_columns = columns_of(client, archive).await?;
+    }
+    let outbox_columns = columns_of(client, &table.name).await?;
+    plan_copy(table, archive, &outbox_columns, &archive_columns)
+}
+
+async fn create_archive(client: &Client, table: &OutboxTable, archive: &TableName) -> Result<()> {
+    let (a, t) = (archive.quoted(), table.name.quoted());
+    // IF NOT EXISTS: another instance may create it at the same moment.
+    let created = client
+        .batch_execute(&format!("CREATE TABLE IF NOT EXISTS {a} (LIKE {t})"))
+        .await;
+    match created {
+        Ok(()) => {
+            tracing::info!(archive = %archive, table = %table.name, "created the archive table");
+            Ok(())
+        }
+        Err(error) if error.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+            let role: String = client
+                .query_one("SELECT current_user::text", &[])
+                .await?
+                .get(0);
+            Err(Error::setup(
+                format!("--archive-table {archive} does not exist and the role {role} may not create it (no CREATE on schema {})", archive.schema),
+                format!("create it once as the table's owner (CREATE TABLE {archive} (LIKE {}); GRANT INSERT ON {archive} TO {role}), or GRANT CREATE ON SCHEMA {} TO {role}", table.name, archive.schema),
+            ))
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+async fn columns_of(client: &Client, table: &TableName) -> Result<Vec<Column>> {
+    let rows = client
+        .query(
+            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod),
+                    a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' AND a.attgenerated = '',
+                    a.attgenerated <> '' OR a.attidentity = 'a'
+             FROM pg_attribute a
+             WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
+             ORDER BY a.attnum",
+            &[&table.quoted()],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| Column {
+            name: row.get(0),
+            type_name: row.get(1),
+            needs_value: row.get(2),
+            no_value: row.get(3),
+        })
+        .collect())
+}
+
+/// Pure: the columns to copy. The archive must have each column that plays a role in the outbox table
+/// (the event itself) and may not require a value the outbox table cannot give; other outbox columns it
+/// lacks are reported, not copied.
+pub fn plan_copy(
+    table: &OutboxTable,
+    archive: &TableName,
+    outbox: &[Column],
+    archived: &[Column],
+) -> Result<ArchivePlan> {
+    let has = |columns: &[Column], name: &str| columns.iter().any(|c| c.name == name);
+    let missing: Vec<&Column> = Role::ALL
+        .into_iter()
+        .filter_map(|role| table.column(role))
+        .chain(["published_at"])
+        .filter(|name| !has(archived, name))
+        .filter_map(|name| outbox.iter().find(|c| c.name == name))
+        .collect();
+    if !missing.is_empty() {
+        let names: Vec<&str> = missing.iter().map(|c| c.name.as_str()).collect();
+        let adds: Vec<String> = missing
+            .iter()
+            .map(|c| format!("ADD COLUMN {} {}", quote(&c.name), c.type_name))
+            .collect();
+        return Err(Error::setup(
+            format!(
+                "--archive-table {archive} has no column {} of the outbox table {}: archived events would lose it",
+                names.join(", "),
+                table.name
+            ),
+            format!("ALTER TABLE {archive} {}", adds.join(", ")),
+        ));
+    }
+    if let Some(column) = archived
+        .iter()
+        .find(|c| c.needs_value && !has(outbox, &c.name))
+    {
+        return Err(Error::setup(
+            format!(
+                "--archive-table {archive} has the NOT NULL column {} without a default, and the outbox table {} has no such column",
+                column.name, table.name
+            ),
+            format!(
+                "ALTER TABLE {archive} ALTER COLUMN {} DROP NOT NULL (or SET DEFAULT ...)",
+                quote(&column.name)
+            ),
+        ));
+    }
+    let columns = archived
+        .iter()
+        .filter(|c| !c.no_value && has(outbox, &c.name))
+        .map(|c| quote(&c.name))
+        .collect();
+    let not_archived = outbox
+        .iter()
+        .filter(|c| !has(archived, &c.name))
+        .map(|c| c.name.clone())
+        .collect();
+    Ok(ArchivePlan {
+        columns,
+        not_archived,
+    })
+}
+
+fn quote(identifier: &str) -> String {
+    format!("\"{}\"", identifier.replace('"', "\"\""))
+}
+
 /// Detaches and drops each range partition whose upper bound (a timestamp) is older than the window and
-/// that holds no unpublished row. Partitions of other kinds (list, hash, default) are left alone.
+/// that holds no unpublished row. Partitions of other kinds (list, hash, default) are left alone. DETACH
+/// and DROP need the owner's rights on the parent and the partition: checked first, named in the error.
 async fn drop_old_partitions(
     client: &Client,
     outbox: &OutboxTable,
     retention: &Retention,
 ) -> Result<Vec<String>> {
     let table = &outbox.name;
+    check_owner(client, table, table).await?;
     let rows = client
         .query(
             "SELECT format('%I.%I', n.nspname, c.relname),
-                    substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']+)''\\)')
+                    substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']+)''\\)'),
+                    pg_has_role(current_user, c.relowner, 'USAGE'), pg_get_userbyid(c.relowner)::text,
+                    current_user::text
              FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
              JOIN pg_namespace n ON n.oid = c.relnamespace
              WHERE i.inhparent = $1::text::regclass",
@@ -137,6 +538,10 @@ async fn drop_old_partitions(
         if !matches!(old.map(|r| r.get::<_, bool>(0)), Ok(true)) {
             continue;
         }
+        let (owns, owner, role): (bool, String, String) = (row.get(2), row.get(3), row.get(4));
+        if !owns {
+            return Err(not_owner(table, &partition, &owner, &role));
+        }
         let unpublished: bool = client
             .query_one(
                 &format!("SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL)"),
@@ -148,8 +553,19 @@ async fn drop_old_partitions(
             tracing::warn!(%partition, "partition is past --retention but still holds unpublished rows; kept");
             continue;
         }
-        if detach_and_drop_if_published(client, outbox, &partition).await? {
-            dropped.push(partition);
+        match detach_and_drop_if_published(client, outbox, &partition).await {
+            Ok(true) => dropped.push(partition),
+            Ok(false) => {}
+            // Checked above, so only when ownership changed in between.
+            Err(Error::Postgres(error))
+                if error.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) =>
+            {
+                return Err(Error::setup(
+                    format!("--retention cannot detach and drop {partition} of {table} as the role {role}: {}", crate::error::postgres_error_text(&error)),
+                    format!("DETACH and DROP need ownership: make {role} a member of the role owning {table} and its partitions (GRANT <owner> TO {role}), or add --archive-table"),
+                ));
+            }
+            Err(error) => return Err(error),
         }
     }
     Ok(dropped)
@@ -158,8 +574,15 @@ async fn drop_old_partitions(
 /// Detaches and drops `partition` unless, under its lock, it holds an unpublished row: a row committed (or
 /// re-queued) after the unlocked check above is never dropped. The partition is locked first and checked
 /// while only inserts routed to it wait (rows of an old range are rare); the parent's lock, which DETACH
-/// needs, is taken only for the detach itself. Either lock not granted within the lock timeout (shorter than
-/// `deadlock_timeout`, so outboxd, never the application, gives way) leaves the partition for the next pass.
+/// needs, is taken only for the detach itself. Either lock not granted within [`LOCK_TIMEOUT`] (shorter
+/// than `deadlock_timeout`, so outboxd, never the application, gives way) leaves the partition for the
+/// next pass; an application statement queued behind the wait waits at most that long.
+///
+/// Not `DETACH PARTITION ... CONCURRENTLY` (PG 14+), which takes only SHARE UPDATE EXCLUSIVE on the parent:
+/// it cannot run in a transaction block, so the partition could not be locked and checked for unpublished
+/// rows in the detach's own transaction (a row written in between would be dropped unpublished); it is
+/// refused when the table has a default partition; and one interrupted leaves the partition "detach
+/// pending" until someone runs `DETACH ... FINALIZE`.
 /// (The connection is this pass's own: an error leaves nothing open behind.)
 async fn detach_and_drop_if_published(
     client: &Client,
@@ -168,7 +591,7 @@ async fn detach_and_drop_if_published(
 ) -> Result<bool> {
     let parent = table.name.quoted();
     client
-        .batch_execute("BEGIN; SET LOCAL lock_timeout = '500ms'")
+        .batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
         .await?;
     let partition_locked = client
         .batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
@@ -213,9 +636,188 @@ async fn lock_granted(
         return Ok(true);
     };
     client.batch_execute("ROLLBACK").await?;
-    if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
-        tracing::info!(%partition, "partition past --retention is in use (no lock within 500ms); trying again next pass");
+    if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+        tracing::info!(%partition, "partition past --retention is in use (no lock within {LOCK_TIMEOUT}); trying again next pass");
         return Ok(false);
     }
     Err(error.into())
+}
+
+/// How long ago a Unix time was, for `status`.
+pub fn age(last_success: u64) -> Duration {
+    Duration::from_secs(unix_now().saturating_sub(last_success))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::table::TableStyle;
+
+    fn col(name: &str, needs_value: bool) -> Column {
+        Column {
+            name: name.into(),
+            type_name: "text".into(),
+            needs_value,
+            no_value: false,
+        }
+    }
+
+    fn outbox() -> (OutboxTable, Vec<Column>) {
+        let mut table = OutboxTable::new(
+            TableName {
+                schema: "public".into(),
+                name: "outbox_event".into(),
+            },
+            TableStyle::Standard,
+            &[],
+            Vec::new(),
+        );
+        let names = [
+            "event_id",
+            "aggregate_type",
+            "aggregate_id",
+            "event_type",
+            "payload",
+            "created_at",
+            "published_at",
+            "attempts",
+        ];
+        let pairs: Vec<(String, String)> = names
+            .iter()
+            .map(|n| {
+                let t = match *n {
+                    "event_id" => "uuid",
+                    "payload" => "jsonb",
+                    "created_at" | "published_at" => "timestamp with time zone",
+                    "attempts" => "integer",
+                    _ => "text",
+                };
+                (n.to_string(), t.to_string())
+            })
+            .collect();
+        table.resolve(&pairs, false).unwrap();
+        let columns = pairs
+            .iter()
+            .map(|(name, type_name)| Column {
+                type_name: type_name.clone(),
+                ..col(name, false)
+            })
+            .collect();
+        (table, columns)
+    }
+
+    fn archive() -> TableName {
+        TableName {
+            schema: "public".into(),
+            name: "outbox_archive".into(),
+        }
+    }
+
+    #[test]
+    fn copies_by_name_in_the_archive_order_and_reports_what_it_lacks() {
+        let (table, outbox) = outbox();
+        let archived: Vec<Column> = [
+            "aggregate_id",
+            "aggregate_type",
+            "event_id",
+            "event_type",
+            "payload",
+            "created_at",
+            "published_at",
+        ]
+        .iter()
+        .map(|n| col(n, false))
+        .chain([col("archived_at", false)])
+        .collect();
+        let plan = plan_copy(&table, &archive(), &outbox, &archived).unwrap();
+        assert_eq!(
+            plan.columns,
+            [
+                "\"aggregate_id\"",
+                "\"aggregate_type\"",
+                "\"event_id\"",
+                "\"event_type\"",
+                "\"payload\"",
+                "\"created_at\"",
+                "\"published_at\""
+            ]
+        );
+        assert_eq!(plan.not_archived, ["attempts"]);
+    }
+
+    #[test]
+    fn a_missing_event_column_or_an_unfillable_one_is_a_setup_error() {
+        let (table, outbox) = outbox();
+        let without_id: Vec<Column> = outbox
+            .iter()
+            .filter(|c| c.name != "event_id")
+            .cloned()
+            .collect();
+        let error = plan_copy(&table, &archive(), &outbox, &without_id)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("has no column event_id")
+                && error.contains("ALTER TABLE public.outbox_archive ADD COLUMN \"event_id\" uuid"),
+            "{error}"
+        );
+        let mut strict = outbox.clone();
+        strict.push(col("tenant", true));
+        let error = plan_copy(&table, &archive(), &outbox, &strict)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("NOT NULL column tenant") && error.contains("DROP NOT NULL"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn generated_archive_columns_are_left_to_the_archive() {
+        let (table, outbox) = outbox();
+        let mut archived = outbox.clone();
+        archived[7].no_value = true; // attempts GENERATED ALWAYS AS (...) in the archive
+        let plan = plan_copy(&table, &archive(), &outbox, &archived).unwrap();
+        assert!(!plan.columns.contains(&"\"attempts\"".to_string()));
+    }
+
+    #[test]
+    fn state_names_round_trip_and_fit_postgres() {
+        let health = Health {
+            consecutive_failures: 3,
+            last_success: Some(1_767_225_600),
+        };
+        let name = state_name(&health, "outboxd");
+        assert_eq!(name, "outboxd retention failing 3 1767225600 outboxd");
+        assert_eq!(parse_state_name(&name, "outboxd"), Some(health));
+        assert_eq!(parse_state_name(&name, "other"), None);
+        assert_eq!(parse_state_name("outboxd active outboxd", "outboxd"), None);
+        let long = "s".repeat(63);
+        let name = state_name(&Health::default(), &long);
+        assert_eq!(name.len(), 63);
+        assert_eq!(
+            parse_state_name(&name, &long),
+            Some(Health {
+                consecutive_failures: 0,
+                last_success: None
+            })
+        );
+    }
+
+    #[test]
+    fn health_counts_failures_in_a_row() {
+        let mut health = Health::default();
+        health.record(false, 10);
+        health.record(false, 20);
+        assert_eq!(health.consecutive_failures, 2);
+        assert_eq!(health.last_success, None);
+        health.record(true, 30);
+        assert_eq!(
+            health,
+            Health {
+                consecutive_failures: 0,
+                last_success: Some(30)
+            }
+        );
+    }
 }

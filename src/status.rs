@@ -1,5 +1,6 @@
-//! `outboxd status`: the slot's state, its lag and retained WAL, and the outbox backlog, as a table or
-//! JSON. Reads only; needs no broker.
+//! `outboxd status`: the slot's state, its lag and retained WAL, the outbox backlog, and how retention
+//! fares (as the running sweepers record it, see `retention`), as a table or JSON. Reads only; needs no
+//! broker.
 
 use serde::Serialize;
 
@@ -27,6 +28,17 @@ pub struct Status {
     pub active_instances: i64,
     /// outboxd instances standing by to take over this slot.
     pub standby_instances: i64,
+    /// Retention as the running sweepers of this slot record it (the worst of them); `None`: no
+    /// `outboxd run --retention` is running.
+    pub retention: Option<RetentionStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RetentionStatus {
+    /// Passes in a row that failed (0: the last one succeeded).
+    pub consecutive_failures: u64,
+    /// Seconds since the last successful pass; `None`: none yet.
+    pub last_success_age_seconds: Option<u64>,
 }
 
 /// The one-line judgement of `outboxd status`, with its exit code.
@@ -109,6 +121,24 @@ pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdi
             ));
         }
     }
+    if let Some(retention) = status
+        .retention
+        .as_ref()
+        .filter(|r| r.consecutive_failures > 0)
+    {
+        findings.push((
+            Level::Warning,
+            format!(
+                "retention failed {} pass(es) in a row ({}): see outboxd's log",
+                retention.consecutive_failures,
+                retention
+                    .last_success_age_seconds
+                    .map_or("no pass succeeded yet".to_string(), |age| format!(
+                        "last success {age}s ago"
+                    ))
+            ),
+        ));
+    }
     if status.dead_events > 0 {
         findings.push((
             Level::Warning,
@@ -154,6 +184,7 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
     let state = slot::slot_state(&client, &settings.slot).await?;
     let backlog = outbox::backlog(&client, &tables).await?;
     let (active_instances, standby_instances) = instances(&client, &settings.slot).await?;
+    let retention = worst(crate::retention::read_states(&client, &settings.slot).await?);
     let mut dead_events = 0;
     for table in tables.iter().filter(|t| t.polling) {
         dead_events += outbox::dead_count(&client, table).await?;
@@ -173,6 +204,18 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
         dead_events,
         active_instances,
         standby_instances,
+        retention,
+    })
+}
+
+/// The sweeper that fails most (several instances may run retention).
+fn worst(states: Vec<crate::retention::Health>) -> Option<RetentionStatus> {
+    let worst = states.into_iter().max_by_key(|h| h.consecutive_failures)?;
+    Some(RetentionStatus {
+        consecutive_failures: worst.consecutive_failures,
+        last_success_age_seconds: worst
+            .last_success
+            .map(|at| crate::retention::age(at).as_secs()),
     })
 }
 
@@ -219,6 +262,21 @@ impl Status {
                 ),
             ),
             (
+                "retention",
+                match &self.retention {
+                    None => "- (no outboxd run --retention running)".to_string(),
+                    Some(r) if r.consecutive_failures == 0 => {
+                        format!("ok, last pass {}s ago", show(&r.last_success_age_seconds))
+                    }
+                    Some(r) => format!(
+                        "failing: {} pass(es) in a row, last success {}",
+                        r.consecutive_failures,
+                        r.last_success_age_seconds
+                            .map_or("never".to_string(), |age| format!("{age}s ago"))
+                    ),
+                },
+            ),
+            (
                 "oldest unpublished age (s)",
                 show(
                     &self
@@ -252,6 +310,10 @@ mod tests {
             dead_events: 0,
             active_instances: 1,
             standby_instances: 0,
+            retention: Some(RetentionStatus {
+                consecutive_failures: 0,
+                last_success_age_seconds: Some(5),
+            }),
         }
     }
 
@@ -324,6 +386,17 @@ mod tests {
                 },
                 Level::Warning,
                 "dead",
+            ),
+            (
+                Status {
+                    retention: Some(RetentionStatus {
+                        consecutive_failures: 3,
+                        last_success_age_seconds: None,
+                    }),
+                    ..healthy()
+                },
+                Level::Warning,
+                "retention failed 3 pass(es) in a row (no pass succeeded yet): see outboxd's log",
             ),
         ];
         for (status, level, needle) in cases {

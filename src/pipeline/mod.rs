@@ -274,13 +274,28 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
             "run `outboxd migrate --add-polling-columns`, or drop --retention",
         ));
     }
+    if let Some(retention) = &settings.retention {
+        retry_until(&settings, deadline, || async {
+            let client = crate::pg::connect(&settings.database.database_url).await?;
+            crate::retention::check(
+                &client,
+                &settings.database.tables,
+                retention,
+                &settings.database.publication,
+            )
+            .await
+        })
+        .await?;
+    }
     retry_until(&settings, deadline, || preflight_brokers(&settings)).await?;
     if let Some(retention) = &settings.retention {
-        tokio::spawn(crate::retention::run(
-            settings.database.database_url.clone(),
-            settings.database.tables.clone(),
-            Arc::new(retention.clone()),
-        ));
+        tokio::spawn(crate::retention::run(crate::retention::Sweeper {
+            database_url: settings.database.database_url.clone(),
+            tables: settings.database.tables.clone(),
+            retention: Arc::new(retention.clone()),
+            publication: settings.database.publication.clone(),
+            slot: settings.database.slot.clone(),
+        }));
     }
     tracing::info!(
         tables = %crate::table::names(&settings.database.tables),

@@ -1,0 +1,466 @@
+//! Retention against real PostgreSQL 15 (issue 14, item 11): an existing archive needs no CREATE, rows are
+//! archived by column name, an archive that is an outbox table is refused, the partition detach never fails
+//! an application's insert, partition drops without ownership name the fix, and failures show in
+//! `/metrics` and `outboxd status`. Most tests drive one retention pass (`outboxd::retention::sweep_once`)
+//! as a role with exactly README's grants; no broker is needed for those.
+
+mod support;
+
+use std::time::Duration;
+
+use outboxd::config::{Retention, TableName};
+use outboxd::retention::sweep_once;
+use outboxd::table::{OutboxTable, TableStyle};
+use support::*;
+
+/// The role README's grants describe: the outbox table's SELECT, UPDATE, DELETE, and nothing on the schema
+/// (PG 15's `public` grants CREATE to nobody but its owner).
+const ROLE: &str = "keeper";
+
+async fn create_role(client: &tokio_postgres::Client, table: &str) {
+    client
+        .batch_execute(&format!(
+            "CREATE ROLE {ROLE} LOGIN; GRANT SELECT, UPDATE, DELETE ON {table} TO {ROLE};"
+        ))
+        .await
+        .unwrap();
+}
+
+fn url_of(pg: &Postgres, user: &str) -> outboxd::pg::PgUrl {
+    outboxd::pg::PgUrl::parse("--database-url", &pg.url_for(user, None)).unwrap()
+}
+
+fn outbox(name: &str) -> OutboxTable {
+    OutboxTable::new(
+        TableName {
+            schema: "public".into(),
+            name: name.into(),
+        },
+        TableStyle::Standard,
+        &[],
+        Vec::new(),
+    )
+}
+
+fn retention(archive: Option<&str>) -> Retention {
+    Retention {
+        keep: Duration::from_secs(600),
+        archive_table: archive.map(|name| TableName {
+            schema: "public".into(),
+            name: name.into(),
+        }),
+        interval: Duration::from_millis(200),
+    }
+}
+
+/// Three rows published an hour ago (aggregate_type 'Old', aggregate_id 'o-1'..'o-3') and one published now.
+async fn insert_old_and_recent(client: &tokio_postgres::Client) {
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT gen_random_uuid(), 'Old', 'o-' || i, 'E', '{}', now() - interval '1 hour' FROM generate_series(1, 3) i;
+             INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             VALUES (gen_random_uuid(), 'Recent', 'r-1', 'E', '{}', now());",
+        )
+        .await
+        .unwrap();
+}
+
+async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_existing_archive_needs_no_create_on_the_schema() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    create_role(&client, "outbox_event").await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE outbox_archive (LIKE outbox_event); GRANT INSERT ON outbox_archive TO {ROLE};"
+        ))
+        .await
+        .unwrap();
+    insert_old_and_recent(&client).await;
+    let removed = sweep_once(
+        &url_of(&pg, ROLE),
+        &mut outbox("outbox_event"),
+        &retention(Some("outbox_archive")),
+    )
+    .await
+    .unwrap_or_else(|error| panic!("one pass with README's grants: {error}"));
+    assert_eq!(removed.rows, 3);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_archive").await,
+        3
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_archive_that_cannot_be_created_names_the_grant() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    create_role(&client, "outbox_event").await;
+    insert_old_and_recent(&client).await;
+    let error = sweep_once(
+        &url_of(&pg, ROLE),
+        &mut outbox("outbox_event"),
+        &retention(Some("outbox_archive")),
+    )
+    .await
+    .expect_err("the role may not create the archive")
+    .to_string();
+    assert!(
+        error.contains("GRANT CREATE ON SCHEMA public TO keeper") && error.contains("CREATE TABLE"),
+        "the error names the grant (or creating the archive yourself): {error}"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_event").await,
+        4,
+        "nothing removed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_are_archived_by_column_name() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    // The archive lists aggregate_id before aggregate_type (same type: copying by position swaps them
+    // silently) and has a column of its own with a default.
+    client
+        .batch_execute(
+            "CREATE TABLE outbox_archive (
+                 event_id uuid PRIMARY KEY, aggregate_id text NOT NULL, aggregate_type text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz,
+                 published_at timestamptz, archived_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .unwrap();
+    insert_old_and_recent(&client).await;
+    let removed = sweep_once(
+        &pg_url(&pg),
+        &mut outbox("outbox_event"),
+        &retention(Some("outbox_archive")),
+    )
+    .await
+    .unwrap_or_else(|error| panic!("archive with reordered columns: {error}"));
+    assert_eq!(removed.rows, 3);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM outbox_archive WHERE aggregate_type = 'Old' AND aggregate_id LIKE 'o-%'"
+        )
+        .await,
+        3,
+        "each column lands in the archive's column of the same name"
+    );
+    // The application adds a column to the outbox table; the archive does not have it (yet).
+    client
+        .batch_execute(
+            "ALTER TABLE outbox_event ADD COLUMN traceparent text;
+             INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at, traceparent)
+             VALUES (gen_random_uuid(), 'Old', 'o-4', 'E', '{}', now() - interval '1 hour', 't');",
+        )
+        .await
+        .unwrap();
+    let removed = sweep_once(
+        &pg_url(&pg),
+        &mut outbox("outbox_event"),
+        &retention(Some("outbox_archive")),
+    )
+    .await
+    .unwrap_or_else(|error| panic!("outbox table with a new column: {error}"));
+    assert_eq!(removed.rows, 1);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_archive").await,
+        4
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_archive_without_a_required_column_is_a_clear_error() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE outbox_archive (aggregate_type text, aggregate_id text, event_type text, payload jsonb)",
+        )
+        .await
+        .unwrap();
+    insert_old_and_recent(&client).await;
+    let error = sweep_once(
+        &pg_url(&pg),
+        &mut outbox("outbox_event"),
+        &retention(Some("outbox_archive")),
+    )
+    .await
+    .expect_err("an archive without event_id")
+    .to_string();
+    assert!(
+        error.contains("public.outbox_archive has no column event_id")
+            && error.contains("ALTER TABLE public.outbox_archive ADD COLUMN"),
+        "the error names the column and the fix: {error}"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_event").await,
+        4,
+        "nothing removed"
+    );
+}
+
+/// `outboxd run` with `args` against an unreachable broker: start-up ends (quickly) with an error.
+fn run_refused(url: &str, args: &[&str]) -> String {
+    let mut argv = vec![
+        "run",
+        "--database-url",
+        url,
+        "--brokers",
+        "127.0.0.1:1",
+        "--startup-timeout",
+        "2s",
+        "--retention",
+        "7d",
+    ];
+    argv.extend_from_slice(args);
+    let output = run_outboxd(&argv);
+    assert!(!output.status.success());
+    stderr_of(&output)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_archive_that_is_an_outbox_table_or_published_is_refused() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let url = pg.url();
+    let stderr = run_refused(&url, &["--archive-table", "public.outbox_event"]);
+    assert!(
+        stderr.contains("--archive-table public.outbox_event is an outbox table"),
+        "archiving into the outbox table itself is refused: {stderr}"
+    );
+    // An archive in the publication would stream every archived row again.
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE outbox_archive (LIKE outbox_event);
+             ALTER PUBLICATION outboxd ADD TABLE outbox_archive;",
+        )
+        .await
+        .unwrap();
+    let stderr = run_refused(&url, &["--archive-table", "outbox_archive"]);
+    assert!(
+        stderr.contains("--archive-table public.outbox_archive is in the publication outboxd")
+            && stderr.contains("ALTER PUBLICATION outboxd DROP TABLE public.outbox_archive"),
+        "an archive in the publication is refused: {stderr}"
+    );
+}
+
+/// `outbox_p`, partitioned by `created_at`: an old 2020 partition (past any window) and one for since.
+const PARTITIONED_TABLE: &str = "CREATE TABLE public.outbox_p (
+                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
+             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
+                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
+             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
+                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');";
+
+/// A cluster with `outbox_p` migrated (polling columns added).
+async fn partitioned() -> (Postgres, tokio_postgres::Client) {
+    let pg = Postgres::start();
+    let client = pg.client().await;
+    client.batch_execute(PARTITIONED_TABLE).await.unwrap();
+    let output = run_outboxd(&[
+        "migrate",
+        "--database-url",
+        &pg.url(),
+        "--table",
+        "outbox_p",
+        "--add-polling-columns",
+    ]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    (pg, client)
+}
+
+fn pg_url(pg: &Postgres) -> outboxd::pg::PgUrl {
+    url_of(pg, "postgres")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn partition_drops_without_ownership_name_the_fix() {
+    let (pg, client) = partitioned().await;
+    create_role(&client, "outbox_p").await;
+    let error = sweep_once(
+        &url_of(&pg, ROLE),
+        &mut outbox("outbox_p"),
+        &retention(None),
+    )
+    .await
+    .expect_err("the role does not own the partitions")
+    .to_string();
+    assert!(
+        error.contains("does not own") && error.contains("GRANT postgres TO keeper"),
+        "the error names ownership and the fix: {error}"
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'"
+        )
+        .await,
+        1
+    );
+}
+
+/// While an application transaction keeps the parent in use, retention waits for the parent's lock again
+/// and again; inserts of other sessions with `lock_timeout = '1s'` queue behind that wait and must never
+/// give up.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_application_insert_with_lock_timeout_is_never_failed_by_retention() {
+    let (pg, client) = partitioned().await;
+    let holder = pg.client().await;
+    holder
+        .batch_execute(
+            "BEGIN; INSERT INTO outbox_p (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'held', 'E', '{}')",
+        )
+        .await
+        .unwrap();
+    let url = pg_url(&pg);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sweeping = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut passes = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // A pass that gives way keeps the partition; errors end the test below.
+                sweep_once(&url, &mut outbox("outbox_p"), &retention(None))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                passes += 1;
+            }
+            Ok::<u32, String>(passes)
+        })
+    };
+    let app = pg.client().await;
+    app.batch_execute("SET lock_timeout = '1s'").await.unwrap();
+    for i in 0..10 {
+        wait_for_async(
+            "retention to wait for the parent's lock",
+            Duration::from_secs(60),
+            || async {
+                (count(
+                    &client,
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+                       AND (query ILIKE '%LOCK TABLE \"public\".\"outbox_p\"%' OR query ILIKE '%DETACH%')",
+                )
+                .await
+                    > 0)
+                    .then_some(())
+            },
+        )
+        .await;
+        app.batch_execute(&format!(
+            "INSERT INTO outbox_p (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'app-{i}', 'E', '{{}}')"
+        ))
+        .await
+        .unwrap_or_else(|error| panic!("insert {i} failed behind retention: {error:?}"));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    holder.batch_execute("COMMIT").await.unwrap();
+    let passes = sweeping.await.unwrap().expect("retention passes");
+    assert!(passes > 0);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'"
+        )
+        .await,
+        1,
+        "the partition stays while the parent is in use"
+    );
+}
+
+/// A retention pass that fails (the archive refuses rows) is counted in `/metrics` and shown by `outboxd
+/// status` (WARNING), and both clear once a pass succeeds.
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_failures_show_in_metrics_and_status() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE outbox_archive (LIKE outbox_event);
+             ALTER TABLE outbox_archive ADD CONSTRAINT refuse_all CHECK (false) NOT VALID;",
+        )
+        .await
+        .unwrap();
+    insert_old_and_recent(&client).await;
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--retention",
+        "10m",
+        "--retention-interval",
+        "200ms",
+        "--archive-table",
+        "outbox_archive",
+        "--metrics-addr",
+        metrics_addr.as_str(),
+    ]);
+    let _outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    wait_for(
+        "retention failures to be counted",
+        Duration::from_secs(60),
+        || {
+            let (_, text) = http_get(&metrics_addr, "/metrics")?;
+            let failures = metric_value(&text, "outboxd_retention_failures_total", "")?;
+            let consecutive = metric_value(&text, "outboxd_retention_consecutive_failures", "")?;
+            (failures >= 2.0 && consecutive >= 2.0).then_some(())
+        },
+    );
+    let status = run_outboxd(&["status", "--database-url", &url]);
+    let stdout = String::from_utf8_lossy(&status.stdout).to_string();
+    assert_eq!(status.status.code(), Some(1), "WARNING:\n{stdout}");
+    assert!(
+        stdout.contains("retention failed") && stdout.contains("outboxd's log"),
+        "{stdout}"
+    );
+    client
+        .batch_execute("ALTER TABLE outbox_archive DROP CONSTRAINT refuse_all")
+        .await
+        .unwrap();
+    wait_for(
+        "a successful pass to reset the consecutive failures",
+        Duration::from_secs(60),
+        || {
+            let (_, text) = http_get(&metrics_addr, "/metrics")?;
+            let consecutive = metric_value(&text, "outboxd_retention_consecutive_failures", "")?;
+            let last_ok = metric_value(
+                &text,
+                "outboxd_retention_last_success_timestamp_seconds",
+                "",
+            )?;
+            (consecutive == 0.0 && last_ok > 0.0).then_some(())
+        },
+    );
+    wait_for_async(
+        "the old rows to be archived",
+        Duration::from_secs(60),
+        || async {
+            (count(&client, "SELECT count(*) FROM outbox_archive").await == 3).then_some(())
+        },
+    )
+    .await;
+    let status = wait_for("status to say OK again", Duration::from_secs(60), || {
+        let status = run_outboxd(&["status", "--database-url", &url]);
+        (status.status.code() == Some(0)).then_some(status)
+    });
+    let stdout = String::from_utf8_lossy(&status.stdout).to_string();
+    assert!(stdout.contains("retention"), "{stdout}");
+}
