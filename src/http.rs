@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 pub struct Readiness {
     database: AtomicBool,
     broker: AtomicBool,
-    /// 0 starting, 1 cdc, 2 poll, 3 standby.
+    /// 0 starting, 1 cdc, 2 poll, 3 standby, 4 reconnecting.
     mode: AtomicU8,
 }
 
@@ -35,12 +35,14 @@ impl Readiness {
         self.broker.store(ok, Ordering::Relaxed);
     }
 
-    /// Records the active pipeline (`cdc` or `poll`) for `/readyz` and `outboxd_mode`.
+    /// Records the active pipeline (`cdc` or `poll`), `standby`, or `reconnecting` (the pipeline's session
+    /// ended and is being retried) for `/readyz` and `outboxd_mode`.
     pub fn set_mode(&self, mode: &str) {
         let code = match mode {
             "cdc" => 1,
             "poll" => 2,
             "standby" => 3,
+            "reconnecting" => 4,
             _ => 0,
         };
         self.mode.store(code, Ordering::Relaxed);
@@ -64,6 +66,7 @@ impl Readiness {
             1 => Ok("cdc"),
             2 => Ok("poll"),
             3 => Err("standby: another outboxd instance is active for this slot"),
+            4 => Err("reconnecting: the pipeline's database session ended and is being retried (see the log)"),
             _ => Err("starting: no pipeline is active yet"),
         }
     }

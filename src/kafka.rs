@@ -113,6 +113,9 @@ impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
 }
 
 /// Topics known to exist, shared by every session of the process.
+/// The topic whose metadata [`Publisher::check_brokers`] asks for; never created.
+pub const PROBE_TOPIC: &str = "__outboxd_readiness_probe";
+
 pub type KnownTopics = Arc<Mutex<HashSet<String>>>;
 
 pub struct Publisher<T: Send + Sync + 'static> {
@@ -135,7 +138,10 @@ pub fn client_config(settings: &RunSettings) -> ClientConfig {
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("partitioner", "murmur2_random")
-        .set("linger.ms", "5");
+        .set("linger.ms", "5")
+        // Topics are created through the admin API (or checked, with --no-create-topics), never as a side
+        // effect of a metadata request: the broker check asks for a topic that must not come to exist.
+        .set("allow.auto.create.topics", "false");
     for (key, value) in &settings.kafka_options {
         config.set(key, value);
     }
@@ -192,15 +198,19 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     }
 
     /// Fails unless a broker answers a metadata request within `timeout`.
+    /// Asks for the metadata of one topic that is never created (`allow.auto.create.topics=false`), which any
+    /// broker answers with its broker list: proof that a broker answers, without fetching every topic of the
+    /// cluster every few seconds.
     pub async fn check_brokers(&self, timeout: Duration) -> Result<()> {
         let producer = self.producer.clone();
-        let result =
-            tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, timeout))
-                .await
-                .map_err(|e| Error::Kafka {
-                    message: e.to_string(),
-                    transient: true,
-                })?;
+        let result = tokio::task::spawn_blocking(move || {
+            producer.client().fetch_metadata(Some(PROBE_TOPIC), timeout)
+        })
+        .await
+        .map_err(|e| Error::Kafka {
+            message: e.to_string(),
+            transient: true,
+        })?;
         result.map(|_| ()).map_err(|e| Error::Kafka {
             message: format!(
                 "no broker answered ({e}); check --brokers and that the brokers are reachable"

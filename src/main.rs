@@ -137,19 +137,20 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
         } => {
             let settings = options.database()?;
             // Exit codes as monitoring plugins expect: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
-            let (status, verdict) = match status::read(&settings).await {
-                Ok(status) => {
-                    let verdict = status::verdict(&status, &thresholds);
-                    (Some(status), verdict)
-                }
-                Err(error) => (
-                    None,
-                    status::Verdict {
-                        level: status::Level::Unknown,
-                        reason: format!("cannot tell: {error}"),
-                    },
-                ),
-            };
+            let (status, verdict) =
+                match status::read(&settings, options.mode.unwrap_or_default()).await {
+                    Ok(status) => {
+                        let verdict = status::verdict(&status, &thresholds);
+                        (Some(status), verdict)
+                    }
+                    Err(error) => (
+                        None,
+                        status::Verdict {
+                            level: status::Level::Unknown,
+                            reason: format!("cannot tell: {error}"),
+                        },
+                    ),
+                };
             if json {
                 // The status fields at the top level, plus the verdict.
                 let mut value = serde_json::to_value(&status).unwrap_or_default();

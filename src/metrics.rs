@@ -46,7 +46,7 @@ pub const ALL: [&str; 17] = [
 
 /// Kinds of publish errors counted in `outboxd_publish_errors_total{kind}`.
 pub const ERROR_KINDS: [&str; 3] = ["refused", "delivery", "database"];
-const MODES: [&str; 4] = ["cdc", "poll", "standby", "starting"];
+const MODES: [&str; 5] = ["cdc", "poll", "standby", "starting", "reconnecting"];
 /// `outboxd_slot_wal_status` values, as in pg_replication_slots.wal_status.
 const WAL_STATUSES: [&str; 5] = ["reserved", "extended", "unreserved", "lost", "none"];
 

@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::pg::{self, outbox, slot};
 use crate::pipeline::leader::{application_name, Role};
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Status {
     pub table: String,
     pub slot_name: String,
@@ -28,6 +28,8 @@ pub struct Status {
     pub active_instances: i64,
     /// outboxd instances standing by to take over this slot.
     pub standby_instances: i64,
+    /// False under `--mode poll`: no slot is used, so a missing one is no finding.
+    pub uses_slot: bool,
     /// Retention as the running sweepers of this slot record it (the worst of them); `None`: no
     /// `outboxd run --retention` is running.
     pub retention: Option<RetentionStatus>,
@@ -93,7 +95,9 @@ pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdi
             ));
         }
     }
-    if !status.slot_exists {
+    if !status.slot_exists && !status.uses_slot {
+        // Polling only: nothing to say about a slot that is not meant to exist.
+    } else if !status.slot_exists {
         findings.push((
             Level::Warning,
             format!(
@@ -177,7 +181,8 @@ pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdi
 /// How long one of `status`'s queries may run (each reads an index, not the table).
 const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
+/// `mode`: the `--mode` outboxd runs with (the same options or file as `run`).
+pub async fn read(settings: &DatabaseSettings, mode: crate::config::Mode) -> Result<Status> {
     let client = pg::connect_for_figures(&settings.database_url, STATEMENT_TIMEOUT).await?;
     let mut tables = settings.tables.clone();
     slot::inspect_all(&client, &mut tables).await?;
@@ -205,6 +210,7 @@ pub async fn read(settings: &DatabaseSettings) -> Result<Status> {
         active_instances,
         standby_instances,
         retention,
+        uses_slot: mode != crate::config::Mode::Poll,
     })
 }
 
@@ -310,6 +316,7 @@ mod tests {
             dead_events: 0,
             active_instances: 1,
             standby_instances: 0,
+            uses_slot: true,
             retention: Some(RetentionStatus {
                 consecutive_failures: 0,
                 last_success_age_seconds: Some(5),
@@ -326,6 +333,34 @@ mod tests {
     #[test]
     fn healthy_is_ok() {
         assert_eq!(verdict(&healthy(), &LIMITS).level, Level::Ok);
+    }
+
+    #[test]
+    fn polling_needs_no_slot() {
+        let polling = Status {
+            slot_exists: false,
+            active: None,
+            active_pid: None,
+            confirmed_flush_lsn: None,
+            wal_status: None,
+            lag_bytes: None,
+            retained_wal_bytes: None,
+            uses_slot: false,
+            ..healthy()
+        };
+        assert_eq!(verdict(&polling, &LIMITS).level, Level::Ok);
+        // Under cdc/auto a missing slot is a finding; a slot left behind by a poller still holds WAL.
+        let expecting = Status {
+            uses_slot: true,
+            ..polling.clone()
+        };
+        assert_eq!(verdict(&expecting, &LIMITS).level, Level::Warning);
+        let left_behind = Status {
+            uses_slot: false,
+            active: Some(false),
+            ..healthy()
+        };
+        assert_eq!(verdict(&left_behind, &LIMITS).level, Level::Warning);
     }
 
     #[test]

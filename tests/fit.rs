@@ -867,7 +867,10 @@ async fn rows_without_position_go_out_in_insert_order(mode: &str) {
     ));
     client.batch_execute(&sql).await.unwrap();
     let (url, brokers) = (pg.url(), broker.addr());
-    migrate_with(&url, &["--add-polling-columns"]);
+    migrate_with(
+        &url,
+        &["--add-polling-columns", "--existing-rows", "unpublished"],
+    );
     let mut args = run_args(&url, &brokers);
     args.extend(["--mode", mode]);
     let _outboxd = Outboxd::spawn(&args);

@@ -318,3 +318,42 @@ async fn a_tables_history_counts_as_published_unless_asked_otherwise() {
         .get(0);
     assert_eq!(unpublished, 10);
 }
+
+/// PostgreSQL builds no index of a partitioned table concurrently: migrate builds each partition's
+/// concurrently and attaches it, so the parent's index ends valid, on every partition.
+#[tokio::test(flavor = "multi_thread")]
+async fn indexes_of_a_partitioned_table_are_built_partition_by_partition() {
+    let pg = Postgres::start();
+    let url = pg.url();
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.outbox_p (
+                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
+             CREATE TABLE public.outbox_p_2020 PARTITION OF public.outbox_p FOR VALUES FROM ('2020-01-01') TO ('2021-01-01');
+             CREATE TABLE public.outbox_p_now PARTITION OF public.outbox_p FOR VALUES FROM ('2021-01-01') TO (MAXVALUE);",
+        )
+        .await
+        .unwrap();
+    migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
+    let row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE NOT x.indisvalid),
+                    count(*) FILTER (WHERE c.relname LIKE '%claim_idx%' AND x.indrelid <> 'public.outbox_p'::regclass)
+             FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid
+             WHERE x.indrelid IN ('public.outbox_p'::regclass, 'public.outbox_p_2020'::regclass, 'public.outbox_p_now'::regclass)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (invalid, partition_claim_indexes): (i64, i64) = (row.get(0), row.get(1));
+    assert_eq!(invalid, 0, "every index is valid");
+    assert_eq!(
+        partition_claim_indexes, 2,
+        "each partition has the claim index"
+    );
+    // Idempotent.
+    migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
+}

@@ -348,9 +348,12 @@ async fn periodic_queries_read_an_index_not_the_table() {
              FROM generate_series(1, 1000000) AS i;
              INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, dead_at)
              SELECT gen_random_uuid(), 'Order', 'order-' || i, 'E', '{}', CASE WHEN i <= 5 THEN now() END
-             FROM generate_series(1, 100) AS i;
-             VACUUM ANALYZE outbox_event",
+             FROM generate_series(1, 100) AS i",
         )
+        .await
+        .unwrap();
+    client
+        .batch_execute("VACUUM ANALYZE outbox_event")
         .await
         .unwrap();
     let mut table = outboxd::table::OutboxTable::new(
@@ -403,4 +406,66 @@ async fn periodic_queries_read_an_index_not_the_table() {
     );
     assert!(backlog.oldest_unpublished_age_seconds.is_some());
     assert_eq!(outbox::dead_count(&client, &table).await.unwrap(), 5);
+}
+
+/// `/readyz` while the CDC pipeline cannot stream (its walsender is ended again and again) but PostgreSQL and
+/// the broker answer: 503 "reconnecting", not "cdc" (it stayed 200 through any reconnect loop).
+#[tokio::test(flavor = "multi_thread")]
+async fn readyz_is_not_ready_while_the_pipeline_reconnects() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "cdc", "--metrics-addr", metrics_addr.as_str()]);
+    let _outboxd = Outboxd::spawn(&args);
+    wait_for("/readyz to be 200", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
+    });
+    let client = pg.client().await;
+    let reason = wait_for_async("/readyz to be 503", Duration::from_secs(60), || async {
+        client
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                 WHERE slot_name = 'outboxd' AND active_pid IS NOT NULL",
+                &[],
+            )
+            .await
+            .unwrap();
+        http_get(&metrics_addr, "/readyz")
+            .filter(|r| r.0 == 503)
+            .map(|r| r.1)
+    })
+    .await;
+    assert!(reason.contains("reconnecting"), "{reason}");
+    let (_, ready) = wait_for("/readyz to be 200 again", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
+    });
+    assert!(ready.contains("\"mode\":\"cdc\""), "{ready}");
+}
+
+/// A database that stops answering without closing the connection (a blackholed network): `/readyz` says
+/// PostgreSQL is unreachable instead of keeping the last answer (the periodic queries had no timeout).
+#[tokio::test(flavor = "multi_thread")]
+async fn readyz_notices_a_database_that_stopped_answering() {
+    let (pg, broker) = migrated_stack();
+    let proxy = Proxy::start(std::sync::Arc::new(std::sync::atomic::AtomicU16::new(
+        pg.port,
+    )));
+    let (url, brokers) = (pg.url_via(proxy.port), broker.addr());
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "poll", "--metrics-addr", metrics_addr.as_str()]);
+    let _outboxd = Outboxd::spawn(&args);
+    wait_for("/readyz to be 200", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
+    });
+    proxy.stall();
+    let (_, reason) = wait_for("/readyz to be 503", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 503)
+    });
+    assert!(reason.contains("PostgreSQL"), "{reason}");
+    proxy.resume();
+    wait_for("/readyz to be 200 again", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
+    });
 }

@@ -8,7 +8,7 @@ bash tests/support/install-deps.sh
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
-cargo test --lib --bins --tests "$@" 2>&1 | tee "$log" || status=$?
+cargo test --no-fail-fast --lib --bins --tests "$@" 2>&1 | tee "$log" || status=$?
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

@@ -255,6 +255,77 @@ async fn run_concurrent(
     Ok(())
 }
 
+/// `CREATE INDEX CONCURRENTLY IF NOT EXISTS <index> ON <table> <definition>` for a partitioned table, the way
+/// PostgreSQL allows it without locking out writes: the parent's index `ON ONLY` the parent (invalid, and built
+/// in no time), then each partition's index built concurrently and attached; the parent's index is valid once
+/// every partition's is attached, and partitions created later get theirs with their creation.
+async fn build_partitioned_index(
+    client: &mut Client,
+    table: &OutboxTable,
+    index: &str,
+    sql: &str,
+) -> Result<()> {
+    let parent = table.name.quoted();
+    let Some((_, definition)) = sql.split_once(&format!(" ON {parent} ")) else {
+        return Err(Error::setup(
+            format!("cannot read the index statement of migrate for {parent}: {sql}"),
+            "report this as an outboxd bug",
+        ));
+    };
+    let parent_index = format!("\"{}\".{index}", table.name.schema);
+    run_locked(
+        client,
+        &table.name,
+        &format!("CREATE INDEX IF NOT EXISTS {index} ON ONLY {parent} {definition}"),
+    )
+    .await?;
+    let partitions = client
+        .query(
+            "SELECT c.oid::regclass::text, n.nspname::text, c.relname::text, c.relkind = 'p',
+                    EXISTS (SELECT 1 FROM pg_inherits attached JOIN pg_index x ON x.indexrelid = attached.inhrelid
+                            WHERE attached.inhparent = to_regclass($2) AND x.indrelid = c.oid)
+             FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE i.inhparent = to_regclass($1)",
+            &[&parent, &parent_index],
+        )
+        .await?;
+    for partition in partitions {
+        let (name, schema, bare, partitioned, attached): (String, String, String, bool, bool) = (
+            partition.get(0),
+            partition.get(1),
+            partition.get(2),
+            partition.get(3),
+            partition.get(4),
+        );
+        if attached {
+            continue;
+        }
+        if partitioned {
+            return Err(Error::setup(
+                format!("partition {name} of {parent} is itself partitioned: migrate builds indexes of one level of partitions only"),
+                format!("create the index yourself (`CREATE INDEX {index} ON {parent} {definition}` builds it on every level, locking out writes while it runs), then run migrate again"),
+            ));
+        }
+        let partition_index = format!("\"{}\"", derived_name(&bare, index.trim_matches('"')));
+        run_concurrent(
+            client,
+            &schema,
+            &format!(
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS {partition_index} ON {name} {definition}"
+            ),
+            Some(&partition_index),
+        )
+        .await?;
+        run_locked(
+            client,
+            &table.name,
+            &format!("ALTER INDEX {parent_index} ATTACH PARTITION \"{schema}\".{partition_index}"),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// True when the table's claim index exists, is valid and reads in `position NULLS FIRST` order already.
 async fn claim_index_in_order(client: &Client, table: &OutboxTable) -> Result<bool> {
     let index = format!(
@@ -355,6 +426,17 @@ async fn migrate_under_lock(
                 for step in plan(&rendered) {
                     match step {
                         Step::Locked(sql) => run_locked(client, &table.name, &sql).await?,
+                        // PostgreSQL builds no index of a partitioned table concurrently, and drops none.
+                        Step::Concurrent {
+                            sql,
+                            index: Some(index),
+                        } if table.partitioned => {
+                            build_partitioned_index(client, table, &index, &sql).await?
+                        }
+                        Step::Concurrent { sql, index: None } if table.partitioned => {
+                            run_locked(client, &table.name, &sql.replace(" CONCURRENTLY", ""))
+                                .await?
+                        }
                         Step::Concurrent { sql, index } => {
                             run_concurrent(client, &table.name.schema, &sql, index.as_deref())
                                 .await?

@@ -291,6 +291,7 @@ impl CdcPipeline {
                     ));
                 }
                 Err(error) if error.is_transient() || error.awaited_database().is_some() => {
+                    crate::http::READINESS.set_mode("reconnecting");
                     if started.elapsed() > Duration::from_secs(60) {
                         backoff.reset();
                     }

@@ -176,6 +176,9 @@ impl PollWorker {
             match result {
                 Ok(()) => return Ok(()),
                 Err(error) if error.is_transient() || error.awaited_database().is_some() => {
+                    if self.scope == ClaimScope::All {
+                        crate::http::READINESS.set_mode("reconnecting");
+                    }
                     let delay = backoff.next_delay();
                     match outage.judge(&error)? {
                         Some(waiting_for) => {
@@ -246,6 +249,9 @@ impl PollWorker {
             let claimed_at = tokio::time::Instant::now();
             backoff.reset();
             outage.ended();
+            if self.scope == ClaimScope::All {
+                crate::http::READINESS.set_mode("poll");
+            }
             if rows.is_empty() {
                 let notified = async {
                     match &wake {
