@@ -90,7 +90,7 @@ async fn announce(client: &tokio_postgres::Client, role: Role, slot: &str) -> Re
 /// The session settings of the lock connection: the server's side of dead-peer detection (PostgreSQL
 /// applies these to its socket for this session), and no idle-session kill of a connection that idles
 /// between health queries by design.
-fn session_settings() -> String {
+pub(crate) fn session_settings() -> String {
     format!(
         "SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; SET tcp_keepalives_count = {}; \
          SET tcp_user_timeout = {}; SET idle_session_timeout = 0; SET idle_in_transaction_session_timeout = 0",
@@ -102,7 +102,8 @@ fn session_settings() -> String {
 }
 
 /// The rows of `pg_locks` that are the leadership lock for `$1` (the key text) in this database.
-const LOCK_ROWS: &str = "pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+pub(crate) const LOCK_ROWS: &str =
+    "pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
     AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
     AND ((l.classid::int8 << 32) | l.objid::int8) = hashtext($1)::int8";
 
@@ -260,12 +261,35 @@ fn cannot_fence(error: &Error) {
     }
 }
 
-/// The advisory lock's key text (hashed by `hashtext`) for `settings`' tables and slot.
+/// The leadership lock's key text (the lock is `hashtext` of it) for `settings`' tables and slot.
 fn lock_key(settings: &RunSettings) -> String {
-    format!(
-        "outboxd.leader.{}.{}",
-        crate::table::names(&settings.database.tables),
-        settings.database.slot
+    key_text(
+        settings.database.tables.iter().map(|t| &t.name),
+        &settings.database.slot,
+    )
+}
+
+/// `outboxd.leader.<tables>.<slot>`, the tables named `schema.table`, sorted and joined with `, `. Stable
+/// across versions: for one table it is the key every earlier version used (a rolling upgrade never has two
+/// leaders), and it does not depend on the order of `--table`s (earlier versions used that order, so a fleet
+/// of several tables given in another order than sorted gets a new key once: upgrade it all at once).
+pub fn key_text<'a>(
+    tables: impl IntoIterator<Item = &'a crate::config::TableName>,
+    slot: &str,
+) -> String {
+    let mut names: Vec<String> = tables.into_iter().map(|t| t.to_string()).collect();
+    names.sort();
+    names.dedup();
+    format!("outboxd.leader.{}.{slot}", names.join(", "))
+}
+
+/// The lock connection's target: the URL with dead-peer detection on the client's socket.
+pub(crate) fn lock_connection_url(url: &crate::pg::PgUrl) -> crate::pg::PgUrl {
+    url.with_dead_peer_detection(
+        KEEPALIVE_IDLE,
+        KEEPALIVE_INTERVAL,
+        KEEPALIVE_COUNT,
+        USER_TIMEOUT,
     )
 }
 
@@ -276,12 +300,7 @@ pub async fn acquire(
 ) -> Result<Option<Leadership>> {
     let key = lock_key(settings);
     let slot = settings.database.slot.as_str();
-    let url = settings.database.database_url.with_dead_peer_detection(
-        KEEPALIVE_IDLE,
-        KEEPALIVE_INTERVAL,
-        KEEPALIVE_COUNT,
-        USER_TIMEOUT,
-    );
+    let url = lock_connection_url(&settings.database.database_url);
     let mut standing_by = false;
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     // After a failover or switchover the database may be missing or in recovery for a while.
@@ -337,8 +356,13 @@ pub async fn acquire(
                         Ok(false) => return Err(pooler_error()),
                         Err(error) => break error,
                     }
-                    if let Err(error) = within(announce(&client, Role::Active, slot)).await {
+                    if let Err(error) =
+                        within(super::fleet::mark_cdc_tables(&client, settings)).await
+                    {
                         break error; // the lock goes with the session
+                    }
+                    if let Err(error) = within(announce(&client, Role::Active, slot)).await {
+                        break error;
                     }
                     if let Err(error) = within(end_silent_walsender(&client, slot)).await {
                         tracing::debug!(%error, "cannot check the slot for a silent walsender");
@@ -396,6 +420,27 @@ mod tests {
         );
         let long = "s".repeat(63);
         assert_eq!(application_name(Role::Active, &long).len(), 63);
+    }
+
+    #[test]
+    fn the_leadership_key_is_stable_across_versions_and_table_order() {
+        let table = |schema: &str, name: &str| crate::config::TableName {
+            schema: schema.into(),
+            name: name.into(),
+        };
+        // The key of every earlier version for one table (PostgreSQL 15: hashtext = 19094275).
+        assert_eq!(
+            key_text([&table("public", "outbox_event")], "outboxd"),
+            "outboxd.leader.public.outbox_event.outboxd"
+        );
+        let (orders, billing) = (
+            table("orders", "outbox_event"),
+            table("billing", "outbox_event"),
+        );
+        let sorted = "outboxd.leader.billing.outbox_event, orders.outbox_event.outboxd";
+        assert_eq!(key_text([&orders, &billing], "outboxd"), sorted);
+        assert_eq!(key_text([&billing, &orders], "outboxd"), sorted);
+        assert_eq!(key_text([&billing, &orders, &billing], "outboxd"), sorted);
     }
 
     #[test]
