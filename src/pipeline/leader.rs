@@ -444,6 +444,18 @@ mod tests {
     }
 
     #[test]
+    fn a_lock_not_on_our_session_is_a_setup_error_naming_the_fix() {
+        let error = pooler_error();
+        assert!(!error.is_transient());
+        let text = error.to_string();
+        assert!(
+            text.contains("transaction or statement mode")
+                && text.contains("fix: point --database-url at PostgreSQL directly or at a pooler in session mode"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn the_takeover_bound_covers_its_parts_and_is_the_one_readme_states() {
         // A live leader is never taken for a silent one: its health query runs far more often.
         assert!(SILENT_LEADER >= 3 * (HEALTH_INTERVAL + HEALTH_TIMEOUT) / 2);
