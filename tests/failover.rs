@@ -434,3 +434,132 @@ async fn a_cdc_only_table_on_another_history_stops_with_what_may_be_missing() {
     assert!(log.contains("since outboxd last streamed"), "{log}");
     assert!(log.contains("--add-polling-columns"), "{log}");
 }
+
+/// The walsender streaming from `slot`, if any.
+async fn slot_walsender(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
+    slot_active(client, slot).await?;
+    client
+        .query_opt(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ok()
+        .flatten()
+        .and_then(|row| row.get(0))
+}
+
+/// The leader's network goes silent (a node lost, a partition: its connections stay open and nothing
+/// arrives, as through a load balancer or a dropped link): a standby streams within the takeover bound
+/// README states, the old leader notices on its own that it lost the lock, and once the network is back it
+/// stands by instead of leading too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_standby_takes_over_from_a_leader_whose_network_went_silent() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let broker = Broker::start();
+    let brokers = broker.addr();
+    let address = Address::of(&pg);
+    let leader = spawn_outboxd(&address.url("postgres"), &brokers);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, SLOT).await;
+    let standby = spawn_outboxd(&pg.url(), &brokers);
+    wait_for(
+        "the second instance to stand by",
+        Duration::from_secs(30),
+        || standby.log_text().contains("standing by").then_some(()),
+    );
+    let (mut committed, _) = insert_events(&mut client, 0, 20, 5, 10, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let old_walsender = slot_walsender(&client, SLOT)
+        .await
+        .expect("the leader streams");
+
+    address.proxy.stall();
+    let silent = Instant::now();
+    let bound = outboxd::pipeline::leader::TAKEOVER_BOUND;
+    wait_for_async(
+        &format!("a standby to stream within the takeover bound ({bound:?})"),
+        bound,
+        || async {
+            slot_walsender(&client, SLOT)
+                .await
+                .filter(|pid| *pid != old_walsender)
+        },
+    )
+    .await;
+    println!(
+        "standby streaming {:?} after the leader's network went silent",
+        silent.elapsed()
+    );
+    assert!(
+        standby.log_text().contains("took over"),
+        "the standby leads"
+    );
+    assert!(
+        leader.log_text().contains("lost the leadership lock"),
+        "the silent leader noticed by itself that it no longer leads"
+    );
+    let (more, _) = insert_events(&mut client, 20, 20, 5, 10, None).await;
+    committed.extend(more);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+
+    address.proxy.resume();
+    wait_for(
+        "the old leader to stand by once its network is back",
+        Duration::from_secs(60),
+        || {
+            leader
+                .log_text()
+                .contains("another outboxd instance is active")
+                .then_some(())
+        },
+    );
+    let walsenders: i64 = client
+        .query_one("SELECT count(*) FROM pg_stat_replication", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(walsenders, 1, "exactly one instance streams");
+    verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        60,
+        "leader's network went silent",
+    );
+}
+
+/// A server that kills idle sessions (`idle_session_timeout`) does not kill the leadership session (which
+/// idles between health queries): the same session keeps the lock, with no flapping.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_session_kills_leave_the_leadership_session_alone() {
+    let (pg, broker) = migrated_stack();
+    let client = pg.client().await;
+    for statement in [
+        "ALTER SYSTEM SET idle_session_timeout = '500ms'",
+        "SELECT pg_reload_conf()",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    let client = pg.client().await; // the first one is killed while idle from now on
+    let _outboxd = spawn_outboxd(&pg.url(), &broker.addr());
+    wait_for_async(
+        "one leadership session to keep the lock for 20 idle-session timeouts",
+        Duration::from_secs(60),
+        || async {
+            let alive: Option<f64> = client
+                .query_opt(
+                    "SELECT extract(epoch FROM now() - backend_start)::float8 FROM pg_stat_activity
+                     WHERE application_name = 'outboxd active outboxd'",
+                    &[],
+                )
+                .await
+                .ok()
+                .flatten()
+                .map(|row| row.get(0));
+            alive.filter(|secs| *secs > 10.0)
+        },
+    )
+    .await;
+}

@@ -8,6 +8,8 @@ pub mod replication;
 pub mod slot;
 pub mod tls;
 
+use std::time::Duration;
+
 use crate::error::{Error, Result};
 
 /// A PostgreSQL connection target: tokio-postgres's config plus the TLS policy (libpq `sslmode`) that
@@ -52,6 +54,29 @@ impl PgUrl {
     /// The SQL connections' TLS connector for this target.
     pub fn connector(&self) -> postgres_openssl::MakeTlsConnector {
         self.connector.clone()
+    }
+
+    /// This target with TCP keepalives and `tcp_user_timeout` on the client's socket (so that a peer gone
+    /// silent fails the connection within about `user_timeout` instead of the operating system's two hours),
+    /// and a connect timeout when the URL gives none.
+    pub fn with_dead_peer_detection(
+        &self,
+        idle: Duration,
+        interval: Duration,
+        retries: u32,
+        user_timeout: Duration,
+    ) -> PgUrl {
+        let mut url = self.clone();
+        url.config
+            .keepalives(true)
+            .keepalives_idle(idle)
+            .keepalives_interval(interval)
+            .keepalives_retries(retries)
+            .tcp_user_timeout(user_timeout);
+        if url.config.get_connect_timeout().is_none() {
+            url.config.connect_timeout(user_timeout);
+        }
+        url
     }
 
     /// Opens a SQL connection; the caller drives `Connection`.

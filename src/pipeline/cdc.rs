@@ -43,6 +43,8 @@ const UNBLOCK_CHECK_COST_FACTOR: u32 = 20;
 /// Most blocked aggregates tracked one by one. A table with more (a huge hand-off after a slot was
 /// recreated) is held whole: all its events go to the polling path, in order, until few enough remain.
 const MAX_TRACKED_BLOCKED: usize = 50_000;
+/// Longest wait before asking again for a slot another walsender holds, while this instance leads.
+const SLOT_BUSY_RETRY: Duration = Duration::from_secs(1);
 
 pub struct CdcPipeline {
     settings: Arc<RunSettings>,
@@ -211,28 +213,34 @@ impl CdcPipeline {
             let mut parent = shutdown.clone();
             let watcher = tokio::spawn(async move {
                 let lost = tokio::select! {
-                    _ = parent.wait_for(|stop| *stop) => false,
-                    _ = leadership.lost() => true,
+                    _ = parent.wait_for(|stop| *stop) => None,
+                    lost = leadership.lost() => Some(lost),
                 };
+                if let Some(Ok(why)) = &lost {
+                    tracing::warn!(reason = %why, "lost the leadership lock: stopping streaming (another instance may lead now)");
+                }
                 let _ = stop.send(true);
                 lost
             });
             let result = self.run_as_leader(stop_rx).await;
             // Ok means a stop was signalled, so the watcher has finished or is about to.
             let lost = match &result {
-                Ok(()) => watcher.await.unwrap_or(false),
+                Ok(()) => watcher.await.unwrap_or(None),
                 Err(_) => {
                     watcher.abort();
-                    false
+                    None
                 }
             };
-            if lost {
-                tracing::warn!(
-                    "lost the leadership lock (its connection ended); standing by again"
-                );
-                continue;
+            match lost {
+                Some(Ok(_)) => {
+                    tracing::info!(
+                        "stopped streaming after losing the leadership lock; asking for it again"
+                    );
+                    continue;
+                }
+                Some(Err(error)) => return Err(error),
+                None => return result,
             }
-            return result;
         }
     }
 
@@ -261,8 +269,18 @@ impl CdcPipeline {
         });
         let result = self.sessions(shutdown).await;
         let _ = stop_sweeper.send(true);
-        if let Err(error) = sweeper.await {
-            tracing::warn!(%error, "sweeper task failed");
+        // A sweeper waiting on a connection that went silent (leadership lost to a partition) is abandoned:
+        // its leases expire and the next leader's sweeper claims the rows.
+        let mut sweeper = sweeper;
+        match tokio::time::timeout(self.settings.shutdown_timeout, &mut sweeper).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "sweeper task failed"),
+            Err(_) => {
+                sweeper.abort();
+                tracing::warn!(
+                    "the sweeper did not stop within --shutdown-timeout; abandoned it (its leases expire)"
+                );
+            }
         }
         result
     }
@@ -295,7 +313,15 @@ impl CdcPipeline {
                     if started.elapsed() > Duration::from_secs(60) {
                         backoff.reset();
                     }
-                    let delay = backoff.next_delay();
+                    let mut delay = backoff.next_delay();
+                    if let Error::Replication(slot_busy) = &error {
+                        if slot_busy.code() == Some("55006") {
+                            // We hold the leadership lock: a walsender whose client went silent is the
+                            // previous leader's, and is ended; a live one is asked again soon.
+                            self.end_silent_walsender().await;
+                            delay = delay.min(SLOT_BUSY_RETRY);
+                        }
+                    }
                     match outage.judge(&error)? {
                         Some(waiting_for) => {
                             tracing::warn!(%error, retry_in = ?delay, %waiting_for, "cannot stream: waiting for the database (up to --reconnect-timeout)")
@@ -311,6 +337,21 @@ impl CdcPipeline {
                 }
                 Err(error) => return Err(error),
             }
+        }
+    }
+
+    /// See [`leader::end_silent_walsender`]; failures only delay the takeover (logged at debug).
+    async fn end_silent_walsender(&self) {
+        let ended = async {
+            let sql = pg::connect(&self.settings.database.database_url).await?;
+            leader::end_silent_walsender(&sql, &self.settings.database.slot).await
+        };
+        match tokio::time::timeout(leader::HEALTH_TIMEOUT, ended).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "cannot check the slot for a silent walsender")
+            }
+            Err(_) => tracing::debug!("no answer when checking the slot for a silent walsender"),
         }
     }
 

@@ -6,6 +6,7 @@
 
 pub mod backfill;
 pub mod cdc;
+pub mod fleet;
 pub mod history;
 pub mod leader;
 pub mod poll;
@@ -288,6 +289,11 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         .await?;
     }
     retry_until(&settings, deadline, || preflight_brokers(&settings)).await?;
+    // Every instance that may claim rows says in which order; a peer of another order is refused.
+    let announcement = retry_until(&settings, deadline, || {
+        fleet::announce_poll_order(&settings)
+    })
+    .await?;
     if let Some(retention) = &settings.retention {
         tokio::spawn(crate::retention::run(crate::retention::Sweeper {
             database_url: settings.database.database_url.clone(),
@@ -306,14 +312,27 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
     );
     let settings = Arc::new(settings);
     let topics = KnownTopics::default();
-    match settings.mode {
-        Mode::Poll => {
-            tracing::info!(mode = "poll", "polling the outbox table");
-            crate::http::READINESS.set_mode("poll");
-            poll::poll_all_tables(settings, ClaimScope::All, topics, shutdown).await
+    let pipeline = async {
+        match settings.mode {
+            Mode::Poll => {
+                tracing::info!(mode = "poll", "polling the outbox table");
+                crate::http::READINESS.set_mode("poll");
+                poll::poll_all_tables(settings.clone(), ClaimScope::All, topics, shutdown).await
+            }
+            Mode::Cdc => {
+                cdc::CdcPipeline::new(settings.clone(), topics)
+                    .run(shutdown)
+                    .await
+            }
+            Mode::Auto => run_auto(settings.clone(), topics, shutdown).await,
         }
-        Mode::Cdc => cdc::CdcPipeline::new(settings, topics).run(shutdown).await,
-        Mode::Auto => run_auto(settings, topics, shutdown).await,
+    };
+    match announcement {
+        Some(mut announcement) => tokio::select! {
+            result = pipeline => result,
+            conflict = announcement.conflict() => Err(conflict),
+        },
+        None => pipeline.await,
     }
 }
 

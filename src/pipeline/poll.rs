@@ -238,9 +238,20 @@ impl PollWorker {
             poll.retry_base.min(BROKER_DOWN_MAX_WAIT),
             BROKER_DOWN_MAX_WAIT,
         );
+        // Claiming every row next to a live CDC leader would race the slot for them: leave them to it.
+        let mut leader = (self.scope == ClaimScope::All)
+            .then(|| super::fleet::LeaderWatch::new(&self.table().name));
         loop {
             if *shutdown.borrow() {
                 return Ok(());
+            }
+            if let Some(leader) = &mut leader {
+                if leader.defer(&client).await? {
+                    tokio::select! {
+                        _ = tokio::time::sleep(super::fleet::LEADER_CHECK) => continue,
+                        _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                    }
+                }
             }
             let token = Uuid::new_v4();
             let rows = sql
