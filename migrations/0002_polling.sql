@@ -3,7 +3,8 @@
 -- index is built CONCURRENTLY afterwards, so application inserts never wait behind an index build.
 -- Works on a table the user created (--table): missing polling columns are added. With
 -- `--existing-rows published` (the default) the rows a user's table already holds get published_at
--- '-infinity' ("published before outboxd") through the column's default, still without a rewrite; rows inserted
+-- '-infinity' ("published before outboxd") through the column's default, still without a rewrite; with
+-- `--existing-rows unpublished` they get handoff_at '-infinity' (handed to the polling path); rows inserted
 -- afterwards get NULL.
 ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS available_at timestamptz NOT NULL DEFAULT now();
 ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0;
@@ -16,7 +17,8 @@ ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS last_error text;
 ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS dead_at timestamptz;
 -- Rows the replication slot will never deliver (older than the slot, or handed over by the CDC path) are the
 -- polling path's while outboxd runs in cdc/auto mode.
-ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS handoff_at timestamptz;
+ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS handoff_at timestamptz{{handoff_at_default}};
+{{handoff_at_drop_default}}
 -- Insert-time position: per-aggregate order in the polling path.
 CREATE SEQUENCE IF NOT EXISTS {{position_seq}};
 ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS position bigint;

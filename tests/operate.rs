@@ -469,3 +469,55 @@ async fn readyz_notices_a_database_that_stopped_answering() {
         http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
     });
 }
+
+/// A `timestamp without time zone` created_at holds UTC wall-clock time (as outboxd reads it on every path):
+/// its age is measured in UTC, not in the server's time zone (which put it hours off).
+#[tokio::test(flavor = "multi_thread")]
+async fn ages_of_timestamps_without_time_zone_are_read_as_utc() {
+    let pg = Postgres::start();
+    let url = pg.url();
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "ALTER DATABASE postgres SET timezone = 'America/New_York';
+             CREATE TABLE public.local_outbox (
+                 event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL,
+                 created_at timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'UTC'))",
+        )
+        .await
+        .unwrap();
+    let migrate = run_outboxd(&[
+        "migrate",
+        "--database-url",
+        &url,
+        "--table",
+        "public.local_outbox",
+        "--add-polling-columns",
+    ]);
+    assert!(migrate.status.success(), "{}", stderr_of(&migrate));
+    client
+        .batch_execute(
+            "INSERT INTO public.local_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'a', 'E', '{}')",
+        )
+        .await
+        .unwrap();
+    let status = run_outboxd(&[
+        "status",
+        "--database-url",
+        &url,
+        "--table",
+        "public.local_outbox",
+        "--json",
+    ]);
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout)
+        .unwrap_or_else(|e| panic!("status is not JSON ({e}): {}", stderr_of(&status)));
+    let age = json["oldest_unpublished_age_seconds"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{json}"));
+    assert!(
+        (0.0..600.0).contains(&age),
+        "an event inserted just now is {age} s old"
+    );
+}

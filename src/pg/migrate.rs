@@ -65,12 +65,21 @@ pub struct MigrationReport {
     pub publication_created: bool,
     /// Existing tables left without polling columns (no `--add-polling-columns`): they run CDC only.
     pub cdc_only: Vec<String>,
+    /// Tables whose rows were marked published before outboxd (`--existing-rows published`) while the slot
+    /// had not yet streamed all of them: (table, the slot's position, the position it must reach).
+    pub history_awaiting_slot: Vec<(String, crate::lsn::Lsn, crate::lsn::Lsn)>,
 }
+
+/// How long migrate waits for a streaming slot to pass the rows it marked published before outboxd.
+const HISTORY_WAIT: Duration = Duration::from_secs(60);
 
 /// Fills a migration's placeholders with quoted identifiers derived from the (validated) table name and
 /// its column mapping.
-/// `mark_existing_published`: the table gains `published_at` here and its rows count as sent (see 0002).
-fn render_migration(sql: &str, table: &OutboxTable, mark_existing_published: bool) -> String {
+/// `existing`: the table gains `published_at` here, and its rows count as sent (`Published`: `published_at`
+/// '-infinity') or as handed to the polling path at once (`Unpublished`: `handoff_at` '-infinity', so that the
+/// sweeper publishes them even next to a slot that streamed past them long ago). Both through the column's
+/// default, dropped in the same transaction: no rewrite, and rows inserted afterwards get NULL.
+fn render_migration(sql: &str, table: &OutboxTable, existing: Option<ExistingRows>) -> String {
     let name = &table.name;
     let schema = format!("\"{}\"", name.schema);
     let bare = &name.name;
@@ -79,20 +88,28 @@ fn render_migration(sql: &str, table: &OutboxTable, mark_existing_published: boo
         "\"{}\"",
         table.column(Role::CreatedAt).unwrap_or("created_at")
     );
-    let (published_at_default, published_at_drop_default) = if mark_existing_published {
-        (
-            " DEFAULT '-infinity'".to_string(),
-            format!(
-                "ALTER TABLE {} ALTER COLUMN published_at DROP DEFAULT;",
-                name.quoted()
-            ),
-        )
-    } else {
-        (String::new(), String::new())
+    let existing_rows_default = |column: &str, wanted: ExistingRows| {
+        if existing == Some(wanted) {
+            (
+                " DEFAULT '-infinity'".to_string(),
+                format!(
+                    "ALTER TABLE {} ALTER COLUMN {column} DROP DEFAULT;",
+                    name.quoted()
+                ),
+            )
+        } else {
+            (String::new(), String::new())
+        }
     };
+    let (published_at_default, published_at_drop_default) =
+        existing_rows_default("published_at", ExistingRows::Published);
+    let (handoff_at_default, handoff_at_drop_default) =
+        existing_rows_default("handoff_at", ExistingRows::Unpublished);
     let placeholders = [
         ("{{published_at_default}}", published_at_default),
         ("{{published_at_drop_default}}", published_at_drop_default),
+        ("{{handoff_at_default}}", handoff_at_default),
+        ("{{handoff_at_drop_default}}", handoff_at_drop_default),
         ("{{table}}", name.quoted()),
         ("{{schema}}", schema.clone()),
         ("{{position_seq_text}}", position_seq.clone()),
@@ -255,6 +272,38 @@ async fn run_concurrent(
     Ok(())
 }
 
+/// Right after rows were marked published before outboxd: rows committed before that whose slot has not
+/// streamed them yet are safe only while the slot lives (it still sends them; the CDC path publishes marked
+/// rows it meets). Waits up to [`HISTORY_WAIT`] for a streaming slot to pass the current WAL position;
+/// returns the slot's position and the target when it has not (slot inactive or behind).
+async fn history_owed_by_slot(
+    client: &Client,
+    slot: &str,
+) -> Result<Option<(crate::lsn::Lsn, crate::lsn::Lsn)>> {
+    let target: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    let Ok(target) = target.parse::<crate::lsn::Lsn>() else {
+        return Ok(None);
+    };
+    let started = std::time::Instant::now();
+    loop {
+        let Some(state) = slot::slot_state(client, slot).await? else {
+            return Ok(None); // no slot: nothing streams those rows, nothing can skip them
+        };
+        let position = state.confirmed_flush().unwrap_or(crate::lsn::Lsn::ZERO);
+        if position >= target || state.wal_status.as_deref() == Some("lost") {
+            // Lost: the next slot's hand-off covers what it missed (see README).
+            return Ok((position < target).then_some((position, target)));
+        }
+        if !state.active || started.elapsed() > HISTORY_WAIT {
+            return Ok(Some((position, target)));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// `CREATE INDEX CONCURRENTLY IF NOT EXISTS <index> ON <table> <definition>` for a partitioned table, the way
 /// PostgreSQL allows it without locking out writes: the parent's index `ON ONLY` the parent (invalid, and built
 /// in no time), then each partition's index built concurrently and attached; the parent's index is valid once
@@ -408,21 +457,20 @@ async fn migrate_under_lock(
             if done.is_some() {
                 continue;
             }
-            let mut mark_existing_published = false;
+            let mut existing_rows = None;
             if *version > CREATE_TABLE_VERSION {
                 slot::inspect(&*client, table).await?;
                 if !created_here && !has_polling_migrations && !settings.add_polling_columns {
                     report.cdc_only.push(target.clone());
                     break;
                 }
-                mark_existing_published = !created_here
-                    && !table.marks_published
-                    && settings.existing_rows == ExistingRows::Published;
+                existing_rows =
+                    (!created_here && !table.marks_published).then_some(settings.existing_rows);
             }
             let skip =
                 *version == CLAIM_ORDER_VERSION && claim_index_in_order(client, table).await?;
             if !skip {
-                let rendered = render_migration(sql, table, mark_existing_published);
+                let rendered = render_migration(sql, table, existing_rows);
                 for step in plan(&rendered) {
                     match step {
                         Step::Locked(sql) => run_locked(client, &table.name, &sql).await?,
@@ -442,6 +490,13 @@ async fn migrate_under_lock(
                                 .await?
                         }
                     }
+                }
+            }
+            if existing_rows == Some(ExistingRows::Published) {
+                if let Some(owed) = history_owed_by_slot(client, &settings.slot).await? {
+                    report
+                        .history_awaiting_slot
+                        .push((target.clone(), owed.0, owed.1));
                 }
             }
             client
@@ -625,7 +680,11 @@ mod tests {
             vec![],
         );
         for (version, name, sql) in MIGRATIONS {
-            for step in plan(&render_migration(sql, &table, true)) {
+            for step in plan(&render_migration(
+                sql,
+                &table,
+                Some(ExistingRows::Published),
+            )) {
                 match step {
                     Step::Locked(sql) => assert!(
                         !sql.contains("INDEX") || sql.contains("ALTER INDEX"),
@@ -638,7 +697,11 @@ mod tests {
                 }
             }
         }
-        let steps = plan(&render_migration(MIGRATIONS[1].2, &table, true));
+        let steps = plan(&render_migration(
+            MIGRATIONS[1].2,
+            &table,
+            Some(ExistingRows::Published),
+        ));
         assert!(
             matches!(&steps[0], Step::Locked(sql) if sql.contains("DEFAULT '-infinity'") && sql.contains("DROP DEFAULT")),
             "{steps:?}"
@@ -650,7 +713,7 @@ mod tests {
                 index: Some("\"outbox_event_claim_idx\"".into()),
             }
         );
-        let unmarked = plan(&render_migration(MIGRATIONS[1].2, &table, false));
+        let unmarked = plan(&render_migration(MIGRATIONS[1].2, &table, None));
         assert!(
             matches!(&unmarked[0], Step::Locked(sql) if !sql.contains("infinity") && !sql.contains("DROP DEFAULT")),
             "{unmarked:?}"
@@ -669,7 +732,7 @@ mod tests {
             vec![],
         );
         for (version, name, sql) in MIGRATIONS {
-            let rendered = render_migration(sql, &table, true);
+            let rendered = render_migration(sql, &table, Some(ExistingRows::Published));
             assert!(
                 !rendered.contains("{{"),
                 "migration {version} {name} keeps a placeholder:\n{rendered}"

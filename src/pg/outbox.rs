@@ -53,7 +53,18 @@ impl OutboxSql {
             );
         }
         if outbox.polling {
-            sql.hand_off = Some(client.prepare(&stamp("handoff_at")).await?);
+            // A row marked '-infinity' (published before outboxd) that the stream could not publish is handed
+            // off like any other: it becomes unpublished, or it would be dropped.
+            sql.hand_off = Some(
+                client
+                    .prepare(&format!(
+                        "UPDATE {table} SET handoff_at = now(), published_at = NULL
+                         WHERE {id} = ANY($1::uuid[])
+                           AND (published_at IS NULL OR published_at = '-infinity')
+                         RETURNING {id}"
+                    ))
+                    .await?,
+            );
         }
         Ok(sql)
     }
@@ -172,7 +183,8 @@ pub async fn hand_off_rows_older_than_slot(
 /// (the transaction's start), then the inserting transaction's id and the command id within it (one per
 /// INSERT statement), then physical order (rows of one multi-row INSERT). xmin and cmin are the insert's only
 /// while the row was never updated, so this runs before outboxd first touches them: when the polling path
-/// starts and inside the slot's hand-off. Returns the rows numbered (none once done).
+/// starts and inside the slot's hand-off. Reads the claim index (`position NULLS FIRST`), not the table.
+/// Returns the rows numbered (none once done).
 pub async fn number_rows_without_position(
     client: &impl GenericClient,
     table: &OutboxTable,
@@ -188,7 +200,7 @@ pub async fn number_rows_without_position(
                 "WITH ordered AS (
                      SELECT tableoid AS rel, ctid AS tid, count(*) OVER () AS total,
                             row_number() OVER (ORDER BY {created_at}xmin::text::int8, cmin::text::int8, tableoid, ctid) AS n
-                     FROM {name} WHERE position IS NULL AND published_at IS NULL)
+                     FROM {name} WHERE position IS NULL AND published_at IS NULL AND dead_at IS NULL)
                  UPDATE {name} t SET position = ordered.n - ordered.total - 1
                  FROM ordered
                  WHERE t.tableoid = ordered.rel AND t.ctid = ordered.tid AND t.position IS NULL"
@@ -374,7 +386,7 @@ impl PollSql {
             crate::config::PollOrder::PerAggregate => format!(
                 "prefix AS (
                      SELECT {id}, {aggregate_key}, position{created_at_column},
-                            (available_at <= now() AND (lease_until IS NULL OR lease_until < now())) AS ready
+                            (available_at <= now() AND (lease_until IS NULL OR lease_until < clock_timestamp())) AS ready
                      FROM {t} WHERE published_at IS NULL AND dead_at IS NULL {scope_filter}
                      ORDER BY {order_by} LIMIT $4),
                  ranked AS (
@@ -389,7 +401,7 @@ impl PollSql {
                      SELECT {id} AS locked_id FROM {t}
                      WHERE {id} = ANY (ARRAY(SELECT {id} FROM candidates))
                        AND published_at IS NULL AND dead_at IS NULL {scope_filter} AND available_at <= now()
-                       AND (lease_until IS NULL OR lease_until < now())
+                       AND (lease_until IS NULL OR lease_until < clock_timestamp())
                      FOR UPDATE SKIP LOCKED),
                  picked AS (
                      SELECT {id} AS picked_id FROM (
@@ -404,7 +416,7 @@ impl PollSql {
                 "picked AS (
                      SELECT {id} AS picked_id FROM {t}
                      WHERE published_at IS NULL AND dead_at IS NULL {scope_filter} AND available_at <= now()
-                       AND (lease_until IS NULL OR lease_until < now()) AND $4::int8 > 0
+                       AND (lease_until IS NULL OR lease_until < clock_timestamp()) AND $4::int8 > 0
                      ORDER BY {order_by} LIMIT $3 FOR UPDATE SKIP LOCKED)"
             ),
         };
@@ -422,7 +434,7 @@ impl PollSql {
             .collect();
         let claim = format!(
             "WITH {picked}
-             UPDATE {t} e SET lease_token = $1, lease_until = now() + make_interval(secs => $2::float8),
+             UPDATE {t} e SET lease_token = $1, lease_until = clock_timestamp() + make_interval(secs => $2::float8),
                               attempts = e.attempts + 1
              FROM picked WHERE e.{id} = picked.picked_id
              RETURNING e.{id}, {aggregate_type}, e.{aggregate_id}::text, {event_type}, {payload},
@@ -478,7 +490,12 @@ impl PollSql {
         lease: std::time::Duration,
         batch: i64,
     ) -> Result<Vec<ClaimedRow>> {
+        // Leases are measured on the clock (`clock_timestamp()`), not from the transaction's start, so that
+        // waiting for the claim lock never shortens them. A claimer that goes silent inside the transaction
+        // (holding the claim lock every per-aggregate claimer waits for) is ended by the server.
         let tx = client.transaction().await?;
+        tx.batch_execute("SET LOCAL idle_in_transaction_session_timeout = '10s'")
+            .await?;
         if self.serialize_claims {
             tx.execute(
                 "SELECT pg_advisory_xact_lock(hashtext($1))",
@@ -623,7 +640,7 @@ impl PollSql {
 /// are known, and a lease token alone matches no index.
 pub fn renew_statement(outbox: &OutboxTable) -> String {
     format!(
-        "UPDATE {} SET lease_until = now() + make_interval(secs => $2::float8)
+        "UPDATE {} SET lease_until = clock_timestamp() + make_interval(secs => $2::float8)
          WHERE {id} = ANY($3::uuid[]) AND lease_token = $1",
         outbox.name.quoted(),
         id = outbox.col(Role::EventId)

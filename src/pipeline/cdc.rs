@@ -410,7 +410,9 @@ impl CdcPipeline {
         }
         // Rows the slot will never send can be handed to the polling path (of the tables that have it).
         let can_hand_off = db.tables.iter().any(|t| t.polling);
-        let mut conn = ReplicationConnection::connect(&db.replication_url)
+        // Dead-peer detection as on the leadership connection: a silent server ends the session.
+        let url = super::leader::with_dead_peer_detection(&db.replication_url);
+        let mut conn = ReplicationConnection::connect(&url)
             .await
             .map_err(replication_error)?;
         let identity = conn.identify_system().await.map_err(replication_error)?;

@@ -50,6 +50,25 @@ async fn held_by_another(client: &tokio_postgres::Client, key: &str) -> Result<b
     Ok(row.get(0))
 }
 
+/// True when another live session holds the CDC marker `key` and its slot is in use. A leader that holds
+/// the lock but does not stream (its replication URL down, its slot held by another client) is no reason to
+/// wait: the leader's session names its slot (`outboxd active <slot>`), which must be active. A slot name cut
+/// by the 63-byte application_name matches nothing: then the poller claims (duplicates, never a stall).
+async fn streamed_by_another(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
+    let sql = format!(
+        "SELECT EXISTS (SELECT 1 FROM {LOCK_ROWS} AND l.pid <> pg_backend_pid()
+             AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid
+                 AND a.state = 'idle' AND a.state_change < now() - make_interval(secs => $2))
+             AND EXISTS (SELECT 1 FROM pg_stat_activity a JOIN pg_replication_slots s
+                         ON s.slot_name = substr(a.application_name, length('outboxd active ') + 1)
+                         WHERE a.pid = l.pid AND a.application_name LIKE 'outboxd active %' AND s.active))"
+    );
+    let row = client
+        .query_one(&sql, &[&key, &leader::SILENT_LEADER.as_secs_f64()])
+        .await?;
+    Ok(row.get(0))
+}
+
 /// Takes, on a leader's lock connection, the marker of every table it streams.
 pub async fn mark_cdc_tables(
     client: &tokio_postgres::Client,
@@ -91,7 +110,7 @@ impl LeaderWatch {
             return Ok(self.deferring);
         }
         self.next_check = Instant::now() + LEADER_CHECK;
-        let leads = held_by_another(client, &self.key).await?;
+        let leads = streamed_by_another(client, &self.key).await?;
         if leads != self.deferring {
             if leads {
                 tracing::info!(table = %self.table, "a CDC leader streams this table: this poller claims none of its rows while that leader lives");
@@ -152,7 +171,7 @@ pub async fn announce_poll_order(settings: &RunSettings) -> Result<Option<PollOr
         return Ok(None);
     }
     let order = settings.poll.order;
-    let url = leader::lock_connection_url(&settings.database.database_url);
+    let url = leader::with_dead_peer_detection(&settings.database.database_url);
     let client = announce(&url, &tables, order)
         .await?
         .map_err(mixed_orders)?;

@@ -283,8 +283,9 @@ pub fn key_text<'a>(
     format!("outboxd.leader.{}.{slot}", names.join(", "))
 }
 
-/// The lock connection's target: the URL with dead-peer detection on the client's socket.
-pub(crate) fn lock_connection_url(url: &crate::pg::PgUrl) -> crate::pg::PgUrl {
+/// The URL with dead-peer detection on the client's socket, for the connections a silent server must end:
+/// the leadership lock, the fleet announcements and the replication stream.
+pub(crate) fn with_dead_peer_detection(url: &crate::pg::PgUrl) -> crate::pg::PgUrl {
     url.with_dead_peer_detection(
         KEEPALIVE_IDLE,
         KEEPALIVE_INTERVAL,
@@ -300,7 +301,7 @@ pub async fn acquire(
 ) -> Result<Option<Leadership>> {
     let key = lock_key(settings);
     let slot = settings.database.slot.as_str();
-    let url = lock_connection_url(&settings.database.database_url);
+    let url = with_dead_peer_detection(&settings.database.database_url);
     let mut standing_by = false;
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     // After a failover or switchover the database may be missing or in recovery for a while.

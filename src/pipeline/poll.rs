@@ -205,7 +205,11 @@ impl PollWorker {
         outage: &mut super::DatabaseOutage,
     ) -> Result<()> {
         let poll = &self.settings.poll;
-        let mut client = pg::connect(&self.settings.database.database_url).await?;
+        // A silent server must end the session (it may hold the claim lock every claimer waits for).
+        let mut client = pg::connect(&super::leader::with_dead_peer_detection(
+            &self.settings.database.database_url,
+        ))
+        .await?;
         if pg::in_recovery(&client).await? {
             return Err(Error::in_recovery());
         }
@@ -213,11 +217,11 @@ impl PollWorker {
         client
             .batch_execute("SET datestyle = 'ISO'; SET TIME ZONE 'UTC'")
             .await?;
-        if self.scope == ClaimScope::All {
-            let numbered = outbox::number_rows_without_position(&client, self.table()).await?;
-            if numbered > 0 {
-                tracing::info!(table = %self.table().name, rows = numbered, "gave rows without a position one, in insert order");
-            }
+        // Rows older than the polling columns have no position; the sweeper may meet them too (handed off by
+        // `migrate --existing-rows unpublished`).
+        let numbered = outbox::number_rows_without_position(&client, self.table()).await?;
+        if numbered > 0 {
+            tracing::info!(table = %self.table().name, rows = numbered, "gave rows without a position one, in insert order");
         }
         let sql = PollSql::prepare(&client, self.table(), poll.order, self.scope).await?;
         let (delivery_tx, mut deliveries) = mpsc::unbounded_channel();
@@ -254,10 +258,11 @@ impl PollWorker {
                 }
             }
             let token = Uuid::new_v4();
+            // Before the claim: the lease runs from the moment the claim took the rows, at the latest.
+            let claimed_at = tokio::time::Instant::now();
             let rows = sql
                 .claim(&mut client, token, poll.lease, poll.batch_size)
                 .await?;
-            let claimed_at = tokio::time::Instant::now();
             backoff.reset();
             outage.ended();
             if self.scope == ClaimScope::All {
@@ -425,9 +430,16 @@ impl PollWorker {
                 _ => None,
             })
         };
+        // Confirmed by asking a broker: a fault of one partition or topic (its leader gone, NotEnoughReplicas)
+        // in a batch of one hot aggregate looks the same, and must keep its per-row backoff, or that batch
+        // would come back first at every claim and hold every other aggregate up.
         report.broker_down = delivered.is_empty()
             && failures().next().is_some()
-            && failures().all(|rejection| !rejection.permanent);
+            && failures().all(|rejection| !rejection.permanent)
+            && publisher
+                .check_brokers(Duration::from_secs(2))
+                .await
+                .is_err();
         if report.broker_down {
             let failed = ids_where(|o| matches!(o, Outcome::Failed(_)));
             let reason = failures().next().map(|r| r.reason.as_str());

@@ -461,6 +461,28 @@ async fn negotiate_tls(
     }
 }
 
+/// Applies the URL's TCP keepalives and `tcp_user_timeout` (as libpq and tokio-postgres do for SQL
+/// connections): a server gone silent (node lost, network partitioned) fails the stream within about that
+/// timeout, since status updates go out every second, instead of the operating system's two hours.
+fn detect_dead_peer(stream: &TcpStream, config: &tokio_postgres::Config) -> std::io::Result<()> {
+    let socket = socket2::SockRef::from(stream);
+    if config.get_keepalives() {
+        let mut keepalive = socket2::TcpKeepalive::new().with_time(config.get_keepalives_idle());
+        if let Some(interval) = config.get_keepalives_interval() {
+            keepalive = keepalive.with_interval(interval);
+        }
+        if let Some(retries) = config.get_keepalives_retries() {
+            keepalive = keepalive.with_retries(retries);
+        }
+        socket.set_tcp_keepalive(&keepalive)?;
+    }
+    #[cfg(target_os = "linux")]
+    if let Some(timeout) = config.get_tcp_user_timeout() {
+        socket.set_tcp_user_timeout(Some(*timeout))?;
+    }
+    Ok(())
+}
+
 async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, ReplicationError> {
     let default_host = [Host::Tcp("localhost".to_string())];
     let hosts = if config.get_hosts().is_empty() {
@@ -481,12 +503,13 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, Repl
                 let target = format!("{name}:{port}");
                 let result = TcpStream::connect((name.as_str(), port))
                     .await
-                    .map(|stream| {
+                    .and_then(|stream| {
                         let _ = stream.set_nodelay(true);
-                        OpenSocket::Tcp {
+                        detect_dead_peer(&stream, config)?;
+                        Ok(OpenSocket::Tcp {
                             stream,
                             host: name.clone(),
-                        }
+                        })
                     });
                 (target, result)
             }
