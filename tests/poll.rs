@@ -1252,3 +1252,83 @@ async fn replay_under_cdc_publishes_an_event_dead_lettered_in_poll_mode() {
     let records = consume_all(&brokers, &[TOPIC], 1, Duration::from_secs(60));
     assert_eq!(records[0].headers["event_id"], poison.to_string());
 }
+
+/// The lease was measured from the claim transaction's start (`now()`), before its wait for the claim lock,
+/// while renewals count from when the claim returned: a 3 s wait left 1 s of a 4 s lease, and a second worker
+/// claimed the row before the first renewal was due. (Found by the adversarial review.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
+    use outboxd::pg::outbox::{ClaimScope, PollSql};
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    let id = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', 'a', 'E', '{}')",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let mut table = outboxd::table::OutboxTable::new(
+        outboxd::config::TableName {
+            schema: "public".into(),
+            name: "outbox_event".into(),
+        },
+        Default::default(),
+        &[],
+        vec![],
+    );
+    outboxd::pg::slot::inspect(&client, &mut table)
+        .await
+        .unwrap();
+    let mut w1 = pg.client().await;
+    let mut w2 = pg.client().await;
+    let order = outboxd::config::PollOrder::PerAggregate;
+    let sql1 = PollSql::prepare(&w1, &table, order, ClaimScope::All)
+        .await
+        .unwrap();
+    let sql2 = PollSql::prepare(&w2, &table, order, ClaimScope::All)
+        .await
+        .unwrap();
+    // Another claimer holds the claim lock for 3 s (a slow claim under load).
+    let mut blocker = pg.client().await;
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+    let hold = tokio::spawn(async move {
+        let tx = blocker.transaction().await.unwrap();
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('outboxd.claim.public.outbox_event'))",
+            &[],
+        )
+        .await
+        .unwrap();
+        held_tx.send(()).unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        tx.commit().await.unwrap();
+    });
+    held_rx.await.unwrap();
+    let lease = Duration::from_secs(4);
+    let t1 = uuid::Uuid::new_v4();
+    let rows = sql1.claim(&mut w1, t1, lease, 10).await.unwrap();
+    let claimed_at = tokio::time::Instant::now();
+    hold.await.unwrap();
+    assert_eq!(rows.len(), 1);
+    let left: f64 = client
+        .query_one(
+            "SELECT extract(epoch FROM lease_until - clock_timestamp())::float8 FROM outbox_event WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    println!("lease left right after the claim returned: {left:.2}s of {lease:?}");
+    // Just before the worker's first renewal (claimed_at + lease/2), another worker claims the same row.
+    tokio::time::sleep_until(claimed_at + lease / 2 - Duration::from_millis(300)).await;
+    let t2 = uuid::Uuid::new_v4();
+    let again = sql2.claim(&mut w2, t2, lease, 10).await.unwrap();
+    assert!(
+        again.is_empty(),
+        "a second worker claimed the row {left:.2}s into a {lease:?} lease, before the holder's first renewal was due"
+    );
+}
