@@ -9,15 +9,6 @@ use std::time::Duration;
 use support::*;
 
 /// Runs `outboxd migrate` with `args` and fails the test if it fails.
-fn migrate_with(url: &str, args: &[&str]) -> String {
-    let mut argv = vec!["migrate", "--database-url", url];
-    argv.extend_from_slice(args);
-    let output = run_outboxd(&argv);
-    let stderr = stderr_of(&output);
-    assert!(output.status.success(), "migrate failed: {stderr}");
-    stderr
-}
-
 /// A PostgreSQL cluster with `create` run in it, a broker, and a client.
 async fn stack_with(create: &str) -> (Postgres, Broker, tokio_postgres::Client) {
     let pg = Postgres::start();

@@ -14,15 +14,6 @@ const USER_TABLE: &str = "CREATE TABLE public.outbox_event (
     event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
     event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())";
 
-fn migrate_with(url: &str, args: &[&str]) -> String {
-    let mut argv = vec!["migrate", "--database-url", url];
-    argv.extend_from_slice(args);
-    let output = run_outboxd(&argv);
-    let stderr = stderr_of(&output);
-    assert!(output.status.success(), "migrate failed: {stderr}");
-    stderr
-}
-
 /// An application session that inserts one event per transaction, as an order service does, with
 /// `lock_timeout = '1s'`, until stopped. Counts commits and failures.
 struct Application {

@@ -356,18 +356,7 @@ async fn periodic_queries_read_an_index_not_the_table() {
         .batch_execute("VACUUM ANALYZE outbox_event")
         .await
         .unwrap();
-    let mut table = outboxd::table::OutboxTable::new(
-        outboxd::config::TableName {
-            schema: "public".into(),
-            name: "outbox_event".into(),
-        },
-        Default::default(),
-        &[],
-        vec![],
-    );
-    outboxd::pg::slot::inspect(&client, &mut table)
-        .await
-        .unwrap();
+    let table = outbox_event_table(&client).await;
     let statements = outbox::backlog_statements(&table);
     client
         .batch_execute(&format!(
@@ -399,7 +388,9 @@ async fn periodic_queries_read_an_index_not_the_table() {
             "{what} scans the table:\n{sql}\n{plan}"
         );
     }
-    let backlog = outbox::backlog(&client, &[table.clone()]).await.unwrap();
+    let backlog = outbox::backlog(&client, std::slice::from_ref(&table))
+        .await
+        .unwrap();
     assert_eq!(
         backlog.unpublished_events, 95,
         "dead letters are no backlog"

@@ -1139,18 +1139,7 @@ async fn a_claim_never_skips_a_locked_earlier_event_of_its_aggregate() {
             .await
             .unwrap();
     }
-    let mut table = outboxd::table::OutboxTable::new(
-        outboxd::config::TableName {
-            schema: "public".into(),
-            name: "outbox_event".into(),
-        },
-        Default::default(),
-        &[],
-        vec![],
-    );
-    outboxd::pg::slot::inspect(&client, &mut table)
-        .await
-        .unwrap();
+    let table = outbox_event_table(&client).await;
     let mut claimer = pg.client().await;
     let lease = Duration::from_secs(30);
     let sql = PollSql::prepare(
@@ -1271,18 +1260,7 @@ async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
         )
         .await
         .unwrap();
-    let mut table = outboxd::table::OutboxTable::new(
-        outboxd::config::TableName {
-            schema: "public".into(),
-            name: "outbox_event".into(),
-        },
-        Default::default(),
-        &[],
-        vec![],
-    );
-    outboxd::pg::slot::inspect(&client, &mut table)
-        .await
-        .unwrap();
+    let table = outbox_event_table(&client).await;
     let mut w1 = pg.client().await;
     let mut w2 = pg.client().await;
     let order = outboxd::config::PollOrder::PerAggregate;

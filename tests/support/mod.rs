@@ -910,6 +910,33 @@ pub fn run_args<'a>(pg: &'a str, brokers: &'a str) -> Vec<&'a str> {
     ]
 }
 
+/// `outboxd migrate` with `args`; returns its log.
+pub fn migrate_with(url: &str, args: &[&str]) -> String {
+    let mut argv = vec!["migrate", "--database-url", url];
+    argv.extend_from_slice(args);
+    let output = run_outboxd(&argv);
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "migrate failed: {stderr}");
+    stderr
+}
+
+/// The default table `public.outbox_event`, inspected, for tests that call the library's SQL directly.
+pub async fn outbox_event_table(client: &tokio_postgres::Client) -> outboxd::table::OutboxTable {
+    let mut table = outboxd::table::OutboxTable::new(
+        outboxd::config::TableName {
+            schema: "public".into(),
+            name: "outbox_event".into(),
+        },
+        Default::default(),
+        &[],
+        vec![],
+    );
+    outboxd::pg::slot::inspect(client, &mut table)
+        .await
+        .expect("cannot inspect public.outbox_event");
+    table
+}
+
 pub fn migrate(pg: &Postgres) {
     let output = run_outboxd(&["migrate", "--database-url", &pg.url()]);
     assert!(
