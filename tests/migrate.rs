@@ -349,3 +349,57 @@ async fn indexes_of_a_partitioned_table_are_built_partition_by_partition() {
     // Idempotent.
     migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
 }
+
+/// `--existing-rows published` while the slot has not streamed every row yet (outboxd stopped for the
+/// upgrade), then the slot is lost before outboxd streams them: the rows it owed are handed to the polling path
+/// (the '-infinity' mark used to leave them unpublished for good).
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_a_lost_slot_owed_when_history_was_marked_are_still_published() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client.batch_execute(USER_TABLE).await.unwrap();
+    migrate_with(&url, &[]);
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (mut committed, _) = insert_events(&mut client, 0, 2, 5, 5, None).await;
+    consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    outboxd.kill();
+    // Committed while outboxd is stopped: the slot owes them.
+    let (owed, _) = insert_events(&mut client, 2, 2, 5, 5, None).await;
+    committed.extend(owed.iter().cloned());
+    let log = migrate_with(&url, &["--add-polling-columns"]);
+    assert!(log.contains("has not streamed all of them"), "{log}");
+    // The slot is lost before outboxd runs again.
+    for statement in [
+        "ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'",
+        "SELECT pg_reload_conf()",
+        "CREATE TABLE filler (x text)",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    wait_for_async("the slot to be lost", Duration::from_secs(60), || async {
+        for statement in [
+            "INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 5000)",
+            "SELECT pg_switch_wal()",
+            "CHECKPOINT",
+        ] {
+            client.batch_execute(statement).await.unwrap();
+        }
+        let status: Option<String> = client
+            .query_one(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (status.as_deref() == Some("lost")).then_some(())
+    })
+    .await;
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(90));
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(report.missing, 0, "rows the lost slot owed: {report:?}");
+}

@@ -272,6 +272,33 @@ async fn run_concurrent(
     Ok(())
 }
 
+/// Records, in the comment of `published_at`, the WAL position up to which rows were marked published before
+/// outboxd ('-infinity'): every such row committed before it. A slot lost before it had confirmed that
+/// position may not have streamed them all; the CDC path then hands them all to the polling path
+/// ([`crate::pg::outbox::republish_history_a_lost_slot_owed`]). A comment needs no grant to read.
+async fn mark_history(client: &mut Client, table: &OutboxTable) -> Result<()> {
+    let position: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    let position: crate::lsn::Lsn = position.parse().map_err(|_| {
+        Error::setup(
+            format!("unexpected WAL position {position:?}"),
+            "report this as an outboxd bug, with the server version",
+        )
+    })?;
+    run_locked(
+        client,
+        &table.name,
+        &format!(
+            "COMMENT ON COLUMN {}.published_at IS '{}{position}'",
+            table.name.quoted(),
+            crate::pg::outbox::HISTORY_MARK
+        ),
+    )
+    .await
+}
+
 /// Right after rows were marked published before outboxd: rows committed before that whose slot has not
 /// streamed them yet are safe only while the slot lives (it still sends them; the CDC path publishes marked
 /// rows it meets). Waits up to [`HISTORY_WAIT`] for a streaming slot to pass the current WAL position;
@@ -493,6 +520,7 @@ async fn migrate_under_lock(
                 }
             }
             if existing_rows == Some(ExistingRows::Published) {
+                mark_history(client, table).await?;
                 if let Some(owed) = history_owed_by_slot(client, &settings.slot).await? {
                     report
                         .history_awaiting_slot

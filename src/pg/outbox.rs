@@ -178,6 +178,51 @@ pub async fn hand_off_rows_older_than_slot(
     Ok(marked)
 }
 
+/// The start of `published_at`'s comment that records up to which WAL position rows were marked published
+/// before outboxd (`migrate --existing-rows published`), followed by that position.
+pub const HISTORY_MARK: &str = "outboxd: rows with published_at -infinity were marked published before outboxd, all committed before WAL ";
+
+/// Called before a lost slot (`confirmed`: its last confirmed position) is replaced. Rows marked published
+/// before outboxd after that position may never have been streamed: every '-infinity' row of such a table is
+/// handed to the polling path (those the slot did stream are published again: duplicates, never a loss).
+/// Returns the rows handed off.
+pub async fn republish_history_a_lost_slot_owed(
+    client: &Client,
+    tables: &[OutboxTable],
+    confirmed: crate::lsn::Lsn,
+) -> Result<u64> {
+    let mut handed_off = 0;
+    for table in tables.iter().filter(|t| t.polling) {
+        let comment: Option<String> = client
+            .query_one(
+                "SELECT col_description(to_regclass($1), a.attnum) FROM pg_attribute a
+                 WHERE a.attrelid = to_regclass($1) AND a.attname = 'published_at'",
+                &[&table.name.quoted()],
+            )
+            .await?
+            .get(0);
+        let marked_up_to = comment
+            .as_deref()
+            .and_then(|c| c.strip_prefix(HISTORY_MARK))
+            .and_then(|position| position.parse::<crate::lsn::Lsn>().ok());
+        if marked_up_to.is_none_or(|marked| marked <= confirmed) {
+            continue;
+        }
+        let rows = client
+            .execute(
+                &format!(
+                    "UPDATE {} SET published_at = NULL, handoff_at = now() WHERE published_at = '-infinity'",
+                    table.name.quoted()
+                ),
+                &[],
+            )
+            .await?;
+        tracing::warn!(table = %table.name, rows, "the lost slot had not streamed every row marked published before outboxd: handed them all to the polling path (some are published again)");
+        handed_off += rows;
+    }
+    Ok(handed_off)
+}
+
 /// Gives the unpublished rows that have no `position` (older than the polling migration, or in a table given
 /// `migrate --add-polling-columns`) one in insert order, before every sequence-filled row: by `created_at`
 /// (the transaction's start), then the inserting transaction's id and the command id within it (one per

@@ -188,7 +188,8 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
 
 /// Drops the slot if PostgreSQL invalidated it (`wal_status = lost`): it can never stream again. Only safe
 /// when the polling path will publish what the slot missed (the next slot's snapshot hands those rows off).
-pub async fn drop_if_lost(client: &Client, slot: &str) -> Result<bool> {
+/// Rows marked published before outboxd that it may not have streamed are handed off first.
+pub async fn drop_if_lost(client: &Client, slot: &str, tables: &[OutboxTable]) -> Result<bool> {
     let Some(state) = slot_state(client, slot).await? else {
         return Ok(false);
     };
@@ -196,6 +197,8 @@ pub async fn drop_if_lost(client: &Client, slot: &str) -> Result<bool> {
         return Ok(false);
     }
     tracing::warn!(slot, "replication slot was invalidated (wal_status = lost); dropping it so a new one can be created; rows committed meanwhile go through the polling path");
+    let confirmed = state.confirmed_flush().unwrap_or(Lsn::ZERO);
+    crate::pg::outbox::republish_history_a_lost_slot_owed(client, tables, confirmed).await?;
     terminate_and_drop(client, slot, state.active_pid).await?;
     Ok(true)
 }

@@ -428,7 +428,7 @@ impl CdcPipeline {
         }
         // A lost slot is replaced only when every table's gap can be covered by the polling path.
         if super::has_polling_columns(&settings) {
-            slot::drop_if_lost(&sql, &db.slot).await?;
+            slot::drop_if_lost(&sql, &db.slot, &db.tables).await?;
         }
         if can_hand_off {
             slot::undo_interrupted_creation(&sql, &db.slot).await?;

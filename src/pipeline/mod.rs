@@ -162,7 +162,7 @@ async fn replication_availability(settings: &RunSettings, can_sweep: bool) -> Re
     }
     slot::check_publication(&sql, db).await?;
     if can_sweep {
-        slot::drop_if_lost(&sql, &db.slot).await?;
+        slot::drop_if_lost(&sql, &db.slot, &db.tables).await?;
     }
     slot::check_existing_slot(&sql, &db.slot).await?;
     // Replication permission is tested by trying it: managed services grant it through roles.
