@@ -7,6 +7,10 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/env.sh"
+# OUTBOXD_TEST_BROKER=kafka: Apache Kafka instead (tests/support/kafka.sh, same commands).
+if [ "${OUTBOXD_TEST_BROKER:-tansu}" = kafka ]; then
+  exec "$here/kafka.sh" "$@"
+fi
 
 cmd="${1:?usage: broker.sh start|stop DIR [PORT]}"
 dir="${2:?DIR required}"
