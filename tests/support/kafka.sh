@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Apache Kafka (KRaft, one combined broker+controller node) for tests and the demo, from Maven Central.
+# Apache Kafka (KRaft, combined broker+controller nodes) for tests and the demo, from Maven Central.
 #   kafka.sh install               copy Kafka and a log4j2 binding into the cache (once; needs Java 17 and Maven)
 #   kafka.sh start DIR PORT [ADVERTISED_PORT]
-#                                  format DIR and start a node in the background (pid in DIR/kafka.pid), clients
-#                                  on 127.0.0.1:PORT (sent to ADVERTISED_PORT, e.g. a test's proxy); waits until
-#                                  it accepts connections
-#   kafka.sh stop DIR              stop it
-# Not yet the tests' broker (they use broker.sh, tansu): this is the first step of moving them to Apache Kafka.
+#                                  format DIR and start one node in the background (pid in DIR/kafka.pid),
+#                                  clients on 127.0.0.1:PORT (sent to ADVERTISED_PORT, e.g. a test's proxy);
+#                                  waits until it has started
+#   kafka.sh start-cluster DIR PORT1 PORT2 PORT3
+#                                  three nodes (DIR/node1..3, one cluster, a static quorum of all three),
+#                                  replication factor 3 and min.insync.replicas=2 by default
+#   kafka.sh start-node DIR        start a stopped node again (DIR, or DIR/nodeN of a cluster)
+#   kafka.sh stop DIR              stop a node (DIR, or DIR/nodeN of a cluster)
+# Not yet the tests' broker by default (they use broker.sh, tansu; OUTBOXD_TEST_BROKER=kafka switches).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/env.sh"
@@ -28,38 +32,45 @@ install() {
   mv "$KAFKA_LIB.partial" "$KAFKA_LIB"
 }
 
+require_kafka() {
+  [ -f "$KAFKA_LIB/kafka_2.13-$KAFKA_VERSION.jar" ] || {
+    echo "Kafka not found in $KAFKA_LIB: run tests/support/kafka.sh install" >&2
+    exit 1
+  }
+}
+
 free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-cmd="${1:?usage: kafka.sh install|start|stop ...}"
-case "$cmd" in
-  install) install ;;
-  start)
-    dir="${2:?DIR required}"
-    port="${3:?PORT required}"
-    advertised="${4:-$port}"
-    [ -f "$KAFKA_LIB/kafka_2.13-$KAFKA_VERSION.jar" ] || { echo "Kafka not found in $KAFKA_LIB: run tests/support/kafka.sh install" >&2; exit 1; }
-    mkdir -p "$dir"
-    dir="$(cd "$dir" && pwd)"
-    controller="$(free_port)"
-    cat >"$dir/server.properties" <<EOF
+new_cluster_id() {
+  java -cp "$KAFKA_LIB/*" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1
+}
+
+# write_node_config DIR NODE_ID PORT ADVERTISED_PORT CONTROLLER_PORT VOTERS REPLICATION
+write_node_config() {
+  local dir="$1" id="$2" port="$3" advertised="$4" controller="$5" voters="$6" replication="$7"
+  local min_isr=1
+  if [ "$replication" -ge 3 ]; then min_isr=2; fi
+  cat >"$dir/server.properties" <<EOF
 process.roles=broker,controller
-node.id=1
-controller.quorum.voters=1@127.0.0.1:$controller
+node.id=$id
+controller.quorum.voters=$voters
 listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$controller
 advertised.listeners=PLAINTEXT://127.0.0.1:$advertised
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 log.dirs=$dir/data
-offsets.topic.replication.factor=1
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
+default.replication.factor=$replication
+min.insync.replicas=$min_isr
+offsets.topic.replication.factor=$replication
+transaction.state.log.replication.factor=$replication
+transaction.state.log.min.isr=$min_isr
 group.initial.rebalance.delay.ms=0
 auto.create.topics.enable=false
 EOF
-    cat >"$dir/log4j2.properties" <<EOF
+  cat >"$dir/log4j2.properties" <<EOF
 rootLogger.level=INFO
 rootLogger.appenderRef.file.ref=file
 appender.file.type=File
@@ -68,33 +79,98 @@ appender.file.fileName=$dir/kafka.log
 appender.file.layout.type=PatternLayout
 appender.file.layout.pattern=[%d] %p %m (%c)%n
 EOF
-    if [ ! -f "$dir/data/meta.properties" ]; then
-      cluster_id="$(java -cp "$KAFKA_LIB/*" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1)"
-      java -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$KAFKA_LIB/*" \
-        kafka.tools.StorageTool format -t "$cluster_id" -c "$dir/server.properties" >"$dir/format.log" 2>&1 \
-        || { cat "$dir/format.log" >&2; exit 1; }
+}
+
+# format_node DIR CLUSTER_ID: once per storage directory.
+format_node() {
+  local dir="$1" cluster_id="$2"
+  if [ -f "$dir/data/meta.properties" ]; then return 0; fi
+  java -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$KAFKA_LIB/*" \
+    kafka.tools.StorageTool format -t "$cluster_id" -c "$dir/server.properties" >"$dir/format.log" 2>&1 \
+    || { cat "$dir/format.log" >&2; exit 1; }
+}
+
+# launch_node DIR [nowait]
+launch_node() {
+  local dir="$1"
+  : >"$dir/kafka.log"
+  nohup java -Xmx512m -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$KAFKA_LIB/*" \
+    kafka.Kafka "$dir/server.properties" >"$dir/stdout.log" 2>&1 &
+  echo $! >"$dir/kafka.pid"
+  if [ "${2:-}" != nowait ]; then wait_node "$dir"; fi
+}
+
+wait_node() {
+  local dir="$1"
+  for _ in $(seq 1 300); do
+    if grep -q "Kafka Server started" "$dir/kafka.log" 2>/dev/null; then return 0; fi
+    kill -0 "$(cat "$dir/kafka.pid")" 2>/dev/null || { cat "$dir/stdout.log" "$dir/kafka.log" >&2; exit 1; }
+    sleep 0.2
+  done
+  echo "Kafka node in $dir did not start within 60 s" >&2
+  tail -20 "$dir/kafka.log" >&2
+  exit 1
+}
+
+stop_node() {
+  local dir="$1"
+  if [ -f "$dir/kafka.pid" ]; then
+    local pid
+    pid="$(cat "$dir/kafka.pid")"
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+    rm -f "$dir/kafka.pid"
+  fi
+}
+
+cmd="${1:?usage: kafka.sh install|start|start-cluster|start-node|stop ...}"
+case "$cmd" in
+  install) install ;;
+  start)
+    dir="${2:?DIR required}"
+    port="${3:?PORT required}"
+    advertised="${4:-$port}"
+    require_kafka
+    mkdir -p "$dir"
+    dir="$(cd "$dir" && pwd)"
+    if [ ! -f "$dir/server.properties" ]; then
+      controller="$(free_port)"
+      write_node_config "$dir" 1 "$port" "$advertised" "$controller" "1@127.0.0.1:$controller" 1
+      format_node "$dir" "$(new_cluster_id)"
     fi
-    nohup java -Xmx512m -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$KAFKA_LIB/*" \
-      kafka.Kafka "$dir/server.properties" >"$dir/stdout.log" 2>&1 &
-    echo $! >"$dir/kafka.pid"
-    for _ in $(seq 1 300); do
-      if grep -q "Kafka Server started" "$dir/kafka.log" 2>/dev/null; then
-        exit 0
-      fi
-      kill -0 "$(cat "$dir/kafka.pid")" 2>/dev/null || { cat "$dir/stdout.log" "$dir/kafka.log" >&2; exit 1; }
-      sleep 0.2
+    launch_node "$dir"
+    ;;
+  start-cluster)
+    dir="${2:?DIR required}"
+    ports=("${3:?PORT1 required}" "${4:?PORT2 required}" "${5:?PORT3 required}")
+    require_kafka
+    mkdir -p "$dir"
+    dir="$(cd "$dir" && pwd)"
+    controllers=("$(free_port)" "$(free_port)" "$(free_port)")
+    voters="1@127.0.0.1:${controllers[0]},2@127.0.0.1:${controllers[1]},3@127.0.0.1:${controllers[2]}"
+    cluster_id="$(new_cluster_id)"
+    for n in 1 2 3; do
+      node="$dir/node$n"
+      mkdir -p "$node"
+      write_node_config "$node" "$n" "${ports[$((n - 1))]}" "${ports[$((n - 1))]}" \
+        "${controllers[$((n - 1))]}" "$voters" 3
+      format_node "$node" "$cluster_id"
     done
-    echo "Kafka did not start on port $port within 60 s" >&2; tail -20 "$dir/kafka.log" >&2; exit 1
+    # A static quorum elects a controller only once a majority runs: start all three, then wait for each.
+    for n in 1 2 3; do launch_node "$dir/node$n" nowait; done
+    for n in 1 2 3; do wait_node "$dir/node$n"; done
+    ;;
+  start-node)
+    require_kafka
+    launch_node "${2:?DIR required}"
     ;;
   stop)
     dir="${2:?DIR required}"
-    if [ -f "$dir/kafka.pid" ]; then
-      pid="$(cat "$dir/kafka.pid")"
-      kill "$pid" 2>/dev/null || true
-      for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      kill -9 "$pid" 2>/dev/null || true
-      rm -f "$dir/kafka.pid"
-    fi
+    stop_node "$dir"
+    for node in "$dir"/node1 "$dir"/node2 "$dir"/node3; do
+      if [ -d "$node" ]; then stop_node "$node"; fi
+    done
     ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac
