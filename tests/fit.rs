@@ -36,16 +36,6 @@ fn two_schema_args(pg: &Postgres, broker: &Broker, extra: &[&str]) -> Vec<String
     args.into_iter().map(String::from).collect()
 }
 
-/// `outbox_p`, partitioned by `created_at`: a 2020 partition and one for everything since.
-const PARTITIONED_TABLE: &str = "CREATE TABLE public.outbox_p (
-                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
-                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
-             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
-                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
-             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
-                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');";
-
 async fn wait_2020_partition_dropped(client: &tokio_postgres::Client) {
     wait_for_async(
         "retention to drop the 2020 partition",

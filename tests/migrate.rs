@@ -318,17 +318,7 @@ async fn indexes_of_a_partitioned_table_are_built_partition_by_partition() {
     let pg = Postgres::start();
     let url = pg.url();
     let client = pg.client().await;
-    client
-        .batch_execute(
-            "CREATE TABLE public.outbox_p (
-                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
-                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
-             CREATE TABLE public.outbox_p_2020 PARTITION OF public.outbox_p FOR VALUES FROM ('2020-01-01') TO ('2021-01-01');
-             CREATE TABLE public.outbox_p_now PARTITION OF public.outbox_p FOR VALUES FROM ('2021-01-01') TO (MAXVALUE);",
-        )
-        .await
-        .unwrap();
+    client.batch_execute(PARTITIONED_TABLE).await.unwrap();
     migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
     let row = client
         .query_one(

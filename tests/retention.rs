@@ -258,16 +258,6 @@ async fn an_archive_that_is_an_outbox_table_or_published_is_refused() {
     );
 }
 
-/// `outbox_p`, partitioned by `created_at`: an old 2020 partition (past any window) and one for since.
-const PARTITIONED_TABLE: &str = "CREATE TABLE public.outbox_p (
-                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
-                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
-             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
-                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
-             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
-                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');";
-
 /// A cluster with `outbox_p` migrated (polling columns added).
 async fn partitioned() -> (Postgres, tokio_postgres::Client) {
     let pg = Postgres::start();

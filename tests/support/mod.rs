@@ -910,6 +910,17 @@ pub fn run_args<'a>(pg: &'a str, brokers: &'a str) -> Vec<&'a str> {
     ]
 }
 
+/// `outbox_p`, partitioned by `created_at`: an old 2020 partition (past any retention window) and one for
+/// everything since.
+pub const PARTITIONED_TABLE: &str = "CREATE TABLE public.outbox_p (
+                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (event_id, created_at)) PARTITION BY RANGE (created_at);
+             CREATE TABLE public.outbox_p_2020 PARTITION OF outbox_p
+                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2021-01-01 00:00:00+00');
+             CREATE TABLE public.outbox_p_now PARTITION OF outbox_p
+                 FOR VALUES FROM ('2021-01-01 00:00:00+00') TO ('2200-01-01 00:00:00+00');";
+
 /// `outboxd migrate` with `args`; returns its log.
 pub fn migrate_with(url: &str, args: &[&str]) -> String {
     let mut argv = vec!["migrate", "--database-url", url];
