@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole thing, end to end, on this machine: a local PostgreSQL 15 with logical replication, a local
-# Kafka-protocol broker (tansu), migrations, outboxd, and an "order service" inserting orders with their
+# Apache Kafka broker (KRaft), migrations, outboxd, and an "order service" inserting orders with their
 # outbox events in one transaction. Shows the events arriving in Kafka and outboxd's status, then stops
 # everything it started.
 #   bash examples/demo.sh            (ports: DEMO_PG_PORT=55432, DEMO_BROKER_PORT=59092)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every test: installs what the tests need (PostgreSQL 15, build tools, the tansu broker; cached),
+# Runs every test: installs what the tests need (PostgreSQL 15, build tools, Apache Kafka; cached),
 # then the unit and integration tests. Each integration test starts and stops its own PostgreSQL cluster
 # and broker. Ends with one summary line: "tests: N passed, N failed".
 set -euo pipefail

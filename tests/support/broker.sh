@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Local Kafka-protocol broker (tansu) for tests and the demo. Storage: in memory, or TANSU_STORAGE (e.g.
-# sqlite://tansu.db, a file in DIR that survives a restart).
-#   broker.sh start DIR PORT [ADVERTISED_PORT]   start it in the background (pid in DIR/tansu.pid) and wait
-#                              until it answers; clients are sent to ADVERTISED_PORT (e.g. a test's proxy)
+# The local broker of the tests, the demo and the benchmark: Apache Kafka (tests/support/kafka.sh) unless
+# OUTBOXD_TEST_BROKER=tansu, which runs tansu, a Kafka-protocol broker (a second, optional target):
+#   broker.sh start DIR PORT [ADVERTISED_PORT]   start it in the background and wait until it answers;
+#                              clients are sent to ADVERTISED_PORT (e.g. a test's proxy). Data in DIR survives
+#                              stop and start (tansu: only with TANSU_STORAGE=sqlite://tansu.db).
 #   broker.sh stop DIR         stop it
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/env.sh"
-# OUTBOXD_TEST_BROKER=kafka: Apache Kafka instead (tests/support/kafka.sh, same commands).
-if [ "${OUTBOXD_TEST_BROKER:-tansu}" = kafka ]; then
+if [ "${OUTBOXD_TEST_BROKER:-kafka}" != tansu ]; then
   exec "$here/kafka.sh" "$@"
 fi
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing outboxd needs on a fresh Debian 12 machine (as root):
-# compilers and headers for librdkafka, PostgreSQL 15 server binaries, and the tansu broker (cached).
+# compilers and headers for librdkafka, PostgreSQL 15 server binaries, and Apache Kafka (Java 17 and Maven from
+# Debian, Kafka's jars from Maven Central, cached). tansu is built only when OUTBOXD_TEST_BROKER=tansu.
 # Idempotent: a second run installs nothing.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -10,6 +11,9 @@ need_apt=()
 for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
+# Apache Kafka runs on Java 17; Maven fetches its jars (any Java 17+ and Maven already installed will do).
+command -v java >/dev/null || need_apt+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null || need_apt+=(maven)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "missing packages: ${need_apt[*]} (run this script as root, or install them)" >&2
@@ -28,11 +32,12 @@ if ! id postgres >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
   useradd --system --create-home --shell /bin/bash postgres
 fi
 
-if [ ! -x "$TANSU_BIN" ]; then
+bash "$here/kafka.sh" install
+if [ "${OUTBOXD_TEST_BROKER:-kafka}" = tansu ] && [ ! -x "$TANSU_BIN" ]; then
   echo "installing tansu $TANSU_VERSION (features: $TANSU_FEATURES) into $TANSU_ROOT; takes several minutes once"
   mkdir -p "$OUTBOXD_CACHE"
   CARGO_TARGET_DIR="$OUTBOXD_CACHE/tansu-build" \
     cargo install --locked tansu --version "$TANSU_VERSION" --features "$TANSU_FEATURES" --root "$TANSU_ROOT"
   rm -rf "$OUTBOXD_CACHE/tansu-build"
 fi
-echo "dependencies ready: tansu at $TANSU_BIN, PostgreSQL at $PG_BIN"
+echo "dependencies ready: Apache Kafka in $OUTBOXD_CACHE, PostgreSQL at $PG_BIN"

@@ -10,7 +10,7 @@
 #                                  replication factor 3 and min.insync.replicas=2 by default
 #   kafka.sh start-node DIR        start a stopped node again (DIR, or DIR/nodeN of a cluster)
 #   kafka.sh stop DIR              stop a node (DIR, or DIR/nodeN of a cluster)
-# Not yet the tests' broker by default (they use broker.sh, tansu; OUTBOXD_TEST_BROKER=kafka switches).
+# The tests, the demo and the benchmark reach it through broker.sh.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/env.sh"
@@ -23,7 +23,13 @@ install() {
     return 0
   fi
   if ! command -v java >/dev/null || ! command -v mvn >/dev/null; then
-    apt-get install -y -q openjdk-17-jre-headless maven >/dev/null
+    if [ "$(id -u)" -ne 0 ]; then
+      echo "Java 17 and Maven are needed to fetch Apache Kafka: install openjdk-17-jre-headless and maven" >&2
+      exit 1
+    fi
+    echo "installing Java 17 and Maven (Debian packages)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      openjdk-17-jre-headless maven >/dev/null
   fi
   echo "copying Apache Kafka $KAFKA_VERSION and its dependencies into $KAFKA_LIB (once)"
   rm -rf "$KAFKA_LIB.partial"

@@ -1,4 +1,4 @@
-//! Test harness: throwaway PostgreSQL clusters and tansu brokers started through the same scripts README and
+//! Test harness: throwaway PostgreSQL clusters and brokers (Apache Kafka; tansu with OUTBOXD_TEST_BROKER=tansu) started through the same scripts README and
 //! CI use (`tests/support/*.sh`), the outboxd binary as a child process, and a Kafka consumer that reads
 //! everything back. Everything started here is stopped on drop, by PID.
 #![allow(dead_code)]
@@ -1223,8 +1223,8 @@ impl Broker {
         Self::start_behind_proxy_with(None)
     }
 
-    /// Like `start_behind_proxy`, with tansu's sqlite storage: topics and records survive `stop` and
-    /// `start_again`.
+    /// Like `start_behind_proxy`, with storage that survives `stop` and `start_again` (Kafka's always does;
+    /// tansu's only with its sqlite engine, asked for here).
     pub fn start_persistent_behind_proxy() -> (Broker, Proxy) {
         Self::start_behind_proxy_with(Some("sqlite://tansu.db".into()))
     }
