@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::ClientContext;
 use tokio::sync::mpsc::UnboundedSender;
@@ -29,10 +29,22 @@ pub struct Rejection {
     /// The producer's idempotence state is broken (fenced, epoch or sequence lost, e.g. after an outage):
     /// only a new producer recovers.
     pub producer_broken: bool,
+    /// The refusal is the topic's, not the event's (the principal may not write it): every event bound
+    /// for it would be refused alike.
+    pub topic_wide: bool,
+    /// The topic of a refused delivery (set by the delivery report).
+    pub topic: Option<String>,
 }
 
 impl Rejection {
     fn from_kafka(error: &KafkaError) -> Self {
+        let topic_wide = matches!(
+            error.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::ClusterAuthorizationFailed
+            )
+        );
         let permanent = matches!(
             error.rdkafka_error_code(),
             Some(
@@ -43,6 +55,7 @@ impl Rejection {
                     | RDKafkaErrorCode::MessageBatchTooLarge
                     | RDKafkaErrorCode::InvalidTopic
                     | RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::ClusterAuthorizationFailed
             )
         );
         let producer_broken = matches!(
@@ -59,8 +72,34 @@ impl Rejection {
             reason: error.to_string(),
             permanent,
             producer_broken,
+            topic_wide,
+            topic: None,
         }
     }
+
+    /// A failure that is neither the event's nor the topic's (a timeout, the broker unreachable).
+    pub fn transient(reason: String) -> Self {
+        Rejection {
+            reason,
+            permanent: false,
+            producer_broken: false,
+            topic_wide: false,
+            topic: None,
+        }
+    }
+}
+
+/// The topic no longer exists (deleted while outboxd runs): it is forgotten, so that the next event bound for
+/// it creates it again (or, with --no-create-topics, stops outboxd naming it).
+fn topic_gone(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::UnknownPartition
+                | RDKafkaErrorCode::UnknownTopic
+                | RDKafkaErrorCode::UnknownTopicOrPartition
+        )
+    )
 }
 
 /// Why an event could not be handed to the producer.
@@ -95,17 +134,45 @@ pub struct Delivery<T> {
 
 pub struct DeliveryContext<T> {
     deliveries: UnboundedSender<Delivery<T>>,
+    known_topics: KnownTopics,
 }
 
-impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {}
+impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {
+    /// librdkafka's log, as rdkafka's default context writes it, without the warning that
+    /// `enable.gapless.guarantee` is experimental (outboxd depends on it, see [`client_config`]).
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        use RDKafkaLogLevel::*;
+        if fac == "CONFWARN" && log_message.contains("enable.gapless.guarantee") {
+            return;
+        }
+        match level {
+            Emerg | Alert | Critical | Error => {
+                tracing::error!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            Warning => tracing::warn!(target: "librdkafka", "librdkafka: {fac} {log_message}"),
+            Notice | Info => {
+                tracing::info!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            Debug => tracing::debug!(target: "librdkafka", "librdkafka: {fac} {log_message}"),
+        }
+    }
+}
 
 impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
     type DeliveryOpaque = Box<Delivery<T>>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
         let mut delivery = *opaque;
-        if let Err((error, _)) = result {
-            delivery.result = Err(Rejection::from_kafka(error));
+        if let Err((error, message)) = result {
+            if topic_gone(error) {
+                if let Ok(mut known) = self.known_topics.lock() {
+                    known.remove(message.topic());
+                }
+            }
+            delivery.result = Err(Rejection {
+                topic: Some(message.topic().to_string()),
+                ..Rejection::from_kafka(error)
+            });
         }
         // The receiver is gone only when the session ended; its events will be re-sent.
         let _ = self.deliveries.send(delivery);
@@ -127,6 +194,25 @@ pub struct Publisher<T: Send + Sync + 'static> {
     replication_factor: i32,
     /// Header carrying the event id: `event_id`, or `id` for Debezium-style tables.
     event_id_header: &'static str,
+}
+
+/// librdkafka's default `message.timeout.ms`: how long outboxd waits by default for the broker to
+/// acknowledge the oldest event it handed over before it gives the whole attempt up.
+pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How long outboxd waits for acknowledgements before it gives an attempt up: `message.timeout.ms` (or
+/// `delivery.timeout.ms`) from `--kafka-option`, else `default`. librdkafka itself is never given a timeout
+/// (see [`Publisher::new`]).
+pub fn delivery_timeout(settings: &RunSettings, default: Duration) -> Duration {
+    settings
+        .kafka_options
+        .iter()
+        .rev()
+        .find(|(key, _)| key == "message.timeout.ms" || key == "delivery.timeout.ms")
+        .and_then(|(_, value)| value.trim().parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
+        .unwrap_or(default)
 }
 
 /// The producer settings outboxd relies on; `--kafka-option` values are applied after them.
@@ -169,23 +255,33 @@ fn config_error(error: KafkaError) -> Error {
 }
 
 impl<T: Send + Sync + 'static> Publisher<T> {
-    /// `overrides` are applied after `--kafka-option`s the user did not set themselves.
+    /// The producer never lets one event fail and a later one of its partition through, which would let a
+    /// later event of an aggregate reach Kafka before an earlier one:
+    /// - `enable.gapless.guarantee`: a batch the broker refuses (too large, not authorised) stops the
+    ///   producer (a fatal error) instead of letting librdkafka reset its sequence and send what follows;
+    /// - no `message.timeout.ms` (0, infinite) for librdkafka: a message timed out in its queue is skipped
+    ///   and the next ones are sent, which the gap-less guarantee does not cover. outboxd keeps the timeout
+    ///   itself ([`delivery_timeout`]): when it passes, it purges the whole producer and re-sends.
+    ///
+    /// Either way the caller replaces the producer and re-sends every event it did not see acknowledged,
+    /// in order, so what reached Kafka is an in-order prefix followed by the re-sent events.
     pub fn new(
         settings: &RunSettings,
         known_topics: KnownTopics,
         deliveries: UnboundedSender<Delivery<T>>,
-        overrides: &[(&str, String)],
     ) -> Result<Self> {
+        let admin = client_config(settings).create().map_err(config_error)?;
         let mut config = client_config(settings);
-        for (key, value) in overrides {
-            if !settings.kafka_options.iter().any(|(k, _)| k == key) {
-                config.set(*key, value);
-            }
-        }
+        config
+            .set("enable.gapless.guarantee", "true")
+            .set("message.timeout.ms", "0")
+            .remove("delivery.timeout.ms");
         let producer = config
-            .create_with_context(DeliveryContext { deliveries })
+            .create_with_context(DeliveryContext {
+                deliveries,
+                known_topics: known_topics.clone(),
+            })
             .map_err(config_error)?;
-        let admin = config.create().map_err(config_error)?;
         Ok(Publisher {
             producer,
             admin,
@@ -373,6 +469,13 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             .client()
             .fatal_error()
             .map(|(code, reason)| format!("{code:?}: {reason}"))
+    }
+
+    /// Fails every event the producer still holds (their delivery reports arrive at once, as failures):
+    /// the attempt is given up and the producer must not be used again (see [`Publisher::new`]).
+    pub fn purge(&self) {
+        self.producer
+            .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
     }
 
     /// Drops whatever the producer still holds; those events are re-sent from the slot.

@@ -18,7 +18,7 @@ use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::{MappingError, OutboxEvent, RowMapping};
-use crate::kafka::{Delivery, KnownTopics, PublishError, Publisher};
+use crate::kafka::{Delivery, KnownTopics, PublishError, Publisher, Rejection};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, ClaimScope, OutboxSql};
 use crate::pg::pgoutput::{self, PgOutputMessage};
@@ -28,6 +28,7 @@ use crate::pipeline::backfill::{self, CdcTag, Finished};
 use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory};
 use crate::pipeline::leader;
 use crate::pipeline::replication_error;
+use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::table::OutboxTable;
 
@@ -58,6 +59,8 @@ pub struct CdcPipeline {
     history: Option<ServerHistory>,
     /// When a session last stopped streaming: where a history change may have left a gap.
     last_streamed_at: Option<std::time::SystemTime>,
+    /// Topics the broker refused outright: their events go to the polling path for a while.
+    topic_holds: TopicHolds,
 }
 
 /// An event decoded in the replay region, waiting for the `published_at` lookup.
@@ -186,6 +189,17 @@ struct Session<'a> {
     /// Hand-offs whose `handoff_at` is not written yet, by event id.
     hand_offs_unwritten: HashMap<Uuid, HandedOff>,
     handed_off: u64,
+    topic_holds: &'a mut TopicHolds,
+    /// Events handed to the producer whose delivery report has not arrived.
+    produced_outstanding: usize,
+    /// The latest delivery report (or the moment the producer was given work after none was outstanding).
+    last_report_at: tokio::time::Instant,
+    /// How long the producer may go without a delivery report while it holds events.
+    delivery_timeout: Duration,
+    /// A delivery failed after the producer accepted it: the producer was purged, nothing more is read or
+    /// produced, and the session ends (re-sending from the slot) once every report is in and the refused
+    /// events are handed off. Holds the first failure.
+    failing: Option<String>,
 }
 
 impl CdcPipeline {
@@ -198,6 +212,7 @@ impl CdcPipeline {
             reached_streaming: false,
             history: None,
             last_streamed_at: None,
+            topic_holds: TopicHolds::default(),
         }
     }
 
@@ -536,12 +551,7 @@ impl CdcPipeline {
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
-        let publisher = Publisher::new(
-            &settings,
-            self.known_topics.clone(),
-            delivery_tx.clone(),
-            &[],
-        )?;
+        let publisher = Publisher::new(&settings, self.known_topics.clone(), delivery_tx.clone())?;
         let backfill = tokio::spawn(backfill::run(
             db.database_url.clone(),
             db.tables.clone(),
@@ -577,6 +587,14 @@ impl CdcPipeline {
             hand_offs_in_flight: 0,
             hand_offs_unwritten: HashMap::new(),
             handed_off: 0,
+            topic_holds: &mut self.topic_holds,
+            produced_outstanding: 0,
+            last_report_at: tokio::time::Instant::now(),
+            delivery_timeout: crate::kafka::delivery_timeout(
+                &settings,
+                crate::kafka::DEFAULT_DELIVERY_TIMEOUT,
+            ),
+            failing: None,
         };
         let result = session
             .stream(&mut stream, &mut finished_rx, shutdown)
@@ -631,6 +649,7 @@ impl Session<'_> {
                             if tag.hand_off {
                                 self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
                             } else {
+                                self.delivery_reported();
                                 published += 1;
                                 crate::metrics::commit_to_ack((now - tag.commit_micros).max(0) as f64 / 1e6);
                             }
@@ -641,6 +660,7 @@ impl Session<'_> {
                     Some(Finished::HandOffs { handed_off, rowless }) => {
                         self.publish_rowless_hand_offs(&handed_off, &rowless).await?;
                     }
+                    Some(Finished::Undelivered(deliveries)) => self.undelivered(deliveries)?,
                     Some(Finished::Failed(error)) => {
                         crate::metrics::publish_error(match error {
                             Error::Kafka { .. } => "delivery",
@@ -650,11 +670,15 @@ impl Session<'_> {
                     }
                     None => return Err(Error::Kafka { message: "the backfill task stopped".into(), transient: true }),
                 },
-                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs => {
+                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs && self.failing.is_none() => {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
-                _ = tokio::time::sleep_until(next_unblock_check), if self.has_blocked() && drain_deadline.is_none() => {
+                _ = tokio::time::sleep_until(self.last_report_at + self.delivery_timeout), if self.produced_outstanding > 0 && self.failing.is_none() => {
+                    let timeout = self.delivery_timeout;
+                    self.give_up(format!("no delivery report from the broker for {timeout:?} (message.timeout.ms) while it holds {} events", self.produced_outstanding));
+                }
+                _ = tokio::time::sleep_until(next_unblock_check), if self.has_blocked() && drain_deadline.is_none() && self.failing.is_none() => {
                     let started = tokio::time::Instant::now();
                     self.unblock_drained_aggregates().await?;
                     next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK.max(started.elapsed() * UNBLOCK_CHECK_COST_FACTOR);
@@ -662,6 +686,17 @@ impl Session<'_> {
                 _ = sleep_until_opt(drain_deadline) => {
                     tracing::warn!(in_flight = self.in_flight_events, "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
                     break;
+                }
+            }
+            if let Some(failure) = &self.failing {
+                if self.produced_outstanding == 0 && self.hand_offs_in_flight == 0 {
+                    // Everything acknowledged before the failure is confirmed first.
+                    let confirmed = self.watermark.advance();
+                    stream.send_status(confirmed).await?;
+                    return Err(Error::Kafka {
+                        message: format!("{failure}; re-sending what was not acknowledged"),
+                        transient: true,
+                    });
                 }
             }
             if self.restart_after_hand_offs && self.hand_offs_in_flight == 0 {
@@ -674,6 +709,7 @@ impl Session<'_> {
             }
             // Buffered replayed rows count against the window: flush them before it can block reading.
             if !self.replay_buffer.is_empty()
+                && self.failing.is_none()
                 && (self.replay_buffer.len() >= REPLAY_BATCH || !self.window_open())
             {
                 self.flush_replay_buffer().await?;
@@ -901,25 +937,46 @@ impl Session<'_> {
         self.produce(tag, event, event_id).await
     }
 
-    /// Hands one event to the producer; a permanent refusal sends it to the polling path.
+    /// Hands one event to the producer; a permanent refusal (or a topic the broker refused outright, see
+    /// [`TopicHolds`]) sends it to the polling path.
     async fn produce(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+        if self.failing.is_some() {
+            // Given up: the event stays unfinished and is re-sent by the next session.
+            return Ok(());
+        }
         let topic = self
             .settings
             .topic
             .render_event(&self.settings.database.tables[tag.table].name, event);
-        match self
-            .publisher
-            .publish(&topic, event, event_id, tag, None)
-            .await
-        {
+        let held = self.outbox_sql[tag.table].can_hand_off()
+            && self
+                .topic_holds
+                .is_held(&topic, tokio::time::Instant::now());
+        let published = if held {
+            Err(PublishError::Rejected(Rejection {
+                permanent: true,
+                ..Rejection::transient(format!("topic {topic} was refused by the broker"))
+            }))
+        } else {
+            self.publisher
+                .publish(&topic, event, event_id, tag, None)
+                .await
+        };
+        match published {
             Ok(()) => {
+                if self.produced_outstanding == 0 {
+                    self.last_report_at = tokio::time::Instant::now();
+                }
+                self.produced_outstanding += 1;
                 self.published += 1;
                 Ok(())
             }
             Err(PublishError::Rejected(rejection))
                 if rejection.permanent && self.outbox_sql[tag.table].can_hand_off() =>
             {
-                tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
+                if !held {
+                    tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
+                }
                 self.blocked
                     .insert(blocked_key(&tag, event), Blocked::HANDING_OFF);
                 self.hand_off(tag, event, event_id, HandOffReason::Refused)?;
@@ -937,11 +994,83 @@ impl Session<'_> {
         }
     }
 
+    /// A delivery report arrived for an event handed to the producer.
+    fn delivery_reported(&mut self) {
+        self.produced_outstanding = self.produced_outstanding.saturating_sub(1);
+        self.last_report_at = tokio::time::Instant::now();
+    }
+
+    /// Gives this session's deliveries up: the producer fails at once whatever it still holds (so nothing
+    /// after a failure can still reach Kafka ahead of it), and the session ends once every report is in.
+    fn give_up(&mut self, failure: String) {
+        if self.failing.is_none() {
+            tracing::warn!(%failure, in_flight = self.produced_outstanding, "giving up this session's deliveries: purging the producer; what it did not deliver is re-sent from the slot");
+            self.publisher.purge();
+            self.failing = Some(failure);
+        }
+    }
+
+    /// Deliveries that failed after the producer accepted them. Under the gap-less guarantee nothing after
+    /// a failed event in its partition was written, so re-sending from the slot keeps every aggregate's
+    /// order; an event the broker refused for good (too large, not authorised, invalid) would only be
+    /// refused again, so it goes to the polling path first (its aggregate waits behind it there), and a
+    /// topic refused outright is held (see [`TopicHolds`]).
+    fn undelivered(&mut self, deliveries: Vec<Delivery<CdcTag>>) -> Result<()> {
+        for delivery in deliveries {
+            self.delivery_reported();
+            let Err(rejection) = delivery.result else {
+                continue;
+            };
+            crate::metrics::publish_error("delivery");
+            self.give_up(format!(
+                "delivery of event {} failed: {}",
+                delivery.event_id, rejection.reason
+            ));
+            if !(rejection.permanent && self.outbox_sql[delivery.tag.table].can_hand_off()) {
+                continue;
+            }
+            tracing::warn!(event_id = %delivery.event_id, error = %rejection.reason, "event refused by the broker after the producer accepted it; handing it and its aggregate to the polling path");
+            if let (true, Some(topic)) = (rejection.topic_wide, &rejection.topic) {
+                let hold = self.topic_holds.hold(topic, tokio::time::Instant::now());
+                tracing::warn!(%topic, ?hold, error = %rejection.reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
+            }
+            let placeholder = OutboxEvent {
+                event_id: delivery.event_id.to_string().as_str().into(),
+                aggregate_type: Default::default(),
+                aggregate_id: Default::default(),
+                event_type: Default::default(),
+                payload: None,
+                created_at: None,
+                headers: Vec::new(),
+            };
+            self.hand_off_sized(
+                delivery.tag,
+                &placeholder,
+                delivery.event_id,
+                delivery.bytes,
+                HandOffReason::Refused,
+            )?;
+        }
+        Ok(())
+    }
+
     fn hand_off(
         &mut self,
         tag: CdcTag,
         event: &OutboxEvent,
         event_id: Uuid,
+        reason: HandOffReason,
+    ) -> Result<()> {
+        self.hand_off_sized(tag, event, event_id, event.size_bytes(), reason)
+    }
+
+    /// `bytes`: what the event counts against the in-flight window.
+    fn hand_off_sized(
+        &mut self,
+        tag: CdcTag,
+        event: &OutboxEvent,
+        event_id: Uuid,
+        bytes: usize,
         reason: HandOffReason,
     ) -> Result<()> {
         let tag = CdcTag {
@@ -951,7 +1080,7 @@ impl Session<'_> {
         let item = Delivery {
             tag,
             event_id,
-            bytes: event.size_bytes(),
+            bytes,
             result: Ok(()),
         };
         self.hand_offs.send(item).map_err(|_| Error::Kafka {

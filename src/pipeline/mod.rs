@@ -10,6 +10,7 @@ pub mod fleet;
 pub mod history;
 pub mod leader;
 pub mod poll;
+pub mod topic_holds;
 pub mod watermark;
 
 use std::sync::Arc;
@@ -140,7 +141,7 @@ fn check_topic_template(settings: &RunSettings) -> Result<()> {
 /// A broker answers a metadata request (and the Kafka options are valid).
 async fn preflight_brokers(settings: &RunSettings) -> Result<()> {
     let (deliveries, _) = mpsc::unbounded_channel::<kafka::Delivery<()>>();
-    let publisher = Publisher::new(settings, KnownTopics::default(), deliveries, &[])?;
+    let publisher = Publisher::new(settings, KnownTopics::default(), deliveries)?;
     publisher.check_brokers(Duration::from_secs(5)).await
 }
 

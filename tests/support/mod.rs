@@ -662,10 +662,16 @@ pub fn consume_all(
             consumer
                 .fetch_metadata(Some(topic), Duration::from_secs(5))
                 .ok()
+                // Every partition with a leader: a topic created a moment ago may list some without one
+                // yet, and a partition left out of the assignment is never read.
                 .filter(|m| {
-                    m.topics()
-                        .iter()
-                        .any(|t| t.error().is_none() && !t.partitions().is_empty())
+                    m.topics().iter().any(|t| {
+                        t.error().is_none()
+                            && !t.partitions().is_empty()
+                            && t.partitions()
+                                .iter()
+                                .all(|p| p.error().is_none() && p.leader() >= 0)
+                    })
                 })
         });
         for t in metadata.topics() {
