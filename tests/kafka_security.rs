@@ -9,8 +9,8 @@ use std::process::Output;
 
 use support::*;
 
-/// `outboxd run` against `broker` as `user`, trusting `ca`, with a start-up timeout long enough that only a
-/// definite failure ends it before `run_outboxd`'s own deadline (120 s).
+/// `outboxd run` against `broker` as its super user with `password`, trusting `ca`, under a start-up timeout
+/// (10 minutes) long enough that only a definite failure ends it before `run_outboxd`'s deadline (120 s).
 fn run_failing_at_startup(
     pg: &Postgres,
     broker: &SecureBroker,

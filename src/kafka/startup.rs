@@ -103,8 +103,9 @@ fn redact(text: &str, kafka_options: &[(String, String)]) -> String {
         })
 }
 
-/// Keeps the first refusal librdkafka reports; logs every other global error as rdkafka's default does, but
-/// for `AllBrokersDown`, which only sums up the errors before it (many times a second while TLS fails).
+/// Keeps the first refusal librdkafka reports; logs every other global error as rdkafka's default context
+/// does (same target, so `RUST_LOG` filters it alike), but for `AllBrokersDown`, which only sums up the errors
+/// before it (many times a second while TLS fails).
 #[derive(Default)]
 struct RefusalContext {
     refusal: Mutex<Option<Refusal>>,
@@ -120,9 +121,9 @@ impl ClientContext for RefusalContext {
                 }
             }
             None if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown) => {
-                tracing::debug!("librdkafka: {error}: {reason}")
+                tracing::debug!(target: "rdkafka::client", "librdkafka: {error}: {reason}")
             }
-            None => tracing::error!("librdkafka: {error}: {reason}"),
+            None => tracing::error!(target: "rdkafka::client", "librdkafka: {error}: {reason}"),
         }
     }
 }
