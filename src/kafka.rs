@@ -2,6 +2,8 @@
 //! topics, and reports every broker acknowledgement (or failure) through a channel, tagged with the
 //! transaction it belongs to. Owns the producer settings; what an ack means for the slot is the pipeline's.
 
+pub mod startup;
+
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -215,6 +217,27 @@ pub fn delivery_timeout(settings: &RunSettings, default: Duration) -> Duration {
         .unwrap_or(default)
 }
 
+/// [`Publisher::check_brokers`] through any producer (the start-up check's has a context of its own).
+async fn ask_a_broker<C: ProducerContext + 'static>(
+    producer: ThreadedProducer<C>,
+    timeout: Duration,
+) -> Result<()> {
+    let result = tokio::task::spawn_blocking(move || {
+        producer.client().fetch_metadata(Some(PROBE_TOPIC), timeout)
+    })
+    .await
+    .map_err(|e| Error::Kafka {
+        message: e.to_string(),
+        transient: true,
+    })?;
+    result.map(|_| ()).map_err(|e| Error::Kafka {
+        message: format!(
+            "no broker answered ({e}); check --brokers and that the brokers are reachable"
+        ),
+        transient: true,
+    })
+}
+
 /// The producer settings outboxd relies on; `--kafka-option` values are applied after them.
 pub fn client_config(settings: &RunSettings) -> ClientConfig {
     let mut config = ClientConfig::new();
@@ -236,7 +259,7 @@ pub fn client_config(settings: &RunSettings) -> ClientConfig {
 
 /// librdkafka's configuration errors name the property and, for some, repeat its value: the value (perhaps a
 /// password, perhaps under a mistyped name) never reaches the message.
-fn config_error(error: KafkaError) -> Error {
+pub(crate) fn config_error(error: KafkaError) -> Error {
     let problem = match &error {
         KafkaError::ClientConfig(_, description, key, value) => {
             let description = if value.is_empty() {
@@ -298,21 +321,7 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     /// broker answers with its broker list: proof that a broker answers, without fetching every topic of the
     /// cluster every few seconds.
     pub async fn check_brokers(&self, timeout: Duration) -> Result<()> {
-        let producer = self.producer.clone();
-        let result = tokio::task::spawn_blocking(move || {
-            producer.client().fetch_metadata(Some(PROBE_TOPIC), timeout)
-        })
-        .await
-        .map_err(|e| Error::Kafka {
-            message: e.to_string(),
-            transient: true,
-        })?;
-        result.map(|_| ()).map_err(|e| Error::Kafka {
-            message: format!(
-                "no broker answered ({e}); check --brokers and that the brokers are reachable"
-            ),
-            transient: true,
-        })
+        ask_a_broker(self.producer.clone(), timeout).await
     }
 
     /// Makes sure `topic` exists: created on first use, or checked when topic creation is off.

@@ -1337,3 +1337,115 @@ pub async fn drop_slot_while_streaming(pg: &Postgres) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+// ---- A secure Apache Kafka node: SASL_SSL (SCRAM-SHA-512), its own CA, ACLs (tests/kafka_security.rs) ----
+
+/// The super user of every [`SecureBroker`] (created when its storage is formatted).
+pub const SECURE_ADMIN: &str = "admin";
+pub const SECURE_ADMIN_PASSWORD: &str = "admin-secret";
+
+/// One Apache Kafka node (`kafka.sh start-secure`; Apache Kafka whatever `OUTBOXD_TEST_BROKER` says) whose
+/// clients must use SASL_SSL with SCRAM-SHA-512 and trust [`SecureBroker::ca`], the CA made for it; its
+/// StandardAuthorizer allows nothing without an ACL, except to the super user [`SECURE_ADMIN`]. Stopped on drop.
+pub struct SecureBroker {
+    pub dir: PathBuf,
+    /// The SASL_SSL listener, the one clients use.
+    pub port: u16,
+    /// PEM certificate of the CA that signed the broker's certificate (IP:127.0.0.1, DNS:localhost).
+    pub ca: PathBuf,
+    /// The broker's own PLAINTEXT listener on loopback, whose principal (ANONYMOUS) is a super user: for
+    /// reading records back with the plain helpers (`consume_all`, `verify_delivery`).
+    pub plaintext_port: u16,
+}
+
+impl SecureBroker {
+    pub fn start() -> Self {
+        let dir = scratch_dir("secure-broker");
+        let port = free_port();
+        run_script(
+            "kafka.sh",
+            &["start-secure", dir.to_str().unwrap(), &port.to_string()],
+            &[("KAFKA_ADMIN_PASSWORD", SECURE_ADMIN_PASSWORD)],
+        );
+        let plaintext_port = std::fs::read_to_string(dir.join("plaintext.port"))
+            .expect("kafka.sh start-secure wrote no plaintext.port")
+            .trim()
+            .parse()
+            .unwrap();
+        SecureBroker {
+            ca: dir.join("tls/ca.crt"),
+            dir,
+            port,
+            plaintext_port,
+        }
+    }
+
+    /// `--brokers` for clients (SASL_SSL).
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The super user's way in without credentials (see `plaintext_port`).
+    pub fn plaintext_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.plaintext_port)
+    }
+
+    /// outboxd's `--kafka-option` arguments to connect as `user`, trusting `ca`.
+    pub fn kafka_options(user: &str, password: &str, ca: &Path) -> Vec<String> {
+        [
+            "security.protocol=SASL_SSL".to_string(),
+            "sasl.mechanism=SCRAM-SHA-512".to_string(),
+            format!("sasl.username={user}"),
+            format!("sasl.password={password}"),
+            format!("ssl.ca.location={}", ca.display()),
+        ]
+        .into_iter()
+        .flat_map(|option| ["--kafka-option".to_string(), option])
+        .collect()
+    }
+
+    /// A SCRAM-SHA-512 user; returns once it can log in.
+    pub fn add_user(&self, name: &str, password: &str) {
+        run_script(
+            "kafka.sh",
+            &["add-user", self.dir.to_str().unwrap(), name, password],
+            &[],
+        );
+    }
+
+    /// ALLOW ACLs for `User:<user>`, one per operation (`WRITE`, `CREATE`, `DESCRIBE`, `READ`, ...) on the
+    /// `resource_type` (`TOPIC`, `GROUP`, `CLUSTER`, ...) named `resource` (literally); returns once the
+    /// broker enforces them.
+    pub fn allow(&self, user: &str, operations: &[&str], resource_type: &str, resource: &str) {
+        let operations = operations.join(",");
+        run_script(
+            "kafka.sh",
+            &[
+                "allow",
+                self.dir.to_str().unwrap(),
+                user,
+                &operations,
+                resource_type,
+                resource,
+            ],
+            &[],
+        );
+    }
+
+    /// `user` may produce to `topic` (WRITE, which implies DESCRIBE and the idempotent producer's id).
+    pub fn allow_write(&self, user: &str, topic: &str) {
+        self.allow(user, &["WRITE"], "TOPIC", topic);
+    }
+
+    /// `user` may create `topic`.
+    pub fn allow_create(&self, user: &str, topic: &str) {
+        self.allow(user, &["CREATE"], "TOPIC", topic);
+    }
+}
+
+impl Drop for SecureBroker {
+    fn drop(&mut self) {
+        run_script("kafka.sh", &["stop", self.dir.to_str().unwrap()], &[]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
