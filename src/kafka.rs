@@ -351,7 +351,15 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 })?;
             for result in results {
                 match result {
-                    Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    Ok(_) => tracing::info!(topic, partitions = self.partitions, "created topic"),
+                    Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    // A principal that may write the topic but not create topics: fine if it exists.
+                    Err((_, code))
+                        if matches!(
+                            code,
+                            RDKafkaErrorCode::TopicAuthorizationFailed
+                                | RDKafkaErrorCode::ClusterAuthorizationFailed
+                        ) && self.topic_exists(topic).await? => {}
                     Err((_, code)) => {
                         return Err(Error::Kafka {
                             message: format!("cannot create topic {topic}: {code}"),
@@ -370,41 +378,40 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                     }
                 }
             }
-            tracing::info!(topic, partitions = self.partitions, "created topic");
-        } else {
-            let producer = self.producer.clone();
-            let name = topic.to_string();
-            let metadata = tokio::task::spawn_blocking(move || {
-                producer
-                    .client()
-                    .fetch_metadata(Some(&name), Duration::from_secs(10))
-            })
-            .await
-            .map_err(|e| Error::Kafka {
-                message: e.to_string(),
-                transient: true,
-            })?
-            .map_err(|e| Error::Kafka {
-                message: format!("cannot read metadata of topic {topic}: {e}"),
-                transient: true,
-            })?;
-            let exists = metadata
-                .topics()
-                .iter()
-                .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty());
-            if !exists {
-                return Err(Error::setup(
-                    format!("Kafka topic {topic} does not exist and --no-create-topics is set"),
-                    format!(
-                        "create topic {topic}, or drop --no-create-topics so outboxd creates it"
-                    ),
-                ));
-            }
+        } else if !self.topic_exists(topic).await? {
+            return Err(Error::setup(
+                format!("Kafka topic {topic} does not exist and --no-create-topics is set"),
+                format!("create topic {topic}, or drop --no-create-topics so outboxd creates it"),
+            ));
         }
         if let Ok(mut known) = self.known_topics.lock() {
             known.insert(topic.to_string());
         }
         Ok(())
+    }
+
+    /// Whether the brokers' metadata lists `topic` with partitions.
+    async fn topic_exists(&self, topic: &str) -> Result<bool> {
+        let producer = self.producer.clone();
+        let name = topic.to_string();
+        let metadata = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&name), Duration::from_secs(10))
+        })
+        .await
+        .map_err(|e| Error::Kafka {
+            message: e.to_string(),
+            transient: true,
+        })?
+        .map_err(|e| Error::Kafka {
+            message: format!("cannot read metadata of topic {topic}: {e}"),
+            transient: true,
+        })?;
+        Ok(metadata
+            .topics()
+            .iter()
+            .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
     }
 
     /// Hands one event to the producer; its acknowledgement arrives later on the delivery channel, tagged

@@ -215,3 +215,86 @@ async fn a_topic_deleted_while_running_is_created_again() {
         "{restarts} session restarts for one deleted topic:\n{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_the_principal_may_not_write_is_retried_then_dead_lettered_while_others_flow() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let broker = SecureBroker::start();
+    let password = "outboxd-pw-3c9d";
+    broker.add_user("outboxd", password);
+    // It may write outbox.Order, which exists, but not create it (outboxd's CreateTopics is refused).
+    let topic = NewTopic::new(TOPIC, 3, TopicReplication::Fixed(1));
+    for result in admin(&broker.plaintext_addr())
+        .create_topics([&topic], &AdminOptions::new())
+        .await
+        .expect("cannot create topic")
+    {
+        result.expect("cannot create topic");
+    }
+    broker.allow("outboxd", &["WRITE"], "TOPIC", TOPIC);
+    // It may create outbox.Forbidden (so nothing fails before the producer accepts the events), not write it.
+    broker.allow("outboxd", &["CREATE"], "TOPIC", "outbox.Forbidden");
+    let (url, brokers) = (pg.url(), broker.addr());
+    let options = SecureBroker::kafka_options("outboxd", password, &broker.ca);
+    let mut args = run_args(&url, &brokers);
+    args.extend(options.iter().map(String::as_str));
+    args.extend([
+        "--max-attempts",
+        "2",
+        "--retry-base",
+        "200ms",
+        "--retry-cap",
+        "500ms",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let insert = |aggregate_type: &'static str, aggregate: &'static str| {
+        let client = &client;
+        async move {
+            let id = uuid::Uuid::new_v4();
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, $2, $3, 'E', '{}')",
+                    &[&id, &aggregate_type, &aggregate],
+                )
+                .await
+                .unwrap();
+            id
+        }
+    };
+    let mut orders = Vec::new();
+    let mut forbidden = Vec::new();
+    for round in 0..3 {
+        orders.push(insert("Order", "o1").await);
+        forbidden.push(insert("Forbidden", "f1").await);
+        forbidden.push(insert("Forbidden", if round == 0 { "f1" } else { "f2" }).await);
+        orders.push(insert("Order", "o2").await);
+    }
+    let (committed, _) = insert_events(&mut client, 0, 10, 4, 5, None).await;
+    wait_nothing_pending(&client, "every event to be published or dead-lettered").await;
+    let log = outboxd.log_text();
+    for id in &forbidden {
+        assert!(
+            dead_at(&client, *id).await.is_some(),
+            "an event for the forbidden topic was not dead-lettered:\n{log}"
+        );
+    }
+    for id in &orders {
+        assert!(dead_at(&client, *id).await.is_none(), "{log}");
+    }
+    verify_delivery(
+        &broker.plaintext_addr(),
+        &committed,
+        &[],
+        120,
+        "the writable topic",
+    );
+    let restarts = session_restarts(&log);
+    assert!(
+        restarts <= 2,
+        "{restarts} session restarts for a topic the principal may not write:\n{log}"
+    );
+}
