@@ -198,8 +198,8 @@ pub struct Publisher<T: Send + Sync + 'static> {
     event_id_header: &'static str,
 }
 
-/// librdkafka's default `message.timeout.ms`: how long outboxd waits by default for the broker to
-/// acknowledge the oldest event it handed over before it gives the whole attempt up.
+/// librdkafka's default `message.timeout.ms`: how long the CDC path lets any one event wait for its
+/// acknowledgement by default before it gives the whole attempt up.
 pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// How long outboxd waits for acknowledgements before it gives an attempt up: `message.timeout.ms` (or

@@ -298,3 +298,62 @@ async fn a_topic_the_principal_may_not_write_is_retried_then_dead_lettered_while
         "{restarts} session restarts for a topic the principal may not write:\n{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_of_a_topic_the_principal_may_not_write_whose_row_is_gone_is_never_given_up() {
+    // The application deletes its outbox row in the inserting transaction: the polling path cannot retry it,
+    // so the stream must keep it unconfirmed until the broker lets its topic be written.
+    let pg = Postgres::start();
+    migrate(&pg);
+    let broker = SecureBroker::start();
+    let password = "outboxd-pw-8e1f";
+    broker.add_user("outboxd", password);
+    broker.allow("outboxd", &["WRITE", "CREATE"], "TOPIC", TOPIC);
+    broker.allow("outboxd", &["CREATE"], "TOPIC", "outbox.Forbidden");
+    let (url, brokers) = (pg.url(), broker.addr());
+    let options = SecureBroker::kafka_options("outboxd", password, &broker.ca);
+    let mut args = run_args(&url, &brokers);
+    args.extend(options.iter().map(String::as_str));
+    let outboxd = Outboxd::spawn(&args);
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let mut gone = Vec::new();
+    for _ in 0..3 {
+        let id = uuid::Uuid::new_v4();
+        client
+            .batch_execute(&format!(
+                "BEGIN;
+                 INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ('{id}', 'Forbidden', 'f1', 'E', '{{}}');
+                 DELETE FROM outbox_event WHERE event_id = '{id}';
+                 COMMIT;"
+            ))
+            .await
+            .unwrap();
+        gone.push(id.to_string());
+    }
+    wait_for(
+        "the broker to refuse the topic",
+        Duration::from_secs(60),
+        || {
+            outboxd
+                .log_text()
+                .contains("TopicAuthorizationFailed")
+                .then_some(())
+        },
+    );
+    broker.allow("outboxd", &["WRITE"], "TOPIC", "outbox.Forbidden");
+    let records = consume_all(
+        &broker.plaintext_addr(),
+        &["outbox.Forbidden"],
+        gone.len(),
+        Duration::from_secs(180),
+    );
+    let log = outboxd.log_text();
+    for id in &gone {
+        assert!(
+            records.iter().any(|r| &r.headers["event_id"] == id),
+            "event {id} (row deleted by its own transaction) never reached Kafka:\n{log}"
+        );
+    }
+}

@@ -35,6 +35,8 @@ pub struct CdcTag {
     /// if its row exists without the marks of what was done with it (a server restored from an older
     /// snapshot).
     pub resent: bool,
+    /// Which hand-over to the producer this is (see the session's outstanding deliveries); 0 before.
+    pub produced: u64,
 }
 
 /// Most events marked by one UPDATE.

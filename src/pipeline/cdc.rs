@@ -6,7 +6,7 @@
 //! history (see `history`).
 //! Reading stops while the in-flight window is full, but standby status updates keep flowing on a timer.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -107,6 +107,9 @@ enum HandOffReason {
     Blocked,
     /// The producer refused it for good (e.g. too large): the polling path retries and dead-letters it.
     Refused,
+    /// The broker refuses its topic outright (not authorised; see [`TopicHolds`]): the polling path retries
+    /// it. Unlike an event too large, one whose row is gone is not given up but re-sent from the slot.
+    TopicRefused,
     /// A required column is NULL: the polling path dead-letters it.
     Invalid,
 }
@@ -117,6 +120,8 @@ struct HandedOff {
     tag: CdcTag,
     event: OutboxEvent,
     reason: HandOffReason,
+    /// What it counts against the in-flight window.
+    bytes: usize,
 }
 
 /// What a relation of the stream is to outboxd.
@@ -190,16 +195,20 @@ struct Session<'a> {
     hand_offs_unwritten: HashMap<Uuid, HandedOff>,
     handed_off: u64,
     topic_holds: &'a mut TopicHolds,
-    /// Events handed to the producer whose delivery report has not arrived.
-    produced_outstanding: usize,
-    /// The latest delivery report (or the moment the producer was given work after none was outstanding).
-    last_report_at: tokio::time::Instant,
-    /// How long the producer may go without a delivery report while it holds events.
+    /// Events handed to the producer whose delivery report has not arrived: when each was handed over, by
+    /// its `CdcTag::produced`.
+    outstanding: BTreeMap<u64, tokio::time::Instant>,
+    next_produced: u64,
+    /// How long an event may wait for its delivery report (from the producer, then its `published_at`
+    /// write) before the session gives its deliveries up.
     delivery_timeout: Duration,
     /// A delivery failed after the producer accepted it: the producer was purged, nothing more is read or
     /// produced, and the session ends (re-sending from the slot) once every report is in and the refused
-    /// events are handed off. Holds the first failure.
-    failing: Option<String>,
+    /// events are handed off, or at the latest one delivery timeout later. Holds the first failure and when.
+    failing: Option<(String, tokio::time::Instant)>,
+    /// An event was refused for good where nothing can retry it (a table without polling columns): the
+    /// session ends with a definite error, as when the producer refuses one at hand-over.
+    refused_without_polling: Option<String>,
 }
 
 impl CdcPipeline {
@@ -588,13 +597,14 @@ impl CdcPipeline {
             hand_offs_unwritten: HashMap::new(),
             handed_off: 0,
             topic_holds: &mut self.topic_holds,
-            produced_outstanding: 0,
-            last_report_at: tokio::time::Instant::now(),
+            outstanding: BTreeMap::new(),
+            next_produced: 1,
             delivery_timeout: crate::kafka::delivery_timeout(
                 &settings,
                 crate::kafka::DEFAULT_DELIVERY_TIMEOUT,
             ),
             failing: None,
+            refused_without_polling: None,
         };
         let result = session
             .stream(&mut stream, &mut finished_rx, shutdown)
@@ -649,7 +659,7 @@ impl Session<'_> {
                             if tag.hand_off {
                                 self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
                             } else {
-                                self.delivery_reported();
+                                self.delivery_reported(tag.produced);
                                 published += 1;
                                 crate::metrics::commit_to_ack((now - tag.commit_micros).max(0) as f64 / 1e6);
                             }
@@ -674,9 +684,9 @@ impl Session<'_> {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
-                _ = tokio::time::sleep_until(self.last_report_at + self.delivery_timeout), if self.produced_outstanding > 0 && self.failing.is_none() => {
+                _ = sleep_until_opt(self.oldest_outstanding().map(|at| at + self.delivery_timeout)), if self.failing.is_none() => {
                     let timeout = self.delivery_timeout;
-                    self.give_up(format!("no delivery report from the broker for {timeout:?} (message.timeout.ms) while it holds {} events", self.produced_outstanding));
+                    self.give_up(format!("an event waited {timeout:?} (message.timeout.ms) for its delivery report; {} are outstanding", self.outstanding.len()));
                 }
                 _ = tokio::time::sleep_until(next_unblock_check), if self.has_blocked() && drain_deadline.is_none() && self.failing.is_none() => {
                     let started = tokio::time::Instant::now();
@@ -688,11 +698,18 @@ impl Session<'_> {
                     break;
                 }
             }
-            if let Some(failure) = &self.failing {
-                if self.produced_outstanding == 0 && self.hand_offs_in_flight == 0 {
+            if let Some((failure, since)) = &self.failing {
+                let reported = self.outstanding.is_empty() && self.hand_offs_in_flight == 0;
+                if reported || since.elapsed() > self.delivery_timeout {
                     // Everything acknowledged before the failure is confirmed first.
                     let confirmed = self.watermark.advance();
                     stream.send_status(confirmed).await?;
+                    if let Some(refused) = self.refused_without_polling.take() {
+                        return Err(Error::Kafka {
+                            message: refused,
+                            transient: false,
+                        });
+                    }
                     return Err(Error::Kafka {
                         message: format!("{failure}; re-sending what was not acknowledged"),
                         transient: true,
@@ -886,6 +903,7 @@ impl Session<'_> {
             commit_micros: self.current_commit_micros,
             hand_off: false,
             resent: self.current_txn_resent,
+            produced: 0,
         }
     }
 
@@ -952,9 +970,14 @@ impl Session<'_> {
             && self
                 .topic_holds
                 .is_held(&topic, tokio::time::Instant::now());
+        let tag = CdcTag {
+            produced: self.next_produced,
+            ..tag
+        };
         let published = if held {
             Err(PublishError::Rejected(Rejection {
                 permanent: true,
+                topic_wide: true,
                 ..Rejection::transient(format!("topic {topic} was refused by the broker"))
             }))
         } else {
@@ -964,10 +987,9 @@ impl Session<'_> {
         };
         match published {
             Ok(()) => {
-                if self.produced_outstanding == 0 {
-                    self.last_report_at = tokio::time::Instant::now();
-                }
-                self.produced_outstanding += 1;
+                self.outstanding
+                    .insert(self.next_produced, tokio::time::Instant::now());
+                self.next_produced += 1;
                 self.published += 1;
                 Ok(())
             }
@@ -979,7 +1001,12 @@ impl Session<'_> {
                 }
                 self.blocked
                     .insert(blocked_key(&tag, event), Blocked::HANDING_OFF);
-                self.hand_off(tag, event, event_id, HandOffReason::Refused)?;
+                let reason = if rejection.topic_wide {
+                    HandOffReason::TopicRefused
+                } else {
+                    HandOffReason::Refused
+                };
+                self.hand_off(tag, event, event_id, reason)?;
                 let table_blocked = self.blocked.keys().filter(|(t, _)| *t == tag.table).count();
                 if table_blocked > MAX_TRACKED_BLOCKED {
                     // Events of these aggregates may still be in flight: holding the table in place could let
@@ -990,23 +1017,37 @@ impl Session<'_> {
                 }
                 Ok(())
             }
+            // The producer stopped (the gap-less guarantee after a refusal whose report is still on its
+            // way) or cannot take it now: the event stays unfinished, and is re-sent by the next session
+            // once the reports already on their way are in (a refused one is handed off first).
+            Err(PublishError::Rejected(rejection)) if !rejection.permanent => {
+                self.give_up(format!(
+                    "the producer did not take event {event_id}: {}",
+                    rejection.reason
+                ));
+                Ok(())
+            }
             Err(error) => Err(error.into()),
         }
     }
 
-    /// A delivery report arrived for an event handed to the producer.
-    fn delivery_reported(&mut self) {
-        self.produced_outstanding = self.produced_outstanding.saturating_sub(1);
-        self.last_report_at = tokio::time::Instant::now();
+    /// A delivery report arrived for the event handed to the producer as `produced`.
+    fn delivery_reported(&mut self, produced: u64) {
+        self.outstanding.remove(&produced);
+    }
+
+    /// When the longest-waiting event still without a delivery report was handed to the producer.
+    fn oldest_outstanding(&self) -> Option<tokio::time::Instant> {
+        self.outstanding.first_key_value().map(|(_, at)| *at)
     }
 
     /// Gives this session's deliveries up: the producer fails at once whatever it still holds (so nothing
     /// after a failure can still reach Kafka ahead of it), and the session ends once every report is in.
     fn give_up(&mut self, failure: String) {
         if self.failing.is_none() {
-            tracing::warn!(%failure, in_flight = self.produced_outstanding, "giving up this session's deliveries: purging the producer; what it did not deliver is re-sent from the slot");
+            tracing::warn!(%failure, in_flight = self.outstanding.len(), "giving up this session's deliveries: purging the producer; what it did not deliver is re-sent from the slot");
             self.publisher.purge();
-            self.failing = Some(failure);
+            self.failing = Some((failure, tokio::time::Instant::now()));
         }
     }
 
@@ -1017,7 +1058,7 @@ impl Session<'_> {
     /// topic refused outright is held (see [`TopicHolds`]).
     fn undelivered(&mut self, deliveries: Vec<Delivery<CdcTag>>) -> Result<()> {
         for delivery in deliveries {
-            self.delivery_reported();
+            self.delivery_reported(delivery.tag.produced);
             let Err(rejection) = delivery.result else {
                 continue;
             };
@@ -1026,13 +1067,24 @@ impl Session<'_> {
                 "delivery of event {} failed: {}",
                 delivery.event_id, rejection.reason
             ));
-            if !(rejection.permanent && self.outbox_sql[delivery.tag.table].can_hand_off()) {
+            if !rejection.permanent {
+                continue;
+            }
+            if !self.outbox_sql[delivery.tag.table].can_hand_off() {
+                self.refused_without_polling.get_or_insert(format!(
+                    "the broker refused event {} for good ({}) and its table has no polling columns to retry and dead-letter it: fix the cause, or run `outboxd migrate` to add them",
+                    delivery.event_id, rejection.reason
+                ));
                 continue;
             }
             tracing::warn!(event_id = %delivery.event_id, error = %rejection.reason, "event refused by the broker after the producer accepted it; handing it and its aggregate to the polling path");
             if let (true, Some(topic)) = (rejection.topic_wide, &rejection.topic) {
-                let hold = self.topic_holds.hold(topic, tokio::time::Instant::now());
-                tracing::warn!(%topic, ?hold, error = %rejection.reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
+                let now = tokio::time::Instant::now();
+                // Once per refusal, not once per event refused with it (all were in flight already).
+                if !self.topic_holds.is_held(topic, now) {
+                    let hold = self.topic_holds.hold(topic, now);
+                    tracing::warn!(%topic, ?hold, error = %rejection.reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
+                }
             }
             let placeholder = OutboxEvent {
                 event_id: delivery.event_id.to_string().as_str().into(),
@@ -1043,12 +1095,17 @@ impl Session<'_> {
                 created_at: None,
                 headers: Vec::new(),
             };
+            let reason = if rejection.topic_wide {
+                HandOffReason::TopicRefused
+            } else {
+                HandOffReason::Refused
+            };
             self.hand_off_sized(
                 delivery.tag,
                 &placeholder,
                 delivery.event_id,
                 delivery.bytes,
-                HandOffReason::Refused,
+                reason,
             )?;
         }
         Ok(())
@@ -1095,6 +1152,7 @@ impl Session<'_> {
                 tag,
                 event: event.clone(),
                 reason,
+                bytes,
             },
         );
         Ok(())
@@ -1119,6 +1177,13 @@ impl Session<'_> {
             }
         }
         for (event_id, handed) in rowless_events {
+            if handed.reason == HandOffReason::TopicRefused {
+                // Nothing can retry it but the stream, once the broker lets its topic be written: kept
+                // unfinished (the hand-off's finish is balanced here), so the slot stays before it.
+                self.start_event(handed.tag.txn, handed.bytes);
+                self.give_up(format!("event {event_id} has no row (deleted by its own transaction) and the broker refuses its topic: it stays unconfirmed and is re-sent from the slot"));
+                continue;
+            }
             if handed.reason != HandOffReason::Blocked {
                 tracing::error!(%event_id, reason = ?handed.reason, "event could not be published and its row was deleted by its own transaction: it cannot be retried or dead-lettered");
                 continue;

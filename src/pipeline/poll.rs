@@ -470,8 +470,9 @@ impl PollWorker {
         // A refusal may be of the batch the event shared with others (too large together): each first
         // refusal of its aggregate in this batch is tried again alone before it counts (the gap-less
         // guarantee stopped the producer at the refusal, so nothing after it in its partition was written).
-        // Later events of an aggregate whose earlier event was not delivered did not fail on their own:
-        // they are held back, without an attempt.
+        // Later events of an aggregate whose earlier event was not delivered did not fail on their own, nor
+        // did events the stopped producer failed after another aggregate's refusal: they are held back,
+        // without an attempt.
         let refused = outcomes
             .iter()
             .any(|o| matches!(o, Outcome::Failed(r) if r.permanent));
@@ -490,6 +491,9 @@ impl PollWorker {
                 && matches!(outcome, Outcome::Failed(r) if r.permanent)
             {
                 *outcome = self.publish_alone(row).await;
+            } else if refused && matches!(outcome, Outcome::Failed(r) if !r.permanent) {
+                // Failed because the producer stopped at another aggregate's refusal: not its fault.
+                *outcome = Outcome::HeldBack;
             }
             if !matches!(outcome, Outcome::Delivered) {
                 undelivered.insert(aggregate);
