@@ -28,13 +28,7 @@ fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
 async fn create_small_topic(brokers: &str) {
     let topic = NewTopic::new(TOPIC, 1, TopicReplication::Fixed(1))
         .set("max.message.bytes", TOPIC_MAX_BYTES);
-    let results = admin(brokers)
-        .create_topics([&topic], &AdminOptions::new())
-        .await
-        .expect("cannot create topic");
-    for result in results {
-        result.expect("cannot create topic");
-    }
+    create_topic(brokers, topic).await;
 }
 
 /// One event of `aggregate` inside `tx`, `pad` bytes of payload padding.
@@ -104,10 +98,26 @@ fn millis(time: SystemTime) -> i64 {
     time.duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
 }
 
-/// Sessions the CDC path ended and restarted.
-fn session_restarts(log: &str) -> usize {
-    log.matches("replication session ended; reconnecting")
-        .count()
+/// At most 2 sessions the CDC path ended and restarted for `what`.
+fn assert_few_restarts(log: &str, what: &str) {
+    let restarts = log
+        .matches("replication session ended; reconnecting")
+        .count();
+    assert!(
+        restarts <= 2,
+        "{restarts} session restarts for {what}:
+{log}"
+    );
+}
+
+async fn create_topic(brokers: &str, topic: NewTopic<'_>) {
+    let results = admin(brokers)
+        .create_topics([&topic], &AdminOptions::new())
+        .await
+        .expect("cannot create topic");
+    for result in results {
+        result.expect("cannot create topic");
+    }
 }
 
 /// The scenario of both paths: in one transaction A1, A2 (larger than the topic accepts), A3 and B1, all in
@@ -175,11 +185,7 @@ async fn a_refused_event_dies_alone_and_its_aggregate_waits(mode: &[&str]) -> St
 #[tokio::test(flavor = "multi_thread")]
 async fn an_event_the_broker_refuses_after_hand_over_is_dead_lettered_in_order_by_the_stream() {
     let log = a_refused_event_dies_alone_and_its_aggregate_waits(&[]).await;
-    let restarts = session_restarts(&log);
-    assert!(
-        restarts <= 2,
-        "{restarts} session restarts for one refused event:\n{log}"
-    );
+    assert_few_restarts(&log, "one refused event");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -209,11 +215,7 @@ async fn a_topic_deleted_while_running_is_created_again() {
     // What reached the topic before it was deleted is gone with it; everything after is in the new one.
     verify_delivery(&brokers, &committed, &[], 60, "after the topic was deleted");
     let log = outboxd.log_text();
-    let restarts = session_restarts(&log);
-    assert!(
-        restarts <= 2,
-        "{restarts} session restarts for one deleted topic:\n{log}"
-    );
+    assert_few_restarts(&log, "one deleted topic");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -224,14 +226,11 @@ async fn a_topic_the_principal_may_not_write_is_retried_then_dead_lettered_while
     let password = "outboxd-pw-3c9d";
     broker.add_user("outboxd", password);
     // It may write outbox.Order, which exists, but not create it (outboxd's CreateTopics is refused).
-    let topic = NewTopic::new(TOPIC, 3, TopicReplication::Fixed(1));
-    for result in admin(&broker.plaintext_addr())
-        .create_topics([&topic], &AdminOptions::new())
-        .await
-        .expect("cannot create topic")
-    {
-        result.expect("cannot create topic");
-    }
+    create_topic(
+        &broker.plaintext_addr(),
+        NewTopic::new(TOPIC, 3, TopicReplication::Fixed(1)),
+    )
+    .await;
     broker.allow("outboxd", &["WRITE"], "TOPIC", TOPIC);
     // It may create outbox.Forbidden (so nothing fails before the producer accepts the events), not write it.
     broker.allow("outboxd", &["CREATE"], "TOPIC", "outbox.Forbidden");
@@ -292,11 +291,7 @@ async fn a_topic_the_principal_may_not_write_is_retried_then_dead_lettered_while
         120,
         "the writable topic",
     );
-    let restarts = session_restarts(&log);
-    assert!(
-        restarts <= 2,
-        "{restarts} session restarts for a topic the principal may not write:\n{log}"
-    );
+    assert_few_restarts(&log, "a topic the principal may not write");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -133,6 +133,19 @@ enum Mapped {
     Other { name: String, warned: bool },
 }
 
+/// Stands for an event handed off without its content (the polling path reads the row itself): only its id.
+fn placeholder_event(event_id: &str) -> OutboxEvent {
+    OutboxEvent {
+        event_id: event_id.into(),
+        aggregate_type: Default::default(),
+        aggregate_id: Default::default(),
+        event_type: Default::default(),
+        payload: None,
+        created_at: None,
+        headers: Vec::new(),
+    }
+}
+
 /// A blocked aggregate: (index of its outbox table, aggregate).
 type BlockedKey = (usize, AggregateKey);
 
@@ -850,15 +863,7 @@ impl Session<'_> {
                         && event_id.parse::<Uuid>().is_ok() =>
                     {
                         tracing::warn!(%event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
-                        let placeholder = OutboxEvent {
-                            event_id: event_id.as_str().into(),
-                            aggregate_type: Default::default(),
-                            aggregate_id: Default::default(),
-                            event_type: Default::default(),
-                            payload: None,
-                            created_at: None,
-                            headers: Vec::new(),
-                        };
+                        let placeholder = placeholder_event(&event_id);
                         let id = event_id.parse::<Uuid>().unwrap_or_default();
                         self.start_event(txn, placeholder.size_bytes());
                         return self.hand_off(
@@ -1086,15 +1091,7 @@ impl Session<'_> {
                     tracing::warn!(%topic, ?hold, error = %rejection.reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
                 }
             }
-            let placeholder = OutboxEvent {
-                event_id: delivery.event_id.to_string().as_str().into(),
-                aggregate_type: Default::default(),
-                aggregate_id: Default::default(),
-                event_type: Default::default(),
-                payload: None,
-                created_at: None,
-                headers: Vec::new(),
-            };
+            let placeholder = placeholder_event(&delivery.event_id.to_string());
             let reason = if rejection.topic_wide {
                 HandOffReason::TopicRefused
             } else {
