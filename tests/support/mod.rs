@@ -686,7 +686,31 @@ pub fn consume_all(
     let mut records = Vec::new();
     let deadline = Instant::now() + timeout;
     let mut quiet_polls = 0;
-    while quiet_polls < 4 || records.len() < expected {
+    // Quiet is not enough on a loaded machine (a partition's fetch can lag while duplicates already make up
+    // the count): also read every partition up to the end it had when reading began.
+    let ends: Vec<(String, i32, i64)> = assignment
+        .elements()
+        .iter()
+        .map(|e| {
+            let (_, high) = consumer
+                .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(10))
+                .unwrap_or((0, 0));
+            (e.topic().to_string(), e.partition(), high)
+        })
+        .collect();
+    let mut read_up_to: HashMap<(String, i32), i64> = HashMap::new();
+    let at_ends = |read_up_to: &HashMap<(String, i32), i64>| {
+        ends.iter().all(|(topic, partition, high)| {
+            *high == 0
+                || read_up_to
+                    .get(&(topic.clone(), *partition))
+                    .copied()
+                    .unwrap_or(-1)
+                    + 1
+                    >= *high
+        })
+    };
+    while quiet_polls < 4 || records.len() < expected || !at_ends(&read_up_to) {
         assert!(
             Instant::now() < deadline,
             "timed out after {timeout:?}: read {} of {expected} records from {topics:?}",
@@ -695,6 +719,10 @@ pub fn consume_all(
         match consumer.poll(Duration::from_millis(250)) {
             Some(Ok(message)) => {
                 quiet_polls = 0;
+                read_up_to.insert(
+                    (message.topic().to_string(), message.partition()),
+                    message.offset(),
+                );
                 let mut headers = HashMap::new();
                 if let Some(h) = message.headers() {
                     for header in h.iter() {
