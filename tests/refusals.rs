@@ -17,6 +17,15 @@ use support::*;
 /// producer accepts a bigger event and the broker refuses it.
 const TOPIC_MAX_BYTES: &str = "4096";
 const BIG_PAD: i32 = 8_000;
+/// Two attempts, quick retries: a refused event is dead-lettered within seconds.
+const QUICK_DEAD_LETTERS: &[&str] = &[
+    "--max-attempts",
+    "2",
+    "--retry-base",
+    "200ms",
+    "--retry-cap",
+    "500ms",
+];
 
 fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
     ClientConfig::new()
@@ -129,14 +138,7 @@ async fn a_refused_event_dies_alone_and_its_aggregate_waits(mode: &[&str]) -> St
     create_small_topic(&brokers).await;
     let mut args = run_args(&url, &brokers);
     args.extend_from_slice(mode);
-    args.extend([
-        "--max-attempts",
-        "2",
-        "--retry-base",
-        "200ms",
-        "--retry-cap",
-        "500ms",
-    ]);
+    args.extend_from_slice(QUICK_DEAD_LETTERS);
     let outboxd = Outboxd::spawn(&args);
     let mut client = pg.client().await;
     if mode.is_empty() {
@@ -238,14 +240,7 @@ async fn a_topic_the_principal_may_not_write_is_retried_then_dead_lettered_while
     let options = SecureBroker::kafka_options("outboxd", password, &broker.ca);
     let mut args = run_args(&url, &brokers);
     args.extend(options.iter().map(String::as_str));
-    args.extend([
-        "--max-attempts",
-        "2",
-        "--retry-base",
-        "200ms",
-        "--retry-cap",
-        "500ms",
-    ]);
+    args.extend_from_slice(QUICK_DEAD_LETTERS);
     let outboxd = Outboxd::spawn(&args);
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
