@@ -833,6 +833,8 @@ pub struct DeliveryReport {
     pub from_rolled_back: usize,
     pub duplicates: usize,
     pub order_violations: usize,
+    /// The first few missing events (seq, aggregate), to say which ones.
+    pub missing_sample: Vec<(i64, String)>,
 }
 
 /// Compares what Kafka holds with what was committed: loss, rolled-back events, duplicates, and per-aggregate
@@ -858,10 +860,16 @@ pub fn check_delivery(
             report.duplicates += 1;
         }
     }
-    report.missing = committed
+    let missing: Vec<&Inserted> = committed
         .iter()
         .filter(|e| !seen.contains_key(&e.event_id.to_string()))
-        .count();
+        .collect();
+    report.missing = missing.len();
+    report.missing_sample = missing
+        .iter()
+        .take(10)
+        .map(|e| (e.seq, e.aggregate_id.clone()))
+        .collect();
     report.from_rolled_back = rolled_back
         .iter()
         .filter(|e| seen.contains_key(&e.event_id.to_string()))
