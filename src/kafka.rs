@@ -257,6 +257,31 @@ pub fn client_config(settings: &RunSettings) -> ClientConfig {
     config
 }
 
+/// The producer's configuration: [`client_config`] with the settings outboxd's delivery guarantees rest on,
+/// applied after `--kafka-option` so that no option can undo them (see [`Publisher::new`]).
+pub fn producer_config(settings: &RunSettings) -> ClientConfig {
+    let mut config = client_config(settings);
+    enforce_delivery_guarantees(&mut config);
+    config
+}
+
+/// - `enable.gapless.guarantee` and no librdkafka `message.timeout.ms`: see [`Publisher::new`].
+/// - `max.in.flight.requests.per.connection=1`: with more, a partition's next request can be sent while the
+///   one before it is still unanswered. A broker that holds no state for the producer on that partition yet
+///   (a new producer id, a new topic) accepts the later batch even when the earlier one failed (for example
+///   with NOT_LEADER_OR_FOLLOWER right after a topic was created or a leader moved), and librdkafka then
+///   reports the earlier batch delivered too ("implicitly acked by subsequent batch success"): events
+///   reported delivered that Kafka never wrote. One request at a time lets the failed batch be retried
+///   before anything after it is sent.
+fn enforce_delivery_guarantees(config: &mut ClientConfig) {
+    config
+        .set("enable.gapless.guarantee", "true")
+        .set("message.timeout.ms", "0")
+        .set("max.in.flight.requests.per.connection", "1")
+        .remove("delivery.timeout.ms")
+        .remove("max.in.flight");
+}
+
 /// librdkafka's configuration errors name the property and, for some, repeat its value: the value (perhaps a
 /// password, perhaps under a mistyped name) never reaches the message.
 pub(crate) fn config_error(error: KafkaError) -> Error {
@@ -286,6 +311,8 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     ///   and the next ones are sent, which the gap-less guarantee does not cover. outboxd keeps the timeout
     ///   itself ([`delivery_timeout`]): when it passes, it purges the whole producer and re-sends.
     ///
+    /// - one request in flight per broker (see [`producer_config`]).
+    ///
     /// Either way the caller replaces the producer and re-sends every event it did not see acknowledged,
     /// in order, so what reached Kafka is an in-order prefix followed by the re-sent events.
     pub fn new(
@@ -294,12 +321,7 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         deliveries: UnboundedSender<Delivery<T>>,
     ) -> Result<Self> {
         let admin = client_config(settings).create().map_err(config_error)?;
-        let mut config = client_config(settings);
-        config
-            .set("enable.gapless.guarantee", "true")
-            .set("message.timeout.ms", "0")
-            .remove("delivery.timeout.ms");
-        let producer = config
+        let producer = producer_config(settings)
             .create_with_context(DeliveryContext {
                 deliveries,
                 known_topics: known_topics.clone(),
@@ -498,5 +520,29 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     pub fn abandon(self) {
         self.producer
             .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_cannot_undo_the_delivery_guarantees() {
+        let mut config = ClientConfig::new();
+        config
+            .set("enable.gapless.guarantee", "false")
+            .set("message.timeout.ms", "1000")
+            .set("delivery.timeout.ms", "1000")
+            .set("max.in.flight", "5")
+            .set("max.in.flight.requests.per.connection", "5")
+            .set("linger.ms", "20");
+        enforce_delivery_guarantees(&mut config);
+        assert_eq!(config.get("enable.gapless.guarantee"), Some("true"));
+        assert_eq!(config.get("message.timeout.ms"), Some("0"));
+        assert_eq!(config.get("delivery.timeout.ms"), None);
+        assert_eq!(config.get("max.in.flight"), None);
+        assert_eq!(config.get("max.in.flight.requests.per.connection"), Some("1"));
+        assert_eq!(config.get("linger.ms"), Some("20"), "other options are the user's");
     }
 }

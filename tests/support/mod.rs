@@ -513,6 +513,10 @@ impl Broker {
 impl Drop for Broker {
     fn drop(&mut self) {
         run_script("broker.sh", &["stop", self.dir.to_str().unwrap()], &[]);
+        if std::thread::panicking() {
+            eprintln!("--- broker kept for inspection: {} ---", self.dir.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

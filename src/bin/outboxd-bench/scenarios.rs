@@ -287,7 +287,7 @@ impl Bench {
             .await?;
         let settings = outboxd_settings(&self.stack)?;
         let producer: ThreadedProducer<DefaultProducerContext> =
-            outboxd::kafka::client_config(&settings).create()?;
+            outboxd::kafka::producer_config(&settings).create()?;
         let topic = "bench.sink";
         create_topic(&settings, topic).await?;
         let started = Instant::now();
