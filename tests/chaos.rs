@@ -622,8 +622,12 @@ const FAILOVER_PARTITIONS: &str = "6";
 /// outboxd's `message.timeout.ms` here (`--kafka-option`): librdkafka's default, 300 s, would make each long
 /// outage five minutes.
 const MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How much longer than `MESSAGE_TIMEOUT` the long outages last.
-const PAST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the long outages last: past the message timeout by 2 s up to one more timeout, at random, so the
+/// moment the cluster takes writes again falls at a different point of librdkafka's timeouts each run.
+fn outage_length(rng: &mut Rng) -> Duration {
+    let timeout = MESSAGE_TIMEOUT.as_millis() as u64;
+    rng.millis(timeout + 2_000, 2 * timeout)
+}
 /// How long outboxd may take to publish past a point once the cluster can take writes.
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(180);
 const CLUSTER_TIMEOUT: Duration = Duration::from_secs(180);
@@ -665,6 +669,9 @@ struct Incident {
     offset_secs: f64,
     began: Instant,
     back_in_sync_secs: f64,
+    /// (what, seconds it took), printed as the incident heals.
+    steps: Vec<(&'static str, f64)>,
+    step_began: Instant,
 }
 
 impl Incident {
@@ -676,14 +683,32 @@ impl Incident {
             offset_secs: load_started.elapsed().as_secs_f64(),
             began: Instant::now(),
             back_in_sync_secs: 0.0,
+            steps: Vec::new(),
+            step_began: Instant::now(),
         }
     }
 
-    fn healed(mut self) -> Self {
+    fn step(&mut self, what: &'static str) {
+        self.steps
+            .push((what, self.step_began.elapsed().as_secs_f64()));
+        self.step_began = Instant::now();
+    }
+
+    /// The incident is over; `last` names its last step.
+    fn healed(mut self, last: &'static str) -> Self {
+        self.step(last);
         self.back_in_sync_secs = self.began.elapsed().as_secs_f64();
+        let steps: Vec<String> = self
+            .steps
+            .iter()
+            .map(|(what, secs)| format!("{what} +{secs:.1}s"))
+            .collect();
         println!(
-            "{:>6.1}s  {} (cluster in sync again after {:.1}s)",
-            self.offset_secs, self.what, self.back_in_sync_secs
+            "{:>6.1}s  {} (cluster in sync again after {:.1}s: {})",
+            self.offset_secs,
+            self.what,
+            self.back_in_sync_secs,
+            steps.join(", ")
         );
         self
     }
@@ -798,6 +823,21 @@ fn session_restarts(logs: &[std::path::PathBuf]) -> (usize, Vec<SessionRestart>)
         }
     }
     (ended, restarts)
+}
+
+/// `text` with each UUID (an event id) replaced by `<id>`, so reasons that differ only in the event group.
+fn without_ids(text: &str) -> String {
+    text.split(' ')
+        .map(|word| {
+            let bare = word.trim_matches(|c: char| !c.is_ascii_alphanumeric() && c != '-');
+            if uuid::Uuid::parse_str(bare).is_ok() {
+                word.replace(bare, "<id>")
+            } else {
+                word.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// An event whose first appearance came after the first appearance of a later event of its aggregate.
@@ -929,7 +969,7 @@ async fn broker_failover() {
         tokio::time::sleep(pause(&mut rng)).await;
         outboxd.check();
         let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
-        let incident = Incident::begin(
+        let mut incident = Incident::begin(
             Failure::KillLeader,
             format!("SIGKILL node {leader}, leader of busiest partition {partition} ({k}/{kills})"),
             load_started,
@@ -937,6 +977,7 @@ async fn broker_failover() {
         blocking(|| cluster.kill(leader));
         let lsn = current_wal_lsn(&client).await;
         blocking(|| cluster.wait_leaders_elected(TOPIC, &[leader], CLUSTER_TIMEOUT));
+        incident.step("new leaders");
         wait_published_past(
             &client,
             &mut outboxd,
@@ -944,23 +985,27 @@ async fn broker_failover() {
             "outboxd to publish with the leader killed",
         )
         .await;
+        incident.step("published past the kill");
         blocking(|| cluster.start(leader));
+        incident.step("node started");
         blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
-        incidents.push(incident.healed());
+        incidents.push(incident.healed("in sync"));
     }
 
     // (b) Rolling restart: each node stopped (controlled shutdown) and started, waiting for the ISR each time.
     for node in Cluster::NODES {
         tokio::time::sleep(pause(&mut rng)).await;
         outboxd.check();
-        let incident = Incident::begin(
+        let mut incident = Incident::begin(
             Failure::RollingRestart,
             format!("rolling restart: stop node {node}, start it again ({node}/3)"),
             load_started,
         );
         blocking(|| cluster.stop(node));
+        incident.step("stopped");
         let lsn = current_wal_lsn(&client).await;
         blocking(|| cluster.wait_leaders_elected(TOPIC, &[node], CLUSTER_TIMEOUT));
+        incident.step("new leaders");
         wait_published_past(
             &client,
             &mut outboxd,
@@ -968,20 +1013,23 @@ async fn broker_failover() {
             "outboxd to publish with a node stopped",
         )
         .await;
+        incident.step("published past the stop");
         blocking(|| cluster.start(node));
+        incident.step("node started");
         blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
-        incidents.push(incident.healed());
+        incidents.push(incident.healed("in sync"));
     }
 
     // (c) One node down for longer than the producer's message timeout: the other two keep taking writes.
     tokio::time::sleep(pause(&mut rng)).await;
     outboxd.check();
     let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
-    let down_for = MESSAGE_TIMEOUT + PAST_TIMEOUT;
-    let incident = Incident::begin(
+    let down_for = outage_length(&mut rng);
+    let mut incident = Incident::begin(
         Failure::OneDownPastTimeout,
         format!(
-            "SIGKILL node {leader}, leader of busiest partition {partition}; down {down_for:?}"
+            "SIGKILL node {leader}, leader of busiest partition {partition}; down {:.1}s",
+            down_for.as_secs_f64()
         ),
         load_started,
     );
@@ -989,6 +1037,7 @@ async fn broker_failover() {
     blocking(|| cluster.kill(leader));
     let lsn = current_wal_lsn(&client).await;
     blocking(|| cluster.wait_leaders_elected(TOPIC, &[leader], CLUSTER_TIMEOUT));
+    incident.step("new leaders");
     wait_published_past(
         &client,
         &mut outboxd,
@@ -996,6 +1045,7 @@ async fn broker_failover() {
         "outboxd to publish with one node down",
     )
     .await;
+    incident.step("published past the kill");
     hold(&mut outboxd, down_since + down_for).await;
     let lsn = current_wal_lsn(&client).await;
     wait_published_past(
@@ -1005,12 +1055,14 @@ async fn broker_failover() {
         "outboxd to publish at the end of the outage",
     )
     .await;
+    incident.step("held down, published");
     blocking(|| cluster.start(leader));
+    incident.step("node started");
     blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
-    incidents.push(incident.healed());
+    incidents.push(incident.healed("in sync"));
 
     // (c') Two nodes down for longer than the message timeout: one node left, no controller quorum and fewer
-    // than min.insync.replicas, so sends in flight fail with a timeout while the load goes on.
+    // than min.insync.replicas, so sends fail with a timeout while the load goes on.
     tokio::time::sleep(pause(&mut rng)).await;
     outboxd.check();
     let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
@@ -1019,10 +1071,12 @@ async fn broker_failover() {
         .filter(|&n| n != leader)
         .collect();
     let second = others[rng.below(2) as usize];
-    let incident = Incident::begin(
+    let down_for = outage_length(&mut rng);
+    let mut incident = Incident::begin(
         Failure::TwoDownPastTimeout,
         format!(
-            "SIGKILL nodes {leader} (leader of busiest partition {partition}) and {second}; down {down_for:?}"
+            "SIGKILL nodes {leader} (leader of busiest partition {partition}) and {second}; down {:.1}s",
+            down_for.as_secs_f64()
         ),
         load_started,
     );
@@ -1033,11 +1087,14 @@ async fn broker_failover() {
     });
     let lsn = current_wal_lsn(&client).await;
     hold(&mut outboxd, down_since + down_for).await;
-    blocking(|| {
-        cluster.start(leader);
-        cluster.start(second);
-        cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT)
-    });
+    incident.step("held down");
+    // One node back restores the quorum and two in-sync replicas: writes resume before the last one is up.
+    blocking(|| cluster.start(leader));
+    incident.step("first node started");
+    blocking(|| cluster.start(second));
+    incident.step("second node started");
+    blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
+    incident.step("in sync");
     wait_published_past(
         &client,
         &mut outboxd,
@@ -1045,7 +1102,7 @@ async fn broker_failover() {
         "outboxd to publish after two nodes were back",
     )
     .await;
-    incidents.push(incident.healed());
+    incidents.push(incident.healed("published past the outage"));
     let incidents_secs = began.elapsed().as_secs_f64() - setup_secs;
 
     // Stop the load, let everything be published, read it all back.
@@ -1149,7 +1206,7 @@ async fn broker_failover() {
     for restart in &restarts {
         let i = after_incident(&incidents, restart.at);
         restarts_per[i] += 1;
-        let reason: String = restart.reason.chars().take(120).collect();
+        let reason: String = without_ids(&restart.reason).chars().take(160).collect();
         *reasons[i].entry(reason).or_default() += 1;
     }
     for violation in &violations {
