@@ -6,11 +6,23 @@
 //! rolled-back events, duplicates (in all and per fault), order violations, unpublished rows and slot lag,
 //! as a table printed and written to `target/chaos/<profile>.md`.
 //!
+//! A second scenario, `broker_failover`, runs outboxd against a 3-node Apache Kafka cluster (KRaft,
+//! replication factor 3, `min.insync.replicas=2`, `acks=all`, `message.timeout.ms=10000`) under the same
+//! load: it SIGKILLs the leader of the busiest partition again and again (each time waiting for new leaders
+//! and for outboxd to publish past the kill before starting the node again and waiting for the ISR), restarts
+//! the three nodes one by one, keeps one node down longer than the message timeout and then two (no quorum,
+//! too few in-sync replicas: sends fail). It reports loss, rolled-back events, order violations (with an
+//! example) and, per incident, duplicates (checked against the in-flight window), replication session
+//! restarts and their reasons, in its own section of the same report file.
+//!
 //! Profiles (`OUTBOXD_CHAOS_PROFILE`): `short` (the default, run by CI with the other tests) and `full`:
 //!
 //! ```sh
 //! OUTBOXD_CHAOS_PROFILE=full cargo test --release --test chaos -- --nocapture
+//! cargo test --test chaos broker_failover -- --nocapture     # only the cluster scenario (short profile)
 //! ```
+//!
+//! The scenarios run one at a time. The short profile kills the busiest leader 3 times, the full one 12.
 //!
 //! `OUTBOXD_CHAOS_SEED` replays a run's random choices (the seed is printed and in the report).
 
@@ -1407,5 +1419,115 @@ async fn broker_failover() {
         done.get(&Failure::KillLeader).copied().unwrap_or(0)
             >= if profile == "full" { 10 } else { 1 },
         "SIGKILLs of the busiest partition's leader"
+    );
+}
+
+// The verifier's own checks: each of them can fail.
+
+fn record(id: uuid::Uuid, key: &str, partition: i32, offset: i64, at: i64) -> Record {
+    Record {
+        topic: TOPIC.into(),
+        partition,
+        offset,
+        key: Some(key.into()),
+        value: None,
+        headers: HashMap::from([("event_id".to_string(), id.to_string())]),
+        timestamp: Some(at),
+    }
+}
+
+#[test]
+fn the_verifier_sees_an_aggregate_out_of_order() {
+    let event = |aggregate: &str, seq| Inserted {
+        event_id: uuid::Uuid::new_v4(),
+        aggregate_id: aggregate.into(),
+        seq,
+    };
+    let committed = vec![
+        event("order-1", 0),
+        event("order-1", 1),
+        event("order-2", 2),
+    ];
+    let (a1, a2, b1) = (
+        committed[0].event_id,
+        committed[1].event_id,
+        committed[2].event_id,
+    );
+    // a2 reached the partition before a1 (a1 lost, then re-sent after a2), a2 again as the re-send's copy.
+    let records = vec![
+        record(a1, "order-1", 0, 1, 2_000),
+        record(a2, "order-1", 0, 0, 1_000),
+        record(a2, "order-1", 0, 2, 3_000),
+        record(b1, "order-2", 1, 0, 1_500),
+    ];
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(
+        (report.missing, report.duplicates, report.order_violations),
+        (0, 1, 1)
+    );
+    let violations = order_violations(&records, &committed);
+    assert_eq!(violations.len(), 1);
+    let v = &violations[0];
+    assert_eq!(v.aggregate, "order-1");
+    assert_eq!(v.late, (0, 0, 1, 2_000), "a1 came late");
+    assert_eq!(v.ahead, (1, 0, 0, 1_000), "a2 came first");
+    // In commit order nothing is reported.
+    let in_order = vec![
+        record(a1, "order-1", 0, 0, 1_000),
+        record(a2, "order-1", 0, 1, 1_100),
+        record(b1, "order-2", 1, 0, 1_500),
+    ];
+    assert!(order_violations(&in_order, &committed).is_empty());
+    assert_eq!(
+        check_delivery(&in_order, &committed, &[]).order_violations,
+        0
+    );
+    // A missing event is counted.
+    assert_eq!(check_delivery(&in_order[..2], &committed, &[]).missing, 1);
+}
+
+#[test]
+fn duplicates_and_restarts_go_to_the_incident_before_them() {
+    let start = Instant::now();
+    let mut incidents = Vec::new();
+    for at in [1_000, 5_000] {
+        let mut incident = Incident::begin(Failure::KillLeader, format!("at {at}"), start);
+        incident.at = at;
+        incidents.push(incident);
+    }
+    assert_eq!(after_incident(&incidents, 999), 0, "before any incident");
+    assert_eq!(after_incident(&incidents, 1_000), 1);
+    assert_eq!(after_incident(&incidents, 4_999), 1);
+    assert_eq!(after_incident(&incidents, 5_000), 2);
+}
+
+#[test]
+fn restart_reasons_group_without_event_ids() {
+    let id = uuid::Uuid::new_v4();
+    assert_eq!(
+        without_ids(&format!(
+            "Kafka: delivery of event {id} failed: MessageTimedOut (Local: Message timed out)"
+        )),
+        "Kafka: delivery of event <id> failed: MessageTimedOut (Local: Message timed out)"
+    );
+    assert_eq!(without_ids(&format!("({id})")), "(<id>)");
+}
+
+#[test]
+fn report_sections_replace_only_themselves() {
+    let profile = format!("selftest-{}", std::process::id());
+    let path = write_report(&profile, "faults", "| a | 1 |\n");
+    write_report(&profile, "broker-failover", "| b | 1 |\n");
+    write_report(&profile, "faults", "| a | 2 |\n");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        text.contains("| a | 2 |") && !text.contains("| a | 1 |"),
+        "{text}"
+    );
+    assert!(text.contains("| b | 1 |"), "{text}");
+    assert!(
+        text.find("| a | 2 |") < text.find("| b | 1 |"),
+        "sections keep their place: {text}"
     );
 }
