@@ -10,8 +10,9 @@
 //! replication factor 3, `min.insync.replicas=2`, `acks=all`, `message.timeout.ms=10000`) under the same
 //! load: it SIGKILLs the leader of the busiest partition again and again (each time waiting for new leaders
 //! and for outboxd to publish past the kill before starting the node again and waiting for the ISR), restarts
-//! the three nodes one by one, keeps one node down longer than the message timeout and then two (no quorum,
-//! too few in-sync replicas: sends fail). It reports loss, rolled-back events, order violations (with an
+//! the three nodes one by one, keeps one node down longer than the message timeout, hangs the busiest
+//! partition's leader (SIGSTOP, connections left open) for longer than that, and then keeps two nodes down
+//! (no quorum, too few in-sync replicas: sends fail). It reports loss, rolled-back events, order violations (with an
 //! example) and, per incident, duplicates (checked against the in-flight window), replication session
 //! restarts and their reasons, in its own section of the same report file.
 //!
@@ -22,7 +23,8 @@
 //! cargo test --test chaos broker_failover -- --nocapture     # only the cluster scenario (short profile)
 //! ```
 //!
-//! The scenarios run one at a time. The short profile kills the busiest leader 3 times, the full one 12.
+//! The scenarios run one at a time. The short profile kills the busiest partition's leader 3 times and hangs
+//! it twice, the full one 12 and 6 times.
 //!
 //! `OUTBOXD_CHAOS_SEED` replays a run's random choices (the seed is printed and in the report).
 
@@ -644,11 +646,12 @@ fn outage_length(rng: &mut Rng) -> Duration {
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(180);
 const CLUSTER_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// SIGKILLs of the busiest partition's leader: at least 10 in the full profile, a few in CI's short one.
-fn failover_kills(profile: &str) -> usize {
+/// (SIGKILLs of the busiest partition's leader, hangs of it): at least 10 kills in the full profile, a few
+/// in CI's short one. A hang costs no broker start, a kill one.
+fn failover_counts(profile: &str) -> (usize, usize) {
     match profile {
-        "full" => 12,
-        _ => 3,
+        "full" => (12, 6),
+        _ => (3, 2),
     }
 }
 
@@ -657,6 +660,7 @@ enum Failure {
     KillLeader,
     RollingRestart,
     OneDownPastTimeout,
+    HungPastTimeout,
     TwoDownPastTimeout,
 }
 
@@ -666,6 +670,9 @@ impl Failure {
             Failure::KillLeader => "SIGKILL the busiest partition's leader, start it again",
             Failure::RollingRestart => "rolling restart (stop, start), one node at a time",
             Failure::OneDownPastTimeout => "one node down longer than message.timeout.ms",
+            Failure::HungPastTimeout => {
+                "the busiest partition's leader hung (SIGSTOP) longer than message.timeout.ms"
+            }
             Failure::TwoDownPastTimeout => "two nodes down longer than message.timeout.ms",
         }
     }
@@ -910,7 +917,7 @@ async fn broker_failover() {
     let _one_scenario_at_a_time = SCENARIOS.lock().await;
     let began = Instant::now();
     let profile = profile().name;
-    let kills = failover_kills(&profile);
+    let (kills, hangs) = failover_counts(&profile);
     let seed = std::env::var("OUTBOXD_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -918,7 +925,8 @@ async fn broker_failover() {
     let mut rng = Rng(seed);
     println!(
         "broker failover, {profile} profile, seed {seed}: {kills} SIGKILLs of the busiest partition's leader, \
-         a rolling restart, one node and then two nodes down past message.timeout.ms ({MESSAGE_TIMEOUT:?})"
+         a rolling restart, one node down, {hangs} hangs of the leader and two nodes down, each past \
+         message.timeout.ms ({MESSAGE_TIMEOUT:?})"
     );
 
     let pg = Postgres::start();
@@ -1072,6 +1080,42 @@ async fn broker_failover() {
     incident.step("node started");
     blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
     incidents.push(incident.healed("in sync"));
+
+    // (c'') The busiest partition's leader hung (SIGSTOP) for longer than the message timeout: its
+    // connections stay open, so produce requests in flight to it time out there (possibly written, so
+    // librdkafka bumps its epoch) while the controller fences it and the other two take over.
+    for k in 1..=hangs {
+        tokio::time::sleep(pause(&mut rng)).await;
+        outboxd.check();
+        let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
+        let down_for = outage_length(&mut rng);
+        let mut incident = Incident::begin(
+            Failure::HungPastTimeout,
+            format!(
+                "SIGSTOP node {leader}, leader of busiest partition {partition}; SIGCONT after {:.1}s ({k}/{hangs})",
+                down_for.as_secs_f64()
+            ),
+            load_started,
+        );
+        let down_since = Instant::now();
+        blocking(|| cluster.pause(leader));
+        let lsn = current_wal_lsn(&client).await;
+        blocking(|| cluster.wait_leaders_elected(TOPIC, &[leader], CLUSTER_TIMEOUT));
+        incident.step("new leaders");
+        wait_published_past(
+            &client,
+            &mut outboxd,
+            lsn,
+            "outboxd to publish with the leader hung",
+        )
+        .await;
+        incident.step("published past the hang");
+        hold(&mut outboxd, down_since + down_for).await;
+        blocking(|| cluster.resume(leader));
+        incident.step("held, resumed");
+        blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
+        incidents.push(incident.healed("in sync"));
+    }
 
     // (c') Two nodes down for longer than the message timeout: one node left, no controller quorum and fewer
     // than min.insync.replicas, so sends fail with a timeout while the load goes on.

@@ -1430,6 +1430,28 @@ impl Cluster {
         );
     }
 
+    /// SIGSTOPs node `n`: a hung broker (a long GC pause, a frozen VM). Its connections stay open and
+    /// nothing on them is answered until `resume`.
+    pub fn pause(&self, n: i32) {
+        self.signal(n, "-STOP");
+    }
+
+    /// SIGCONTs node `n` after `pause`.
+    pub fn resume(&self, n: i32) {
+        self.signal(n, "-CONT");
+    }
+
+    fn signal(&self, n: i32, signal: &str) {
+        let pid_file = self.node_dir(n).join("kafka.pid");
+        let pid = std::fs::read_to_string(&pid_file)
+            .unwrap_or_else(|e| panic!("node {n} is not running ({}: {e})", pid_file.display()));
+        let status = Command::new("kill")
+            .args([signal, pid.trim()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {signal} {} (node {n})", pid.trim());
+    }
+
     /// The partitions of `topic`, or `None` while no node answers or the topic has no metadata.
     pub fn partitions(&self, topic: &str) -> Option<Vec<PartitionState>> {
         let metadata = self
@@ -1536,6 +1558,12 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        // A paused node would sit out its SIGTERM for the stop's full grace period.
+        for n in Self::NODES {
+            if let Ok(pid) = std::fs::read_to_string(self.node_dir(n).join("kafka.pid")) {
+                let _ = Command::new("kill").args(["-CONT", pid.trim()]).status();
+            }
+        }
         run_script("kafka.sh", &["stop", self.dir.to_str().unwrap()], &[]);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
