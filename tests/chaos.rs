@@ -24,7 +24,7 @@
 //! ```
 //!
 //! The scenarios run one at a time. The short profile kills the busiest partition's leader 3 times and hangs
-//! it twice, the full one 12 and 6 times.
+//! it 3 times, the full one 12 and 10 times.
 //!
 //! `OUTBOXD_CHAOS_SEED` replays a run's random choices (the seed is printed and in the report).
 
@@ -650,8 +650,8 @@ const CLUSTER_TIMEOUT: Duration = Duration::from_secs(180);
 /// in CI's short one. A hang costs no broker start, a kill one.
 fn failover_counts(profile: &str) -> (usize, usize) {
     match profile {
-        "full" => (12, 6),
-        _ => (3, 2),
+        "full" => (12, 10),
+        _ => (3, 3),
     }
 }
 

@@ -1376,17 +1376,26 @@ impl Cluster {
             ],
             &[],
         );
-        let bootstrap: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let client: BaseConsumer = ClientConfig::new()
+        let client = Self::metadata_client(&ports, &Self::NODES);
+        Cluster { dir, ports, client }
+    }
+
+    /// A client that asks only `nodes` (a hung node would hold its requests for `socket.timeout.ms`).
+    fn metadata_client(ports: &[u16; 3], nodes: &[i32]) -> BaseConsumer {
+        let bootstrap: Vec<String> = nodes
+            .iter()
+            .map(|&n| format!("127.0.0.1:{}", ports[n as usize - 1]))
+            .collect();
+        ClientConfig::new()
             .set("bootstrap.servers", bootstrap.join(","))
             .set(
                 "group.id",
                 format!("outboxd-test-meta-{}", uuid::Uuid::new_v4()),
             )
             .set("enable.auto.commit", "false")
+            .set("socket.timeout.ms", "10000")
             .create()
-            .expect("cannot create the cluster's metadata client");
-        Cluster { dir, ports, client }
+            .expect("cannot create the cluster's metadata client")
     }
 
     /// The bootstrap list of all three nodes, for `--brokers`.
@@ -1454,8 +1463,11 @@ impl Cluster {
 
     /// The partitions of `topic`, or `None` while no node answers or the topic has no metadata.
     pub fn partitions(&self, topic: &str) -> Option<Vec<PartitionState>> {
-        let metadata = self
-            .client
+        Self::partitions_from(&self.client, topic)
+    }
+
+    fn partitions_from(client: &BaseConsumer, topic: &str) -> Option<Vec<PartitionState>> {
+        let metadata = client
             .fetch_metadata(Some(topic), Duration::from_secs(5))
             .ok()?;
         let t = metadata.topics().iter().find(|t| t.name() == topic)?;
@@ -1519,19 +1531,24 @@ impl Cluster {
         )
     }
 
-    /// Waits until every partition of `topic` has a leader among the nodes not in `down`; returns the
-    /// partitions then.
+    /// Waits until every partition of `topic` has a leader among the nodes not in `down` (killed, stopped
+    /// or paused; asking only the others); returns the partitions then.
     pub fn wait_leaders_elected(
         &self,
         topic: &str,
         down: &[i32],
         timeout: Duration,
     ) -> Vec<PartitionState> {
+        let up: Vec<i32> = Self::NODES
+            .into_iter()
+            .filter(|n| !down.contains(n))
+            .collect();
+        let client = Self::metadata_client(&self.ports, &up);
         wait_for(
             &format!("every partition of {topic} to have a leader other than nodes {down:?}"),
             timeout,
             || {
-                let partitions = self.partitions(topic)?;
+                let partitions = Self::partitions_from(&client, topic)?;
                 partitions
                     .iter()
                     .all(|p| p.leader >= 0 && !down.contains(&p.leader))
