@@ -1353,7 +1353,7 @@ pub struct Cluster {
     pub dir: PathBuf,
     /// Client port of node n at `ports[n - 1]`.
     pub ports: [u16; 3],
-    /// Metadata and watermark queries (a consumer that never joins a group or reads).
+    /// Metadata and watermark queries (a consumer without a group that never reads).
     client: BaseConsumer,
 }
 
@@ -1386,13 +1386,10 @@ impl Cluster {
             .iter()
             .map(|&n| format!("127.0.0.1:{}", ports[n as usize - 1]))
             .collect();
+        // No group.id: a consumer with one looks for its coordinator, which creates __consumer_offsets (50
+        // more partitions to replicate through every failure).
         ClientConfig::new()
             .set("bootstrap.servers", bootstrap.join(","))
-            .set(
-                "group.id",
-                format!("outboxd-test-meta-{}", uuid::Uuid::new_v4()),
-            )
-            .set("enable.auto.commit", "false")
             .set("socket.timeout.ms", "10000")
             .create()
             .expect("cannot create the cluster's metadata client")
