@@ -627,7 +627,8 @@ async fn chaos() {
 // Broker failover: outboxd against a 3-node Apache Kafka cluster (replication factor 3,
 // min.insync.replicas=2, acks=all) under the same load, while the leader of the busiest partition is
 // SIGKILLed again and again, all three nodes are restarted one by one, one node stays down longer than the
-// producer's message.timeout.ms, and then two do (no quorum and no two in-sync replicas: sends fail).
+// producer's message.timeout.ms, the leader hangs (SIGSTOP) for longer than that, and then two nodes stay
+// down (no quorum and no two in-sync replicas: sends fail).
 // ======================================================================================================
 
 /// Events per second the generator offers in the broker-failover scenario.
@@ -642,6 +643,7 @@ fn outage_length(rng: &mut Rng) -> Duration {
     let timeout = MESSAGE_TIMEOUT.as_millis() as u64;
     rng.millis(timeout + 2_000, 2 * timeout)
 }
+
 /// How long outboxd may take to publish past a point once the cluster can take writes.
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(180);
 const CLUSTER_TIMEOUT: Duration = Duration::from_secs(180);
@@ -798,7 +800,7 @@ async fn wait_published_past(
     }
 }
 
-/// Lets `how_long` pass (a broker outage's length, the fault itself), watching outboxd meanwhile.
+/// Waits until `until` (the end of a broker outage: its length is the fault itself), watching outboxd.
 async fn hold(outboxd: &mut Connector, until: Instant) {
     while Instant::now() < until {
         outboxd.check();
@@ -1213,14 +1215,7 @@ async fn broker_failover() {
         .unwrap()
         .get(0);
     let handed_off = handed_off_count(&client).await;
-    let records = blocking(|| {
-        consume_all(
-            &brokers,
-            &[TOPIC],
-            committed.len(),
-            Duration::from_secs(600),
-        )
-    });
+    let records = blocking(|| cluster.read_all(TOPIC, Duration::from_secs(600)));
     outboxd.check();
     let unexpected_exits = outboxd.unexpected_exits;
     let logs = outboxd.logs.clone();

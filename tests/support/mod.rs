@@ -1501,6 +1501,75 @@ impl Cluster {
             .collect()
     }
 
+    /// Every record of `topic`, read from the beginning up to each partition's high watermark as it is
+    /// now (everything acknowledged so far). Unlike reading until a count arrived, a record that is not
+    /// there shows up as missing instead of a time-out.
+    pub fn read_all(&self, topic: &str, timeout: Duration) -> Vec<Record> {
+        let ends: Vec<(i32, i64)> = wait_for(
+            &format!("the high watermark of every partition of {topic}"),
+            timeout,
+            || {
+                let marks = self.high_watermarks(topic);
+                let ends: Option<Vec<(i32, i64)>> =
+                    marks.iter().map(|&(p, high)| Some((p, high?))).collect();
+                ends.filter(|e| !e.is_empty())
+            },
+        );
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.addrs())
+            .set("group.id", format!("outboxd-test-{}", uuid::Uuid::new_v4()))
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .expect("cannot create consumer");
+        let mut assignment = TopicPartitionList::new();
+        let mut next: HashMap<i32, i64> = HashMap::new();
+        for &(partition, _) in &ends {
+            assignment
+                .add_partition_offset(topic, partition, Offset::Beginning)
+                .unwrap();
+            next.insert(partition, 0);
+        }
+        consumer.assign(&assignment).unwrap();
+        let mut records = Vec::new();
+        let deadline = Instant::now() + timeout;
+        while ends.iter().any(|(p, end)| next[p] < *end) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {timeout:?} reading {topic} up to {ends:?}: at {next:?}"
+            );
+            match consumer.poll(Duration::from_millis(250)) {
+                Some(Ok(message)) => {
+                    let mut headers = HashMap::new();
+                    if let Some(h) = message.headers() {
+                        for header in h.iter() {
+                            let value = header
+                                .value
+                                .map(|v| String::from_utf8_lossy(v).into_owned())
+                                .unwrap_or_default();
+                            headers.insert(header.key.to_string(), value);
+                        }
+                    }
+                    next.insert(message.partition(), message.offset() + 1);
+                    records.push(Record {
+                        topic: message.topic().to_string(),
+                        partition: message.partition(),
+                        offset: message.offset(),
+                        key: message
+                            .key()
+                            .map(|k| String::from_utf8_lossy(k).into_owned()),
+                        value: message.payload().map(|p| p.to_vec()),
+                        headers,
+                        timestamp: message.timestamp().to_millis(),
+                    });
+                }
+                Some(Err(error)) => panic!("consumer error: {error}"),
+                None => {}
+            }
+        }
+        records
+    }
+
     /// (partition, its leader node, its high watermark) for the partition holding the most records, the one
     /// receiving most of the load: keys hash over partitions unevenly and stay put, so the partition with the
     /// highest high watermark is the one most of the traffic goes to. Waits until every partition has a
