@@ -1046,15 +1046,10 @@ async fn broker_failover() {
     tokio::time::sleep(pause(&mut rng)).await;
     outboxd.check();
     let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
+    // Down at least this long (longer when outboxd takes longer to publish past the kill); the label
+    // gets the length it had.
     let down_for = outage_length(&mut rng);
-    let mut incident = Incident::begin(
-        Failure::OneDownPastTimeout,
-        format!(
-            "SIGKILL node {leader}, leader of busiest partition {partition}; down {:.1}s",
-            down_for.as_secs_f64()
-        ),
-        load_started,
-    );
+    let mut incident = Incident::begin(Failure::OneDownPastTimeout, String::new(), load_started);
     let down_since = Instant::now();
     blocking(|| cluster.kill(leader));
     let lsn = current_wal_lsn(&client).await;
@@ -1078,6 +1073,10 @@ async fn broker_failover() {
     )
     .await;
     incident.step("held down, published");
+    incident.what = format!(
+        "SIGKILL node {leader}, leader of busiest partition {partition}; started again after {:.1}s",
+        down_since.elapsed().as_secs_f64()
+    );
     blocking(|| cluster.start(leader));
     incident.step("node started");
     blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
@@ -1091,14 +1090,7 @@ async fn broker_failover() {
         outboxd.check();
         let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
         let down_for = outage_length(&mut rng);
-        let mut incident = Incident::begin(
-            Failure::HungPastTimeout,
-            format!(
-                "SIGSTOP node {leader}, leader of busiest partition {partition}; SIGCONT after {:.1}s ({k}/{hangs})",
-                down_for.as_secs_f64()
-            ),
-            load_started,
-        );
+        let mut incident = Incident::begin(Failure::HungPastTimeout, String::new(), load_started);
         let down_since = Instant::now();
         blocking(|| cluster.pause(leader));
         let lsn = current_wal_lsn(&client).await;
@@ -1113,6 +1105,10 @@ async fn broker_failover() {
         .await;
         incident.step("published past the hang");
         hold(&mut outboxd, down_since + down_for).await;
+        incident.what = format!(
+            "SIGSTOP node {leader}, leader of busiest partition {partition}; SIGCONT after {:.1}s ({k}/{hangs})",
+            down_since.elapsed().as_secs_f64()
+        );
         blocking(|| cluster.resume(leader));
         incident.step("held, resumed");
         blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
@@ -1130,14 +1126,7 @@ async fn broker_failover() {
         .collect();
     let second = others[rng.below(2) as usize];
     let down_for = outage_length(&mut rng);
-    let mut incident = Incident::begin(
-        Failure::TwoDownPastTimeout,
-        format!(
-            "SIGKILL nodes {leader} (leader of busiest partition {partition}) and {second}; down {:.1}s",
-            down_for.as_secs_f64()
-        ),
-        load_started,
-    );
+    let mut incident = Incident::begin(Failure::TwoDownPastTimeout, String::new(), load_started);
     let down_since = Instant::now();
     blocking(|| {
         cluster.kill(leader);
@@ -1146,6 +1135,10 @@ async fn broker_failover() {
     let lsn = current_wal_lsn(&client).await;
     hold(&mut outboxd, down_since + down_for).await;
     incident.step("held down");
+    incident.what = format!(
+        "SIGKILL nodes {leader} (leader of busiest partition {partition}) and {second}; started again after {:.1}s",
+        down_since.elapsed().as_secs_f64()
+    );
     // One node back restores the quorum and two in-sync replicas: writes resume before the last one is up.
     blocking(|| cluster.start(leader));
     incident.step("first node started");
