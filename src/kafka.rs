@@ -2,15 +2,17 @@
 //! topics, and reports every broker acknowledgement (or failure) through a channel, tagged with the
 //! transaction it belongs to. Owns the producer settings; what an ack means for the slot is the pipeline's.
 
+pub mod startup;
+
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::ClientContext;
 use tokio::sync::mpsc::UnboundedSender;
@@ -29,10 +31,22 @@ pub struct Rejection {
     /// The producer's idempotence state is broken (fenced, epoch or sequence lost, e.g. after an outage):
     /// only a new producer recovers.
     pub producer_broken: bool,
+    /// The refusal is the topic's, not the event's (the principal may not write it): every event bound
+    /// for it would be refused alike.
+    pub topic_wide: bool,
+    /// The topic of a refused delivery (set by the delivery report).
+    pub topic: Option<String>,
 }
 
 impl Rejection {
     fn from_kafka(error: &KafkaError) -> Self {
+        let topic_wide = matches!(
+            error.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::ClusterAuthorizationFailed
+            )
+        );
         let permanent = matches!(
             error.rdkafka_error_code(),
             Some(
@@ -43,6 +57,7 @@ impl Rejection {
                     | RDKafkaErrorCode::MessageBatchTooLarge
                     | RDKafkaErrorCode::InvalidTopic
                     | RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::ClusterAuthorizationFailed
             )
         );
         let producer_broken = matches!(
@@ -59,8 +74,34 @@ impl Rejection {
             reason: error.to_string(),
             permanent,
             producer_broken,
+            topic_wide,
+            topic: None,
         }
     }
+
+    /// A failure that is neither the event's nor the topic's (a timeout, the broker unreachable).
+    pub fn transient(reason: String) -> Self {
+        Rejection {
+            reason,
+            permanent: false,
+            producer_broken: false,
+            topic_wide: false,
+            topic: None,
+        }
+    }
+}
+
+/// The topic no longer exists (deleted while outboxd runs): it is forgotten, so that the next event bound for
+/// it creates it again (or, with --no-create-topics, stops outboxd naming it).
+fn topic_gone(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::UnknownPartition
+                | RDKafkaErrorCode::UnknownTopic
+                | RDKafkaErrorCode::UnknownTopicOrPartition
+        )
+    )
 }
 
 /// Why an event could not be handed to the producer.
@@ -95,17 +136,45 @@ pub struct Delivery<T> {
 
 pub struct DeliveryContext<T> {
     deliveries: UnboundedSender<Delivery<T>>,
+    known_topics: KnownTopics,
 }
 
-impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {}
+impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {
+    /// librdkafka's log, as rdkafka's default context writes it, without the warning that
+    /// `enable.gapless.guarantee` is experimental (outboxd depends on it, see [`client_config`]).
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        use RDKafkaLogLevel::*;
+        if fac == "CONFWARN" && log_message.contains("enable.gapless.guarantee") {
+            return;
+        }
+        match level {
+            Emerg | Alert | Critical | Error => {
+                tracing::error!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            Warning => tracing::warn!(target: "librdkafka", "librdkafka: {fac} {log_message}"),
+            Notice | Info => {
+                tracing::info!(target: "librdkafka", "librdkafka: {fac} {log_message}")
+            }
+            Debug => tracing::debug!(target: "librdkafka", "librdkafka: {fac} {log_message}"),
+        }
+    }
+}
 
 impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
     type DeliveryOpaque = Box<Delivery<T>>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
         let mut delivery = *opaque;
-        if let Err((error, _)) = result {
-            delivery.result = Err(Rejection::from_kafka(error));
+        if let Err((error, message)) = result {
+            if topic_gone(error) {
+                if let Ok(mut known) = self.known_topics.lock() {
+                    known.remove(message.topic());
+                }
+            }
+            delivery.result = Err(Rejection {
+                topic: Some(message.topic().to_string()),
+                ..Rejection::from_kafka(error)
+            });
         }
         // The receiver is gone only when the session ended; its events will be re-sent.
         let _ = self.deliveries.send(delivery);
@@ -129,6 +198,46 @@ pub struct Publisher<T: Send + Sync + 'static> {
     event_id_header: &'static str,
 }
 
+/// librdkafka's default `message.timeout.ms`: how long the CDC path lets any one event wait for its
+/// acknowledgement by default before it gives the whole attempt up.
+pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How long outboxd waits for acknowledgements before it gives an attempt up: `message.timeout.ms` (or
+/// `delivery.timeout.ms`) from `--kafka-option`, else `default`. librdkafka itself is never given a timeout
+/// (see [`Publisher::new`]).
+pub fn delivery_timeout(settings: &RunSettings, default: Duration) -> Duration {
+    settings
+        .kafka_options
+        .iter()
+        .rev()
+        .find(|(key, _)| key == "message.timeout.ms" || key == "delivery.timeout.ms")
+        .and_then(|(_, value)| value.trim().parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
+        .unwrap_or(default)
+}
+
+/// [`Publisher::check_brokers`] through any producer (the start-up check's has a context of its own).
+async fn ask_a_broker<C: ProducerContext + 'static>(
+    producer: ThreadedProducer<C>,
+    timeout: Duration,
+) -> Result<()> {
+    let result = tokio::task::spawn_blocking(move || {
+        producer.client().fetch_metadata(Some(PROBE_TOPIC), timeout)
+    })
+    .await
+    .map_err(|e| Error::Kafka {
+        message: e.to_string(),
+        transient: true,
+    })?;
+    result.map(|_| ()).map_err(|e| Error::Kafka {
+        message: format!(
+            "no broker answered ({e}); check --brokers and that the brokers are reachable"
+        ),
+        transient: true,
+    })
+}
+
 /// The producer settings outboxd relies on; `--kafka-option` values are applied after them.
 pub fn client_config(settings: &RunSettings) -> ClientConfig {
     let mut config = ClientConfig::new();
@@ -150,7 +259,7 @@ pub fn client_config(settings: &RunSettings) -> ClientConfig {
 
 /// librdkafka's configuration errors name the property and, for some, repeat its value: the value (perhaps a
 /// password, perhaps under a mistyped name) never reaches the message.
-fn config_error(error: KafkaError) -> Error {
+pub(crate) fn config_error(error: KafkaError) -> Error {
     let problem = match &error {
         KafkaError::ClientConfig(_, description, key, value) => {
             let description = if value.is_empty() {
@@ -169,23 +278,33 @@ fn config_error(error: KafkaError) -> Error {
 }
 
 impl<T: Send + Sync + 'static> Publisher<T> {
-    /// `overrides` are applied after `--kafka-option`s the user did not set themselves.
+    /// The producer never lets one event fail and a later one of its partition through, which would let a
+    /// later event of an aggregate reach Kafka before an earlier one:
+    /// - `enable.gapless.guarantee`: a batch the broker refuses (too large, not authorised) stops the
+    ///   producer (a fatal error) instead of letting librdkafka reset its sequence and send what follows;
+    /// - no `message.timeout.ms` (0, infinite) for librdkafka: a message timed out in its queue is skipped
+    ///   and the next ones are sent, which the gap-less guarantee does not cover. outboxd keeps the timeout
+    ///   itself ([`delivery_timeout`]): when it passes, it purges the whole producer and re-sends.
+    ///
+    /// Either way the caller replaces the producer and re-sends every event it did not see acknowledged,
+    /// in order, so what reached Kafka is an in-order prefix followed by the re-sent events.
     pub fn new(
         settings: &RunSettings,
         known_topics: KnownTopics,
         deliveries: UnboundedSender<Delivery<T>>,
-        overrides: &[(&str, String)],
     ) -> Result<Self> {
+        let admin = client_config(settings).create().map_err(config_error)?;
         let mut config = client_config(settings);
-        for (key, value) in overrides {
-            if !settings.kafka_options.iter().any(|(k, _)| k == key) {
-                config.set(*key, value);
-            }
-        }
+        config
+            .set("enable.gapless.guarantee", "true")
+            .set("message.timeout.ms", "0")
+            .remove("delivery.timeout.ms");
         let producer = config
-            .create_with_context(DeliveryContext { deliveries })
+            .create_with_context(DeliveryContext {
+                deliveries,
+                known_topics: known_topics.clone(),
+            })
             .map_err(config_error)?;
-        let admin = config.create().map_err(config_error)?;
         Ok(Publisher {
             producer,
             admin,
@@ -202,21 +321,7 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     /// broker answers with its broker list: proof that a broker answers, without fetching every topic of the
     /// cluster every few seconds.
     pub async fn check_brokers(&self, timeout: Duration) -> Result<()> {
-        let producer = self.producer.clone();
-        let result = tokio::task::spawn_blocking(move || {
-            producer.client().fetch_metadata(Some(PROBE_TOPIC), timeout)
-        })
-        .await
-        .map_err(|e| Error::Kafka {
-            message: e.to_string(),
-            transient: true,
-        })?;
-        result.map(|_| ()).map_err(|e| Error::Kafka {
-            message: format!(
-                "no broker answered ({e}); check --brokers and that the brokers are reachable"
-            ),
-            transient: true,
-        })
+        ask_a_broker(self.producer.clone(), timeout).await
     }
 
     /// Makes sure `topic` exists: created on first use, or checked when topic creation is off.
@@ -246,7 +351,15 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 })?;
             for result in results {
                 match result {
-                    Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    Ok(_) => tracing::info!(topic, partitions = self.partitions, "created topic"),
+                    Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    // A principal that may write the topic but not create topics: fine if it exists.
+                    Err((_, code))
+                        if matches!(
+                            code,
+                            RDKafkaErrorCode::TopicAuthorizationFailed
+                                | RDKafkaErrorCode::ClusterAuthorizationFailed
+                        ) && self.topic_exists(topic).await? => {}
                     Err((_, code)) => {
                         return Err(Error::Kafka {
                             message: format!("cannot create topic {topic}: {code}"),
@@ -265,41 +378,40 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                     }
                 }
             }
-            tracing::info!(topic, partitions = self.partitions, "created topic");
-        } else {
-            let producer = self.producer.clone();
-            let name = topic.to_string();
-            let metadata = tokio::task::spawn_blocking(move || {
-                producer
-                    .client()
-                    .fetch_metadata(Some(&name), Duration::from_secs(10))
-            })
-            .await
-            .map_err(|e| Error::Kafka {
-                message: e.to_string(),
-                transient: true,
-            })?
-            .map_err(|e| Error::Kafka {
-                message: format!("cannot read metadata of topic {topic}: {e}"),
-                transient: true,
-            })?;
-            let exists = metadata
-                .topics()
-                .iter()
-                .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty());
-            if !exists {
-                return Err(Error::setup(
-                    format!("Kafka topic {topic} does not exist and --no-create-topics is set"),
-                    format!(
-                        "create topic {topic}, or drop --no-create-topics so outboxd creates it"
-                    ),
-                ));
-            }
+        } else if !self.topic_exists(topic).await? {
+            return Err(Error::setup(
+                format!("Kafka topic {topic} does not exist and --no-create-topics is set"),
+                format!("create topic {topic}, or drop --no-create-topics so outboxd creates it"),
+            ));
         }
         if let Ok(mut known) = self.known_topics.lock() {
             known.insert(topic.to_string());
         }
         Ok(())
+    }
+
+    /// Whether the brokers' metadata lists `topic` with partitions.
+    async fn topic_exists(&self, topic: &str) -> Result<bool> {
+        let producer = self.producer.clone();
+        let name = topic.to_string();
+        let metadata = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&name), Duration::from_secs(10))
+        })
+        .await
+        .map_err(|e| Error::Kafka {
+            message: e.to_string(),
+            transient: true,
+        })?
+        .map_err(|e| Error::Kafka {
+            message: format!("cannot read metadata of topic {topic}: {e}"),
+            transient: true,
+        })?;
+        Ok(metadata
+            .topics()
+            .iter()
+            .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
     }
 
     /// Hands one event to the producer; its acknowledgement arrives later on the delivery channel, tagged
@@ -373,6 +485,13 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             .client()
             .fatal_error()
             .map(|(code, reason)| format!("{code:?}: {reason}"))
+    }
+
+    /// Fails every event the producer still holds (their delivery reports arrive at once, as failures):
+    /// the attempt is given up and the producer must not be used again (see [`Publisher::new`]).
+    pub fn purge(&self) {
+        self.producer
+            .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
     }
 
     /// Drops whatever the producer still holds; those events are re-sent from the slot.

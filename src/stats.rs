@@ -21,7 +21,7 @@ const REFRESH_TIMEOUT: Duration = Duration::from_secs(4);
 /// Refreshes the gauges and readiness every [`INTERVAL`] until the process ends.
 pub async fn run(settings: std::sync::Arc<RunSettings>) {
     let (deliveries, _) = mpsc::unbounded_channel::<Delivery<()>>();
-    let publisher = Publisher::new(&settings, KnownTopics::default(), deliveries, &[]).ok();
+    let publisher = Publisher::new(&settings, KnownTopics::default(), deliveries).ok();
     let mut client: Option<tokio_postgres::Client> = None;
     loop {
         let refreshed = tokio::time::timeout(REFRESH_TIMEOUT, async {

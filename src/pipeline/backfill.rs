@@ -1,9 +1,11 @@
 //! Backfill: turns broker acknowledgements into `published_at` writes, one UPDATE per batch, and reports
 //! each event as finished only after its row is written (so the slot never runs ahead of the table).
 //!
-//! Any failure ends the session instead of being retried here: while PostgreSQL shuts down, its walsender
-//! waits for the client to confirm everything sent, so holding the replication connection open while
-//! waiting for the database would stall the shutdown until `wal_sender_timeout`.
+//! Failed deliveries go to the session as they are (it hands refused events to the polling path and
+//! re-sends the rest). Any database failure ends the session instead of being retried here: while
+//! PostgreSQL shuts down, its walsender waits for the client to confirm everything sent, so holding the
+//! replication connection open while waiting for the database would stall the shutdown until
+//! `wal_sender_timeout`.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -33,6 +35,8 @@ pub struct CdcTag {
     /// if its row exists without the marks of what was done with it (a server restored from an older
     /// snapshot).
     pub resent: bool,
+    /// Which hand-over to the producer this is (see the session's outstanding deliveries); 0 before.
+    pub produced: u64,
 }
 
 /// Most events marked by one UPDATE.
@@ -49,7 +53,10 @@ pub enum Finished {
         handed_off: Vec<Uuid>,
         rowless: Vec<Uuid>,
     },
-    /// A delivery or a `published_at` write failed; the session must restart from the confirmed position.
+    /// The broker (or librdkafka) failed these deliveries after the producer accepted them; the session
+    /// decides what becomes of them.
+    Undelivered(Vec<Delivery<CdcTag>>),
+    /// A `published_at` write failed; the session must restart from the confirmed position.
     Failed(Error),
 }
 
@@ -72,19 +79,16 @@ pub async fn run(
                 Err(_) => break,
             }
         }
-        if let Some(failed) = batch.iter().find(|d| d.result.is_err()) {
-            let reason = failed
-                .result
-                .clone()
-                .err()
-                .map(|r| r.reason)
-                .unwrap_or_default();
-            let message = format!("delivery of event {} failed: {reason}", failed.event_id);
-            let _ = finished.send(Finished::Failed(Error::Kafka {
-                message,
-                transient: true,
-            }));
-            return;
+        if batch.iter().any(|d| d.result.is_err()) {
+            let (failed, delivered): (Vec<_>, Vec<_>) =
+                batch.drain(..).partition(|d| d.result.is_err());
+            batch = delivered;
+            if finished.send(Finished::Undelivered(failed)).is_err() {
+                return;
+            }
+            if batch.is_empty() {
+                continue;
+            }
         }
         if connection.is_none() {
             match connect(&database_url, &tables).await {

@@ -6,7 +6,7 @@
 //! history (see `history`).
 //! Reading stops while the in-flight window is full, but standby status updates keep flowing on a timer.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,7 @@ use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::{MappingError, OutboxEvent, RowMapping};
-use crate::kafka::{Delivery, KnownTopics, PublishError, Publisher};
+use crate::kafka::{Delivery, KnownTopics, PublishError, Publisher, Rejection};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, ClaimScope, OutboxSql};
 use crate::pg::pgoutput::{self, PgOutputMessage};
@@ -28,6 +28,7 @@ use crate::pipeline::backfill::{self, CdcTag, Finished};
 use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory};
 use crate::pipeline::leader;
 use crate::pipeline::replication_error;
+use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::table::OutboxTable;
 
@@ -58,6 +59,8 @@ pub struct CdcPipeline {
     history: Option<ServerHistory>,
     /// When a session last stopped streaming: where a history change may have left a gap.
     last_streamed_at: Option<std::time::SystemTime>,
+    /// Topics the broker refused outright: their events go to the polling path for a while.
+    topic_holds: TopicHolds,
 }
 
 /// An event decoded in the replay region, waiting for the `published_at` lookup.
@@ -104,6 +107,9 @@ enum HandOffReason {
     Blocked,
     /// The producer refused it for good (e.g. too large): the polling path retries and dead-letters it.
     Refused,
+    /// The broker refuses its topic outright (not authorised; see [`TopicHolds`]): the polling path retries
+    /// it. Unlike an event too large, one whose row is gone is not given up but re-sent from the slot.
+    TopicRefused,
     /// A required column is NULL: the polling path dead-letters it.
     Invalid,
 }
@@ -114,6 +120,8 @@ struct HandedOff {
     tag: CdcTag,
     event: OutboxEvent,
     reason: HandOffReason,
+    /// What it counts against the in-flight window.
+    bytes: usize,
 }
 
 /// What a relation of the stream is to outboxd.
@@ -123,6 +131,19 @@ enum Mapped {
     /// Another table: its rows are ignored, with one warning when the first arrives. (The server may also
     /// describe partitions of an outbox table whose rows come as the parent's: those never warn.)
     Other { name: String, warned: bool },
+}
+
+/// Stands for an event handed off without its content (the polling path reads the row itself): only its id.
+fn placeholder_event(event_id: &str) -> OutboxEvent {
+    OutboxEvent {
+        event_id: event_id.into(),
+        aggregate_type: Default::default(),
+        aggregate_id: Default::default(),
+        event_type: Default::default(),
+        payload: None,
+        created_at: None,
+        headers: Vec::new(),
+    }
 }
 
 /// A blocked aggregate: (index of its outbox table, aggregate).
@@ -186,6 +207,21 @@ struct Session<'a> {
     /// Hand-offs whose `handoff_at` is not written yet, by event id.
     hand_offs_unwritten: HashMap<Uuid, HandedOff>,
     handed_off: u64,
+    topic_holds: &'a mut TopicHolds,
+    /// Events handed to the producer whose delivery report has not arrived: when each was handed over, by
+    /// its `CdcTag::produced`.
+    outstanding: BTreeMap<u64, tokio::time::Instant>,
+    next_produced: u64,
+    /// How long an event may wait for its delivery report (from the producer, then its `published_at`
+    /// write) before the session gives its deliveries up.
+    delivery_timeout: Duration,
+    /// A delivery failed after the producer accepted it: the producer was purged, nothing more is read or
+    /// produced, and the session ends (re-sending from the slot) once every report is in and the refused
+    /// events are handed off, or at the latest one delivery timeout later. Holds the first failure and when.
+    failing: Option<(String, tokio::time::Instant)>,
+    /// An event was refused for good where nothing can retry it (a table without polling columns): the
+    /// session ends with a definite error, as when the producer refuses one at hand-over.
+    refused_without_polling: Option<String>,
 }
 
 impl CdcPipeline {
@@ -198,6 +234,7 @@ impl CdcPipeline {
             reached_streaming: false,
             history: None,
             last_streamed_at: None,
+            topic_holds: TopicHolds::default(),
         }
     }
 
@@ -536,12 +573,7 @@ impl CdcPipeline {
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
-        let publisher = Publisher::new(
-            &settings,
-            self.known_topics.clone(),
-            delivery_tx.clone(),
-            &[],
-        )?;
+        let publisher = Publisher::new(&settings, self.known_topics.clone(), delivery_tx.clone())?;
         let backfill = tokio::spawn(backfill::run(
             db.database_url.clone(),
             db.tables.clone(),
@@ -577,6 +609,15 @@ impl CdcPipeline {
             hand_offs_in_flight: 0,
             hand_offs_unwritten: HashMap::new(),
             handed_off: 0,
+            topic_holds: &mut self.topic_holds,
+            outstanding: BTreeMap::new(),
+            next_produced: 1,
+            delivery_timeout: crate::kafka::delivery_timeout(
+                &settings,
+                crate::kafka::DEFAULT_DELIVERY_TIMEOUT,
+            ),
+            failing: None,
+            refused_without_polling: None,
         };
         let result = session
             .stream(&mut stream, &mut finished_rx, shutdown)
@@ -631,6 +672,7 @@ impl Session<'_> {
                             if tag.hand_off {
                                 self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
                             } else {
+                                self.delivery_reported(tag.produced);
                                 published += 1;
                                 crate::metrics::commit_to_ack((now - tag.commit_micros).max(0) as f64 / 1e6);
                             }
@@ -641,6 +683,7 @@ impl Session<'_> {
                     Some(Finished::HandOffs { handed_off, rowless }) => {
                         self.publish_rowless_hand_offs(&handed_off, &rowless).await?;
                     }
+                    Some(Finished::Undelivered(deliveries)) => self.undelivered(deliveries)?,
                     Some(Finished::Failed(error)) => {
                         crate::metrics::publish_error(match error {
                             Error::Kafka { .. } => "delivery",
@@ -650,11 +693,15 @@ impl Session<'_> {
                     }
                     None => return Err(Error::Kafka { message: "the backfill task stopped".into(), transient: true }),
                 },
-                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs => {
+                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs && self.failing.is_none() => {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
-                _ = tokio::time::sleep_until(next_unblock_check), if self.has_blocked() && drain_deadline.is_none() => {
+                _ = sleep_until_opt(self.oldest_outstanding().map(|at| at + self.delivery_timeout)), if self.failing.is_none() => {
+                    let timeout = self.delivery_timeout;
+                    self.give_up(format!("an event waited {timeout:?} (message.timeout.ms) for its delivery report; {} are outstanding", self.outstanding.len()));
+                }
+                _ = tokio::time::sleep_until(next_unblock_check), if self.has_blocked() && drain_deadline.is_none() && self.failing.is_none() => {
                     let started = tokio::time::Instant::now();
                     self.unblock_drained_aggregates().await?;
                     next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK.max(started.elapsed() * UNBLOCK_CHECK_COST_FACTOR);
@@ -662,6 +709,24 @@ impl Session<'_> {
                 _ = sleep_until_opt(drain_deadline) => {
                     tracing::warn!(in_flight = self.in_flight_events, "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
                     break;
+                }
+            }
+            if let Some((failure, since)) = &self.failing {
+                let reported = self.outstanding.is_empty() && self.hand_offs_in_flight == 0;
+                if reported || since.elapsed() > self.delivery_timeout {
+                    // Everything acknowledged before the failure is confirmed first.
+                    let confirmed = self.watermark.advance();
+                    stream.send_status(confirmed).await?;
+                    if let Some(refused) = self.refused_without_polling.take() {
+                        return Err(Error::Kafka {
+                            message: refused,
+                            transient: false,
+                        });
+                    }
+                    return Err(Error::Kafka {
+                        message: format!("{failure}; re-sending what was not acknowledged"),
+                        transient: true,
+                    });
                 }
             }
             if self.restart_after_hand_offs && self.hand_offs_in_flight == 0 {
@@ -674,6 +739,7 @@ impl Session<'_> {
             }
             // Buffered replayed rows count against the window: flush them before it can block reading.
             if !self.replay_buffer.is_empty()
+                && self.failing.is_none()
                 && (self.replay_buffer.len() >= REPLAY_BATCH || !self.window_open())
             {
                 self.flush_replay_buffer().await?;
@@ -797,15 +863,7 @@ impl Session<'_> {
                         && event_id.parse::<Uuid>().is_ok() =>
                     {
                         tracing::warn!(%event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
-                        let placeholder = OutboxEvent {
-                            event_id: event_id.as_str().into(),
-                            aggregate_type: Default::default(),
-                            aggregate_id: Default::default(),
-                            event_type: Default::default(),
-                            payload: None,
-                            created_at: None,
-                            headers: Vec::new(),
-                        };
+                        let placeholder = placeholder_event(&event_id);
                         let id = event_id.parse::<Uuid>().unwrap_or_default();
                         self.start_event(txn, placeholder.size_bytes());
                         return self.hand_off(
@@ -850,6 +908,7 @@ impl Session<'_> {
             commit_micros: self.current_commit_micros,
             hand_off: false,
             resent: self.current_txn_resent,
+            produced: 0,
         }
     }
 
@@ -901,28 +960,58 @@ impl Session<'_> {
         self.produce(tag, event, event_id).await
     }
 
-    /// Hands one event to the producer; a permanent refusal sends it to the polling path.
+    /// Hands one event to the producer; a permanent refusal (or a topic the broker refused outright, see
+    /// [`TopicHolds`]) sends it to the polling path.
     async fn produce(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+        if self.failing.is_some() {
+            // Given up: the event stays unfinished and is re-sent by the next session.
+            return Ok(());
+        }
         let topic = self
             .settings
             .topic
             .render_event(&self.settings.database.tables[tag.table].name, event);
-        match self
-            .publisher
-            .publish(&topic, event, event_id, tag, None)
-            .await
-        {
+        let held = self.outbox_sql[tag.table].can_hand_off()
+            && self
+                .topic_holds
+                .is_held(&topic, tokio::time::Instant::now());
+        let tag = CdcTag {
+            produced: self.next_produced,
+            ..tag
+        };
+        let published = if held {
+            Err(PublishError::Rejected(Rejection {
+                permanent: true,
+                topic_wide: true,
+                ..Rejection::transient(format!("topic {topic} was refused by the broker"))
+            }))
+        } else {
+            self.publisher
+                .publish(&topic, event, event_id, tag, None)
+                .await
+        };
+        match published {
             Ok(()) => {
+                self.outstanding
+                    .insert(self.next_produced, tokio::time::Instant::now());
+                self.next_produced += 1;
                 self.published += 1;
                 Ok(())
             }
             Err(PublishError::Rejected(rejection))
                 if rejection.permanent && self.outbox_sql[tag.table].can_hand_off() =>
             {
-                tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
+                if !held {
+                    tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
+                }
                 self.blocked
                     .insert(blocked_key(&tag, event), Blocked::HANDING_OFF);
-                self.hand_off(tag, event, event_id, HandOffReason::Refused)?;
+                let reason = if rejection.topic_wide {
+                    HandOffReason::TopicRefused
+                } else {
+                    HandOffReason::Refused
+                };
+                self.hand_off(tag, event, event_id, reason)?;
                 let table_blocked = self.blocked.keys().filter(|(t, _)| *t == tag.table).count();
                 if table_blocked > MAX_TRACKED_BLOCKED {
                     // Events of these aggregates may still be in flight: holding the table in place could let
@@ -933,8 +1022,90 @@ impl Session<'_> {
                 }
                 Ok(())
             }
+            // The producer stopped (the gap-less guarantee after a refusal whose report is still on its
+            // way) or cannot take it now: the event stays unfinished, and is re-sent by the next session
+            // once the reports already on their way are in (a refused one is handed off first).
+            Err(PublishError::Rejected(rejection)) if !rejection.permanent => {
+                self.give_up(format!(
+                    "the producer did not take event {event_id}: {}",
+                    rejection.reason
+                ));
+                Ok(())
+            }
             Err(error) => Err(error.into()),
         }
+    }
+
+    /// A delivery report arrived for the event handed to the producer as `produced`.
+    fn delivery_reported(&mut self, produced: u64) {
+        self.outstanding.remove(&produced);
+    }
+
+    /// When the longest-waiting event still without a delivery report was handed to the producer.
+    fn oldest_outstanding(&self) -> Option<tokio::time::Instant> {
+        self.outstanding.first_key_value().map(|(_, at)| *at)
+    }
+
+    /// Gives this session's deliveries up: the producer fails at once whatever it still holds (so nothing
+    /// after a failure can still reach Kafka ahead of it), and the session ends once every report is in.
+    fn give_up(&mut self, failure: String) {
+        if self.failing.is_none() {
+            tracing::warn!(%failure, in_flight = self.outstanding.len(), "giving up this session's deliveries: purging the producer; what it did not deliver is re-sent from the slot");
+            self.publisher.purge();
+            self.failing = Some((failure, tokio::time::Instant::now()));
+        }
+    }
+
+    /// Deliveries that failed after the producer accepted them. Under the gap-less guarantee nothing after
+    /// a failed event in its partition was written, so re-sending from the slot keeps every aggregate's
+    /// order; an event the broker refused for good (too large, not authorised, invalid) would only be
+    /// refused again, so it goes to the polling path first (its aggregate waits behind it there), and a
+    /// topic refused outright is held (see [`TopicHolds`]).
+    fn undelivered(&mut self, deliveries: Vec<Delivery<CdcTag>>) -> Result<()> {
+        for delivery in deliveries {
+            self.delivery_reported(delivery.tag.produced);
+            let Err(rejection) = delivery.result else {
+                continue;
+            };
+            crate::metrics::publish_error("delivery");
+            self.give_up(format!(
+                "delivery of event {} failed: {}",
+                delivery.event_id, rejection.reason
+            ));
+            if !rejection.permanent {
+                continue;
+            }
+            if !self.outbox_sql[delivery.tag.table].can_hand_off() {
+                self.refused_without_polling.get_or_insert(format!(
+                    "the broker refused event {} for good ({}) and its table has no polling columns to retry and dead-letter it: fix the cause, or run `outboxd migrate` to add them",
+                    delivery.event_id, rejection.reason
+                ));
+                continue;
+            }
+            tracing::warn!(event_id = %delivery.event_id, error = %rejection.reason, "event refused by the broker after the producer accepted it; handing it and its aggregate to the polling path");
+            if let (true, Some(topic)) = (rejection.topic_wide, &rejection.topic) {
+                let now = tokio::time::Instant::now();
+                // Once per refusal, not once per event refused with it (all were in flight already).
+                if !self.topic_holds.is_held(topic, now) {
+                    let hold = self.topic_holds.hold(topic, now);
+                    tracing::warn!(%topic, ?hold, error = %rejection.reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
+                }
+            }
+            let placeholder = placeholder_event(&delivery.event_id.to_string());
+            let reason = if rejection.topic_wide {
+                HandOffReason::TopicRefused
+            } else {
+                HandOffReason::Refused
+            };
+            self.hand_off_sized(
+                delivery.tag,
+                &placeholder,
+                delivery.event_id,
+                delivery.bytes,
+                reason,
+            )?;
+        }
+        Ok(())
     }
 
     fn hand_off(
@@ -944,6 +1115,18 @@ impl Session<'_> {
         event_id: Uuid,
         reason: HandOffReason,
     ) -> Result<()> {
+        self.hand_off_sized(tag, event, event_id, event.size_bytes(), reason)
+    }
+
+    /// `bytes`: what the event counts against the in-flight window.
+    fn hand_off_sized(
+        &mut self,
+        tag: CdcTag,
+        event: &OutboxEvent,
+        event_id: Uuid,
+        bytes: usize,
+        reason: HandOffReason,
+    ) -> Result<()> {
         let tag = CdcTag {
             hand_off: true,
             ..tag
@@ -951,7 +1134,7 @@ impl Session<'_> {
         let item = Delivery {
             tag,
             event_id,
-            bytes: event.size_bytes(),
+            bytes,
             result: Ok(()),
         };
         self.hand_offs.send(item).map_err(|_| Error::Kafka {
@@ -966,6 +1149,7 @@ impl Session<'_> {
                 tag,
                 event: event.clone(),
                 reason,
+                bytes,
             },
         );
         Ok(())
@@ -990,6 +1174,13 @@ impl Session<'_> {
             }
         }
         for (event_id, handed) in rowless_events {
+            if handed.reason == HandOffReason::TopicRefused {
+                // Nothing can retry it but the stream, once the broker lets its topic be written: kept
+                // unfinished (the hand-off's finish is balanced here), so the slot stays before it.
+                self.start_event(handed.tag.txn, handed.bytes);
+                self.give_up(format!("event {event_id} has no row (deleted by its own transaction) and the broker refuses its topic: it stays unconfirmed and is re-sent from the slot"));
+                continue;
+            }
             if handed.reason != HandOffReason::Blocked {
                 tracing::error!(%event_id, reason = ?handed.reason, "event could not be published and its row was deleted by its own transaction: it cannot be retried or dead-lettered");
                 continue;

@@ -10,17 +10,18 @@ pub mod fleet;
 pub mod history;
 pub mod leader;
 pub mod poll;
+pub mod topic_holds;
 pub mod watermark;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use crate::backoff::Backoff;
 use crate::config::{Mode, RunSettings};
 use crate::error::{Error, Result};
-use crate::kafka::{self, KnownTopics, Publisher};
+use crate::kafka::{self, KnownTopics};
 use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::{ReplicationConnection, ReplicationError};
 use crate::pg::{self, slot};
@@ -137,11 +138,10 @@ fn check_topic_template(settings: &RunSettings) -> Result<()> {
     Ok(())
 }
 
-/// A broker answers a metadata request (and the Kafka options are valid).
+/// A broker answers a metadata request and accepts outboxd's credentials and TLS (and the Kafka options are
+/// valid).
 async fn preflight_brokers(settings: &RunSettings) -> Result<()> {
-    let (deliveries, _) = mpsc::unbounded_channel::<kafka::Delivery<()>>();
-    let publisher = Publisher::new(settings, KnownTopics::default(), deliveries, &[])?;
-    publisher.check_brokers(Duration::from_secs(5)).await
+    kafka::startup::check_brokers(settings, Duration::from_secs(5)).await
 }
 
 /// Whether the CDC path can run here.

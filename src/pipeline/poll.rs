@@ -16,9 +16,12 @@ use uuid::Uuid;
 use crate::backoff::{retry_delay, Backoff};
 use crate::config::{PollOrder, RunSettings};
 use crate::error::{Error, Result};
+use crate::event::OutboxEvent;
 use crate::kafka::{KnownTopics, PublishError, Publisher, Rejection};
 use crate::pg;
 use crate::pg::outbox::{self, ClaimScope, ClaimedRow, PollSql};
+
+type Deliveries = mpsc::UnboundedReceiver<crate::kafka::Delivery<Option<usize>>>;
 
 /// What happened to one claimed row.
 #[derive(Debug)]
@@ -42,6 +45,9 @@ pub struct BatchReport {
     /// Nothing was delivered and every failure was transient: the broker (or the way to it) is down, so the
     /// rows went back without a per-row backoff and the worker waits instead.
     pub broker_down: bool,
+    /// The producer was purged (acknowledgements took longer than the delivery timeout) or failed fatally
+    /// (a refusal under the gap-less guarantee): the worker replaces it before the next batch.
+    pub producer_spent: bool,
 }
 
 /// The longest a worker waits between batches while the broker fails every send: once it is back,
@@ -224,15 +230,7 @@ impl PollWorker {
             tracing::info!(table = %self.table().name, rows = numbered, "gave rows without a position one, in insert order");
         }
         let sql = PollSql::prepare(&client, self.table(), poll.order, self.scope).await?;
-        let (delivery_tx, mut deliveries) = mpsc::unbounded_channel();
-        // Let a send fail well within the lease, so a broker outage shows up as retries with backoff.
-        let send_timeout = (poll.lease / 2).as_millis().max(1000).to_string();
-        let publisher = Publisher::new(
-            &self.settings,
-            self.known_topics.clone(),
-            delivery_tx,
-            &[("message.timeout.ms", send_timeout)],
-        )?;
+        let (mut publisher, mut deliveries) = self.new_publisher()?;
         let wake = match (poll.notify, self.scope) {
             (true, ClaimScope::All) => Some(listen(&self.settings, &self.table().name).await?),
             _ => None,
@@ -292,6 +290,9 @@ impl PollWorker {
                 error = renew_leases(&client, &sql, &ids, token, poll.lease, claimed_at) => return Err(error),
             };
             tracing::debug!(?report, "polling batch done");
+            if report.producer_spent {
+                (publisher, deliveries) = self.new_publisher()?;
+            }
             crate::metrics::published("poll", report.published as u64);
             crate::metrics::dead(report.dead as u64);
             if report.broker_down {
@@ -307,32 +308,84 @@ impl PollWorker {
         }
     }
 
+    fn new_publisher(&self) -> Result<(Publisher<Option<usize>>, Deliveries)> {
+        let (delivery_tx, deliveries) = mpsc::unbounded_channel();
+        let publisher = Publisher::new(&self.settings, self.known_topics.clone(), delivery_tx)?;
+        Ok((publisher, deliveries))
+    }
+
+    /// How long a batch waits for its acknowledgements before the producer is purged and the rest of the
+    /// batch goes back: `message.timeout.ms` if given, else half the lease, so a broker outage shows up as
+    /// retries well within the lease.
+    fn delivery_timeout(&self) -> Duration {
+        crate::kafka::delivery_timeout(
+            &self.settings,
+            (self.settings.poll.lease / 2).max(Duration::from_secs(1)),
+        )
+    }
+
+    /// Sends `row` alone on a producer of its own and waits for its acknowledgement: whether the broker
+    /// refuses the event itself, or only refused the batch it shared with another (a batch larger than the
+    /// topic's `max.message.bytes` fails whole). Only a refusal of the event alone counts toward
+    /// dead-lettering it.
+    async fn publish_alone(&self, row: &ClaimedRow) -> Outcome {
+        let topic = self
+            .settings
+            .topic
+            .render_event(&self.table().name, &row.event);
+        self.send_alone(&topic, &row.event, row.event_id, None)
+            .await
+    }
+
+    /// One event on a producer of its own, waited for (at most the delivery timeout).
+    async fn send_alone(
+        &self,
+        topic: &str,
+        event: &OutboxEvent,
+        event_id: Uuid,
+        error: Option<&str>,
+    ) -> Outcome {
+        let Ok((publisher, mut deliveries)) = self.new_publisher() else {
+            return Outcome::Failed(Rejection::transient("cannot create a producer".into()));
+        };
+        match publisher
+            .publish(topic, event, event_id, Some(0), error)
+            .await
+        {
+            Ok(()) => {}
+            Err(PublishError::Rejected(rejection)) => return Outcome::Failed(rejection),
+            Err(PublishError::Failed(error)) => {
+                return Outcome::Failed(Rejection::transient(error.to_string()))
+            }
+        }
+        match tokio::time::timeout(self.delivery_timeout(), deliveries.recv()).await {
+            Ok(Some(delivery)) => match delivery.result {
+                Ok(()) => Outcome::Delivered,
+                Err(rejection) => Outcome::Failed(rejection),
+            },
+            _ => Outcome::Failed(Rejection::transient(
+                "no acknowledgement within the delivery timeout".into(),
+            )),
+        }
+    }
+
     /// Best effort: the event with an `error` header; when the event itself is refused (usually for its
     /// size), the same record without its payload, so the dead-letter topic still lists every dead event.
-    async fn produce_dead_letter(
-        &self,
-        publisher: &Publisher<Option<usize>>,
-        topic: &str,
-        row: &ClaimedRow,
-        reason: &str,
-    ) {
-        let sent = publisher
-            .publish(topic, &row.event, row.event_id, None, Some(reason))
+    async fn produce_dead_letter(&self, topic: &str, row: &ClaimedRow, reason: &str) {
+        let mut outcome = self
+            .send_alone(topic, &row.event, row.event_id, Some(reason))
             .await;
-        let sent = match sent {
-            Err(PublishError::Rejected(_)) => {
-                let mut without_payload = row.event.clone();
-                without_payload.payload = None;
-                let reason =
-                    format!("{reason} (payload omitted: refused for the dead-letter topic too)");
-                publisher
-                    .publish(topic, &without_payload, row.event_id, None, Some(&reason))
-                    .await
-            }
-            other => other,
-        };
-        if let Err(error) = sent {
-            tracing::warn!(event_id = %row.event_id, ?error, "could not produce to the dead-letter topic");
+        if matches!(&outcome, Outcome::Failed(r) if r.permanent) {
+            let mut without_payload = row.event.clone();
+            without_payload.payload = None;
+            let reason =
+                format!("{reason} (payload omitted: refused for the dead-letter topic too)");
+            outcome = self
+                .send_alone(topic, &without_payload, row.event_id, Some(&reason))
+                .await;
+        }
+        if let Outcome::Failed(error) = outcome {
+            tracing::warn!(event_id = %row.event_id, error = %error.reason, "could not produce to the dead-letter topic");
         }
     }
 
@@ -341,7 +394,7 @@ impl PollWorker {
         client: &tokio_postgres::Client,
         sql: &PollSql,
         publisher: &Publisher<Option<usize>>,
-        deliveries: &mut mpsc::UnboundedReceiver<crate::kafka::Delivery<Option<usize>>>,
+        deliveries: &mut Deliveries,
         token: Uuid,
         rows: Vec<ClaimedRow>,
     ) -> Result<BatchReport> {
@@ -377,11 +430,9 @@ impl PollWorker {
                 Err(PublishError::Rejected(rejection)) => Outcome::Failed(rejection),
                 // A configuration problem (e.g. a missing topic with --no-create-topics) stops the worker.
                 Err(PublishError::Failed(error)) if !error.is_transient() => return Err(error),
-                Err(PublishError::Failed(error)) => Outcome::Failed(Rejection {
-                    reason: error.to_string(),
-                    permanent: false,
-                    producer_broken: false,
-                }),
+                Err(PublishError::Failed(error)) => {
+                    Outcome::Failed(Rejection::transient(error.to_string()))
+                }
             };
             if matches!(outcome, Outcome::Failed(_)) {
                 failed_aggregates.insert(aggregate);
@@ -389,9 +440,21 @@ impl PollWorker {
             outcomes.push(outcome);
         }
 
-        // Wait for every delivery report (the caller renews the lease meanwhile).
+        // Wait for every delivery report (the caller renews the lease meanwhile). Past the delivery timeout
+        // the producer is purged: every event it still holds reports a failure at once.
+        let mut report = BatchReport::default();
+        let deadline = tokio::time::Instant::now() + self.delivery_timeout();
         while in_flight > 0 {
-            let Some(delivery) = deliveries.recv().await else {
+            let delivery = tokio::select! {
+                delivery = deliveries.recv() => delivery,
+                _ = tokio::time::sleep_until(deadline), if !report.producer_spent => {
+                    tracing::warn!(in_flight, timeout = ?self.delivery_timeout(), "the broker acknowledged no more of the batch within the delivery timeout; purging the producer and retrying the rest");
+                    publisher.purge();
+                    report.producer_spent = true;
+                    continue;
+                }
+            };
+            let Some(delivery) = delivery else {
                 break;
             };
             let Some(index) = delivery.tag else { continue };
@@ -404,7 +467,38 @@ impl PollWorker {
             }
         }
 
-        let mut report = BatchReport::default();
+        // A refusal may be of the batch the event shared with others (too large together): each first
+        // refusal of its aggregate in this batch is tried again alone before it counts (the gap-less
+        // guarantee stopped the producer at the refusal, so nothing after it in its partition was written).
+        // Later events of an aggregate whose earlier event was not delivered did not fail on their own, nor
+        // did events the stopped producer failed after another aggregate's refusal: they are held back,
+        // without an attempt.
+        let refused = outcomes
+            .iter()
+            .any(|o| matches!(o, Outcome::Failed(r) if r.permanent));
+        let mut undelivered: HashSet<(&str, &str)> = HashSet::new();
+        for (row, outcome) in rows.iter().zip(outcomes.iter_mut()) {
+            let aggregate = (
+                row.event.aggregate_type.as_deref().unwrap_or_default(),
+                row.event.aggregate_id.as_str(),
+            );
+            if undelivered.contains(&aggregate) {
+                if poll.order == PollOrder::PerAggregate && matches!(outcome, Outcome::Failed(_)) {
+                    *outcome = Outcome::HeldBack;
+                }
+            } else if refused
+                && rows.len() > 1
+                && matches!(outcome, Outcome::Failed(r) if r.permanent)
+            {
+                *outcome = self.publish_alone(row).await;
+            } else if refused && matches!(outcome, Outcome::Failed(r) if !r.permanent) {
+                // Failed because the producer stopped at another aggregate's refusal: not its fault.
+                *outcome = Outcome::HeldBack;
+            }
+            if !matches!(outcome, Outcome::Delivered) {
+                undelivered.insert(aggregate);
+            }
+        }
         let ids_where = |wanted: fn(&Outcome) -> bool| -> Vec<Uuid> {
             rows.iter()
                 .zip(&outcomes)
@@ -474,7 +568,7 @@ impl PollWorker {
                     "event dead-lettered; later events of its aggregate proceed; re-queue with `outboxd replay`"
                 );
                 if let Some(topic) = &poll.dead_letter_topic {
-                    self.produce_dead_letter(publisher, topic, row, &rejection.reason)
+                    self.produce_dead_letter(topic, row, &rejection.reason)
                         .await;
                 }
             } else {
@@ -497,10 +591,8 @@ impl PollWorker {
             _ => None,
         });
         if let Some(reason) = publisher.fatal_error().or(broken) {
-            return Err(Error::Kafka {
-                message: format!("the producer failed fatally ({reason}); starting a new one"),
-                transient: true,
-            });
+            tracing::info!(%reason, "the producer stopped; starting a new one");
+            report.producer_spent = true;
         }
         Ok(report)
     }

@@ -11,8 +11,9 @@ need_apt=()
 for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
-# Apache Kafka runs on Java 17; Maven fetches its jars (any Java 17+ and Maven already installed will do).
-command -v java >/dev/null || need_apt+=(openjdk-17-jre-headless)
+# Apache Kafka runs on Java 17; Maven fetches its jars (any Java 17+ and Maven already installed will do). The
+# JDK, not only the runtime: kafka.sh compiles its small Admin API tool (users and ACLs of the secure broker).
+command -v javac >/dev/null || need_apt+=(openjdk-17-jdk-headless)
 command -v mvn >/dev/null || need_apt+=(maven)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

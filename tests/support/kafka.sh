@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Apache Kafka (KRaft, combined broker+controller nodes) for tests and the demo, from Maven Central.
-#   kafka.sh install               copy Kafka and a log4j2 binding into the cache (once; needs Java 17 and Maven)
+#   kafka.sh install               copy Kafka and a log4j2 binding into the cache (once; needs Java 17 and Maven),
+#                                  and compile the admin tool of start-secure (tests/support/kafka/KafkaAdmin.java)
 #   kafka.sh start DIR PORT [ADVERTISED_PORT]
 #                                  format DIR and start one node in the background (pid in DIR/kafka.pid),
 #                                  clients on 127.0.0.1:PORT (sent to ADVERTISED_PORT, e.g. a test's proxy);
@@ -8,6 +9,20 @@
 #   kafka.sh start-cluster DIR PORT1 PORT2 PORT3
 #                                  three nodes (DIR/node1..3, one cluster, a static quorum of all three),
 #                                  replication factor 3 and min.insync.replicas=2 by default
+#   kafka.sh start-secure DIR PORT one node whose clients must use SASL_SSL on 127.0.0.1:PORT: SCRAM-SHA-512,
+#                                  a server certificate (SAN IP:127.0.0.1, DNS:localhost) from a CA made in
+#                                  DIR/tls (clients trust DIR/tls/ca.crt), StandardAuthorizer with
+#                                  allow.everyone.if.no.acl.found=false and the super user admin (password
+#                                  $KAFKA_ADMIN_PASSWORD, default admin-secret). Its own listeners (inter-broker,
+#                                  controller) are PLAINTEXT on loopback; their principal, User:ANONYMOUS, is a
+#                                  super user too (the broker talks to itself as it), so the inter-broker port
+#                                  (in DIR/plaintext.port) also serves tools that read back without credentials.
+#                                  DIR/admin.properties: the super user's client settings (Java clients)
+#   kafka.sh add-user DIR NAME PASSWORD
+#                                  a SCRAM-SHA-512 user on a secure node; returns once it can log in
+#   kafka.sh allow DIR NAME OPERATIONS RESOURCE_TYPE RESOURCE [LITERAL|PREFIXED]
+#                                  ALLOW ACLs for User:NAME, e.g. `allow DIR app WRITE,CREATE TOPIC orders`;
+#                                  returns once the broker enforces them
 #   kafka.sh start-node DIR        start a stopped node again (DIR, or DIR/nodeN of a cluster)
 #   kafka.sh stop DIR              stop a node (DIR, or DIR/nodeN of a cluster)
 #   kafka.sh kill DIR              SIGKILL one node (DIR, or DIR/nodeN) and wait until it is gone; start-node
@@ -21,23 +36,30 @@ KAFKA_VERSION="$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$her
 KAFKA_LIB="${OUTBOXD_KAFKA_LIB:-$OUTBOXD_CACHE/kafka-$KAFKA_VERSION/lib}"
 
 install() {
-  if [ -f "$KAFKA_LIB/kafka_2.13-$KAFKA_VERSION.jar" ]; then
-    return 0
+  # A JDK (javac compiles the admin tool); Maven only to fetch the jars.
+  local missing=()
+  command -v javac >/dev/null || missing+=(openjdk-17-jdk-headless)
+  if [ ! -f "$KAFKA_LIB/kafka_2.13-$KAFKA_VERSION.jar" ] && ! command -v mvn >/dev/null; then
+    missing+=(maven)
   fi
-  if ! command -v java >/dev/null || ! command -v mvn >/dev/null; then
+  if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
-      echo "Java 17 and Maven are needed to fetch Apache Kafka: install openjdk-17-jre-headless and maven" >&2
+      echo "Apache Kafka needs Java 17 (a JDK) and Maven: install ${missing[*]}" >&2
       exit 1
     fi
-    echo "installing Java 17 and Maven (Debian packages)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      openjdk-17-jre-headless maven >/dev/null
+    echo "installing ${missing[*]} (Debian packages)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  if [ -f "$KAFKA_LIB/kafka_2.13-$KAFKA_VERSION.jar" ]; then
+    admin_tool >/dev/null
+    return 0
   fi
   echo "copying Apache Kafka $KAFKA_VERSION and its dependencies into $KAFKA_LIB (once)"
   rm -rf "$KAFKA_LIB.partial"
   mvn -q -f "$here/kafka/pom.xml" dependency:copy-dependencies \
     -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIB.partial"
   mv "$KAFKA_LIB.partial" "$KAFKA_LIB"
+  admin_tool >/dev/null
 }
 
 require_kafka() {
@@ -55,20 +77,42 @@ new_cluster_id() {
   java -cp "$KAFKA_LIB/*" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1
 }
 
-# write_node_config DIR NODE_ID PORT ADVERTISED_PORT CONTROLLER_PORT VOTERS REPLICATION
+# write_node_config DIR NODE_ID PORT ADVERTISED_PORT CONTROLLER_PORT VOTERS REPLICATION [PLAINTEXT_PORT]
+# With PLAINTEXT_PORT, clients get a SASL_SSL listener on PORT (see start-secure) and the broker's own
+# traffic a PLAINTEXT one on PLAINTEXT_PORT.
 write_node_config() {
   local dir="$1" id="$2" port="$3" advertised="$4" controller="$5" voters="$6" replication="$7"
+  local plaintext="${8:-}"
   local min_isr=1
   if [ "$replication" -ge 3 ]; then min_isr=2; fi
-  cat >"$dir/server.properties" <<EOF
+  if [ -z "$plaintext" ]; then
+    cat >"$dir/server.properties" <<EOF
+listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$controller
+advertised.listeners=PLAINTEXT://127.0.0.1:$advertised
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+EOF
+  else
+    cat >"$dir/server.properties" <<EOF
+listeners=SASL_SSL://127.0.0.1:$port,PLAINTEXT://127.0.0.1:$plaintext,CONTROLLER://127.0.0.1:$controller
+advertised.listeners=SASL_SSL://127.0.0.1:$advertised,PLAINTEXT://127.0.0.1:$plaintext
+listener.security.protocol.map=SASL_SSL:SASL_SSL,PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+sasl.enabled.mechanisms=SCRAM-SHA-512
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$dir/tls/server.p12
+ssl.keystore.password=$KEYSTORE_PASSWORD
+ssl.key.password=$KEYSTORE_PASSWORD
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+super.users=User:admin;User:ANONYMOUS
+allow.everyone.if.no.acl.found=false
+EOF
+  fi
+  cat >>"$dir/server.properties" <<EOF
 process.roles=broker,controller
 node.id=$id
 controller.quorum.voters=$voters
-listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$controller
-advertised.listeners=PLAINTEXT://127.0.0.1:$advertised
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 log.dirs=$dir/data
 default.replication.factor=$replication
 min.insync.replicas=$min_isr
@@ -89,13 +133,64 @@ appender.file.layout.pattern=[%d] %p %m (%c)%n
 EOF
 }
 
-# format_node DIR CLUSTER_ID: once per storage directory.
+# format_node DIR CLUSTER_ID [STORAGE_TOOL_ARGS...]: once per storage directory.
 format_node() {
   local dir="$1" cluster_id="$2"
+  shift 2
   if [ -f "$dir/data/meta.properties" ]; then return 0; fi
   java -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$KAFKA_LIB/*" \
-    kafka.tools.StorageTool format -t "$cluster_id" -c "$dir/server.properties" >"$dir/format.log" 2>&1 \
+    kafka.tools.StorageTool format -t "$cluster_id" -c "$dir/server.properties" "$@" >"$dir/format.log" 2>&1 \
     || { cat "$dir/format.log" >&2; exit 1; }
+}
+
+KEYSTORE_PASSWORD=test-keystore
+ADMIN_PASSWORD="${KAFKA_ADMIN_PASSWORD:-admin-secret}"
+
+# make_certificates DIR: DIR/tls/ca.crt (a CA made here) and the broker's key and certificate, signed by it
+# for IP:127.0.0.1 and DNS:localhost, in a PKCS12 keystore.
+make_certificates() {
+  local tls="$1/tls"
+  mkdir -p "$tls"
+  (
+    cd "$tls"
+    ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes)
+    openssl req -x509 -days 2 -subj "/CN=outboxd test Kafka CA" "${ec[@]}" -keyout ca.key -out ca.crt
+    openssl req -subj /CN=localhost "${ec[@]}" -keyout server.key -out server.csr
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' >san.ext
+    openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile san.ext \
+      -out server.crt
+    openssl pkcs12 -export -in server.crt -inkey server.key -name broker \
+      -passout "pass:$KEYSTORE_PASSWORD" -out server.p12
+  ) >"$1/tls.log" 2>&1 || { cat "$1/tls.log" >&2; exit 1; }
+}
+
+# admin_tool: KafkaAdmin.java compiled once per version of its source, in the cache next to Kafka's jars;
+# prints the directory of its classes.
+admin_tool() {
+  local source="$here/kafka/KafkaAdmin.java"
+  local classes
+  classes="$(dirname "$KAFKA_LIB")/admin-$(sha256sum "$source" | cut -c1-16)"
+  if [ ! -f "$classes/KafkaAdmin.class" ]; then
+    command -v javac >/dev/null || { echo "javac not found: install openjdk-17-jdk-headless" >&2; exit 1; }
+    local partial
+    partial="$(mktemp -d "$classes.partial.XXXXXX")"
+    javac -nowarn -d "$partial" -cp "$KAFKA_LIB/*" "$source" >&2
+    # Another test may have compiled it at the same moment: keep whichever landed first.
+    mv -T "$partial" "$classes" 2>/dev/null || rm -rf "$partial"
+  fi
+  echo "$classes"
+}
+
+# admin DIR ARGS...: KafkaAdmin against the secure node in DIR, as its super user.
+admin() {
+  local dir="$1"
+  shift
+  [ -f "$dir/admin.properties" ] || { echo "$dir is not a node started by start-secure" >&2; exit 1; }
+  local classes
+  classes="$(admin_tool)"
+  # A short-lived client: the quick JIT tier and the serial collector start it in half the time.
+  java -Xmx256m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Dlog4j2.configurationFile="$dir/admin-log4j2.properties" \
+    -cp "$classes:$KAFKA_LIB/*" KafkaAdmin "$dir/admin.properties" "$@"
 }
 
 # launch_node DIR [nowait]
@@ -149,7 +244,7 @@ kill_node() {
   fi
 }
 
-cmd="${1:?usage: kafka.sh install|start|start-cluster|start-node|stop|kill ...}"
+cmd="${1:?usage: kafka.sh install|start|start-cluster|start-secure|add-user|allow|start-node|stop|kill ...}"
 case "$cmd" in
   install) install ;;
   start)
@@ -185,6 +280,48 @@ case "$cmd" in
     # A static quorum elects a controller only once a majority runs: start all three, then wait for each.
     for n in 1 2 3; do launch_node "$dir/node$n" nowait; done
     for n in 1 2 3; do wait_node "$dir/node$n"; done
+    ;;
+  start-secure)
+    dir="${2:?DIR required}"
+    port="${3:?PORT required}"
+    require_kafka
+    mkdir -p "$dir"
+    dir="$(cd "$dir" && pwd)"
+    if [ ! -f "$dir/server.properties" ]; then
+      make_certificates "$dir"
+      controller="$(free_port)"
+      plaintext="$(free_port)"
+      write_node_config "$dir" 1 "$port" "$port" "$controller" "1@127.0.0.1:$controller" 1 "$plaintext"
+      echo "$plaintext" >"$dir/plaintext.port"
+      cat >"$dir/admin.properties" <<EOF
+bootstrap.servers=127.0.0.1:$port
+security.protocol=SASL_SSL
+sasl.mechanism=SCRAM-SHA-512
+sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" password="$ADMIN_PASSWORD";
+ssl.truststore.type=PEM
+ssl.truststore.location=$dir/tls/ca.crt
+EOF
+      cat >"$dir/admin-log4j2.properties" <<EOF
+rootLogger.level=WARN
+rootLogger.appenderRef.stderr.ref=stderr
+appender.stderr.type=Console
+appender.stderr.name=stderr
+appender.stderr.target=SYSTEM_ERR
+appender.stderr.layout.type=PatternLayout
+appender.stderr.layout.pattern=%p %m (%c)%n
+EOF
+      format_node "$dir" "$(new_cluster_id)" --add-scram "SCRAM-SHA-512=[name=admin,password=$ADMIN_PASSWORD]"
+    fi
+    admin_tool >/dev/null
+    launch_node "$dir"
+    ;;
+  add-user)
+    admin "${2:?DIR required}" add-user "${3:?NAME required}" "${4:?PASSWORD required}"
+    ;;
+  allow)
+    dir="${2:?DIR required}"
+    shift 2
+    admin "$dir" allow "$@"
     ;;
   start-node)
     require_kafka

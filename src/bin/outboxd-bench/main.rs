@@ -1,4 +1,4 @@
-//! `outboxd-bench`: measures outboxd against its limits on a local PostgreSQL and tansu broker it starts
+//! `outboxd-bench`: measures outboxd against its limits on a local PostgreSQL and Kafka broker it starts
 //! itself (the tests' scripts), and prints a markdown table; CSV files go to `--out`.
 //!
 //!     cargo run --release --bin outboxd-bench            # the full run (~10 minutes)
@@ -458,7 +458,7 @@ async fn describe_machine(sql: &tokio_postgres::Client) -> BenchResult<String> {
     let postgres: String = sql.query_one("SHOW server_version", &[]).await?.get(0);
     let (_, librdkafka) = rdkafka::util::get_rdkafka_version();
     Ok(format!(
-        "Measured {} on {cores} cores ({model}), {memory_gib:.0} GiB; PostgreSQL {postgres}, tansu 0.6.0, librdkafka {librdkafka}, outboxd {}; everything on one machine.",
+        "Measured {} on {cores} cores ({model}), {memory_gib:.0} GiB; PostgreSQL {postgres}, {}, librdkafka {librdkafka}, outboxd {}; everything on one machine.",
         std::process::Command::new("date")
             .arg("+%Y-%m-%d")
             .output()
@@ -466,6 +466,12 @@ async fn describe_machine(sql: &tokio_postgres::Client) -> BenchResult<String> {
             .and_then(|o| String::from_utf8(o.stdout).ok())
             .unwrap_or_default()
             .trim(),
+        // The broker tests/support/broker.sh starts.
+        if std::env::var("OUTBOXD_TEST_BROKER").as_deref() == Ok("tansu") {
+            "tansu 0.6.0"
+        } else {
+            "Apache Kafka 4.1.1 (one KRaft node)"
+        },
         env!("CARGO_PKG_VERSION"),
     ))
 }

@@ -1,4 +1,4 @@
-//! The benchmark's world: a throwaway PostgreSQL cluster and tansu broker started with the scripts the tests
+//! The benchmark's world: a throwaway PostgreSQL cluster and Kafka broker started with the scripts the tests
 //! use (`tests/support/*.sh`), outboxd processes, and what `/proc` says about them. Everything started here
 //! is stopped on drop, by PID. No measurement logic.
 

@@ -1,0 +1,349 @@
+//! Deliveries that fail after the producer accepted the event, on Apache Kafka: a record larger than the
+//! topic's `max.message.bytes` (refused by the broker, not by librdkafka), a batch refused whole because of
+//! one such record, and a topic deleted while outboxd runs. Each must take the road of a refusal at
+//! hand-over (retried, dead-lettered after --max-attempts, later events of its aggregate after it, other
+//! aggregates flowing) without restarting the stream more than a few times.
+
+mod support;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use support::*;
+
+/// What the topic accepts; librdkafka's own limit (message.max.bytes, 1 MB) is far above it, so the
+/// producer accepts a bigger event and the broker refuses it.
+const TOPIC_MAX_BYTES: &str = "4096";
+const BIG_PAD: i32 = 8_000;
+/// Two attempts, quick retries: a refused event is dead-lettered within seconds.
+const QUICK_DEAD_LETTERS: &[&str] = &[
+    "--max-attempts",
+    "2",
+    "--retry-base",
+    "200ms",
+    "--retry-cap",
+    "500ms",
+];
+
+fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("cannot create admin client")
+}
+
+async fn create_small_topic(brokers: &str) {
+    let topic = NewTopic::new(TOPIC, 1, TopicReplication::Fixed(1))
+        .set("max.message.bytes", TOPIC_MAX_BYTES);
+    create_topic(brokers, topic).await;
+}
+
+/// One event of `aggregate` inside `tx`, `pad` bytes of payload padding.
+async fn insert(tx: &tokio_postgres::Transaction<'_>, aggregate: &str, pad: i32) -> uuid::Uuid {
+    let id = uuid::Uuid::new_v4();
+    tx.execute(
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+         VALUES ($1, 'Order', $2, 'E', jsonb_build_object('pad', repeat('x', $3::int)))",
+        &[&id, &aggregate, &pad],
+    )
+    .await
+    .unwrap();
+    id
+}
+
+async fn dead_at(client: &tokio_postgres::Client, id: uuid::Uuid) -> Option<SystemTime> {
+    client
+        .query_one(
+            "SELECT dead_at FROM outbox_event WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn wait_nothing_pending(client: &tokio_postgres::Client, what: &str) {
+    wait_for_async(what, Duration::from_secs(120), || async {
+        let pending: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND dead_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (pending == 0).then_some(())
+    })
+    .await;
+}
+
+/// Event ids of `aggregate` in partition order, first occurrences only.
+fn first_occurrences(records: &[Record], aggregate: &str) -> Vec<String> {
+    let mut ids: Vec<String> = Vec::new();
+    for record in records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(aggregate))
+    {
+        let id = record.headers["event_id"].clone();
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+/// The CreateTime (ms) of the first record of `id`.
+fn reached_kafka_ms(records: &[Record], id: uuid::Uuid) -> i64 {
+    records
+        .iter()
+        .find(|r| r.headers["event_id"] == id.to_string())
+        .and_then(|r| r.timestamp)
+        .expect("record without a timestamp")
+}
+
+fn millis(time: SystemTime) -> i64 {
+    time.duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+/// At most 2 sessions the CDC path ended and restarted for `what`.
+fn assert_few_restarts(log: &str, what: &str) {
+    let restarts = log
+        .matches("replication session ended; reconnecting")
+        .count();
+    assert!(
+        restarts <= 2,
+        "{restarts} session restarts for {what}:
+{log}"
+    );
+}
+
+async fn create_topic(brokers: &str, topic: NewTopic<'_>) {
+    let results = admin(brokers)
+        .create_topics([&topic], &AdminOptions::new())
+        .await
+        .expect("cannot create topic");
+    for result in results {
+        result.expect("cannot create topic");
+    }
+}
+
+/// The scenario of both paths: in one transaction A1, A2 (larger than the topic accepts), A3 and B1, all in
+/// one partition (so the broker refuses the batch they share whole); then A4 and B2. A2 is dead-lettered
+/// after its attempts; everything else is published, A's later events only after A2 died.
+async fn a_refused_event_dies_alone_and_its_aggregate_waits(mode: &[&str]) -> String {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    create_small_topic(&brokers).await;
+    let mut args = run_args(&url, &brokers);
+    args.extend_from_slice(mode);
+    args.extend_from_slice(QUICK_DEAD_LETTERS);
+    let outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    if mode.is_empty() {
+        wait_slot_active(&client, "outboxd").await;
+    }
+    let tx = client.transaction().await.unwrap();
+    let a1 = insert(&tx, "A", 10).await;
+    let a2 = insert(&tx, "A", BIG_PAD).await;
+    let a3 = insert(&tx, "A", 10).await;
+    let b1 = insert(&tx, "B", 10).await;
+    tx.commit().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    let a4 = insert(&tx, "A", 10).await;
+    let b2 = insert(&tx, "B", 10).await;
+    tx.commit().await.unwrap();
+
+    wait_nothing_pending(&client, "every event to be published or dead-lettered").await;
+    let log = outboxd.log_text();
+    let died = dead_at(&client, a2)
+        .await
+        .unwrap_or_else(|| panic!("A2 was not dead-lettered:\n{log}"));
+    for (name, id) in [("A1", a1), ("A3", a3), ("A4", a4), ("B1", b1), ("B2", b2)] {
+        assert!(
+            dead_at(&client, id).await.is_none(),
+            "{name} was dead-lettered, though only A2 is too large:\n{log}"
+        );
+    }
+    let records = consume_all(&brokers, &[TOPIC], 5, Duration::from_secs(60));
+    assert_eq!(
+        first_occurrences(&records, "A"),
+        [a1.to_string(), a3.to_string(), a4.to_string()],
+        "A's events in order, without the refused one"
+    );
+    assert_eq!(
+        first_occurrences(&records, "B"),
+        [b1.to_string(), b2.to_string()]
+    );
+    // A later event of A reached Kafka only once A2 had died (not while A2 was still being retried).
+    assert!(
+        reached_kafka_ms(&records, a3) >= millis(died),
+        "A3 reached Kafka before A2 was dead-lettered"
+    );
+    log
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_the_broker_refuses_after_hand_over_is_dead_lettered_in_order_by_the_stream() {
+    let log = a_refused_event_dies_alone_and_its_aggregate_waits(&[]).await;
+    assert_few_restarts(&log, "one refused event");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_refused_whole_for_one_event_dead_letters_only_that_event_when_polling() {
+    a_refused_event_dies_alone_and_its_aggregate_waits(&["--mode", "poll"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_deleted_while_running_is_created_again() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    insert_events(&mut client, 0, 5, 4, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+
+    let results = admin(&brokers)
+        .delete_topics(&[TOPIC], &AdminOptions::new())
+        .await
+        .expect("cannot delete topic");
+    for result in results {
+        result.expect("cannot delete topic");
+    }
+    let (committed, _) = insert_events(&mut client, 5, 10, 4, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(180)).await;
+    // What reached the topic before it was deleted is gone with it; everything after is in the new one.
+    verify_delivery(&brokers, &committed, &[], 60, "after the topic was deleted");
+    let log = outboxd.log_text();
+    assert_few_restarts(&log, "one deleted topic");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_the_principal_may_not_write_is_retried_then_dead_lettered_while_others_flow() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let broker = SecureBroker::start();
+    let password = "outboxd-pw-3c9d";
+    broker.add_user("outboxd", password);
+    // It may write outbox.Order, which exists, but not create it (outboxd's CreateTopics is refused).
+    create_topic(
+        &broker.plaintext_addr(),
+        NewTopic::new(TOPIC, 3, TopicReplication::Fixed(1)),
+    )
+    .await;
+    broker.allow("outboxd", &["WRITE"], "TOPIC", TOPIC);
+    // It may create outbox.Forbidden (so nothing fails before the producer accepts the events), not write it.
+    broker.allow("outboxd", &["CREATE"], "TOPIC", "outbox.Forbidden");
+    let (url, brokers) = (pg.url(), broker.addr());
+    let options = SecureBroker::kafka_options("outboxd", password, &broker.ca);
+    let mut args = run_args(&url, &brokers);
+    args.extend(options.iter().map(String::as_str));
+    args.extend_from_slice(QUICK_DEAD_LETTERS);
+    let outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let insert = |aggregate_type: &'static str, aggregate: &'static str| {
+        let client = &client;
+        async move {
+            let id = uuid::Uuid::new_v4();
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, $2, $3, 'E', '{}')",
+                    &[&id, &aggregate_type, &aggregate],
+                )
+                .await
+                .unwrap();
+            id
+        }
+    };
+    let mut orders = Vec::new();
+    let mut forbidden = Vec::new();
+    for round in 0..3 {
+        orders.push(insert("Order", "o1").await);
+        forbidden.push(insert("Forbidden", "f1").await);
+        forbidden.push(insert("Forbidden", if round == 0 { "f1" } else { "f2" }).await);
+        orders.push(insert("Order", "o2").await);
+    }
+    let (committed, _) = insert_events(&mut client, 0, 10, 4, 5, None).await;
+    wait_nothing_pending(&client, "every event to be published or dead-lettered").await;
+    let log = outboxd.log_text();
+    for id in &forbidden {
+        assert!(
+            dead_at(&client, *id).await.is_some(),
+            "an event for the forbidden topic was not dead-lettered:\n{log}"
+        );
+    }
+    for id in &orders {
+        assert!(dead_at(&client, *id).await.is_none(), "{log}");
+    }
+    verify_delivery(
+        &broker.plaintext_addr(),
+        &committed,
+        &[],
+        120,
+        "the writable topic",
+    );
+    assert_few_restarts(&log, "a topic the principal may not write");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_of_a_topic_the_principal_may_not_write_whose_row_is_gone_is_never_given_up() {
+    // The application deletes its outbox row in the inserting transaction: the polling path cannot retry it,
+    // so the stream must keep it unconfirmed until the broker lets its topic be written.
+    let pg = Postgres::start();
+    migrate(&pg);
+    let broker = SecureBroker::start();
+    let password = "outboxd-pw-8e1f";
+    broker.add_user("outboxd", password);
+    broker.allow("outboxd", &["WRITE", "CREATE"], "TOPIC", TOPIC);
+    broker.allow("outboxd", &["CREATE"], "TOPIC", "outbox.Forbidden");
+    let (url, brokers) = (pg.url(), broker.addr());
+    let options = SecureBroker::kafka_options("outboxd", password, &broker.ca);
+    let mut args = run_args(&url, &brokers);
+    args.extend(options.iter().map(String::as_str));
+    let outboxd = Outboxd::spawn(&args);
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let mut gone = Vec::new();
+    for _ in 0..3 {
+        let id = uuid::Uuid::new_v4();
+        client
+            .batch_execute(&format!(
+                "BEGIN;
+                 INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ('{id}', 'Forbidden', 'f1', 'E', '{{}}');
+                 DELETE FROM outbox_event WHERE event_id = '{id}';
+                 COMMIT;"
+            ))
+            .await
+            .unwrap();
+        gone.push(id.to_string());
+    }
+    wait_for(
+        "the broker to refuse the topic",
+        Duration::from_secs(60),
+        || {
+            outboxd
+                .log_text()
+                .contains("TopicAuthorizationFailed")
+                .then_some(())
+        },
+    );
+    broker.allow("outboxd", &["WRITE"], "TOPIC", "outbox.Forbidden");
+    let records = consume_all(
+        &broker.plaintext_addr(),
+        &["outbox.Forbidden"],
+        gone.len(),
+        Duration::from_secs(180),
+    );
+    let log = outboxd.log_text();
+    for id in &gone {
+        assert!(
+            records.iter().any(|r| &r.headers["event_id"] == id),
+            "event {id} (row deleted by its own transaction) never reached Kafka:\n{log}"
+        );
+    }
+}
