@@ -6,11 +6,25 @@
 //! rolled-back events, duplicates (in all and per fault), order violations, unpublished rows and slot lag,
 //! as a table printed and written to `target/chaos/<profile>.md`.
 //!
+//! A second scenario, `broker_failover`, runs outboxd against a 3-node Apache Kafka cluster (KRaft,
+//! replication factor 3, `min.insync.replicas=2`, `acks=all`, `message.timeout.ms=10000`) under the same
+//! load: it SIGKILLs the leader of the busiest partition again and again (each time waiting for new leaders
+//! and for outboxd to publish past the kill before starting the node again and waiting for the ISR), restarts
+//! the three nodes one by one, keeps one node down longer than the message timeout, hangs the busiest
+//! partition's leader (SIGSTOP, connections left open) for longer than that, and then keeps two nodes down
+//! (no quorum, too few in-sync replicas: sends fail). It reports loss, rolled-back events, order violations (with an
+//! example) and, per incident, duplicates (checked against the in-flight window), replication session
+//! restarts and their reasons, in its own section of the same report file.
+//!
 //! Profiles (`OUTBOXD_CHAOS_PROFILE`): `short` (the default, run by CI with the other tests) and `full`:
 //!
 //! ```sh
 //! OUTBOXD_CHAOS_PROFILE=full cargo test --release --test chaos -- --nocapture
+//! cargo test --test chaos broker_failover -- --nocapture     # only the cluster scenario (short profile)
 //! ```
+//!
+//! The scenarios run one at a time. The short profile kills the busiest partition's leader 3 times and hangs
+//! it 3 times, the full one 12 and 10 times.
 //!
 //! `OUTBOXD_CHAOS_SEED` replays a run's random choices (the seed is printed and in the report).
 
@@ -117,6 +131,8 @@ fn now_millis() -> i64 {
 struct Txn {
     events: Vec<Inserted>,
     outcome: Outcome,
+    /// When its COMMIT (or ROLLBACK) was answered or failed, ms since the epoch.
+    at: i64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,6 +199,7 @@ async fn write_load(
             txns.push(Txn {
                 events,
                 outcome: outcome.unwrap_or(Outcome::InDoubt),
+                at: now_millis(),
             });
             if broken {
                 continue 'connect;
@@ -229,8 +246,102 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
 }
 
+/// The scenarios of this file run one at a time: each loads the two cores on its own, and a run's figures
+/// (rates, run time) are its own.
+static SCENARIOS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// What the generator's transactions came to, once those in doubt are resolved by the table.
+struct Resolved {
+    /// In commit order per writer (writers own disjoint aggregates, so per aggregate this is commit order).
+    committed: Vec<Inserted>,
+    rolled_back: Vec<Inserted>,
+    in_doubt: usize,
+    /// When each committed event's transaction committed (ms since the epoch, as the generator saw it).
+    committed_at: HashMap<uuid::Uuid, i64>,
+}
+
+/// Resolves transactions whose COMMIT answer was lost: the table holds their rows or none.
+async fn resolve(client: &tokio_postgres::Client, per_writer: Vec<Vec<Txn>>) -> Resolved {
+    let mut resolved = Resolved {
+        committed: Vec::new(),
+        rolled_back: Vec::new(),
+        in_doubt: 0,
+        committed_at: HashMap::new(),
+    };
+    for txns in per_writer {
+        for txn in txns {
+            let outcome = match txn.outcome {
+                Outcome::InDoubt => {
+                    resolved.in_doubt += 1;
+                    let ids: Vec<uuid::Uuid> = txn.events.iter().map(|e| e.event_id).collect();
+                    let present: i64 = client
+                        .query_one(
+                            "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1)",
+                            &[&ids],
+                        )
+                        .await
+                        .unwrap()
+                        .get(0);
+                    assert!(
+                        present == 0 || present as usize == ids.len(),
+                        "a transaction half committed"
+                    );
+                    if present > 0 {
+                        Outcome::Committed
+                    } else {
+                        Outcome::RolledBack
+                    }
+                }
+                outcome => outcome,
+            };
+            match outcome {
+                Outcome::Committed => {
+                    for event in &txn.events {
+                        resolved.committed_at.insert(event.event_id, txn.at);
+                    }
+                    resolved.committed.extend(txn.events)
+                }
+                _ => resolved.rolled_back.extend(txn.events),
+            }
+        }
+    }
+    resolved
+}
+
+/// Puts `text` into `target/chaos/<profile>.md` as the section `section`, replacing that section of an
+/// earlier run and keeping the other scenarios' sections. Returns the file's path.
+fn write_report(profile: &str, section: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{profile}.md"));
+    let (begin, end) = (
+        format!("<!-- chaos:{section} -->"),
+        format!("<!-- /chaos:{section} -->"),
+    );
+    let block = format!("{begin}\n\n{text}\n{end}\n");
+    let current = std::fs::read_to_string(&path).unwrap_or_default();
+    // A report from before sections (one table, no markers) is replaced whole.
+    let current = if current.contains("<!-- chaos:") {
+        current
+    } else {
+        String::new()
+    };
+    let updated = match (current.find(&begin), current.find(&end)) {
+        (Some(from), Some(to)) if from < to => {
+            let to = to + end.len();
+            let to = to + usize::from(current[to..].starts_with('\n'));
+            format!("{}{block}{}", &current[..from], &current[to..])
+        }
+        _ if current.is_empty() => block,
+        _ => format!("{current}\n{block}"),
+    };
+    std::fs::write(&path, updated).unwrap();
+    path
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chaos() {
+    let _one_scenario_at_a_time = SCENARIOS.lock().await;
     let profile = profile();
     let seed = std::env::var("OUTBOXD_CHAOS_SEED")
         .ok()
@@ -335,43 +446,13 @@ async fn chaos() {
     }
     let load_seconds = started.elapsed().as_secs_f64();
 
-    // Resolve transactions whose COMMIT answer was lost: the table holds their rows or none.
     let client = pg.client().await;
-    let mut committed = Vec::new();
-    let mut rolled_back = Vec::new();
-    let mut in_doubt = 0;
-    for txns in per_writer {
-        for txn in txns {
-            let outcome = match txn.outcome {
-                Outcome::InDoubt => {
-                    in_doubt += 1;
-                    let ids: Vec<uuid::Uuid> = txn.events.iter().map(|e| e.event_id).collect();
-                    let present: i64 = client
-                        .query_one(
-                            "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1)",
-                            &[&ids],
-                        )
-                        .await
-                        .unwrap()
-                        .get(0);
-                    assert!(
-                        present == 0 || present as usize == ids.len(),
-                        "a transaction half committed"
-                    );
-                    if present > 0 {
-                        Outcome::Committed
-                    } else {
-                        Outcome::RolledBack
-                    }
-                }
-                outcome => outcome,
-            };
-            match outcome {
-                Outcome::Committed => committed.extend(txn.events),
-                _ => rolled_back.extend(txn.events),
-            }
-        }
-    }
+    let Resolved {
+        committed,
+        rolled_back,
+        in_doubt,
+        ..
+    } = resolve(&client, per_writer).await;
     let table_rows: i64 = client
         .query_one("SELECT count(*) FROM outbox_event", &[])
         .await
@@ -520,10 +601,7 @@ async fn chaos() {
         let _ = writeln!(table, "| {what} | {value} |");
     }
     println!("\n{table}");
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{}.md", profile.name));
-    std::fs::write(&path, &table).unwrap();
+    let path = write_report(&profile.name, "faults", &table);
     println!("report: {}\noutboxd logs: {}", path.display(), logs.len());
 
     assert_eq!(report.missing, 0, "committed events missing");
@@ -542,5 +620,946 @@ async fn chaos() {
     assert!(
         faults_done.get(&Fault::KillOutboxd).copied().unwrap_or(0)
             >= if profile.name == "full" { 50 } else { 10 }
+    );
+}
+
+// ======================================================================================================
+// Broker failover: outboxd against a 3-node Apache Kafka cluster (replication factor 3,
+// min.insync.replicas=2, acks=all) under the same load, while the leader of the busiest partition is
+// SIGKILLed again and again, all three nodes are restarted one by one, one node stays down longer than the
+// producer's message.timeout.ms, the leader hangs (SIGSTOP) for longer than that, and then two nodes stay
+// down (no quorum and no two in-sync replicas: sends fail).
+// ======================================================================================================
+
+/// Events per second the generator offers in the broker-failover scenario.
+const FAILOVER_RATE: u64 = 1_000;
+const FAILOVER_PARTITIONS: &str = "6";
+/// outboxd's `message.timeout.ms` here (`--kafka-option`): librdkafka's default, 300 s, would make each long
+/// outage five minutes.
+const MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the long outages last: past the message timeout by 2 s up to one more timeout, at random, so the
+/// moment the cluster takes writes again falls at a different point of librdkafka's timeouts each run.
+fn outage_length(rng: &mut Rng) -> Duration {
+    let timeout = MESSAGE_TIMEOUT.as_millis() as u64;
+    rng.millis(timeout + 2_000, 2 * timeout)
+}
+
+/// How long outboxd may take to publish past a point once the cluster can take writes.
+const PROGRESS_TIMEOUT: Duration = Duration::from_secs(180);
+const CLUSTER_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// (SIGKILLs of the busiest partition's leader, hangs of it): at least 10 kills in the full profile, a few
+/// in CI's short one. A hang costs no broker start, a kill one.
+fn failover_counts(profile: &str) -> (usize, usize) {
+    match profile {
+        "full" => (12, 10),
+        _ => (3, 3),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Failure {
+    KillLeader,
+    RollingRestart,
+    OneDownPastTimeout,
+    HungPastTimeout,
+    TwoDownPastTimeout,
+}
+
+impl Failure {
+    fn name(self) -> &'static str {
+        match self {
+            Failure::KillLeader => "SIGKILL the busiest partition's leader, start it again",
+            Failure::RollingRestart => "rolling restart (stop, start), one node at a time",
+            Failure::OneDownPastTimeout => "one node down longer than message.timeout.ms",
+            Failure::HungPastTimeout => {
+                "the busiest partition's leader hung (SIGSTOP) longer than message.timeout.ms"
+            }
+            Failure::TwoDownPastTimeout => "two nodes down longer than message.timeout.ms",
+        }
+    }
+}
+
+/// One injected failure: when it began, what it was, how long until the cluster was whole again.
+struct Incident {
+    kind: Failure,
+    what: String,
+    /// ms since the epoch.
+    at: i64,
+    /// Seconds since the load started.
+    offset_secs: f64,
+    began: Instant,
+    back_in_sync_secs: f64,
+    /// (what, seconds it took), printed as the incident heals.
+    steps: Vec<(&'static str, f64)>,
+    step_began: Instant,
+}
+
+impl Incident {
+    fn begin(kind: Failure, what: String, load_started: Instant) -> Self {
+        Incident {
+            kind,
+            what,
+            at: now_millis(),
+            offset_secs: load_started.elapsed().as_secs_f64(),
+            began: Instant::now(),
+            back_in_sync_secs: 0.0,
+            steps: Vec::new(),
+            step_began: Instant::now(),
+        }
+    }
+
+    fn step(&mut self, what: &'static str) {
+        self.steps
+            .push((what, self.step_began.elapsed().as_secs_f64()));
+        self.step_began = Instant::now();
+    }
+
+    /// The incident is over; `last` names its last step.
+    fn healed(mut self, last: &'static str) -> Self {
+        self.step(last);
+        self.back_in_sync_secs = self.began.elapsed().as_secs_f64();
+        let steps: Vec<String> = self
+            .steps
+            .iter()
+            .map(|(what, secs)| format!("{what} +{secs:.1}s"))
+            .collect();
+        println!(
+            "{:>6.1}s  {} (cluster in sync again after {:.1}s: {})",
+            self.offset_secs,
+            self.what,
+            self.back_in_sync_secs,
+            steps.join(", ")
+        );
+        self
+    }
+}
+
+/// Which incident a moment (ms since the epoch) follows: 0 before the first, i for incident i - 1.
+fn after_incident(incidents: &[Incident], at: i64) -> usize {
+    incidents.partition_point(|i| i.at <= at)
+}
+
+/// outboxd under test; restarted, and counted, when it exits on its own.
+struct Connector {
+    args: Vec<String>,
+    current: Outboxd,
+    logs: Vec<std::path::PathBuf>,
+    unexpected_exits: usize,
+}
+
+impl Connector {
+    /// Info-level logs: trace logging at this rate only costs CPU the cluster needs.
+    const ENV: [(&'static str, &'static str); 1] =
+        [("RUST_LOG", "info,rdkafka=warn,tokio_postgres=warn")];
+
+    fn spawn(args: &[&str]) -> Self {
+        let current = Outboxd::spawn_with_env(args, &Self::ENV);
+        Connector {
+            args: args.iter().map(|a| a.to_string()).collect(),
+            logs: vec![current.log.clone()],
+            current,
+            unexpected_exits: 0,
+        }
+    }
+
+    fn check(&mut self) {
+        if let Some(status) = self.current.try_wait() {
+            self.unexpected_exits += 1;
+            eprintln!(
+                "outboxd exited on its own ({status}); log {}",
+                self.current.log.display()
+            );
+            let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+            self.current = Outboxd::spawn_with_env(&args, &Self::ENV);
+            self.logs.push(self.current.log.clone());
+        }
+    }
+}
+
+/// Waits until the slot confirmed `lsn`: every event committed before it was acknowledged by the cluster
+/// and has `published_at`.
+async fn wait_published_past(
+    client: &tokio_postgres::Client,
+    outboxd: &mut Connector,
+    lsn: outboxd::lsn::Lsn,
+    what: &str,
+) {
+    let deadline = Instant::now() + PROGRESS_TIMEOUT;
+    loop {
+        outboxd.check();
+        let confirmed = confirmed_flush(client, "outboxd").await;
+        if confirmed >= lsn {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {PROGRESS_TIMEOUT:?} waiting for {what}: the slot confirmed {confirmed}, not yet {lsn}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until `until` (the end of a broker outage: its length is the fault itself), watching outboxd.
+async fn hold(outboxd: &mut Connector, until: Instant) {
+    while Instant::now() < until {
+        outboxd.check();
+        tokio::time::sleep(Duration::from_millis(200).min(until - Instant::now())).await;
+    }
+}
+
+/// A replication session that ended and was started again, from outboxd's JSON log.
+struct SessionRestart {
+    at: i64,
+    reason: String,
+}
+
+/// outboxd's "replication session ended" lines: (sessions that ended after streaming, the restarts with their
+/// reasons from "replication session ended; reconnecting").
+fn session_restarts(logs: &[std::path::PathBuf]) -> (usize, Vec<SessionRestart>) {
+    let mut ended = 0;
+    let mut restarts = Vec::new();
+    for log in logs {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        for line in text.lines() {
+            let Ok(entry) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let fields = &entry["fields"];
+            match fields["message"].as_str() {
+                Some("replication session ended") => ended += 1,
+                Some("replication session ended; reconnecting") => {
+                    let at = entry["timestamp"]
+                        .as_str()
+                        .and_then(|t| humantime::parse_rfc3339_weak(t).ok())
+                        .map(|t| t.duration_since(UNIX_EPOCH).unwrap().as_millis() as i64)
+                        .unwrap_or_else(|| panic!("no timestamp in outboxd's log line {line}"));
+                    restarts.push(SessionRestart {
+                        at,
+                        reason: fields["error"].as_str().unwrap_or("?").to_string(),
+                    });
+                }
+                _ => {}
+            }
+        }
+    }
+    (ended, restarts)
+}
+
+/// `text` with each UUID (an event id) replaced by `<id>`, so reasons that differ only in the event group.
+fn without_ids(text: &str) -> String {
+    text.split(' ')
+        .map(|word| {
+            let bare = word.trim_matches(|c: char| !c.is_ascii_alphanumeric() && c != '-');
+            if uuid::Uuid::parse_str(bare).is_ok() {
+                word.replace(bare, "<id>")
+            } else {
+                word.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// An event whose first appearance came after the first appearance of a later event of its aggregate.
+struct Violation {
+    aggregate: String,
+    /// (seq, partition, offset, CreateTime) of the event committed earlier but first seen later.
+    late: (i64, i32, i64, i64),
+    /// The same of the previous first appearance of the aggregate, committed after it.
+    ahead: (i64, i32, i64, i64),
+}
+
+/// The order violations `check_delivery` counts, with what each one is (same walk: first appearances in
+/// partition order, each against the aggregate's previous first appearance).
+fn order_violations(records: &[Record], committed: &[Inserted]) -> Vec<Violation> {
+    let commit_position: HashMap<String, usize> = committed
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.event_id.to_string(), i))
+        .collect();
+    let mut ordered: Vec<&Record> = records.iter().collect();
+    ordered.sort_by_key(|r| (r.topic.clone(), r.partition, r.offset));
+    let mut seen = std::collections::HashSet::new();
+    let mut last: HashMap<String, (usize, &Record)> = HashMap::new();
+    let mut violations = Vec::new();
+    let describe = |position: usize, record: &Record| {
+        (
+            committed[position].seq,
+            record.partition,
+            record.offset,
+            record.timestamp.unwrap_or(0),
+        )
+    };
+    for record in ordered {
+        let id = record.headers.get("event_id").cloned().unwrap_or_default();
+        if !seen.insert(id.clone()) {
+            continue;
+        }
+        let Some(&position) = commit_position.get(&id) else {
+            continue;
+        };
+        let key = record.key.clone().unwrap_or_default();
+        if let Some(&(previous, previous_record)) = last.get(&key) {
+            if position < previous {
+                violations.push(Violation {
+                    aggregate: key.clone(),
+                    late: describe(position, record),
+                    ahead: describe(previous, previous_record),
+                });
+            }
+        }
+        last.insert(key, (position, record));
+    }
+    violations
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_failover() {
+    let _one_scenario_at_a_time = SCENARIOS.lock().await;
+    let began = Instant::now();
+    let profile = profile().name;
+    let (kills, hangs) = failover_counts(&profile);
+    let seed = std::env::var("OUTBOXD_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| now_millis() as u64 | 1);
+    let mut rng = Rng(seed);
+    println!(
+        "broker failover, {profile} profile, seed {seed}: {kills} SIGKILLs of the busiest partition's leader, \
+         a rolling restart, one node down, {hangs} hangs of the leader and two nodes down, each past \
+         message.timeout.ms ({MESSAGE_TIMEOUT:?})"
+    );
+
+    let pg = Postgres::start();
+    migrate(&pg);
+    let cluster = blocking(Cluster::launch);
+    let client = pg.client().await;
+    let (url, brokers, window) = (pg.url(), cluster.addrs(), WINDOW.to_string());
+    let message_timeout = format!("message.timeout.ms={}", MESSAGE_TIMEOUT.as_millis());
+    let mut outboxd = Connector::spawn(&[
+        "run",
+        "--database-url",
+        &url,
+        "--brokers",
+        &brokers,
+        "--topic-partitions",
+        FAILOVER_PARTITIONS,
+        "--topic-replication-factor",
+        "3",
+        "--kafka-option",
+        &message_timeout,
+        "--max-in-flight-events",
+        &window,
+        "--status-interval",
+        "200ms",
+        "--startup-timeout",
+        "300s",
+        "--log-format",
+        "json",
+    ]);
+    wait_slot_active(&client, "outboxd").await;
+
+    let (stop_tx, stop) = watch::channel(false);
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let rate = FAILOVER_RATE as f64 / EVENTS_PER_TXN as f64 / WRITERS as f64;
+            tokio::spawn(write_load(pg.url(), w, rate, stop.clone()))
+        })
+        .collect();
+    let load_started = Instant::now();
+    let t0 = now_millis();
+    // outboxd creates the topic with its first event.
+    let partitions = blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
+    assert_eq!(
+        partitions.len().to_string(),
+        FAILOVER_PARTITIONS,
+        "the topic's partitions"
+    );
+    assert!(
+        partitions.iter().all(|p| p.replicas.len() == 3),
+        "replication factor 3: {partitions:?}"
+    );
+    let lsn = current_wal_lsn(&client).await;
+    wait_published_past(&client, &mut outboxd, lsn, "the first events").await;
+    let setup_secs = began.elapsed().as_secs_f64();
+    let pause = |rng: &mut Rng| rng.millis(300, 2_500);
+
+    let mut incidents: Vec<Incident> = Vec::new();
+    // (a) The leader of the busiest partition, SIGKILLed; outboxd must publish through the election.
+    for k in 1..=kills {
+        tokio::time::sleep(pause(&mut rng)).await;
+        outboxd.check();
+        let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
+        let mut incident = Incident::begin(
+            Failure::KillLeader,
+            format!("SIGKILL node {leader}, leader of busiest partition {partition} ({k}/{kills})"),
+            load_started,
+        );
+        blocking(|| cluster.kill(leader));
+        let lsn = current_wal_lsn(&client).await;
+        blocking(|| cluster.wait_leaders_elected(TOPIC, &[leader], CLUSTER_TIMEOUT));
+        incident.step("new leaders");
+        wait_published_past(
+            &client,
+            &mut outboxd,
+            lsn,
+            "outboxd to publish with the leader killed",
+        )
+        .await;
+        incident.step("published past the kill");
+        blocking(|| cluster.start(leader));
+        incident.step("node started");
+        blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
+        incidents.push(incident.healed("in sync"));
+    }
+
+    // (b) Rolling restart: each node stopped (controlled shutdown) and started, waiting for the ISR each time.
+    for node in Cluster::NODES {
+        tokio::time::sleep(pause(&mut rng)).await;
+        outboxd.check();
+        let mut incident = Incident::begin(
+            Failure::RollingRestart,
+            format!("rolling restart: stop node {node}, start it again ({node}/3)"),
+            load_started,
+        );
+        blocking(|| cluster.stop(node));
+        incident.step("stopped");
+        let lsn = current_wal_lsn(&client).await;
+        blocking(|| cluster.wait_leaders_elected(TOPIC, &[node], CLUSTER_TIMEOUT));
+        incident.step("new leaders");
+        wait_published_past(
+            &client,
+            &mut outboxd,
+            lsn,
+            "outboxd to publish with a node stopped",
+        )
+        .await;
+        incident.step("published past the stop");
+        blocking(|| cluster.start(node));
+        incident.step("node started");
+        blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
+        incidents.push(incident.healed("in sync"));
+    }
+
+    // (c) One node down for longer than the producer's message timeout: the other two keep taking writes.
+    tokio::time::sleep(pause(&mut rng)).await;
+    outboxd.check();
+    let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
+    // Down at least this long (longer when outboxd takes longer to publish past the kill); the label
+    // gets the length it had.
+    let down_for = outage_length(&mut rng);
+    let mut incident = Incident::begin(Failure::OneDownPastTimeout, String::new(), load_started);
+    let down_since = Instant::now();
+    blocking(|| cluster.kill(leader));
+    let lsn = current_wal_lsn(&client).await;
+    blocking(|| cluster.wait_leaders_elected(TOPIC, &[leader], CLUSTER_TIMEOUT));
+    incident.step("new leaders");
+    wait_published_past(
+        &client,
+        &mut outboxd,
+        lsn,
+        "outboxd to publish with one node down",
+    )
+    .await;
+    incident.step("published past the kill");
+    hold(&mut outboxd, down_since + down_for).await;
+    let lsn = current_wal_lsn(&client).await;
+    wait_published_past(
+        &client,
+        &mut outboxd,
+        lsn,
+        "outboxd to publish at the end of the outage",
+    )
+    .await;
+    incident.step("held down, published");
+    incident.what = format!(
+        "SIGKILL node {leader}, leader of busiest partition {partition}; started again after {:.1}s",
+        down_since.elapsed().as_secs_f64()
+    );
+    blocking(|| cluster.start(leader));
+    incident.step("node started");
+    blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
+    incidents.push(incident.healed("in sync"));
+
+    // (c'') The busiest partition's leader hung (SIGSTOP) for longer than the message timeout: its
+    // connections stay open, so produce requests in flight to it time out there (possibly written, so
+    // librdkafka bumps its epoch) while the controller fences it and the other two take over.
+    for k in 1..=hangs {
+        tokio::time::sleep(pause(&mut rng)).await;
+        outboxd.check();
+        let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
+        let down_for = outage_length(&mut rng);
+        let mut incident = Incident::begin(Failure::HungPastTimeout, String::new(), load_started);
+        let down_since = Instant::now();
+        blocking(|| cluster.pause(leader));
+        let lsn = current_wal_lsn(&client).await;
+        blocking(|| cluster.wait_leaders_elected(TOPIC, &[leader], CLUSTER_TIMEOUT));
+        incident.step("new leaders");
+        wait_published_past(
+            &client,
+            &mut outboxd,
+            lsn,
+            "outboxd to publish with the leader hung",
+        )
+        .await;
+        incident.step("published past the hang");
+        hold(&mut outboxd, down_since + down_for).await;
+        incident.what = format!(
+            "SIGSTOP node {leader}, leader of busiest partition {partition}; SIGCONT after {:.1}s ({k}/{hangs})",
+            down_since.elapsed().as_secs_f64()
+        );
+        blocking(|| cluster.resume(leader));
+        incident.step("held, resumed");
+        blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
+        incidents.push(incident.healed("in sync"));
+    }
+
+    // (c') Two nodes down for longer than the message timeout: one node left, no controller quorum and fewer
+    // than min.insync.replicas, so sends fail with a timeout while the load goes on.
+    tokio::time::sleep(pause(&mut rng)).await;
+    outboxd.check();
+    let (partition, leader, _) = blocking(|| cluster.leader_of_busiest_partition(TOPIC));
+    let others: Vec<i32> = Cluster::NODES
+        .into_iter()
+        .filter(|&n| n != leader)
+        .collect();
+    let second = others[rng.below(2) as usize];
+    let down_for = outage_length(&mut rng);
+    let mut incident = Incident::begin(Failure::TwoDownPastTimeout, String::new(), load_started);
+    let down_since = Instant::now();
+    blocking(|| {
+        cluster.kill(leader);
+        cluster.kill(second);
+    });
+    let lsn = current_wal_lsn(&client).await;
+    hold(&mut outboxd, down_since + down_for).await;
+    incident.step("held down");
+    incident.what = format!(
+        "SIGKILL nodes {leader} (leader of busiest partition {partition}) and {second}; started again after {:.1}s",
+        down_since.elapsed().as_secs_f64()
+    );
+    // One node back restores the quorum and two in-sync replicas: writes resume before the last one is up.
+    blocking(|| cluster.start(leader));
+    incident.step("first node started");
+    blocking(|| cluster.start(second));
+    incident.step("second node started");
+    blocking(|| cluster.wait_in_sync(TOPIC, CLUSTER_TIMEOUT));
+    incident.step("in sync");
+    wait_published_past(
+        &client,
+        &mut outboxd,
+        lsn,
+        "outboxd to publish after two nodes were back",
+    )
+    .await;
+    incidents.push(incident.healed("published past the outage"));
+    let incidents_secs = began.elapsed().as_secs_f64() - setup_secs;
+
+    // Stop the load, let everything be published, read it all back.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_tx.send(true).unwrap();
+    let mut per_writer = Vec::new();
+    for writer in writers {
+        per_writer.push(writer.await.unwrap());
+    }
+    let load_seconds = load_started.elapsed().as_secs_f64();
+    let Resolved {
+        committed,
+        rolled_back,
+        in_doubt,
+        committed_at,
+    } = resolve(&client, per_writer).await;
+    let table_rows: i64 = client
+        .query_one("SELECT count(*) FROM outbox_event", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        table_rows as usize,
+        committed.len(),
+        "the generator's record matches the table"
+    );
+    outboxd.check();
+    wait_all_published(&client, Duration::from_secs(600)).await;
+    let end_of_load = current_wal_lsn(&client).await;
+    wait_published_past(
+        &client,
+        &mut outboxd,
+        end_of_load,
+        "the slot to confirm the end of the load",
+    )
+    .await;
+    let final_lag: i64 = client
+        .query_one(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let unpublished = unpublished(&client).await;
+    let dead: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let handed_off = handed_off_count(&client).await;
+    let records = blocking(|| cluster.read_all(TOPIC, Duration::from_secs(600)));
+    outboxd.check();
+    let unexpected_exits = outboxd.unexpected_exits;
+    let logs = outboxd.logs.clone();
+    drop(outboxd);
+    let report = check_delivery(&records, &committed, &rolled_back);
+    let violations = order_violations(&records, &committed);
+    assert_eq!(
+        violations.len(),
+        report.order_violations,
+        "the two walks agree"
+    );
+    let (sessions_ended, restarts) = session_restarts(&logs);
+
+    // Per incident: duplicates (a copy's CreateTime falls after the incident that caused it), session
+    // restarts, order violations (by the late event's CreateTime) and missing events (by commit time).
+    let slots = incidents.len() + 1;
+    let (mut duplicates, mut restarts_per, mut violations_per, mut missing_per) = (
+        vec![0usize; slots],
+        vec![0usize; slots],
+        vec![0usize; slots],
+        vec![0usize; slots],
+    );
+    let mut reasons: Vec<BTreeMap<String, usize>> = vec![BTreeMap::new(); slots];
+    let mut copies: HashMap<&str, Vec<i64>> = HashMap::new();
+    for record in &records {
+        if let Some(id) = record.headers.get("event_id") {
+            copies
+                .entry(id)
+                .or_default()
+                .push(record.timestamp.unwrap_or(0));
+        }
+    }
+    for times in copies.values_mut().filter(|t| t.len() > 1) {
+        times.sort_unstable();
+        for &copy in &times[1..] {
+            duplicates[after_incident(&incidents, copy)] += 1;
+        }
+    }
+    for restart in &restarts {
+        let i = after_incident(&incidents, restart.at);
+        restarts_per[i] += 1;
+        let reason: String = without_ids(&restart.reason).chars().take(160).collect();
+        *reasons[i].entry(reason).or_default() += 1;
+    }
+    for violation in &violations {
+        violations_per[after_incident(&incidents, violation.late.3)] += 1;
+    }
+    let missing_events: Vec<&Inserted> = committed
+        .iter()
+        .filter(|e| !copies.contains_key(e.event_id.to_string().as_str()))
+        .collect();
+    for event in &missing_events {
+        missing_per[after_incident(&incidents, committed_at[&event.event_id])] += 1;
+    }
+    let (worst_index, worst) = duplicates
+        .iter()
+        .copied()
+        .enumerate()
+        .max_by_key(|&(_, n)| n)
+        .unwrap_or((0, 0));
+    let worst_incident = worst_index
+        .checked_sub(1)
+        .map_or("before any incident".to_string(), |i| {
+            incidents[i].what.clone()
+        });
+    let rel = |ms: i64| (ms - t0) as f64 / 1000.0;
+    let example = violations.first().map(|v| {
+        format!(
+            "{}: seq {} (committed first) first at partition {} offset {} (produced at {:.1}s), after seq {} at offset {} (produced at {:.1}s)",
+            v.aggregate,
+            v.late.0,
+            v.late.1,
+            v.late.2,
+            rel(v.late.3),
+            v.ahead.0,
+            v.ahead.2,
+            rel(v.ahead.3)
+        )
+    });
+    let aggregates_out_of_order: std::collections::BTreeSet<&str> =
+        violations.iter().map(|v| v.aggregate.as_str()).collect();
+    let missing_example = missing_events.first().map(|e| {
+        format!(
+            "{} seq {} committed at {:.1}s",
+            e.aggregate_id,
+            e.seq,
+            rel(committed_at[&e.event_id])
+        )
+    });
+    let total_secs = began.elapsed().as_secs_f64();
+
+    let mut table = String::new();
+    let _ = writeln!(
+        table,
+        "| broker failover (3 nodes, RF 3, min.insync.replicas 2, acks=all) | {profile} profile, seed {seed} |"
+    );
+    let _ = writeln!(table, "| --- | --- |");
+    let mut done: BTreeMap<Failure, usize> = BTreeMap::new();
+    for incident in &incidents {
+        *done.entry(incident.kind).or_default() += 1;
+    }
+    for (kind, n) in &done {
+        let _ = writeln!(table, "| {} | {n} |", kind.name());
+    }
+    let rows: Vec<(&str, String)> = vec![
+        (
+            "load",
+            format!(
+                "{load_seconds:.0} s, {} events committed ({:.0}/s offered {FAILOVER_RATE}/s), {AGGREGATES} aggregates, {FAILOVER_PARTITIONS} partitions",
+                committed.len(),
+                committed.len() as f64 / load_seconds,
+            ),
+        ),
+        (
+            "outboxd",
+            format!(
+                "--max-in-flight-events {WINDOW}, --kafka-option {message_timeout}"
+            ),
+        ),
+        (
+            "rolled-back transactions",
+            format!(
+                "{} ({} events; {in_doubt} in doubt, resolved by the table)",
+                rolled_back.len() / EVENTS_PER_TXN,
+                rolled_back.len()
+            ),
+        ),
+        ("records read back", records.len().to_string()),
+        (
+            "**committed events missing**",
+            match &missing_example {
+                Some(e) => format!("{} (e.g. {e})", report.missing),
+                None => report.missing.to_string(),
+            },
+        ),
+        (
+            "**events from rolled-back transactions**",
+            report.from_rolled_back.to_string(),
+        ),
+        ("duplicates", report.duplicates.to_string()),
+        (
+            "most duplicates after one incident",
+            format!("{worst} ({worst_incident}; in-flight window {WINDOW})"),
+        ),
+        (
+            "**per-aggregate order violations**",
+            match &example {
+                Some(e) => format!(
+                    "{} in {} aggregates (first: {e})",
+                    report.order_violations,
+                    aggregates_out_of_order.len()
+                ),
+                None => report.order_violations.to_string(),
+            },
+        ),
+        ("**rows without published_at**", unpublished.to_string()),
+        ("dead-lettered rows", dead.to_string()),
+        (
+            "rows published by the sweeper (handed off)",
+            handed_off.to_string(),
+        ),
+        (
+            "replication session restarts (\"replication session ended\")",
+            format!(
+                "{} ({sessions_ended} sessions ended after streaming)",
+                restarts.len()
+            ),
+        ),
+        (
+            "outboxd exits not caused by the test",
+            unexpected_exits.to_string(),
+        ),
+        ("final slot lag (bytes)", final_lag.to_string()),
+        (
+            "run time",
+            format!(
+                "{total_secs:.0} s (cluster and outboxd start {setup_secs:.0} s, incidents {incidents_secs:.0} s, drain and read back {:.0} s)",
+                total_secs - setup_secs - incidents_secs
+            ),
+        ),
+    ];
+    for (what, value) in rows {
+        let _ = writeln!(table, "| {what} | {value} |");
+    }
+    let _ = writeln!(table);
+    let _ = writeln!(
+        table,
+        "| # | at | incident | in sync again after | session restarts | duplicates | order violations | missing | restart reasons |"
+    );
+    let _ = writeln!(
+        table,
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"
+    );
+    for i in 0..slots {
+        let (at, what, healed) = match i.checked_sub(1).map(|i| &incidents[i]) {
+            Some(incident) => (
+                format!("{:.1}s", incident.offset_secs),
+                incident.what.clone(),
+                format!("{:.1}s", incident.back_in_sync_secs),
+            ),
+            None => ("0.0s".into(), "before the first incident".into(), "".into()),
+        };
+        let why = reasons[i]
+            .iter()
+            .map(|(reason, n)| format!("{n} × {}", reason.replace('|', "/")))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let _ = writeln!(
+            table,
+            "| {i} | {at} | {what} | {healed} | {} | {} | {} | {} | {why} |",
+            restarts_per[i], duplicates[i], violations_per[i], missing_per[i]
+        );
+    }
+    println!("\n{table}");
+    let path = write_report(&profile, "broker-failover", &table);
+    println!("report: {}\noutboxd logs: {logs:?}", path.display());
+
+    assert_eq!(
+        report.missing, 0,
+        "committed events missing: {missing_example:?}"
+    );
+    assert_eq!(report.from_rolled_back, 0, "rolled-back events published");
+    assert_eq!(
+        report.order_violations,
+        0,
+        "per-aggregate order violated in {} aggregates; first: {example:?}",
+        aggregates_out_of_order.len()
+    );
+    assert_eq!(unpublished, 0, "rows without published_at");
+    assert_eq!(dead, 0, "no event here deserves a dead letter");
+    assert_eq!(
+        unexpected_exits, 0,
+        "outboxd exited on its own; see its logs"
+    );
+    assert!(
+        worst <= WINDOW,
+        "{worst} duplicates after one incident ({worst_incident}) exceed the in-flight window {WINDOW}"
+    );
+    assert!(
+        done.get(&Failure::KillLeader).copied().unwrap_or(0)
+            >= if profile == "full" { 10 } else { 1 },
+        "SIGKILLs of the busiest partition's leader"
+    );
+}
+
+// The verifier's own checks: each of them can fail.
+
+fn record(id: uuid::Uuid, key: &str, partition: i32, offset: i64, at: i64) -> Record {
+    Record {
+        topic: TOPIC.into(),
+        partition,
+        offset,
+        key: Some(key.into()),
+        value: None,
+        headers: HashMap::from([("event_id".to_string(), id.to_string())]),
+        timestamp: Some(at),
+    }
+}
+
+#[test]
+fn the_verifier_sees_an_aggregate_out_of_order() {
+    let event = |aggregate: &str, seq| Inserted {
+        event_id: uuid::Uuid::new_v4(),
+        aggregate_id: aggregate.into(),
+        seq,
+    };
+    let committed = vec![
+        event("order-1", 0),
+        event("order-1", 1),
+        event("order-2", 2),
+    ];
+    let (a1, a2, b1) = (
+        committed[0].event_id,
+        committed[1].event_id,
+        committed[2].event_id,
+    );
+    // a2 reached the partition before a1 (a1 lost, then re-sent after a2), a2 again as the re-send's copy.
+    let records = vec![
+        record(a1, "order-1", 0, 1, 2_000),
+        record(a2, "order-1", 0, 0, 1_000),
+        record(a2, "order-1", 0, 2, 3_000),
+        record(b1, "order-2", 1, 0, 1_500),
+    ];
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(
+        (report.missing, report.duplicates, report.order_violations),
+        (0, 1, 1)
+    );
+    let violations = order_violations(&records, &committed);
+    assert_eq!(violations.len(), 1);
+    let v = &violations[0];
+    assert_eq!(v.aggregate, "order-1");
+    assert_eq!(v.late, (0, 0, 1, 2_000), "a1 came late");
+    assert_eq!(v.ahead, (1, 0, 0, 1_000), "a2 came first");
+    // In commit order nothing is reported.
+    let in_order = vec![
+        record(a1, "order-1", 0, 0, 1_000),
+        record(a2, "order-1", 0, 1, 1_100),
+        record(b1, "order-2", 1, 0, 1_500),
+    ];
+    assert!(order_violations(&in_order, &committed).is_empty());
+    assert_eq!(
+        check_delivery(&in_order, &committed, &[]).order_violations,
+        0
+    );
+    // A missing event is counted.
+    assert_eq!(check_delivery(&in_order[..2], &committed, &[]).missing, 1);
+}
+
+#[test]
+fn duplicates_and_restarts_go_to_the_incident_before_them() {
+    let start = Instant::now();
+    let mut incidents = Vec::new();
+    for at in [1_000, 5_000] {
+        let mut incident = Incident::begin(Failure::KillLeader, format!("at {at}"), start);
+        incident.at = at;
+        incidents.push(incident);
+    }
+    assert_eq!(after_incident(&incidents, 999), 0, "before any incident");
+    assert_eq!(after_incident(&incidents, 1_000), 1);
+    assert_eq!(after_incident(&incidents, 4_999), 1);
+    assert_eq!(after_incident(&incidents, 5_000), 2);
+}
+
+#[test]
+fn restart_reasons_group_without_event_ids() {
+    let id = uuid::Uuid::new_v4();
+    assert_eq!(
+        without_ids(&format!(
+            "Kafka: delivery of event {id} failed: MessageTimedOut (Local: Message timed out)"
+        )),
+        "Kafka: delivery of event <id> failed: MessageTimedOut (Local: Message timed out)"
+    );
+    assert_eq!(without_ids(&format!("({id})")), "(<id>)");
+}
+
+#[test]
+fn report_sections_replace_only_themselves() {
+    let profile = format!("selftest-{}", std::process::id());
+    let path = write_report(&profile, "faults", "| a | 1 |\n");
+    write_report(&profile, "broker-failover", "| b | 1 |\n");
+    write_report(&profile, "faults", "| a | 2 |\n");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        text.contains("| a | 2 |") && !text.contains("| a | 1 |"),
+        "{text}"
+    );
+    assert!(text.contains("| b | 1 |"), "{text}");
+    assert!(
+        text.find("| a | 2 |") < text.find("| b | 1 |"),
+        "sections keep their place: {text}"
     );
 }

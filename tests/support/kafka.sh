@@ -25,6 +25,8 @@
 #                                  returns once the broker enforces them
 #   kafka.sh start-node DIR        start a stopped node again (DIR, or DIR/nodeN of a cluster)
 #   kafka.sh stop DIR              stop a node (DIR, or DIR/nodeN of a cluster)
+#   kafka.sh kill DIR              SIGKILL one node (DIR, or DIR/nodeN) and wait until it is gone; start-node
+#                                  brings it back with the same data (a crash, for failover tests)
 # The tests, the demo and the benchmark reach it through broker.sh.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -225,7 +227,24 @@ stop_node() {
   fi
 }
 
-cmd="${1:?usage: kafka.sh install|start|start-cluster|start-secure|add-user|allow|start-node|stop ...}"
+# kill_node DIR: SIGKILL, no shutdown (no controlled leader hand-over, unflushed log segments).
+kill_node() {
+  local dir="$1"
+  if [ -f "$dir/kafka.pid" ]; then
+    local pid
+    pid="$(cat "$dir/kafka.pid")"
+    kill -9 "$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do
+      kill -0 "$pid" 2>/dev/null || break
+      # A zombie is gone for our purpose (it holds no port and no lock).
+      if [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" = Z ]; then break; fi
+      sleep 0.1
+    done
+    rm -f "$dir/kafka.pid"
+  fi
+}
+
+cmd="${1:?usage: kafka.sh install|start|start-cluster|start-secure|add-user|allow|start-node|stop|kill ...}"
 case "$cmd" in
   install) install ;;
   start)
@@ -315,5 +334,6 @@ EOF
       if [ -d "$node" ]; then stop_node "$node"; fi
     done
     ;;
+  kill) kill_node "${2:?DIR required}" ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac

@@ -1489,3 +1489,326 @@ impl Drop for SecureBroker {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+// ======================================================================================================
+// Cluster: three Apache Kafka nodes (combined broker + controller, KRaft, static quorum) for broker failover
+// (tests/chaos.rs). Started by `kafka.sh start-cluster` (replication factor 3, min.insync.replicas=2); nodes
+// are numbered 1..=3 as their `node.id`, so metadata's broker ids are node numbers. Stopped on drop, by the
+// pid files the script writes.
+// ======================================================================================================
+
+/// One partition as the cluster's metadata shows it.
+#[derive(Debug, Clone)]
+pub struct PartitionState {
+    pub id: i32,
+    /// -1 while the partition has no leader.
+    pub leader: i32,
+    pub replicas: Vec<i32>,
+    pub isr: Vec<i32>,
+}
+
+pub struct Cluster {
+    pub dir: PathBuf,
+    /// Client port of node n at `ports[n - 1]`.
+    pub ports: [u16; 3],
+    /// Metadata and watermark queries (a consumer without a group that never reads).
+    client: BaseConsumer,
+}
+
+impl Cluster {
+    pub const NODES: [i32; 3] = [1, 2, 3];
+
+    /// Starts three nodes and waits until each has started.
+    pub fn launch() -> Self {
+        let dir = scratch_dir("kafka-cluster");
+        let ports = [free_port(), free_port(), free_port()];
+        let port_args: Vec<String> = ports.iter().map(|p| p.to_string()).collect();
+        run_script(
+            "kafka.sh",
+            &[
+                "start-cluster",
+                dir.to_str().unwrap(),
+                &port_args[0],
+                &port_args[1],
+                &port_args[2],
+            ],
+            &[],
+        );
+        let client = Self::metadata_client(&ports, &Self::NODES);
+        Cluster { dir, ports, client }
+    }
+
+    /// A client that asks only `nodes` (a hung node would hold its requests for `socket.timeout.ms`).
+    fn metadata_client(ports: &[u16; 3], nodes: &[i32]) -> BaseConsumer {
+        let bootstrap: Vec<String> = nodes
+            .iter()
+            .map(|&n| format!("127.0.0.1:{}", ports[n as usize - 1]))
+            .collect();
+        // No group.id: a consumer with one looks for its coordinator, which creates __consumer_offsets (50
+        // more partitions to replicate through every failure).
+        ClientConfig::new()
+            .set("bootstrap.servers", bootstrap.join(","))
+            .set("socket.timeout.ms", "10000")
+            .create()
+            .expect("cannot create the cluster's metadata client")
+    }
+
+    /// The bootstrap list of all three nodes, for `--brokers`.
+    pub fn addrs(&self) -> String {
+        self.ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn node_dir(&self, n: i32) -> PathBuf {
+        assert!(Self::NODES.contains(&n), "no node {n} in a 3-node cluster");
+        self.dir.join(format!("node{n}"))
+    }
+
+    /// SIGKILLs node `n` (a crash: no controlled shutdown) and waits until the process is gone.
+    pub fn kill(&self, n: i32) {
+        run_script(
+            "kafka.sh",
+            &["kill", self.node_dir(n).to_str().unwrap()],
+            &[],
+        );
+    }
+
+    /// Stops node `n` (SIGTERM: controlled shutdown, then SIGKILL after 10 s).
+    pub fn stop(&self, n: i32) {
+        run_script(
+            "kafka.sh",
+            &["stop", self.node_dir(n).to_str().unwrap()],
+            &[],
+        );
+    }
+
+    /// Starts node `n` again with its data and configuration; waits until it has started.
+    pub fn start(&self, n: i32) {
+        run_script(
+            "kafka.sh",
+            &["start-node", self.node_dir(n).to_str().unwrap()],
+            &[],
+        );
+    }
+
+    /// SIGSTOPs node `n`: a hung broker (a long GC pause, a frozen VM). Its connections stay open and
+    /// nothing on them is answered until `resume`.
+    pub fn pause(&self, n: i32) {
+        self.signal(n, "-STOP");
+    }
+
+    /// SIGCONTs node `n` after `pause`.
+    pub fn resume(&self, n: i32) {
+        self.signal(n, "-CONT");
+    }
+
+    fn signal(&self, n: i32, signal: &str) {
+        let pid_file = self.node_dir(n).join("kafka.pid");
+        let pid = std::fs::read_to_string(&pid_file)
+            .unwrap_or_else(|e| panic!("node {n} is not running ({}: {e})", pid_file.display()));
+        let status = Command::new("kill")
+            .args([signal, pid.trim()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {signal} {} (node {n})", pid.trim());
+    }
+
+    /// The partitions of `topic`, or `None` while no node answers or the topic has no metadata.
+    pub fn partitions(&self, topic: &str) -> Option<Vec<PartitionState>> {
+        Self::partitions_from(&self.client, topic)
+    }
+
+    fn partitions_from(client: &BaseConsumer, topic: &str) -> Option<Vec<PartitionState>> {
+        let metadata = client
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .ok()?;
+        let t = metadata.topics().iter().find(|t| t.name() == topic)?;
+        if t.error().is_some() || t.partitions().is_empty() {
+            return None;
+        }
+        let mut partitions: Vec<PartitionState> = t
+            .partitions()
+            .iter()
+            .map(|p| PartitionState {
+                id: p.id(),
+                leader: p.leader(),
+                replicas: p.replicas().to_vec(),
+                isr: p.isr().to_vec(),
+            })
+            .collect();
+        partitions.sort_by_key(|p| p.id);
+        Some(partitions)
+    }
+
+    /// The high watermark of each partition of `topic` (`None` for one whose leader does not answer).
+    pub fn high_watermarks(&self, topic: &str) -> Vec<(i32, Option<i64>)> {
+        self.partitions(topic)
+            .unwrap_or_default()
+            .iter()
+            .map(|p| {
+                let high = self
+                    .client
+                    .fetch_watermarks(topic, p.id, Duration::from_secs(5))
+                    .ok()
+                    .map(|(_, high)| high);
+                (p.id, high)
+            })
+            .collect()
+    }
+
+    /// Every record of `topic`, read from the beginning up to each partition's high watermark as it is
+    /// now (everything acknowledged so far). Unlike reading until a count arrived, a record that is not
+    /// there shows up as missing instead of a time-out.
+    pub fn read_all(&self, topic: &str, timeout: Duration) -> Vec<Record> {
+        let ends: Vec<(i32, i64)> = wait_for(
+            &format!("the high watermark of every partition of {topic}"),
+            timeout,
+            || {
+                let marks = self.high_watermarks(topic);
+                let ends: Option<Vec<(i32, i64)>> =
+                    marks.iter().map(|&(p, high)| Some((p, high?))).collect();
+                ends.filter(|e| !e.is_empty())
+            },
+        );
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.addrs())
+            .set("group.id", format!("outboxd-test-{}", uuid::Uuid::new_v4()))
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .expect("cannot create consumer");
+        let mut assignment = TopicPartitionList::new();
+        let mut next: HashMap<i32, i64> = HashMap::new();
+        for &(partition, _) in &ends {
+            assignment
+                .add_partition_offset(topic, partition, Offset::Beginning)
+                .unwrap();
+            next.insert(partition, 0);
+        }
+        consumer.assign(&assignment).unwrap();
+        let mut records = Vec::new();
+        let deadline = Instant::now() + timeout;
+        while ends.iter().any(|(p, end)| next[p] < *end) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {timeout:?} reading {topic} up to {ends:?}: at {next:?}"
+            );
+            match consumer.poll(Duration::from_millis(250)) {
+                Some(Ok(message)) => {
+                    let mut headers = HashMap::new();
+                    if let Some(h) = message.headers() {
+                        for header in h.iter() {
+                            let value = header
+                                .value
+                                .map(|v| String::from_utf8_lossy(v).into_owned())
+                                .unwrap_or_default();
+                            headers.insert(header.key.to_string(), value);
+                        }
+                    }
+                    next.insert(message.partition(), message.offset() + 1);
+                    records.push(Record {
+                        topic: message.topic().to_string(),
+                        partition: message.partition(),
+                        offset: message.offset(),
+                        key: message
+                            .key()
+                            .map(|k| String::from_utf8_lossy(k).into_owned()),
+                        value: message.payload().map(|p| p.to_vec()),
+                        headers,
+                        timestamp: message.timestamp().to_millis(),
+                    });
+                }
+                Some(Err(error)) => panic!("consumer error: {error}"),
+                None => {}
+            }
+        }
+        records
+    }
+
+    /// (partition, its leader node, its high watermark) for the partition holding the most records, the one
+    /// receiving most of the load: keys hash over partitions unevenly and stay put, so the partition with the
+    /// highest high watermark is the one most of the traffic goes to. Waits until every partition has a
+    /// leader that answers.
+    pub fn leader_of_busiest_partition(&self, topic: &str) -> (i32, i32, i64) {
+        wait_for(
+            &format!("the leader of the busiest partition of {topic}"),
+            Duration::from_secs(60),
+            || {
+                let partitions = self.partitions(topic)?;
+                if partitions.iter().any(|p| p.leader < 0) {
+                    return None;
+                }
+                let marks = self.high_watermarks(topic);
+                if marks.len() != partitions.len() || marks.iter().any(|(_, h)| h.is_none()) {
+                    return None;
+                }
+                let (partition, high) = marks
+                    .iter()
+                    .map(|&(p, h)| (p, h.unwrap()))
+                    .max_by_key(|&(p, h)| (h, -p))?;
+                let leader = partitions.iter().find(|p| p.id == partition)?.leader;
+                Some((partition, leader, high))
+            },
+        )
+    }
+
+    /// Waits until every partition of `topic` has a leader among the nodes not in `down` (killed, stopped
+    /// or paused; asking only the others); returns the partitions then.
+    pub fn wait_leaders_elected(
+        &self,
+        topic: &str,
+        down: &[i32],
+        timeout: Duration,
+    ) -> Vec<PartitionState> {
+        let up: Vec<i32> = Self::NODES
+            .into_iter()
+            .filter(|n| !down.contains(n))
+            .collect();
+        let client = Self::metadata_client(&self.ports, &up);
+        wait_for(
+            &format!("every partition of {topic} to have a leader other than nodes {down:?}"),
+            timeout,
+            || {
+                let partitions = Self::partitions_from(&client, topic)?;
+                partitions
+                    .iter()
+                    .all(|p| p.leader >= 0 && !down.contains(&p.leader))
+                    .then_some(partitions)
+            },
+        )
+    }
+
+    /// Waits until every partition of `topic` has a leader and all three nodes in its ISR.
+    pub fn wait_in_sync(&self, topic: &str, timeout: Duration) -> Vec<PartitionState> {
+        wait_for(
+            &format!("all three nodes in the ISR of every partition of {topic}"),
+            timeout,
+            || {
+                let partitions = self.partitions(topic)?;
+                partitions
+                    .iter()
+                    .all(|p| p.leader >= 0 && Self::NODES.iter().all(|n| p.isr.contains(n)))
+                    .then_some(partitions)
+            },
+        )
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // A paused node would sit out its SIGTERM for the stop's full grace period.
+        for n in Self::NODES {
+            if let Ok(pid) = std::fs::read_to_string(self.node_dir(n).join("kafka.pid")) {
+                let _ = Command::new("kill").args(["-CONT", pid.trim()]).status();
+            }
+        }
+        run_script("kafka.sh", &["stop", self.dir.to_str().unwrap()], &[]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+// ======================================================================================================
+// End of Cluster.
+// ======================================================================================================
