@@ -542,7 +542,14 @@ mod tests {
         assert_eq!(config.get("message.timeout.ms"), Some("0"));
         assert_eq!(config.get("delivery.timeout.ms"), None);
         assert_eq!(config.get("max.in.flight"), None);
-        assert_eq!(config.get("max.in.flight.requests.per.connection"), Some("1"));
-        assert_eq!(config.get("linger.ms"), Some("20"), "other options are the user's");
+        assert_eq!(
+            config.get("max.in.flight.requests.per.connection"),
+            Some("1")
+        );
+        assert_eq!(
+            config.get("linger.ms"),
+            Some("20"),
+            "other options are the user's"
+        );
     }
 }

@@ -99,6 +99,33 @@ async fn verify_final(
         committed.len(),
         records.len()
     );
+    if report.missing > 0 {
+        // What the database says about them: published_at without a record is a delivery reported that
+        // never happened; no published_at, an event nothing sent.
+        let seqs: Vec<i64> = report.missing_sample.iter().map(|(seq, _)| *seq).collect();
+        for row in client
+            .query(
+                "SELECT event_id::text, aggregate_id, (payload->>'seq')::int8, published_at::text,
+                        handoff_at::text, attempts, last_error, position
+                   FROM outbox_event WHERE (payload->>'seq')::int8 = ANY($1)",
+                &[&seqs],
+            )
+            .await
+            .unwrap()
+        {
+            println!(
+                "missing: id {} aggregate {} seq {} published_at {:?} handoff_at {:?} attempts {} last_error {:?} position {:?}",
+                row.get::<_, String>(0),
+                row.get::<_, String>(1),
+                row.get::<_, i64>(2),
+                row.get::<_, Option<String>>(3),
+                row.get::<_, Option<String>>(4),
+                row.get::<_, i32>(5),
+                row.get::<_, Option<String>>(6),
+                row.get::<_, Option<i64>>(7),
+            );
+        }
+    }
     assert_eq!(report.missing, 0, "{what}: events missing from Kafka");
     assert_eq!(report.order_violations, 0, "{what}: per-aggregate order");
     report
