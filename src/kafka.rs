@@ -5,6 +5,7 @@
 pub mod startup;
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -137,6 +138,32 @@ pub struct Delivery<T> {
 pub struct DeliveryContext<T> {
     deliveries: UnboundedSender<Delivery<T>>,
     known_topics: KnownTopics,
+    /// librdkafka took messages as delivered because a later batch of their partition was (see
+    /// [`IMPLICIT_ACK`]): from then on this producer's acknowledgements are not trusted.
+    implicit_ack_seen: Arc<AtomicBool>,
+}
+
+/// librdkafka's log facility for messages it reports delivered without an answer for their own batch,
+/// because a later batch of the partition succeeded ("implicitly acked by subsequent batch success"). A
+/// broker that holds no state for the producer id accepts a later batch after an earlier one failed, so
+/// such messages may never have been written. With one request in flight per broker this should not happen
+/// (see [`enforce_delivery_guarantees`]); should it still, every acknowledgement the producer reports from
+/// then on is turned into a failure, so the events are sent again by a new producer: duplicates, not loss.
+const IMPLICIT_ACK: &str = "IMPLICITACK";
+
+const IMPLICIT_ACK_REASON: &str = "librdkafka took events as delivered because a later batch of their partition was (\"implicitly acked\"): this producer's acknowledgements are no longer trusted; sending again with a new producer";
+
+impl<T> DeliveryContext<T> {
+    /// What a delivery report means once [`IMPLICIT_ACK`] was seen: no success is believed any more.
+    fn trusted(&self, result: Result<(), Rejection>) -> Result<(), Rejection> {
+        match result {
+            Ok(()) if self.implicit_ack_seen.load(Ordering::SeqCst) => Err(Rejection {
+                producer_broken: true,
+                ..Rejection::transient(IMPLICIT_ACK_REASON.into())
+            }),
+            other => other,
+        }
+    }
 }
 
 impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {
@@ -146,6 +173,11 @@ impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {
         use RDKafkaLogLevel::*;
         if fac == "CONFWARN" && log_message.contains("enable.gapless.guarantee") {
             return;
+        }
+        // librdkafka queues this line ahead of the reports concerned, on the queue the producer's polling
+        // thread serves (rdkafka routes logs there), so `delivery` sees the flag for them.
+        if fac == IMPLICIT_ACK && !self.implicit_ack_seen.swap(true, Ordering::SeqCst) {
+            tracing::warn!(target: "librdkafka", detail = log_message, "{IMPLICIT_ACK_REASON}");
         }
         match level {
             Emerg | Alert | Critical | Error => {
@@ -176,6 +208,7 @@ impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
                 ..Rejection::from_kafka(error)
             });
         }
+        delivery.result = self.trusted(delivery.result);
         // The receiver is gone only when the session ended; its events will be re-sent.
         let _ = self.deliveries.send(delivery);
     }
@@ -273,13 +306,29 @@ pub fn producer_config(settings: &RunSettings) -> ClientConfig {
 ///   reports the earlier batch delivered too ("implicitly acked by subsequent batch success"): events
 ///   reported delivered that Kafka never wrote. One request at a time lets the failed batch be retried
 ///   before anything after it is sent.
+/// - librdkafka's `eos` debug messages, at debug level, reach outboxd's log callback: among them the one
+///   that says acknowledgements can no longer be trusted ([`IMPLICIT_ACK`]). They are few (idempotence
+///   state changes and errors, not one per message) and logged at debug.
 fn enforce_delivery_guarantees(config: &mut ClientConfig) {
+    let debug = match config.get("debug").map(str::trim) {
+        Some(contexts)
+            if contexts
+                .split(',')
+                .any(|c| matches!(c.trim(), "eos" | "all")) =>
+        {
+            contexts.to_string()
+        }
+        Some(contexts) if !contexts.is_empty() => format!("{contexts},eos"),
+        _ => "eos".to_string(),
+    };
     config
         .set("enable.gapless.guarantee", "true")
         .set("message.timeout.ms", "0")
         .set("max.in.flight.requests.per.connection", "1")
+        .set("debug", debug)
         .remove("delivery.timeout.ms")
-        .remove("max.in.flight");
+        .remove("max.in.flight")
+        .set_log_level(RDKafkaLogLevel::Debug);
 }
 
 /// librdkafka's configuration errors name the property and, for some, repeat its value: the value (perhaps a
@@ -325,6 +374,7 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             .create_with_context(DeliveryContext {
                 deliveries,
                 known_topics: known_topics.clone(),
+                implicit_ack_seen: Arc::default(),
             })
             .map_err(config_error)?;
         Ok(Publisher {
@@ -503,10 +553,16 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     /// A fatal producer error (e.g. the idempotent producer was fenced after an outage): the producer must be
     /// replaced; every later send would fail.
     pub fn fatal_error(&self) -> Option<String> {
+        let implicit_ack = self
+            .producer
+            .context()
+            .implicit_ack_seen
+            .load(Ordering::SeqCst);
         self.producer
             .client()
             .fatal_error()
             .map(|(code, reason)| format!("{code:?}: {reason}"))
+            .or_else(|| implicit_ack.then(|| IMPLICIT_ACK_REASON.to_string()))
     }
 
     /// Fails every event the producer still holds (their delivery reports arrive at once, as failures):
@@ -550,6 +606,55 @@ mod tests {
             config.get("linger.ms"),
             Some("20"),
             "other options are the user's"
+        );
+        assert_eq!(config.get("debug"), Some("eos"));
+        assert!(matches!(config.log_level, RDKafkaLogLevel::Debug));
+    }
+
+    #[test]
+    fn debug_contexts_of_the_user_are_kept() {
+        for (user, expected) in [
+            ("broker,topic", "broker,topic,eos"),
+            ("eos", "eos"),
+            ("all", "all"),
+            ("", "eos"),
+        ] {
+            let mut config = ClientConfig::new();
+            config.set("debug", user);
+            enforce_delivery_guarantees(&mut config);
+            assert_eq!(config.get("debug"), Some(expected), "debug={user}");
+        }
+    }
+
+    #[test]
+    fn no_acknowledgement_is_believed_after_an_implicit_ack() {
+        let (deliveries, _receiver) = tokio::sync::mpsc::unbounded_channel::<Delivery<()>>();
+        let context = DeliveryContext {
+            deliveries,
+            known_topics: KnownTopics::default(),
+            implicit_ack_seen: Arc::default(),
+        };
+        context.log(
+            RDKafkaLogLevel::Debug,
+            "MSGSET",
+            "outbox.Order [2]: delivered",
+        );
+        assert_eq!(context.trusted(Ok(())), Ok(()));
+        context.log(
+            RDKafkaLogLevel::Debug,
+            IMPLICIT_ACK,
+            "outbox.Order [2] 3 message(s) implicitly acked by subsequent batch success",
+        );
+        let rejection = context.trusted(Ok(())).unwrap_err();
+        assert!(
+            rejection.producer_broken && !rejection.permanent,
+            "{rejection:?}"
+        );
+        let refused = Rejection::transient("broker refused".into());
+        assert_eq!(
+            context.trusted(Err(refused.clone())),
+            Err(refused),
+            "failures stay as they were"
         );
     }
 }
