@@ -486,14 +486,7 @@ async fn aggregate_types_that_are_no_legal_topic_name_are_sanitised() {
             "one record on {topic:?}: {records:?}"
         );
     }
-    let dead: i64 = client
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let dead = dead_count(&client).await;
     assert_eq!(dead, 0);
 }
 

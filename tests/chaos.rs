@@ -480,23 +480,9 @@ async fn chaos() {
         "the slot to confirm the end of the load",
     )
     .await;
-    let final_lag: i64 = client
-        .query_one(
-            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let final_lag = final_slot_lag(&client).await;
     let unpublished = unpublished(&client).await;
-    let dead: i64 = client
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let dead = dead_count(&client).await;
     let handed_off = handed_off_count(&client).await;
 
     let records = blocking(|| {
@@ -1190,23 +1176,9 @@ async fn broker_failover() {
         "the slot to confirm the end of the load",
     )
     .await;
-    let final_lag: i64 = client
-        .query_one(
-            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let final_lag = final_slot_lag(&client).await;
     let unpublished = unpublished(&client).await;
-    let dead: i64 = client
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let dead = dead_count(&client).await;
     let handed_off = handed_off_count(&client).await;
     let records = blocking(|| cluster.read_all(TOPIC, Duration::from_secs(600)));
     outboxd.check();
@@ -1562,4 +1534,16 @@ fn report_sections_replace_only_themselves() {
         text.find("| a | 2 |") < text.find("| b | 1 |"),
         "sections keep their place: {text}"
     );
+}
+
+/// Bytes of WAL between the server's position and what the slot confirmed.
+async fn final_slot_lag(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }

@@ -522,14 +522,7 @@ async fn broker_outage_in_poll_mode_backs_off_then_delivers_everything() {
     )
     .await;
     println!("while the broker was down: {retried} rows retrying, up to {max_attempts} attempts");
-    let dead: i64 = client
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let dead = dead_count(&client).await;
     assert_eq!(dead, 0, "an outage never dead-letters");
     let down_for = Duration::from_secs(20).saturating_sub(cut_at.elapsed());
     tokio::time::sleep(down_for).await; // the outage itself: 20 s of broker downtime, not a synchronisation

@@ -644,6 +644,32 @@ pub struct Record {
     pub timestamp: Option<i64>,
 }
 
+impl Record {
+    pub fn of(message: &impl Message) -> Self {
+        let mut headers = HashMap::new();
+        if let Some(h) = message.headers() {
+            for header in h.iter() {
+                let value = header
+                    .value
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+                    .unwrap_or_default();
+                headers.insert(header.key.to_string(), value);
+            }
+        }
+        Record {
+            topic: message.topic().to_string(),
+            partition: message.partition(),
+            offset: message.offset(),
+            key: message
+                .key()
+                .map(|k| String::from_utf8_lossy(k).into_owned()),
+            value: message.payload().map(|p| p.to_vec()),
+            headers,
+            timestamp: message.timestamp().to_millis(),
+        }
+    }
+}
+
 /// Reads every record of `topics` from the beginning: waits until at least `expected` arrived, then keeps
 /// reading until the topics are quiet, so duplicates beyond `expected` are seen too.
 pub fn consume_all(
@@ -727,27 +753,7 @@ pub fn consume_all(
                     (message.topic().to_string(), message.partition()),
                     message.offset(),
                 );
-                let mut headers = HashMap::new();
-                if let Some(h) = message.headers() {
-                    for header in h.iter() {
-                        let value = header
-                            .value
-                            .map(|v| String::from_utf8_lossy(v).into_owned())
-                            .unwrap_or_default();
-                        headers.insert(header.key.to_string(), value);
-                    }
-                }
-                records.push(Record {
-                    topic: message.topic().to_string(),
-                    partition: message.partition(),
-                    offset: message.offset(),
-                    key: message
-                        .key()
-                        .map(|k| String::from_utf8_lossy(k).into_owned()),
-                    value: message.payload().map(|p| p.to_vec()),
-                    headers,
-                    timestamp: message.timestamp().to_millis(),
-                });
+                records.push(Record::of(&message));
             }
             Some(Err(error)) => panic!("consumer error: {error}"),
             None => quiet_polls += 1,
@@ -1294,6 +1300,18 @@ impl Broker {
     }
 }
 
+/// Dead-lettered rows (`dead_at` set).
+pub async fn dead_count(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// Rows handed to the polling path (`handoff_at` set), published or not.
 pub async fn handed_off_count(client: &tokio_postgres::Client) -> i64 {
     client
@@ -1698,28 +1716,8 @@ impl Cluster {
             );
             match consumer.poll(Duration::from_millis(250)) {
                 Some(Ok(message)) => {
-                    let mut headers = HashMap::new();
-                    if let Some(h) = message.headers() {
-                        for header in h.iter() {
-                            let value = header
-                                .value
-                                .map(|v| String::from_utf8_lossy(v).into_owned())
-                                .unwrap_or_default();
-                            headers.insert(header.key.to_string(), value);
-                        }
-                    }
                     next.insert(message.partition(), message.offset() + 1);
-                    records.push(Record {
-                        topic: message.topic().to_string(),
-                        partition: message.partition(),
-                        offset: message.offset(),
-                        key: message
-                            .key()
-                            .map(|k| String::from_utf8_lossy(k).into_owned()),
-                        value: message.payload().map(|p| p.to_vec()),
-                        headers,
-                        timestamp: message.timestamp().to_millis(),
-                    });
+                    records.push(Record::of(&message));
                 }
                 Some(Err(error)) => panic!("consumer error: {error}"),
                 None => {}
