@@ -41,8 +41,13 @@ pub async fn run(settings: std::sync::Arc<RunSettings>) {
             false
         });
         READINESS.set_database(database_ok);
+        // Bounded here too: an answer that never comes reads as down, not as the last answer standing.
         let broker_ok = match &publisher {
-            Some(p) => p.check_brokers(Duration::from_secs(2)).await.is_ok(),
+            Some(p) => {
+                tokio::time::timeout(REFRESH_TIMEOUT, p.check_brokers(Duration::from_secs(2)))
+                    .await
+                    .is_ok_and(|answer| answer.is_ok())
+            }
             None => false,
         };
         READINESS.set_broker(broker_ok);

@@ -85,10 +85,19 @@ async fn metrics_and_readiness_follow_a_real_run() {
     // The broker goes away: not ready, and the oldest unpublished event ages; it comes back: ready again.
     proxy.cut();
     insert_events(&mut client, 20, 1, 5, 5, None).await;
+    let mut last_answer = None;
     wait_for(
         "/readyz to be 503 while the broker is unreachable",
         Duration::from_secs(60),
-        || http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 503),
+        || {
+            let answer = http_get(&metrics_addr, "/readyz");
+            if answer != last_answer {
+                // Shown when the wait times out: whether /readyz answered, and what.
+                println!("/readyz while the broker is unreachable: {answer:?}");
+                last_answer = answer.clone();
+            }
+            answer.filter(|r| r.0 == 503)
+        },
     );
     wait_for(
         "the oldest unpublished age to grow",
