@@ -358,9 +358,9 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     ///   producer (a fatal error) instead of letting librdkafka reset its sequence and send what follows;
     /// - no `message.timeout.ms` (0, infinite) for librdkafka: a message timed out in its queue is skipped
     ///   and the next ones are sent, which the gap-less guarantee does not cover. outboxd keeps the timeout
-    ///   itself ([`delivery_timeout`]): when it passes, it purges the whole producer and re-sends.
-    ///
-    /// - one request in flight per broker (see [`producer_config`]).
+    ///   itself ([`delivery_timeout`]): when it passes, it purges the whole producer and re-sends;
+    /// - one request in flight per broker, so that a failed batch is never taken as delivered because a later
+    ///   one was (see [`producer_config`]).
     ///
     /// Either way the caller replaces the producer and re-sends every event it did not see acknowledged,
     /// in order, so what reached Kafka is an in-order prefix followed by the re-sent events.

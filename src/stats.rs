@@ -51,6 +51,7 @@ pub async fn run(settings: std::sync::Arc<RunSettings>) {
             None => false,
         };
         READINESS.set_broker(broker_ok);
+        tracing::trace!(database_ok, broker_ok, "readiness refreshed");
         tokio::time::sleep(INTERVAL).await;
     }
 }

@@ -15,7 +15,7 @@ async fn metrics_and_readiness_follow_a_real_run() {
     let metrics_addr = format!("127.0.0.1:{}", free_port());
     let mut args = run_args(&url, &brokers);
     args.extend(["--metrics-addr", metrics_addr.as_str()]);
-    let _outboxd = Outboxd::spawn(&args);
+    let mut outboxd = Outboxd::spawn(&args);
 
     let first = wait_for("/metrics to answer", Duration::from_secs(60), || {
         http_get(&metrics_addr, "/metrics")
@@ -91,6 +91,9 @@ async fn metrics_and_readiness_follow_a_real_run() {
         Duration::from_secs(60),
         || {
             let answer = http_get(&metrics_addr, "/readyz");
+            if let Some(status) = outboxd.try_wait() {
+                panic!("outboxd exited ({status}) while the broker was unreachable");
+            }
             if answer != last_answer {
                 // Shown when the wait times out: whether /readyz answered, and what.
                 println!("/readyz while the broker is unreachable: {answer:?}");

@@ -1173,6 +1173,7 @@ impl Proxy {
         let connections =
             std::sync::Arc::new(std::sync::Mutex::new(Vec::<tokio::task::AbortHandle>::new()));
         let conns = connections.clone();
+        let still_accepting = accepting.clone();
         let (stalled, stall_state) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(async move {
             loop {
@@ -1190,6 +1191,13 @@ impl Proxy {
                     tokio::select! {
                         accepted = listener.accept() => {
                             let Ok((inbound, _)) = accepted else { continue };
+                            // Under the lock `cut` holds while it flips the state and aborts: a
+                            // connection accepted as it cuts is either aborted by it or dropped here,
+                            // never left open (a client reconnecting at once could otherwise keep one).
+                            let mut open = conns.lock().unwrap();
+                            if !*still_accepting.borrow() {
+                                continue;
+                            }
                             let target = target_port.load(std::sync::atomic::Ordering::SeqCst);
                             let stall = stall_state.clone();
                             let pipe = tokio::spawn(async move {
@@ -1202,7 +1210,7 @@ impl Proxy {
                                     }
                                 }
                             });
-                            conns.lock().unwrap().push(pipe.abort_handle());
+                            open.push(pipe.abort_handle());
                         }
                         _ = state.wait_for(|on| !*on) => break,
                     }
@@ -1229,8 +1237,9 @@ impl Proxy {
     }
 
     pub fn cut(&self) {
+        let mut open = self.connections.lock().unwrap();
         let _ = self.accepting.send(false);
-        for connection in self.connections.lock().unwrap().drain(..) {
+        for connection in open.drain(..) {
             connection.abort();
         }
     }
