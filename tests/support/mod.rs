@@ -645,6 +645,7 @@ pub struct Record {
 }
 
 impl Record {
+    /// A consumed message as a `Record`, its headers as text.
     pub fn of(message: &impl Message) -> Self {
         let mut headers = HashMap::new();
         if let Some(h) = message.headers() {
