@@ -25,6 +25,25 @@ cleanup() {
   bash "$support/pg.sh" stop "$work/pg" || true
 }
 trap cleanup EXIT
+# Waits (up to 30 s) until every outbox row has published_at.
+wait_drained() {
+  for _ in $(seq 1 300); do
+    left=$(psql "$db" -Atc "SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
+    [ "$left" = "0" ] && return 0
+    sleep 0.1
+  done
+  echo "$left events still unpublished after 30 s; outboxd's log: $work/outboxd.log" >&2
+  exit 1
+}
+# Fails unless outboxd's published counter (from /metrics) is exactly $1.
+expect_published() {
+  published=$(curl -s "http://127.0.0.1:$metrics_port/metrics" |
+    awk '/^outboxd_events_published_total\{path="cdc"\}/ { print $2 }')
+  if [ "$published" != "$1" ]; then
+    echo "outboxd published ${published:-nothing}, expected $1 ($2); log: $work/outboxd.log" >&2
+    exit 1
+  fi
+}
 
 rm -rf "$work" && mkdir -p "$work"
 echo "== building outboxd (release)"
@@ -85,12 +104,8 @@ SQL
 
 echo "== the events in Kafka (topic outbox.Order)"
 target/release/examples/tail --brokers "$brokers" --topic outbox.Order --count 20 --timeout-secs 60
-
-for _ in $(seq 1 100); do
-  left=$(psql "$db" -Atc "SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
-  [ "$left" = "0" ] && break
-  sleep 0.1
-done
+wait_drained
+expect_published 20 "the 20 committed orders, not the rolled-back one"
 echo "== steady traffic for ~15 s: 60 transactions of 50 events, 4 per second (metrics sampled meanwhile)"
 psql "$db" -q <<'SQL'
 DO $$
@@ -105,13 +120,15 @@ BEGIN
   END LOOP;
 END $$;
 SQL
-for _ in $(seq 1 100); do
-  left=$(psql "$db" -Atc "SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
-  [ "$left" = "0" ] && break
-  sleep 0.1
-done
+wait_drained
+expect_published 3020 "every committed event"
 sleep 6  # let the 5 s gauges and the sampler catch the drained state
-echo "== metrics sampled during the demo: $work/metrics.csv ($(wc -l <"$work/metrics.csv") lines)"
+samples=$(($(wc -l <"$work/metrics.csv") - 1))
+echo "== metrics sampled during the demo: $work/metrics.csv ($samples samples)"
+if [ "$samples" -lt 10 ]; then
+  echo "the metrics sampler recorded $samples samples (want at least 10): is curl installed and /metrics up?" >&2
+  exit 1
+fi
 echo "== outboxd status"
 target/release/outboxd status --database-url "$db"
 echo "== demo done: 20 committed orders published, the rolled-back one never was"

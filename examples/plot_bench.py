@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Draws the README's latency chart from outboxd-bench's steady.csv: latency percentiles against the offered
-insert rate, CDC (commit to broker ack) and polling (insert to published_at). Needs matplotlib.
+"""Draws the README's latency chart from outboxd-bench's steady.csv: commit-to-consumer latency percentiles (the
+writer's COMMIT returning to a Kafka consumer receiving the event) against the offered insert rate, CDC and
+polling. Needs matplotlib.
 
     python3 examples/plot_bench.py target/bench/steady.csv examples/bench-latency.png "2026-11-30, 2 cores"
 """
@@ -17,8 +18,8 @@ rows = list(csv.DictReader(open(sys.argv[1])))
 subtitle = sys.argv[3] if len(sys.argv) > 3 else ""
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
 for ax, mode, prefix, what in [
-    (axes[0], "cdc", "commit_to_ack", "CDC: commit to broker ack"),
-    (axes[1], "poll", "insert_to_published", "polling: insert to published_at"),
+    (axes[0], "cdc", "commit_to_consumer", "CDC: commit to consumer"),
+    (axes[1], "poll", "commit_to_consumer", "polling: commit to consumer"),
 ]:
     data = sorted((int(r["offered"]), r) for r in rows if r["mode"] == mode)
     rates = [rate for rate, _ in data]

@@ -141,43 +141,47 @@ async fn idle_outbox_does_not_hold_wal() {
     assert!(start_lag > 1_000_000 || lag_bytes < 1_000_000);
 }
 
+/// Four SIGKILLs, each landing while a backlog is being published (some but not all of the round has
+/// `published_at` when the process dies): nothing is lost, nothing rolled back appears, and each kill re-sends
+/// at most the in-flight window.
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_mid_stream_loses_nothing() {
     let (pg, _broker) = migrated_stack();
     let (url, brokers) = (pg.url(), _broker.addr());
     let window = WINDOW.to_string();
-    let mut outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
     let mut client = pg.client().await;
-    wait_slot_active(&client, "outboxd").await;
+    create_slot_then_stop(&url, &brokers, &client).await;
 
     let mut committed = Vec::new();
     let mut rolled_back = Vec::new();
-    for round in 0..4 {
-        let (c, r) = insert_events(&mut client, round * 50, 50, 25, 50, Some(13)).await;
-        committed.extend(c);
+    const KILLS: usize = 4;
+    for round in 0..KILLS {
+        // The round waits in the WAL while outboxd is down, so the kill can land mid-round.
+        let (round_events, r) = insert_events(&mut client, round * 100, 100, 25, 50, Some(13)).await;
         rolled_back.extend(r);
-        // Kill while some, but not all, of this round is published.
-        let total = committed.len() as i64;
+        let mut outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
         wait_for_async(
             "part of the round to be published",
             Duration::from_secs(60),
-            || async {
-                let published = total - unpublished(&client).await;
-                (published > 0).then_some(())
-            },
+            || async { (published_among(&client, &round_events).await > 0).then_some(()) },
         )
         .await;
         outboxd.kill();
-        outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
+        let published = published_among(&client, &round_events).await;
+        assert!(
+            published < round_events.len() as i64,
+            "round {round}: the kill landed after the whole round ({published} events) was published"
+        );
+        committed.extend(round_events);
     }
+    let _outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
+    wait_all_published(&client, Duration::from_secs(120)).await;
     let (_, report) = verify_delivery(&brokers, &committed, &rolled_back, 120, "after 4 SIGKILLs");
     assert!(
-        report.duplicates <= 4 * WINDOW,
+        report.duplicates <= KILLS * WINDOW,
         "re-sent more than the in-flight window per kill: {}",
         report.duplicates
     );
-    wait_all_published(&client, Duration::from_secs(60)).await;
-    drop(outboxd);
 }
 
 /// A small in-flight window slows outboxd down enough that a fault lands mid-stream, and bounds what a
@@ -318,39 +322,154 @@ async fn decodes_a_table_with_extra_and_reordered_columns() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn sigterm_drains_and_exits_zero() {
-    let (pg, _broker) = migrated_stack();
-    let (url, brokers) = (pg.url(), _broker.addr());
-    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
-    let mut client = pg.client().await;
-    wait_slot_active(&client, "outboxd").await;
-    let (committed, _) = insert_events(&mut client, 0, 20, 25, 10, None).await;
-    consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
-    let status = outboxd.terminate();
+/// outboxd on a CDC-only table (re-sends show as duplicates) behind a proxy, with `--shutdown-timeout`, after
+/// a first batch was delivered; then the broker stalls and one more transaction is committed, its events in
+/// flight. Holds what was committed and an LSN inside the last transaction, which no acknowledgement covers.
+struct StallAtShutdown {
+    _pg: Postgres,
+    _broker: Broker,
+    proxy: Proxy,
+    client: tokio_postgres::Client,
+    outboxd: Outboxd,
+    args: Vec<String>,
+    committed: Vec<Inserted>,
+    inside_last: Lsn,
+}
+
+impl StallAtShutdown {
+    async fn start(shutdown_timeout: &str) -> Self {
+        let pg = Postgres::start();
+        let mut client = pg.client().await;
+        client.batch_execute(CDC_ONLY_TABLE).await.unwrap();
+        migrate_with(&pg.url(), &[]);
+        let (broker, proxy) = Broker::start_behind_proxy();
+        let metrics_addr = format!("127.0.0.1:{}", free_port());
+        let mut args: Vec<String> = run_args(&pg.url(), &Broker::proxied_addr(&proxy))
+            .into_iter()
+            .map(String::from)
+            .collect();
+        args.extend(["--shutdown-timeout".into(), shutdown_timeout.into()]);
+        args.extend(["--metrics-addr".into(), metrics_addr.clone()]);
+        let outboxd = Outboxd::spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        wait_slot_active(&client, "outboxd").await;
+        let (mut committed, _) = insert_events(&mut client, 0, 10, 10, 10, None).await;
+        consume_all(
+            &Broker::proxied_addr(&proxy),
+            &[TOPIC],
+            committed.len(),
+            Duration::from_secs(60),
+        );
+
+        proxy.stall();
+        let tx = client.transaction().await.unwrap();
+        committed.extend(insert_txn_events(&tx, 10, 10, 10).await);
+        let inside_last: String = tx
+            .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        tx.commit().await.unwrap();
+        wait_for("the last events to be in flight", Duration::from_secs(60), || {
+            let (_, metrics) = http_get(&metrics_addr, "/metrics")?;
+            let in_flight = metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")?;
+            (in_flight >= 10.0).then_some(())
+        });
+        StallAtShutdown {
+            _pg: pg,
+            _broker: broker,
+            proxy,
+            client,
+            outboxd,
+            args,
+            committed,
+            inside_last: inside_last.parse().unwrap(),
+        }
+    }
+
+    /// Starts outboxd again, commits one more transaction and reads everything back.
+    async fn restart_and_read_back(mut self) -> DeliveryReport {
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let _again = Outboxd::spawn(&args);
+        wait_slot_active(&self.client, "outboxd").await;
+        let (more, _) = insert_events(&mut self.client, 11, 1, 5, 5, None).await;
+        self.committed.extend(more);
+        let records = consume_all(
+            &Broker::proxied_addr(&self.proxy),
+            &[TOPIC],
+            self.committed.len(),
+            Duration::from_secs(60),
+        );
+        let report = check_delivery(&records, &self.committed, &[]);
+        assert_eq!(report.missing, 0, "{report:?}");
+        assert_eq!(report.order_violations, 0, "{report:?}");
+        report
+    }
+}
+
+/// SIGTERM or SIGINT while events wait for the broker: outboxd keeps waiting for them (up to
+/// `--shutdown-timeout`), exits 0 once they are acknowledged, and confirms the slot to the last acknowledged
+/// commit, so the next start re-sends nothing.
+async fn a_stop_signal_drains_what_is_in_flight_then_confirms_it(signal: &str) {
+    let mut stack = StallAtShutdown::start("120s").await;
+    stack.outboxd.signal(signal);
+    wait_for("outboxd to start draining", Duration::from_secs(60), || {
+        stack
+            .outboxd
+            .log_text()
+            .contains("shutting down: draining in-flight events")
+            .then_some(())
+    });
+    assert!(
+        stack.outboxd.try_wait().is_none(),
+        "outboxd exited with events unacknowledged"
+    );
+    stack.proxy.resume();
+    let status = stack.outboxd.wait_exit();
     assert!(
         status.success(),
         "exit status {status:?}\n{}",
-        outboxd.log_text()
+        stack.outboxd.log_text()
     );
-    // A restart after a clean stop re-sends nothing that was confirmed.
-    let last = current_wal_lsn(&client).await;
-    assert!(confirmed_flush(&client, "outboxd").await <= last);
-    let _again = Outboxd::spawn(&run_args(&url, &brokers));
-    wait_slot_active(&client, "outboxd").await;
-    let (more, _) = insert_events(&mut client, 20, 1, 5, 5, None).await;
-    let records = consume_all(
-        &brokers,
-        &[TOPIC],
-        committed.len() + more.len(),
-        Duration::from_secs(60),
+    let confirmed = confirmed_flush(&stack.client, "outboxd").await;
+    assert!(
+        confirmed > stack.inside_last,
+        "the slot was confirmed to {confirmed}, before the last acknowledged commit (inside it: {})",
+        stack.inside_last
     );
-    let report = check_delivery(&records, &[committed, more].concat(), &[]);
-    assert_eq!(report.missing, 0);
+    let report = stack.restart_and_read_back().await;
     assert_eq!(
         report.duplicates, 0,
-        "a clean shutdown confirms everything it delivered"
+        "a clean stop confirms everything it delivered"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_what_is_in_flight_then_confirms_it() {
+    a_stop_signal_drains_what_is_in_flight_then_confirms_it("TERM").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigint_drains_what_is_in_flight_then_confirms_it() {
+    a_stop_signal_drains_what_is_in_flight_then_confirms_it("INT").await;
+}
+
+/// The broker does not answer within `--shutdown-timeout`: outboxd exits anyway, confirms nothing it was not
+/// acknowledged, and the next start delivers the rest.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shutdown_timeout_leaves_the_unacknowledged_events_to_the_next_start() {
+    let mut stack = StallAtShutdown::start("2s").await;
+    stack.outboxd.signal("TERM");
+    let status = stack.outboxd.wait_exit();
+    let log = stack.outboxd.log_text();
+    assert!(status.success(), "exit status {status:?}\n{log}");
+    assert!(log.contains("shutdown timeout reached"), "{log}");
+    let confirmed = confirmed_flush(&stack.client, "outboxd").await;
+    assert!(
+        confirmed < stack.inside_last,
+        "the slot was confirmed to {confirmed}, past events the broker never acknowledged"
+    );
+    stack.proxy.resume();
+    stack.restart_and_read_back().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -394,8 +513,9 @@ async fn one_instance_streams_and_a_standby_takes_over_when_it_dies() {
         format!("127.0.0.1:{}", free_port()),
         format!("127.0.0.1:{}", free_port()),
     ];
+    let window = WINDOW.to_string();
     let spawn = |metrics_addr: &str| {
-        let mut args = run_args(&url, &brokers);
+        let mut args = windowed_args(&url, &brokers, &window);
         args.extend(["--metrics-addr", metrics_addr]);
         Outboxd::spawn(&args)
     };
@@ -448,7 +568,11 @@ async fn one_instance_streams_and_a_standby_takes_over_when_it_dies() {
         60,
         "leader killed, standby took over",
     );
-    assert!(report.duplicates <= 10_000);
+    assert!(
+        report.duplicates <= WINDOW,
+        "the takeover re-sent more than the in-flight window: {}",
+        report.duplicates
+    );
 }
 
 /// An aggregate_type that is no legal topic name is made legal (as Debezium does: `_` for each illegal
@@ -508,8 +632,11 @@ async fn broker_down_longer_than_wal_sender_timeout_keeps_the_stream_and_confirm
         .unwrap();
     let (_broker, proxy) = Broker::start_behind_proxy();
     let (url, brokers) = (pg.url(), Broker::proxied_addr(&proxy));
-    let window = "2000".to_string();
-    let outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
+    let window = "200".to_string();
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = windowed_args(&url, &brokers, &window);
+    args.extend(["--metrics-addr", metrics_addr.as_str()]);
+    let outboxd = Outboxd::spawn(&args);
     wait_slot_active(&client, "outboxd").await;
     let (mut committed, _) = insert_events(&mut client, 0, 10, 10, 10, None).await;
     wait_all_published(&client, Duration::from_secs(60)).await;
@@ -535,11 +662,14 @@ async fn broker_down_longer_than_wal_sender_timeout_keeps_the_stream_and_confirm
     tx.commit().await.unwrap();
     let unacknowledged: Lsn = unacknowledged.parse().unwrap();
     committed.extend(first);
-    let (during, _) = insert_events(&mut client, 11, 200, 100, 50, None).await;
-    committed.extend(during);
+    // About 80 MiB of events: buffering them (instead of holding the window) would blow the RSS bound.
+    for txn in 0..10 {
+        committed.extend(insert_big_events(&client, 110 + txn * 2_000, 2_000).await);
+    }
     // Four times wal_sender_timeout: a connection that sent no status update would be gone by now.
     let outage = Instant::now();
     let mut peak_rss = 0;
+    let mut peak_in_flight = 0.0f64;
     while outage.elapsed() < Duration::from_secs(12) {
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(
@@ -552,14 +682,23 @@ async fn broker_down_longer_than_wal_sender_timeout_keeps_the_stream_and_confirm
             "the replication connection was dropped"
         );
         peak_rss = peak_rss.max(memory_kib(outboxd.pid(), "VmRSS"));
+        if let Some((200, metrics)) = http_get(&metrics_addr, "/metrics") {
+            let in_flight = metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")
+                .expect("the in-flight gauge");
+            peak_in_flight = peak_in_flight.max(in_flight);
+        }
     }
+    assert!(
+        peak_in_flight > 0.0 && peak_in_flight <= 200.0,
+        "the window held the backlog back: {peak_in_flight} events in flight at most (window 200)"
+    );
     assert_eq!(
         unpublished(&client).await,
         20_010,
         "nothing published while the broker was away"
     );
     println!(
-        "broker down 12 s: walsender kept, RSS peak {peak_rss} KiB with 20,000 events waiting"
+        "broker down 12 s: walsender kept, RSS peak {peak_rss} KiB with 20,000 events (80 MiB) waiting"
     );
     assert!(
         peak_rss < 64 * 1024,
@@ -569,6 +708,80 @@ async fn broker_down_longer_than_wal_sender_timeout_keeps_the_stream_and_confirm
     proxy.restore();
     wait_all_published(&client, Duration::from_secs(120)).await;
     verify_delivery(&brokers, &committed, &[], 120, "after a long broker outage");
+}
+
+/// `--max-in-flight-bytes` bounds by size what waits for a stalled broker: 1 MiB holds at most 257 events of
+/// over 4 KiB each (the window closes once it is full, after the event that filled it), far below the events
+/// window (10,000 by default) that would otherwise let all 1,000 through.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_byte_window_bounds_what_waits_for_a_stalled_broker() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let (_broker, proxy) = Broker::start_behind_proxy();
+    let (url, brokers) = (pg.url(), Broker::proxied_addr(&proxy));
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--max-in-flight-bytes", "1048576", "--metrics-addr", metrics_addr.as_str()]);
+    let _outboxd = Outboxd::spawn(&args);
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let (warm_up, _) = {
+        let mut warm = pg.client().await;
+        insert_events(&mut warm, 0, 1, 1, 1, None).await
+    };
+    wait_all_published(&client, Duration::from_secs(60)).await;
+
+    proxy.stall();
+    let mut committed = warm_up;
+    committed.extend(insert_big_events(&client, 1, 1_000).await);
+    let in_flight = || {
+        let (_, metrics) = http_get(&metrics_addr, "/metrics")?;
+        metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")
+    };
+    wait_for("the byte window to fill", Duration::from_secs(60), || {
+        in_flight().filter(|&n| n >= 200.0)
+    });
+    let mut most = 0.0f64;
+    let sampled = Instant::now();
+    while sampled.elapsed() < Duration::from_secs(3) {
+        most = most.max(in_flight().unwrap_or(0.0));
+        std::thread::sleep(Duration::from_millis(100)); // sampling the stall, not a synchronisation
+    }
+    assert!(
+        most <= 257.0,
+        "{most} events of over 4 KiB in flight with --max-in-flight-bytes 1 MiB"
+    );
+    proxy.resume();
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    verify_delivery(&brokers, &committed, &[], 120, "byte window");
+}
+
+/// Inserts `rows` events of 4 KiB of incompressible payload each, in one transaction; returned in commit
+/// order, with `seq` from `first_seq` on.
+async fn insert_big_events(
+    client: &tokio_postgres::Client,
+    first_seq: usize,
+    rows: usize,
+) -> Vec<Inserted> {
+    let rows = client
+        .query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'order-' || (n % 50), 'OrderPlaced',
+                    jsonb_build_object('seq', $1::bigint + n, 'pad',
+                        (SELECT string_agg(md5(random()::text || n), '') FROM generate_series(1, 128)))
+             FROM generate_series(0, $2::bigint - 1) AS n
+             RETURNING event_id, aggregate_id, (payload->>'seq')::bigint",
+            &[&(first_seq as i64), &(rows as i64)],
+        )
+        .await
+        .unwrap();
+    rows.iter()
+        .map(|row| Inserted {
+            event_id: row.get(0),
+            aggregate_id: row.get(1),
+            seq: row.get(2),
+        })
+        .collect()
 }
 
 /// One transaction of 200,000 events streams through without being buffered whole: peak RSS stays under
@@ -584,7 +797,7 @@ async fn a_200k_event_transaction_streams_in_bounded_memory() {
         .batch_execute(
             "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
              SELECT gen_random_uuid(), 'Order', 'order-' || (n % 1000), 'OrderPlaced',
-                    jsonb_build_object('n', n, 'pad', repeat('x', 150))
+                    jsonb_build_object('n', n, 'pad', repeat('x', 400))
              FROM generate_series(1, 200000) AS n",
         )
         .await

@@ -368,6 +368,29 @@ async fn no_create_topics_names_the_missing_topic() {
         unpublished, 1,
         "the event must stay unpublished, not be skipped"
     );
+
+    // The operator creates the topic and starts outboxd again: the event goes out, once.
+    create_topic(
+        &brokers,
+        rdkafka::admin::NewTopic::new(
+            "outbox.Invoice",
+            1,
+            rdkafka::admin::TopicReplication::Fixed(1),
+        ),
+    )
+    .await;
+    let _again = Outboxd::spawn(&[
+        "run",
+        "--database-url",
+        &url,
+        "--brokers",
+        &brokers,
+        "--no-create-topics",
+    ]);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let records = consume_all(&brokers, &["outbox.Invoice"], 1, Duration::from_secs(30));
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].key.as_deref(), Some("i-1"));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -489,21 +512,33 @@ async fn status_reports_slot_and_backlog_as_json() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn environment_configures_and_flags_override_it() {
+async fn flags_override_the_environment_and_the_environment_overrides_the_file() {
     let pg = migrated();
-    let status = |extra: &[&str]| {
+    let dir = scratch_dir("config");
+    let file = dir.join("outboxd.toml");
+    std::fs::write(&file, "slot = \"from_file\"\n").unwrap();
+    let file = file.to_str().unwrap();
+    let status = |extra: &[&str], env_slot: Option<&str>| {
         let mut args = vec!["status", "--json"];
         args.extend_from_slice(extra);
-        let output = outboxd_command(&args)
-            .env("OUTBOXD_DATABASE_URL", pg.url())
-            .env("OUTBOXD_SLOT", "from_env")
-            .output()
-            .unwrap();
-        let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        let mut command = outboxd_command(&args);
+        command.env("OUTBOXD_DATABASE_URL", pg.url());
+        if let Some(slot) = env_slot {
+            command.env("OUTBOXD_SLOT", slot);
+        }
+        let output = command.output().unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|_| panic!("{}", stderr_of(&output)));
         json["slot_name"].as_str().unwrap().to_string()
     };
-    assert_eq!(status(&[]), "from_env");
-    assert_eq!(status(&["--slot", "from_flag"]), "from_flag");
+    assert_eq!(status(&["--config", file], None), "from_file");
+    assert_eq!(status(&["--config", file], Some("from_env")), "from_env");
+    assert_eq!(status(&[], Some("from_env")), "from_env");
+    assert_eq!(
+        status(&["--config", file, "--slot", "from_flag"], Some("from_env")),
+        "from_flag"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use support::*;
 
-/// Runs `outboxd migrate` with `args` and fails the test if it fails.
+/// The in-flight window of the kill tests: each SIGKILL may re-send at most this many events.
+const KILL_TEST_WINDOW: usize = 20;
+
 /// A PostgreSQL cluster with `create` run in it, a broker, and a client.
 async fn stack_with(create: &str) -> (Postgres, Broker, tokio_postgres::Client) {
     let pg = Postgres::start();
@@ -547,13 +549,12 @@ async fn deleted_rows_of_an_aggregate_waiting_for_the_polling_path_are_still_pub
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_killed() {
-    // The standard columns and nothing else: no published_at, no polling columns.
-    let (pg, broker, mut client) = stack_with("CREATE TABLE public.outbox_event (
-                 event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())").await;
+    let (pg, broker, mut client) = stack_with(CDC_ONLY_TABLE).await;
     let (url, brokers) = (pg.url(), broker.addr());
     migrate_with(&url, &[]);
-    let args = run_args(&url, &brokers);
+    let window = KILL_TEST_WINDOW.to_string();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--max-in-flight-events", &window]);
     let mut committed = Vec::new();
     let mut txn = 0;
     for _ in 0..4 {
@@ -574,8 +575,46 @@ async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_k
     let end = current_wal_lsn(&client).await;
     wait_confirmed_past(&client, "outboxd", end, "the slot to pass every insert").await;
     let (_, report) = verify_delivery(&brokers, &committed, &[], 60, "CDC-only, killed 4 times");
-    println!("duplicates after 4 kills: {}", report.duplicates);
+    assert!(
+        report.duplicates <= 4 * KILL_TEST_WINDOW,
+        "re-sent more than the in-flight window per kill: {}",
+        report.duplicates
+    );
     assert_eq!(count(&client, "SELECT count(*) FROM outbox_event").await, 0);
+}
+
+/// A CDC-only table (no polling columns) cannot cover what an invalidated slot missed: outboxd refuses to start,
+/// naming the slot, the cause and the fix, instead of replacing the slot and skipping the gap.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cdc_only_table_whose_slot_was_invalidated_refuses_to_start_with_the_fix() {
+    let (pg, broker, mut client) = stack_with(CDC_ONLY_TABLE).await;
+    let (url, brokers) = (pg.url(), broker.addr());
+    migrate_with(&url, &[]);
+    create_slot_then_stop(&url, &brokers, &client).await;
+    insert_events(&mut client, 0, 5, 5, 5, None).await;
+    lose_slot(&client, "outboxd").await;
+
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--startup-timeout", "5s"]);
+    let output = run_outboxd(&args);
+    let stderr = stderr_of(&output);
+    assert!(!output.status.success(), "{stderr}");
+    for expected in [
+        "replication slot outboxd is invalidated (wal_status = lost)",
+        "pg_drop_replication_slot('outboxd')",
+        "When the slot is lost",
+    ] {
+        assert!(stderr.contains(expected), "{expected:?} in:\n{stderr}");
+    }
+    let kept: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, 1, "the lost slot is left for the operator to decide");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -650,7 +689,8 @@ async fn two_tables_through_one_slot_lose_nothing_when_outboxd_is_killed() {
     let pg = Postgres::start();
     let broker = Broker::start();
     let mut client = pg.client().await;
-    let args = two_schema_args(&pg, &broker, &[]);
+    let window = KILL_TEST_WINDOW.to_string();
+    let args = two_schema_args(&pg, &broker, &["--max-in-flight-events", &window]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let brokers = broker.addr();
     let mut committed = Vec::new();
@@ -689,6 +729,7 @@ async fn two_tables_through_one_slot_lose_nothing_when_outboxd_is_killed() {
     let _outboxd = Outboxd::spawn(&args);
     wait_all_published_in(&client, "orders.outbox_event").await;
     wait_all_published_in(&client, "billing.outbox_event").await;
+    let mut duplicates = 0;
     for schema in ["orders", "billing"] {
         let topic = format!("{schema}.Order");
         let mine: Vec<Inserted> = committed
@@ -701,7 +742,12 @@ async fn two_tables_through_one_slot_lose_nothing_when_outboxd_is_killed() {
         println!("{topic} after 4 kills: {report:?}");
         assert_eq!(report.missing, 0, "{topic}");
         assert_eq!(report.order_violations, 0, "{topic}");
+        duplicates += report.duplicates;
     }
+    assert!(
+        duplicates <= 4 * KILL_TEST_WINDOW,
+        "re-sent more than the in-flight window per kill: {duplicates}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -362,32 +362,7 @@ async fn rows_a_lost_slot_owed_when_history_was_marked_are_still_published() {
     let log = migrate_with(&url, &["--add-polling-columns"]);
     assert!(log.contains("has not streamed all of them"), "{log}");
     // The slot is lost before outboxd runs again.
-    for statement in [
-        "ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'",
-        "SELECT pg_reload_conf()",
-        "CREATE TABLE filler (x text)",
-    ] {
-        client.batch_execute(statement).await.unwrap();
-    }
-    wait_for_async("the slot to be lost", Duration::from_secs(60), || async {
-        for statement in [
-            "INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 5000)",
-            "SELECT pg_switch_wal()",
-            "CHECKPOINT",
-        ] {
-            client.batch_execute(statement).await.unwrap();
-        }
-        let status: Option<String> = client
-            .query_one(
-                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (status.as_deref() == Some("lost")).then_some(())
-    })
-    .await;
+    lose_slot(&client, "outboxd").await;
     let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(90));
     let report = check_delivery(&records, &committed, &[]);

@@ -37,17 +37,49 @@ async fn concurrent_poll_instances(instances: usize) {
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
     let mut client = pg.client().await;
-    let (committed, _) = insert_events(&mut client, 0, 250, 20, 50, None).await;
-    let workers: Vec<Outboxd> = (0..instances)
-        .map(|_| {
+    let metrics: Vec<String> = (0..instances)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    let workers: Vec<Outboxd> = metrics
+        .iter()
+        .map(|addr| {
             Outboxd::spawn(&args(
                 &url,
                 &brokers,
-                &["--mode", "poll", "--poll-batch-size", "100"],
+                &[
+                    "--mode",
+                    "poll",
+                    "--poll-batch-size",
+                    "100",
+                    "--poll-interval",
+                    "50ms",
+                    "--metrics-addr",
+                    addr,
+                ],
             ))
         })
         .collect();
+    // Every worker polls before the first row is written, so each can take its share.
+    for addr in &metrics {
+        wait_for("each worker to poll", Duration::from_secs(60), || {
+            http_get(addr, "/readyz").filter(|r| r.0 == 200)
+        });
+    }
+    let (committed, _) = insert_events(&mut client, 0, 250, 20, 50, None).await;
     wait_all_published(&client, Duration::from_secs(120)).await;
+    let shares: Vec<f64> = metrics
+        .iter()
+        .map(|addr| {
+            let (_, text) = http_get(addr, "/metrics").expect("/metrics");
+            metric_value(&text, outboxd::metrics::EVENTS_PUBLISHED, "path=\"poll\"").unwrap_or(0.0)
+        })
+        .collect();
+    println!("events published by each of {instances} workers: {shares:?}");
+    assert_eq!(shares.iter().sum::<f64>(), committed.len() as f64, "{shares:?}");
+    assert!(
+        shares.iter().all(|&n| n > 0.0),
+        "every worker took a share: {shares:?}"
+    );
     let (_, report) = verify_delivery(
         &brokers,
         &committed,
@@ -94,9 +126,9 @@ async fn sweeper_publishes_rows_older_than_the_slot_exactly_once() {
     let (_, report) = verify_delivery(&brokers, &committed, &[], 120, "sweeper + CDC");
     assert_eq!(report.duplicates, 0);
     let handed_off = handed_off_count(&client).await;
-    assert!(
-        handed_off >= 1_000,
-        "the 1,000 rows older than the slot went through the polling path: {handed_off}"
+    assert_eq!(
+        handed_off, 1_000,
+        "exactly the 1,000 rows older than the slot went through the polling path"
     );
 }
 
@@ -147,6 +179,49 @@ async fn dropped_slot_is_recreated_and_the_gap_is_covered() {
     println!(
         "duplicates after the slot was dropped: {}",
         report.duplicates
+    );
+}
+
+/// A slot PostgreSQL invalidated (`max_slot_wal_keep_size` exceeded while outboxd was stopped, the incident
+/// README's "When the slot is lost" describes): outboxd drops it, makes a new one, and the rows the lost slot
+/// owed go out through the polling path; CDC carries on with what comes after.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_invalidated_while_outboxd_was_stopped_is_replaced_and_its_gap_swept() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let (mut committed, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    outboxd.kill();
+    let (owed, _) = insert_events(&mut client, 10, 20, 5, 5, None).await;
+    committed.extend(owed.iter().cloned());
+    lose_slot(&client, "outboxd").await;
+
+    let restarted = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (after, _) = insert_events(&mut client, 30, 10, 5, 5, None).await;
+    committed.extend(after);
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    verify_delivery(&brokers, &committed, &[], 120, "slot invalidated");
+    assert_eq!(
+        handed_off_count(&client).await,
+        owed.len() as i64,
+        "exactly the rows the lost slot owed went through the polling path"
+    );
+    let status: Option<String> = client
+        .query_one(
+            "SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_ne!(status.as_deref(), Some("lost"), "a new slot streams");
+    assert!(
+        restarted.log_text().contains("wal_status = lost"),
+        "the log says why the slot was replaced"
     );
 }
 
@@ -270,53 +345,61 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         dead_letters[0].headers
     );
 
-    let replay = run_outboxd(&[
-        "replay",
-        "--database-url",
-        &url,
-        "--event-id",
-        &poison.to_string(),
-    ]);
-    assert!(
-        String::from_utf8_lossy(&replay.stdout).contains("re-queued 1"),
-        "{}",
-        stderr_of(&replay)
-    );
-    let row = client
-        .query_one(
-            "SELECT attempts, dead_at IS NULL FROM outbox_event WHERE event_id = $1",
-            &[&poison],
-        )
-        .await
-        .unwrap();
-    // Re-queued: it is being retried again (and will die again: it is still too large).
-    assert!(row.get::<_, i32>(0) <= 3);
-    for selector in [vec!["--aggregate-id", "A"], vec!["--all-dead"]] {
-        wait_for_async(
-            "the event to die again",
-            Duration::from_secs(60),
-            || async {
-                let dead: bool = client
-                    .query_one(
-                        "SELECT dead_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
-                        &[&poison],
-                    )
-                    .await
-                    .unwrap()
-                    .get(0);
-                dead.then_some(())
-            },
-        )
-        .await;
+    // Each replay re-queues it with its attempts reset: it is retried `--max-attempts` times again (it is still
+    // too large) and dead-lettered again with a new record.
+    let mut last_dead_at = dead_at;
+    let poison_id = poison.to_string();
+    let selectors = [
+        ["--event-id", poison_id.as_str()],
+        ["--aggregate-id", "A"],
+        ["--all-dead", ""],
+    ];
+    for (n, selector) in selectors.iter().enumerate() {
         let mut replay_args = vec!["replay", "--database-url", url.as_str()];
-        replay_args.extend(selector.iter().copied());
+        replay_args.extend(selector.iter().copied().filter(|a| !a.is_empty()));
         let replay = run_outboxd(&replay_args);
         assert!(
             String::from_utf8_lossy(&replay.stdout).contains("re-queued 1"),
             "{selector:?}: {}",
             stderr_of(&replay)
         );
+        let (dead_at, attempts): (std::time::SystemTime, i32) = wait_for_async(
+            "the event to die again",
+            Duration::from_secs(60),
+            || async {
+                let row = client
+                    .query_one(
+                        "SELECT dead_at, attempts FROM outbox_event WHERE event_id = $1",
+                        &[&poison],
+                    )
+                    .await
+                    .unwrap();
+                row.get::<_, Option<std::time::SystemTime>>(0)
+                    .filter(|at| *at > last_dead_at)
+                    .map(|at| (at, row.get(1)))
+            },
+        )
+        .await;
+        assert_eq!(
+            attempts, 3,
+            "{selector:?}: the replay reset attempts, so it was tried --max-attempts times again"
+        );
+        last_dead_at = dead_at;
+        let dead_letters = consume_all(&brokers, &["outbox.dead"], n + 2, Duration::from_secs(60));
+        assert_eq!(
+            dead_letters.len(),
+            n + 2,
+            "{selector:?}: a new dead-letter record for each death"
+        );
+        assert!(dead_letters
+            .iter()
+            .all(|r| r.headers["event_id"] == poison_id));
     }
+    assert_eq!(
+        consume_all(&brokers, &[TOPIC], 4, Duration::from_secs(30)).len(),
+        4,
+        "the poison event never reached its topic"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -493,6 +576,10 @@ async fn broker_outage_in_poll_mode_backs_off_then_delivers_everything() {
             "500ms",
             "--retry-cap",
             "2s",
+            // An outage is no fault of the rows: were its failed sends counted, rows would die here.
+            // (a first failed send may count, as in `a_broker_outage_never_pushes_rows_back`).
+            "--max-attempts",
+            "3",
         ],
     ));
     let mut client = pg.client().await;
@@ -502,7 +589,7 @@ async fn broker_outage_in_poll_mode_backs_off_then_delivers_everything() {
     proxy.cut();
     let cut_at = std::time::Instant::now();
     let (during, _) = insert_events(&mut client, 10, 10, 20, 20, None).await;
-    committed.extend(during);
+    committed.extend(during.iter().cloned());
     // The failures are visible in the table while the broker is unreachable.
     let (retried, max_attempts): (i64, i32) = wait_for_async(
         "failed sends to be retried",
@@ -522,10 +609,10 @@ async fn broker_outage_in_poll_mode_backs_off_then_delivers_everything() {
     )
     .await;
     println!("while the broker was down: {retried} rows retrying, up to {max_attempts} attempts");
-    let dead = dead_count(&client).await;
-    assert_eq!(dead, 0, "an outage never dead-letters");
     let down_for = Duration::from_secs(20).saturating_sub(cut_at.elapsed());
     tokio::time::sleep(down_for).await; // the outage itself: 20 s of broker downtime, not a synchronisation
+    let dead = dead_count(&client).await;
+    assert_eq!(dead, 0, "an outage never dead-letters");
     proxy.restore();
     wait_all_published(&client, Duration::from_secs(120)).await;
     let (_, report) = verify_delivery(
@@ -535,7 +622,13 @@ async fn broker_outage_in_poll_mode_backs_off_then_delivers_everything() {
         60,
         "after a 20 s broker outage in poll mode",
     );
-    println!("duplicates after the outage: {}", report.duplicates);
+    // Only a send the broker wrote while its answer was cut off can go out twice: the rows claimed then.
+    assert!(
+        report.duplicates <= during.len(),
+        "duplicates after the outage: {} (at most the {} rows sent during it)",
+        report.duplicates,
+        during.len()
+    );
 }
 
 /// With default settings (30 s lease, so sends time out after 15 s; --retry-cap 5m), a broker outage used to
@@ -622,26 +715,56 @@ async fn poll_notify_wakes_an_idle_poller_and_is_off_by_default() {
     assert!(migrate.status.success(), "{}", stderr_of(&migrate));
     assert_eq!(triggers().await, 1);
 
-    // A 10-minute polling interval: only the notification can deliver the event within the wait below.
+    // A 10-minute polling interval: once the poller has found the table empty and sleeps, only the
+    // notification can deliver an event within the wait below.
+    let mut client = pg.client().await;
     let outboxd = Outboxd::spawn(&args(
         &url,
         &brokers,
         &["--mode", "poll", "--poll-notify", "--poll-interval", "10m"],
     ));
-    wait_for(
-        "the poller to start listening",
-        Duration::from_secs(60),
-        || {
-            outboxd
-                .log_text()
-                .contains("polling the outbox table")
-                .then_some(())
-        },
-    );
-    let mut client = pg.client().await;
+    wait_poller_asleep(&client, true).await;
     let (committed, _) = insert_events(&mut client, 0, 1, 3, 1, None).await;
     wait_all_published(&client, Duration::from_secs(60)).await;
     verify_delivery(&brokers, &committed, &[], 30, "woken by NOTIFY");
+    drop(outboxd);
+
+    // The control: the same sleeping poller without --poll-notify (the trigger still fires) is not woken.
+    let _outboxd = Outboxd::spawn(&args(
+        &url,
+        &brokers,
+        &["--mode", "poll", "--poll-interval", "10m"],
+    ));
+    wait_poller_asleep(&client, false).await;
+    insert_events(&mut client, 1, 1, 3, 1, None).await;
+    let observed = std::time::Instant::now();
+    while observed.elapsed() < Duration::from_secs(3) {
+        assert_eq!(
+            unpublished(&client).await,
+            3,
+            "published without a NOTIFY: the test above could pass without one"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until the poller's claim came back empty and it sleeps (its session idle after the claim) and, with
+/// `listening`, its LISTEN session is open; no other outboxd session may be around.
+async fn wait_poller_asleep(client: &tokio_postgres::Client, listening: bool) {
+    wait_for_async("the poller to sleep", Duration::from_secs(60), || async {
+        let row = client
+            .query_one(
+                "SELECT count(*) FILTER (WHERE query LIKE '%FOR UPDATE SKIP LOCKED%'),
+                        count(*) FILTER (WHERE query LIKE 'LISTEN%')
+                 FROM pg_stat_activity WHERE state = 'idle' AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .unwrap();
+        let (claims, listens): (i64, i64) = (row.get(0), row.get(1));
+        (claims == 1 && (listens == 1) == listening).then_some(())
+    })
+    .await;
 }
 
 /// A statement cancelled by `statement_timeout` (SQLSTATE 57014) or a lock wait given up by `lock_timeout`
@@ -1231,7 +1354,20 @@ async fn replay_under_cdc_publishes_an_event_dead_lettered_in_poll_mode() {
         stderr_of(&replay)
     );
     wait_all_published(&client, Duration::from_secs(60)).await;
+    let row = client
+        .query_one(
+            "SELECT dead_at IS NULL AND last_error IS NULL, attempts FROM outbox_event WHERE event_id = $1",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0), "the replay cleared dead_at and last_error");
+    assert!(
+        row.get::<_, i32>(1) <= 1,
+        "the replay reset attempts (the one successful attempt counts)"
+    );
     let records = consume_all(&brokers, &[TOPIC], 1, Duration::from_secs(60));
+    assert_eq!(records.len(), 1, "delivered once");
     assert_eq!(records[0].headers["event_id"], poison.to_string());
 }
 
@@ -1302,4 +1438,107 @@ async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
         again.is_empty(),
         "a second worker claimed the row {left:.2}s into a {lease:?} lease, before the holder's first renewal was due"
     );
+}
+
+/// A worker whose lease expired (it stalled, a GC pause, a frozen VM) and whose rows another worker claimed can
+/// no longer mark them published, retry, dead-letter, release or renew them: every write is guarded by the
+/// lease token, so only the current holder's outcome counts.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_whose_lease_expired_can_no_longer_write_its_rows() {
+    use outboxd::pg::outbox::{ClaimScope, PollSql};
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    let id = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', 'a', 'E', '{}')",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let table = outbox_event_table(&client).await;
+    let order = outboxd::config::PollOrder::PerAggregate;
+    let (mut stale, mut current) = (pg.client().await, pg.client().await);
+    let stale_sql = PollSql::prepare(&stale, &table, order, ClaimScope::All)
+        .await
+        .unwrap();
+    let current_sql = PollSql::prepare(&current, &table, order, ClaimScope::All)
+        .await
+        .unwrap();
+    let (stale_token, current_token) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    let lease = Duration::from_millis(200);
+    assert_eq!(
+        stale_sql.claim(&mut stale, stale_token, lease, 10).await.unwrap().len(),
+        1
+    );
+    // Claimed again once the lease expired.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let reclaimed = loop {
+        let rows = current_sql
+            .claim(&mut current, current_token, Duration::from_secs(60), 10)
+            .await
+            .unwrap();
+        if !rows.is_empty() {
+            break rows;
+        }
+        assert!(std::time::Instant::now() < deadline, "never claimed again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(reclaimed[0].event_id, id);
+
+    let ids = [id];
+    let refused = [
+        stale_sql.mark_published(&stale, &ids, stale_token).await.unwrap(),
+        stale_sql
+            .retry_later(&stale, id, stale_token, "late", Duration::from_secs(1))
+            .await
+            .unwrap(),
+        stale_sql.dead_letter(&stale, id, stale_token, "late").await.unwrap(),
+        stale_sql.release(&stale, &ids, stale_token, None).await.unwrap(),
+        stale_sql.renew(&stale, &ids, stale_token, lease).await.unwrap(),
+    ];
+    assert_eq!(refused, [0; 5], "the stale worker changed a row it no longer holds");
+    let row = client
+        .query_one(
+            "SELECT published_at IS NULL AND dead_at IS NULL AND last_error IS NULL, lease_token FROM outbox_event WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0), "the row is as the current holder left it");
+    assert_eq!(row.get::<_, Option<uuid::Uuid>>(1), Some(current_token));
+    assert_eq!(
+        current_sql
+            .mark_published(&current, &ids, current_token)
+            .await
+            .unwrap(),
+        1,
+        "the current holder's outcome counts"
+    );
+}
+
+/// `--poll-order none` gives up per-aggregate order for parallel claims: two workers still publish every
+/// event exactly once (order is not checked: it is not promised).
+#[tokio::test(flavor = "multi_thread")]
+async fn poll_order_none_publishes_every_event_exactly_once() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let (committed, _) = insert_events(&mut client, 0, 100, 20, 50, None).await;
+    let workers: Vec<Outboxd> = (0..2)
+        .map(|_| {
+            Outboxd::spawn(&args(
+                &url,
+                &brokers,
+                &["--mode", "poll", "--poll-order", "none", "--poll-batch-size", "100"],
+            ))
+        })
+        .collect();
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!((report.missing, report.duplicates), (0, 0), "{report:?}");
+    drop(workers);
 }

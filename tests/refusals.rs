@@ -8,9 +8,7 @@ mod support;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
+use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
 use support::*;
 
 /// What the topic accepts; librdkafka's own limit (message.max.bytes, 1 MB) is far above it, so the
@@ -26,13 +24,6 @@ const QUICK_DEAD_LETTERS: &[&str] = &[
     "--retry-cap",
     "500ms",
 ];
-
-fn admin(brokers: &str) -> AdminClient<DefaultClientContext> {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .expect("cannot create admin client")
-}
 
 async fn create_small_topic(brokers: &str) {
     let topic = NewTopic::new(TOPIC, 1, TopicReplication::Fixed(1))
@@ -117,16 +108,6 @@ fn assert_few_restarts(log: &str, what: &str) {
         "{restarts} session restarts for {what}:
 {log}"
     );
-}
-
-async fn create_topic(brokers: &str, topic: NewTopic<'_>) {
-    let results = admin(brokers)
-        .create_topics([&topic], &AdminOptions::new())
-        .await
-        .expect("cannot create topic");
-    for result in results {
-        result.expect("cannot create topic");
-    }
 }
 
 /// The scenario of both paths: in one transaction A1, A2 (larger than the topic accepts), A3 and B1, all in

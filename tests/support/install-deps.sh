@@ -8,7 +8,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/env.sh"
 
 need_apt=()
-for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15; do
+# curl: the demo samples /metrics with it.
+for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15 curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 # Apache Kafka runs on Java 17; Maven fetches its jars (any Java 17+ and Maven already installed will do). The

@@ -600,14 +600,24 @@ impl Outboxd {
 
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        wait_for(
-            "outboxd to exit after SIGTERM",
-            Duration::from_secs(60),
-            || self.child.try_wait().unwrap(),
-        )
+        self.signal("TERM");
+        self.wait_exit()
+    }
+
+    /// Sends `signal` ("TERM", "INT", "STOP", …) without waiting.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
+    /// Waits (up to 60 s) for the process to exit.
+    pub fn wait_exit(&mut self) -> std::process::ExitStatus {
+        wait_for("outboxd to exit", Duration::from_secs(60), || {
+            self.child.try_wait().unwrap()
+        })
     }
 
     pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
@@ -949,6 +959,12 @@ pub fn java_murmur2(key: &[u8]) -> i32 {
 
 pub const TOPIC: &str = "outbox.Order";
 
+/// An outbox table of the standard columns and nothing else: no `published_at`, no polling columns. A re-sent
+/// event cannot be skipped by its row, so every re-send shows in Kafka as a duplicate.
+pub const CDC_ONLY_TABLE: &str = "CREATE TABLE public.outbox_event (
+    event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+    event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())";
+
 pub fn run_args<'a>(pg: &'a str, brokers: &'a str) -> Vec<&'a str> {
     vec![
         "run",
@@ -1073,6 +1089,19 @@ pub async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str) {
         || slot_active(client, slot),
     )
     .await;
+}
+
+/// How many of `events` have `published_at` set.
+pub async fn published_among(client: &tokio_postgres::Client, events: &[Inserted]) -> i64 {
+    let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.event_id).collect();
+    client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL AND event_id = ANY($1)",
+            &[&ids],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }
 
 pub async fn unpublished(client: &tokio_postgres::Client) -> i64 {
@@ -1384,6 +1413,57 @@ pub fn memory_kib(pid: u32, field: &str) -> u64 {
         .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or_else(|| panic!("no {field} for pid {pid}"))
+}
+
+/// An admin client of the broker at `brokers`.
+pub fn admin(brokers: &str) -> rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("cannot create admin client")
+}
+
+/// Creates `topic`; fails the test if the broker refuses.
+pub async fn create_topic(brokers: &str, topic: rdkafka::admin::NewTopic<'_>) {
+    let results = admin(brokers)
+        .create_topics([&topic], &rdkafka::admin::AdminOptions::new())
+        .await
+        .expect("cannot create topic");
+    for result in results {
+        result.expect("cannot create topic");
+    }
+}
+
+/// Makes PostgreSQL invalidate `slot` (`wal_status = lost`) the way a real incident does: a
+/// `max_slot_wal_keep_size` of 1MB, WAL written past it, checkpoints until the WAL the slot needs is gone. Call
+/// it while nothing streams from the slot (outboxd stopped).
+pub async fn lose_slot(client: &tokio_postgres::Client, slot: &str) {
+    for statement in [
+        "ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'",
+        "SELECT pg_reload_conf()",
+        "CREATE TABLE IF NOT EXISTS wal_filler (x text)",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    wait_for_async("the slot to be lost", Duration::from_secs(60), || async {
+        for statement in [
+            "INSERT INTO wal_filler SELECT repeat('x', 1000) FROM generate_series(1, 5000)",
+            "SELECT pg_switch_wal()",
+            "CHECKPOINT",
+        ] {
+            client.batch_execute(statement).await.unwrap();
+        }
+        let status: Option<String> = client
+            .query_one(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (status.as_deref() == Some("lost")).then_some(())
+    })
+    .await;
 }
 
 /// Drops the slot `outboxd` under a running outboxd: terminate its walsender, drop, retry until it sticks

@@ -11,6 +11,7 @@
 //!
 //!     cargo run --release --bin outboxd-bench -- --soak  # memory over 10 million events per run (`soak`)
 
+mod observe;
 mod scenarios;
 mod soak;
 mod stack;
@@ -238,18 +239,24 @@ async fn run(mut args: Args) -> BenchResult<()> {
         big_seconds
     )?;
     writeln!(table)?;
-    writeln!(table, "| mode | offered/s | achieved/s | commit→ack p50 / p99 / p99.9 ms | insert→published_at p50 / p99 / p99.9 ms | backlog at end | peak RSS MiB |")?;
-    writeln!(table, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")?;
+    writeln!(table, "| mode | offered/s | inserted/s | published/s | commit → consumer p50 / p99 / p99.9 ms | commit → published_at written (histogram) | created_at → published_at (SQL) | commit → slot confirmed | backlog at end | peak RSS MiB |")?;
+    writeln!(
+        table,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )?;
     let ms = |v: [f64; 3]| format!("{:.1} / {:.1} / {:.1}", v[0] * 1e3, v[1] * 1e3, v[2] * 1e3);
     for s in &steady {
         writeln!(
             table,
-            "| {} | {} | {:.0} | {} | {} | {} | {:.1} |",
+            "| {} | {} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {:.1} |",
             s.mode,
             s.offered,
-            s.achieved,
-            s.commit_to_ack.map_or("-".into(), ms),
-            ms(s.insert_to_published),
+            s.inserted_per_second,
+            s.published_per_second,
+            ms(s.commit_to_consumer),
+            s.commit_to_published_at_written.map_or("-".into(), ms),
+            ms(s.created_to_published_at),
+            s.commit_to_confirmed.map_or("-".into(), ms),
             s.backlog_at_end,
             mib(s.peak_rss_kib)
         )?;
@@ -257,25 +264,35 @@ async fn run(mut args: Args) -> BenchResult<()> {
     println!("{table}");
     std::fs::write(args.out.join("results.md"), &table)?;
 
-    let mut csv = String::from("mode,offered,achieved,commit_to_ack_p50,commit_to_ack_p99,commit_to_ack_p999,insert_to_published_p50,insert_to_published_p99,insert_to_published_p999,backlog_at_end,peak_rss_kib\n");
+    let mut csv = String::from("mode,offered,inserted_per_second,published_per_second");
+    for figure in [
+        "commit_to_consumer",
+        "commit_to_published_at_written",
+        "created_to_published_at",
+        "commit_to_confirmed",
+    ] {
+        for quantile in ["p50", "p99", "p999"] {
+            write!(csv, ",{figure}_{quantile}")?;
+        }
+    }
+    csv.push_str(",backlog_at_end,peak_rss_kib\n");
     for s in &steady {
-        let c = s.commit_to_ack.unwrap_or([f64::NAN; 3]);
-        let p = s.insert_to_published;
-        writeln!(
+        write!(
             csv,
-            "{},{},{:.1},{},{},{},{},{},{},{},{}",
-            s.mode,
-            s.offered,
-            s.achieved,
-            c[0],
-            c[1],
-            c[2],
-            p[0],
-            p[1],
-            p[2],
-            s.backlog_at_end,
-            s.peak_rss_kib
+            "{},{},{:.1},{:.1}",
+            s.mode, s.offered, s.inserted_per_second, s.published_per_second
         )?;
+        for figure in [
+            Some(s.commit_to_consumer),
+            s.commit_to_published_at_written,
+            Some(s.created_to_published_at),
+            s.commit_to_confirmed,
+        ] {
+            for value in figure.unwrap_or([f64::NAN; 3]) {
+                write!(csv, ",{value}")?;
+            }
+        }
+        writeln!(csv, ",{},{}", s.backlog_at_end, s.peak_rss_kib)?;
     }
     std::fs::write(args.out.join("steady.csv"), csv)?;
     let drains = format!(

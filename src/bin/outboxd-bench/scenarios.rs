@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use tokio_postgres::Client;
 
+use crate::observe;
 use crate::soak;
 use crate::stack::{free_port, wait_until, BenchResult, Outboxd, Stack, Usage};
 
@@ -50,15 +51,26 @@ pub struct Limits {
     pub backfill: f64,
 }
 
+/// One steady run. Latencies are seconds, as p50 / p99 / p99.9.
 #[derive(Debug, Clone)]
 pub struct Steady {
     pub mode: &'static str,
     pub offered: u64,
-    pub achieved: f64,
-    /// Commit (pgoutput Begin) to broker ack, from outboxd's histogram (CDC only).
-    pub commit_to_ack: Option<[f64; 3]>,
-    /// created_at to published_at, exact (SQL), both modes.
-    pub insert_to_published: [f64; 3],
+    /// The load generator's insert rate over the run.
+    pub inserted_per_second: f64,
+    /// Rows whose `published_at` falls inside the run, per second of it: outboxd's rate.
+    pub published_per_second: f64,
+    /// From the writer's COMMIT returning to a Kafka consumer receiving the event: what a reader feels.
+    pub commit_to_consumer: [f64; 3],
+    /// From the commit timestamp (pgoutput Begin) to the broker's ack and the `published_at` write, from
+    /// outboxd's `outboxd_commit_to_ack_seconds` histogram (CDC only).
+    pub commit_to_published_at_written: Option<[f64; 3]>,
+    /// `published_at - created_at` per row (SQL): both are `now()`, the start of the inserting transaction
+    /// and of the transaction writing `published_at`.
+    pub created_to_published_at: [f64; 3],
+    /// From the writer's COMMIT returning until the slot's confirmed position passed it (sampled every
+    /// 10 ms; CDC only).
+    pub commit_to_confirmed: Option<[f64; 3]>,
     pub backlog_at_end: i64,
     pub peak_rss_kib: u64,
 }
@@ -67,7 +79,7 @@ impl Steady {
     /// The backlog stayed within half a second of load: outboxd kept up.
     pub fn sustained(&self) -> bool {
         (self.backlog_at_end as f64) <= self.offered as f64 * 0.5
-            && self.achieved >= self.offered as f64 * 0.95
+            && self.published_per_second >= self.offered as f64 * 0.95
     }
 }
 
@@ -212,6 +224,7 @@ impl Bench {
         let end = self.wal_lsn().await?;
 
         let source = self.source_limit(&end).await?;
+        let in_kafka = self.records_in_kafka()?;
         let started = Instant::now();
         let outboxd = self.spawn("cdc", &[], "drain.log")?;
         wait_until(
@@ -228,6 +241,7 @@ impl Bench {
         if left != 0 {
             return Err(format!("{left} rows without published_at after the drain").into());
         }
+        self.kafka_received(in_kafka, events, "the CDC drain")?;
         let streaming_seconds = self.publishing_seconds().await?;
         let sink = self.sink_limit().await?;
         let backfill = self.backfill_limit().await?;
@@ -360,6 +374,7 @@ impl Bench {
             .batch_execute("VACUUM ANALYZE outbox_event")
             .await?;
         let events = self.scalar_i64("SELECT count(*) FROM outbox_event").await? as usize;
+        let in_kafka = self.records_in_kafka()?;
         let started = Instant::now();
         let workers: Vec<Outboxd> = (0..instances)
             .map(|i| self.spawn("poll", &[], &format!("poll-{instances}-{i}.log")))
@@ -376,6 +391,7 @@ impl Bench {
         for worker in &workers {
             usage = usage + worker.usage()?;
         }
+        self.kafka_received(in_kafka, events, "the polling drain")?;
         Ok(Drain {
             events,
             seconds,
@@ -410,11 +426,16 @@ impl Bench {
             || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
         )
         .await?;
+        let consumer = observe::ArrivalConsumer::start(&self.stack.brokers(), EVENTS_TOPIC)?;
+        let confirmations = match mode {
+            "cdc" => Some(observe::ConfirmSampler::start(&self.stack.pg_url(), "outboxd").await?),
+            _ => None,
+        };
         let measured_from: std::time::SystemTime =
             self.sql.query_one("SELECT now()", &[]).await?.get(0);
         let before = scrape_histogram(&metrics_addr).await.unwrap_or_default();
         let connections = rate.div_ceil(2_500).max(1);
-        let txns_per_second = rate as f64 / 10.0 / connections as f64;
+        let txns_per_second = rate as f64 / STEADY_EVENTS_PER_TXN as f64 / connections as f64;
         let stop_at = Instant::now() + duration;
         let mut writers = Vec::new();
         for c in 0..connections {
@@ -423,11 +444,11 @@ impl Bench {
                 write_at_rate(&url, c as i32, txns_per_second, stop_at).await
             }));
         }
-        let mut inserted = 0;
+        let mut commits = Vec::new();
         for writer in writers {
-            inserted += writer.await??;
+            commits.extend(writer.await??);
         }
-        let achieved = inserted as f64 / duration.as_secs_f64();
+        let inserted = commits.len() * STEADY_EVENTS_PER_TXN;
         let backlog_at_end = self.unpublished().await?;
         wait_until(
             "the steady run to drain",
@@ -436,19 +457,46 @@ impl Bench {
             || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
         )
         .await?;
+        let arrivals = consumer.finish(inserted, Duration::from_secs(120)).await?;
+        let visible = observe::commit_to_visible(&commits, &arrivals, STEADY_EVENTS_PER_TXN);
+        if visible.missing > 0 {
+            return Err(format!(
+                "Kafka holds {} of the {inserted} events published at {rate}/s ({mode})",
+                inserted - visible.missing
+            )
+            .into());
+        }
+        let commit_to_confirmed = match confirmations {
+            Some(sampler) => {
+                let last = commits.iter().map(|c| c.wal_after).max().unwrap_or_default();
+                let last = last.to_string();
+                wait_until(
+                    "the slot to confirm the last commit",
+                    Duration::from_secs(60),
+                    Duration::from_millis(10),
+                    || self.slot_reached("outboxd", &last),
+                )
+                .await?;
+                let samples = sampler.finish().await?;
+                Some(observe::percentiles(observe::commit_to_confirmed(&commits, &samples)))
+            }
+            None => None,
+        };
         let after = scrape_histogram(&metrics_addr).await.unwrap_or_default();
         let peak_rss_kib = outboxd.usage()?.peak_rss_kib;
         drop(outboxd);
         let row = self
             .sql
             .query_one(
-                "SELECT percentile_cont(ARRAY[0.5, 0.99, 0.999]) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM published_at - created_at))
-                 FROM outbox_event WHERE created_at > $1",
-                &[&measured_from],
+                "SELECT percentile_cont(ARRAY[0.5, 0.99, 0.999]) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM published_at - created_at)),
+                        count(*) FILTER (WHERE published_at < $1::timestamptz + make_interval(secs => $2::float8))
+                 FROM outbox_event WHERE published_at >= $1",
+                &[&measured_from, &duration.as_secs_f64()],
             )
             .await?;
-        let insert_to_published: Vec<f64> = row.get(0);
-        let commit_to_ack = (mode == "cdc").then(|| {
+        let created_to_published_at: Vec<f64> = row.get(0);
+        let published_in_run: i64 = row.get(1);
+        let commit_to_published_at_written = (mode == "cdc").then(|| {
             let delta: Vec<(f64, f64)> = after
                 .iter()
                 .zip(before.iter().chain(std::iter::repeat(&(0.0, 0.0))))
@@ -459,13 +507,16 @@ impl Bench {
         Ok(Steady {
             mode,
             offered: rate,
-            achieved,
-            commit_to_ack,
-            insert_to_published: [
-                insert_to_published[0],
-                insert_to_published[1],
-                insert_to_published[2],
+            inserted_per_second: inserted as f64 / duration.as_secs_f64(),
+            published_per_second: published_in_run as f64 / duration.as_secs_f64(),
+            commit_to_consumer: observe::percentiles(visible.latencies),
+            commit_to_published_at_written,
+            created_to_published_at: [
+                created_to_published_at[0],
+                created_to_published_at[1],
+                created_to_published_at[2],
             ],
+            commit_to_confirmed,
             backlog_at_end,
             peak_rss_kib,
         })
@@ -508,6 +559,7 @@ impl Bench {
         self.reset().await?;
         let outboxd = self.spawn("cdc", &[], "big.log")?;
         self.wait_slot_streaming().await?;
+        let in_kafka = self.records_in_kafka()?;
         self.sql
             .execute(
                 "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
@@ -527,7 +579,23 @@ impl Bench {
         )
         .await?;
         let seconds = started.elapsed().as_secs_f64();
+        self.kafka_received(in_kafka, events, "the big transaction")?;
         Ok((seconds, outboxd.usage()?))
+    }
+
+    /// Records the events' topic holds now.
+    fn records_in_kafka(&self) -> BenchResult<i64> {
+        observe::topic_end(&self.stack.brokers(), EVENTS_TOPIC)
+    }
+
+    /// Fails the run unless the topic gained at least `events` records since it held `before`: a figure is
+    /// only reported for events Kafka really holds.
+    fn kafka_received(&self, before: i64, events: usize, what: &str) -> BenchResult<()> {
+        let gained = self.records_in_kafka()? - before;
+        if gained < events as i64 {
+            return Err(format!("Kafka holds {gained} new records after {what} of {events} events").into());
+        }
+        Ok(())
     }
 }
 
@@ -564,34 +632,49 @@ async fn create_topic(settings: &outboxd::config::RunSettings, topic: &str) -> B
     Ok(())
 }
 
-/// Inserts transactions of 10 events at `txns_per_second` until `stop_at`; returns events inserted.
+/// The topic of every scenario's events (outboxd's default template, aggregate type `Order`).
+const EVENTS_TOPIC: &str = "outbox.Order";
+const STEADY_EVENTS_PER_TXN: usize = 10;
+
+/// Inserts transactions of 10 events at `txns_per_second` until `stop_at`, each event's payload naming its
+/// transaction (`txn`) and index (`i`); returns when each transaction's COMMIT returned.
 async fn write_at_rate(
     url: &str,
     connection: i32,
     txns_per_second: f64,
     stop_at: Instant,
-) -> BenchResult<u64> {
+) -> BenchResult<Vec<observe::Commit>> {
     let (client, driver) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
     tokio::spawn(driver);
     let insert = client
         .prepare(
             "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
              SELECT gen_random_uuid(), 'Order', 'order-' || (($1::int * 7 + n) % 1000), 'OrderPlaced',
-                    jsonb_build_object('orderId', 'order-' || n, 'total', 99.5, 'note', repeat('x', 120))
+                    jsonb_build_object('txn', $1::int, 'i', n, 'orderId', 'order-' || n, 'total', 99.5,
+                                       'note', repeat('x', 100))
              FROM generate_series(1, 10) AS n",
         )
         .await?;
+    let wal_position = client
+        .prepare("SELECT pg_current_wal_insert_lsn()::text")
+        .await?;
     let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / txns_per_second));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut events = 0;
-    let mut n = connection * 1_000_000;
+    let mut commits = Vec::new();
+    let mut txn = connection * 1_000_000;
     while Instant::now() < stop_at {
         ticker.tick().await;
-        client.execute(&insert, &[&n]).await?;
-        n += 1;
-        events += 10;
+        client.execute(&insert, &[&txn]).await?;
+        let at = std::time::SystemTime::now();
+        let wal_after: String = client.query_one(&wal_position, &[]).await?.get(0);
+        commits.push(observe::Commit {
+            txn,
+            at,
+            wal_after: wal_after.parse()?,
+        });
+        txn += 1;
     }
-    Ok(events)
+    Ok(commits)
 }
 
 /// `/readyz` answers 200.
