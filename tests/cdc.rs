@@ -768,7 +768,7 @@ async fn insert_big_events(
             "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
              SELECT gen_random_uuid(), 'Order', 'order-' || (n % 50), 'OrderPlaced',
                     jsonb_build_object('seq', $1::bigint + n, 'pad',
-                        (SELECT string_agg(md5(random()::text || n), '') FROM generate_series(1, 128)))
+                        (SELECT string_agg(md5(random()::text || k || n), '') FROM generate_series(1, 128) AS k))
              FROM generate_series(0, $2::bigint - 1) AS n
              RETURNING event_id, aggregate_id, (payload->>'seq')::bigint",
             &[&(first_seq as i64), &(rows as i64)],

@@ -105,3 +105,35 @@ fn dashboard_queries_only_exported_metrics() {
         assert!(used.contains(wanted), "the dashboard should show {wanted}");
     }
 }
+
+/// Every `OUTBOXD_*` variable the compose file sets is one outboxd reads (a misspelt name would be ignored
+/// silently and the service run with a default).
+#[test]
+fn compose_sets_only_variables_outboxd_reads() {
+    use clap::CommandFactory;
+    let cli = outboxd::config::Cli::command();
+    let known: std::collections::HashSet<String> = cli
+        .get_subcommands()
+        .flat_map(|command| command.get_arguments())
+        .filter_map(|arg| arg.get_env())
+        .map(|env| env.to_string_lossy().into_owned())
+        .collect();
+    assert!(known.contains("OUTBOXD_DATABASE_URL"), "{known:?}");
+    let compose = yaml("compose.yml");
+    let mut checked = 0;
+    for (name, service) in compose["services"].as_hash().expect("services") {
+        let Some(environment) = service["environment"].as_hash() else {
+            continue;
+        };
+        for variable in environment.keys().filter_map(|k| k.as_str()) {
+            if variable.starts_with("OUTBOXD_") {
+                assert!(
+                    known.contains(variable),
+                    "{name:?} sets {variable}, which outboxd does not read"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 5, "only {checked} OUTBOXD_ variables found");
+}

@@ -575,6 +575,11 @@ async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_k
     let end = current_wal_lsn(&client).await;
     wait_confirmed_past(&client, "outboxd", end, "the slot to pass every insert").await;
     let (_, report) = verify_delivery(&brokers, &committed, &[], 60, "CDC-only, killed 4 times");
+    println!(
+        "CDC-only, 4 kills during {} events: {} duplicates (window {KILL_TEST_WINDOW})",
+        committed.len(),
+        report.duplicates
+    );
     assert!(
         report.duplicates <= 4 * KILL_TEST_WINDOW,
         "re-sent more than the in-flight window per kill: {}",

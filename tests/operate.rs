@@ -161,9 +161,19 @@ fn a_metrics_port_in_use_is_a_clear_error() {
     );
 }
 
+/// Under README's role with what it says `--retention` needs on top: `DELETE` on the table, and `INSERT` on an
+/// archive table created beforehand.
 async fn retention_removes_only_old_published_rows(archive: Option<&str>) {
     let (pg, broker) = migrated_stack();
-    let (url, brokers) = (pg.url(), broker.addr());
+    let grants = match archive {
+        Some(table) => format!(
+            "GRANT DELETE ON outbox_event TO outboxd_app;
+             CREATE TABLE {table} (LIKE outbox_event); GRANT INSERT ON {table} TO outboxd_app;"
+        ),
+        None => "GRANT DELETE ON outbox_event TO outboxd_app;".into(),
+    };
+    let url = readme_role(&pg, "retention-secret", &grants).await;
+    let brokers = broker.addr();
     let mut args = run_args(&url, &brokers);
     args.extend(["--retention", "10m", "--retention-interval", "200ms"]);
     if let Some(table) = archive {
@@ -289,16 +299,7 @@ async fn least_privilege_role_runs_everything_and_no_secret_leaks() {
     let (pg, broker) = migrated_stack();
     let mut admin = pg.client().await;
     // Exactly what README's "A role" step grants: nothing owned, no superuser.
-    admin
-        .batch_execute(&format!(
-            "CREATE ROLE outboxd_app LOGIN REPLICATION PASSWORD '{PG_SECRET}';
-             GRANT SELECT, UPDATE ON outbox_event TO outboxd_app;"
-        ))
-        .await
-        .unwrap();
-    pg.prepend_hba("host all outboxd_app 127.0.0.1/32 scram-sha-256")
-        .await;
-    let url = pg.url_for("outboxd_app", Some(PG_SECRET));
+    let url = readme_role(&pg, PG_SECRET, "").await;
     let brokers = broker.addr();
     let metrics_addr = format!("127.0.0.1:{}", free_port());
     let kafka_option = format!("sasl.password={KAFKA_SECRET}");
@@ -343,6 +344,46 @@ async fn least_privilege_role_runs_everything_and_no_secret_leaks() {
     for secret in [PG_SECRET, KAFKA_SECRET, "wrong-secret-5d2e"] {
         assert!(!output.contains(secret), "{secret} leaked:\n{output}");
     }
+}
+
+/// README's role, nothing more, through the other paths: rows older than the slot (the sweeper), a standby
+/// that takes over, and the polling path (`--mode poll`), each publishing what it should.
+#[tokio::test(flavor = "multi_thread")]
+async fn readme_role_runs_the_sweeper_a_standby_and_the_polling_path() {
+    let (pg, broker) = migrated_stack();
+    let mut admin = pg.client().await;
+    let url = readme_role(&pg, "paths-secret", "").await;
+    let brokers = broker.addr();
+    // Older than the slot: the hand-off at slot creation gives them to the sweeper.
+    let (mut committed, _) = insert_events(&mut admin, 0, 5, 10, 5, None).await;
+    let mut leader = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&admin, "outboxd").await;
+    let standby = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_for("the standby to wait for the lock", Duration::from_secs(60), || {
+        standby.log_text().contains("standing by").then_some(())
+    });
+    let (streamed, _) = insert_events(&mut admin, 5, 5, 10, 5, None).await;
+    committed.extend(streamed);
+    wait_all_published(&admin, Duration::from_secs(60)).await;
+    assert_eq!(handed_off_count(&admin).await, 50, "the sweeper published the old rows");
+
+    leader.kill();
+    wait_for("the standby to take over", Duration::from_secs(60), || {
+        standby.log_text().contains("took over").then_some(())
+    });
+    wait_slot_active(&admin, "outboxd").await;
+    let (after_takeover, _) = insert_events(&mut admin, 10, 5, 10, 5, None).await;
+    committed.extend(after_takeover);
+    wait_all_published(&admin, Duration::from_secs(60)).await;
+    drop(standby);
+
+    let mut poll_args = run_args(&url, &brokers);
+    poll_args.extend(["--mode", "poll"]);
+    let _poller = Outboxd::spawn(&poll_args);
+    let (polled, _) = insert_events(&mut admin, 15, 5, 10, 5, None).await;
+    committed.extend(polled);
+    wait_all_published(&admin, Duration::from_secs(60)).await;
+    verify_delivery(&brokers, &committed, &[], 60, "README's role on every path");
 }
 
 /// The periodic figures (backlog, oldest age, dead letters) and the lease renewal read an index, not the table:

@@ -1235,6 +1235,51 @@ async fn a_slot_whose_creation_was_interrupted_is_created_again_with_its_hand_of
     assert_eq!(markers, 0, "the creation marker is removed");
 }
 
+/// The same interruption, produced for real: outboxd SIGKILLed while CREATE_REPLICATION_SLOT waits for an
+/// open transaction (the slot cannot reach its consistent point before that transaction ends). The next start
+/// finds the marker, creates the slot and hands the older rows off, exactly once each.
+#[tokio::test(flavor = "multi_thread")]
+async fn outboxd_killed_while_creating_its_slot_creates_it_again_with_its_hand_off() {
+    let (pg, broker) = migrated_stack();
+    let mut client = pg.client().await;
+    let (committed, _) = insert_events(&mut client, 0, 10, 10, 5, None).await;
+    let blocker = pg.client().await;
+    blocker
+        .batch_execute("BEGIN; SELECT txid_current();")
+        .await
+        .unwrap();
+    let mut outboxd = Outboxd::spawn(&run_args(&pg.url(), &broker.addr()));
+    wait_for_async("the creation marker", Duration::from_secs(60), || async {
+        let markers: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd_creating'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (markers == 1).then_some(())
+    })
+    .await;
+    outboxd.kill();
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+
+    let _outboxd = Outboxd::spawn(&run_args(&pg.url(), &broker.addr()));
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let (_, report) = verify_delivery(&broker.addr(), &committed, &[], 60, "after a killed slot creation");
+    assert_eq!(report.duplicates, 0);
+    assert_eq!(handed_off_count(&client).await, committed.len() as i64);
+    let markers: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd_creating'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(markers, 0, "the creation marker is removed");
+}
+
 /// A claim that meets an earlier event of an aggregate locked by another session (a worker's retry UPDATE
 /// after its lease lapsed, an operator's `UPDATE`, a `FOR UPDATE`) must leave the whole aggregate alone:
 /// SKIP LOCKED skipped the locked event and claimed the later ones, which were then published first.

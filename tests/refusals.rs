@@ -103,6 +103,7 @@ fn assert_few_restarts(log: &str, what: &str) {
     let restarts = log
         .matches("replication session ended; reconnecting")
         .count();
+    println!("{what}: {restarts} session restarts");
     assert!(
         restarts <= 2,
         "{restarts} session restarts for {what}:

@@ -717,6 +717,7 @@ impl Session<'_> {
                     // Everything acknowledged before the failure is confirmed first.
                     let confirmed = self.watermark.advance();
                     stream.send_status(confirmed).await?;
+                    self.watermark.reported();
                     if let Some(refused) = self.refused_without_polling.take() {
                         return Err(Error::Kafka {
                             message: refused,
@@ -745,8 +746,11 @@ impl Session<'_> {
                 self.flush_replay_buffer().await?;
             }
             let confirmed = self.watermark.advance();
-            if reply_now || (confirmed > last_sent && last_sent_at.elapsed() >= MIN_CONFIRM_GAP) {
+            // A window full of acknowledged events opens only once the server is told: tell it now.
+            let tell_now = last_sent_at.elapsed() >= MIN_CONFIRM_GAP || !self.window_open();
+            if reply_now || (confirmed > last_sent && tell_now) {
                 stream.send_status(confirmed).await?;
+                self.watermark.reported();
                 if confirmed > last_sent {
                     tracing::debug!(%confirmed, "confirmed");
                 }
@@ -758,6 +762,7 @@ impl Session<'_> {
             }
         }
         stream.send_status(self.watermark.advance()).await?;
+        self.watermark.reported();
         Ok(())
     }
 
@@ -912,8 +917,11 @@ impl Session<'_> {
         }
     }
 
+    /// Room for another event: the events window counts acknowledged events until the server was told (a
+    /// crash re-sends them too, so the window bounds duplicates); the bytes window only what is in flight.
     fn window_open(&self) -> bool {
-        self.in_flight_events < self.settings.max_in_flight_events
+        let unreported = usize::try_from(self.watermark.unreported_events()).unwrap_or(usize::MAX);
+        self.in_flight_events.saturating_add(unreported) < self.settings.max_in_flight_events
             && self.in_flight_bytes < self.settings.max_in_flight_bytes
     }
 

@@ -24,6 +24,8 @@ struct Entry {
     /// `None` while the transaction's Commit has not arrived.
     position: Option<Lsn>,
     pending_events: u64,
+    /// Events of the entry already finished (acknowledged), not yet confirmed to the server.
+    finished_events: u64,
     /// The transaction's commit time, when known (keepalive markers have none).
     commit_micros: Option<i64>,
 }
@@ -41,6 +43,10 @@ pub struct Watermark {
     /// restart of the process: then nothing is taken for re-sent).
     highest_commit_micros: Option<i64>,
     open: Option<TxnId>,
+    /// Finished events the server has not been told about yet: in entries still queued, or in popped ones
+    /// (`confirmable_unreported`) whose position was not sent yet. A crash re-sends them.
+    finished_unreported: u64,
+    confirmable_unreported: u64,
 }
 
 impl Watermark {
@@ -99,6 +105,8 @@ impl Watermark {
         self.first_id += self.entries.len() as u64;
         self.entries.clear();
         self.open = None;
+        self.finished_unreported = 0;
+        self.confirmable_unreported = 0;
     }
 
     /// Starts over on another server history (see `history`): forgets the confirmed position and everything
@@ -116,6 +124,7 @@ impl Watermark {
         self.entries.push_back(Entry {
             position: None,
             pending_events: 0,
+            finished_events: 0,
             commit_micros: None,
         });
         self.open = Some(id);
@@ -133,13 +142,33 @@ impl Watermark {
     pub fn event_finished(&mut self, txn: TxnId) {
         if let Some(entry) = self.entry_mut(txn) {
             entry.pending_events = entry.pending_events.saturating_sub(1);
+            entry.finished_events += 1;
+            if entry.position.is_some() {
+                self.finished_unreported += 1;
+            }
         }
+    }
+
+    /// Finished events of committed transactions whose position the server has not been sent yet (see
+    /// [`Watermark::reported`]): a crash now would have the server send them again. Those of the open
+    /// transaction count from its Commit on, so that a transaction larger than any window can still finish.
+    pub fn unreported_events(&self) -> u64 {
+        self.finished_unreported
+    }
+
+    /// The position last returned by [`Watermark::advance`] was sent to the server: the events up to it are
+    /// no longer re-sent after a crash.
+    pub fn reported(&mut self) {
+        self.finished_unreported -= self.confirmable_unreported;
+        self.confirmable_unreported = 0;
     }
 
     /// The Commit of `txn` arrived; `end_lsn` is the position to confirm once it is finished.
     pub fn commit(&mut self, txn: TxnId, end_lsn: Lsn) {
         if let Some(entry) = self.entry_mut(txn) {
-            entry.position = Some(end_lsn);
+            if entry.position.replace(end_lsn).is_none() {
+                self.finished_unreported += entry.finished_events;
+            }
         }
         if self.open == Some(txn) {
             self.open = None;
@@ -170,6 +199,7 @@ impl Watermark {
             _ => self.entries.push_back(Entry {
                 position: Some(wal_end),
                 pending_events: 0,
+                finished_events: 0,
                 commit_micros: None,
             }),
         }
@@ -186,6 +216,7 @@ impl Watermark {
                         self.highest_commit_micros =
                             Some(self.highest_commit_micros.map_or(commit, |c| c.max(commit)));
                     }
+                    self.confirmable_unreported += front.finished_events;
                     self.entries.pop_front();
                     self.first_id += 1;
                 }
@@ -209,6 +240,41 @@ impl Watermark {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finished_events_count_as_unreported_until_their_position_was_sent() {
+        let mut w = Watermark::new(Lsn(100));
+        let t1 = w.begin();
+        w.event_started(t1);
+        w.event_started(t1);
+        w.commit(t1, Lsn(200));
+        let t2 = w.begin();
+        w.event_started(t2);
+        w.commit(t2, Lsn(300));
+        w.event_finished(t2);
+        w.event_finished(t1);
+        assert_eq!(w.unreported_events(), 2);
+        assert_eq!(w.advance(), Lsn(100));
+        w.reported();
+        assert_eq!(w.unreported_events(), 2, "nothing confirmable was sent");
+        w.event_finished(t1);
+        assert_eq!(w.advance(), Lsn(300));
+        assert_eq!(w.unreported_events(), 3, "confirmable, not sent yet");
+        w.reported();
+        assert_eq!(w.unreported_events(), 0);
+        // The open transaction's finished events count from its Commit on.
+        let t3 = w.begin();
+        w.event_started(t3);
+        w.event_started(t3);
+        w.event_finished(t3);
+        assert_eq!(w.unreported_events(), 0);
+        w.commit(t3, Lsn(400));
+        assert_eq!(w.unreported_events(), 1);
+        w.event_finished(t3);
+        assert_eq!(w.unreported_events(), 2);
+        w.restart();
+        assert_eq!(w.unreported_events(), 0, "a restart re-sends everything anyway");
+    }
 
     #[test]
     fn confirms_only_the_finished_prefix() {

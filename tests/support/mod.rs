@@ -1415,6 +1415,24 @@ pub fn memory_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {field} for pid {pid}"))
 }
 
+/// The role README's set-up step 2 makes, with exactly its grants (`LOGIN REPLICATION`, `SELECT, UPDATE` on
+/// `outbox_event`) and then `extra_grants` (SQL run as the admin, for what an option needs on top), allowed
+/// in by password; returns its URL.
+pub async fn readme_role(pg: &Postgres, password: &str, extra_grants: &str) -> String {
+    let admin = pg.client().await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE outboxd_app LOGIN REPLICATION PASSWORD '{password}';
+             GRANT SELECT, UPDATE ON outbox_event TO outboxd_app;
+             {extra_grants}"
+        ))
+        .await
+        .unwrap();
+    pg.prepend_hba("host all outboxd_app 127.0.0.1/32 scram-sha-256")
+        .await;
+    pg.url_for("outboxd_app", Some(password))
+}
+
 /// An admin client of the broker at `brokers`.
 pub fn admin(brokers: &str) -> rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> {
     ClientConfig::new()
