@@ -157,7 +157,8 @@ async fn sigkill_mid_stream_loses_nothing() {
     const KILLS: usize = 4;
     for round in 0..KILLS {
         // The round waits in the WAL while outboxd is down, so the kill can land mid-round.
-        let (round_events, r) = insert_events(&mut client, round * 100, 100, 25, 50, Some(13)).await;
+        let (round_events, r) =
+            insert_events(&mut client, round * 100, 100, 25, 50, Some(13)).await;
         rolled_back.extend(r);
         let mut outboxd = Outboxd::spawn(&windowed_args(&url, &brokers, &window));
         wait_for_async(
@@ -369,11 +370,15 @@ impl StallAtShutdown {
             .unwrap()
             .get(0);
         tx.commit().await.unwrap();
-        wait_for("the last events to be in flight", Duration::from_secs(60), || {
-            let (_, metrics) = http_get(&metrics_addr, "/metrics")?;
-            let in_flight = metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")?;
-            (in_flight >= 10.0).then_some(())
-        });
+        wait_for(
+            "the last events to be in flight",
+            Duration::from_secs(60),
+            || {
+                let (_, metrics) = http_get(&metrics_addr, "/metrics")?;
+                let in_flight = metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")?;
+                (in_flight >= 10.0).then_some(())
+            },
+        );
         StallAtShutdown {
             _pg: pg,
             _broker: broker,
@@ -721,7 +726,12 @@ async fn the_byte_window_bounds_what_waits_for_a_stalled_broker() {
     let (url, brokers) = (pg.url(), Broker::proxied_addr(&proxy));
     let metrics_addr = format!("127.0.0.1:{}", free_port());
     let mut args = run_args(&url, &brokers);
-    args.extend(["--max-in-flight-bytes", "1048576", "--metrics-addr", metrics_addr.as_str()]);
+    args.extend([
+        "--max-in-flight-bytes",
+        "1048576",
+        "--metrics-addr",
+        metrics_addr.as_str(),
+    ]);
     let _outboxd = Outboxd::spawn(&args);
     let client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;

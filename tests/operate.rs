@@ -359,13 +359,19 @@ async fn readme_role_runs_the_sweeper_a_standby_and_the_polling_path() {
     let mut leader = Outboxd::spawn(&run_args(&url, &brokers));
     wait_slot_active(&admin, "outboxd").await;
     let standby = Outboxd::spawn(&run_args(&url, &brokers));
-    wait_for("the standby to wait for the lock", Duration::from_secs(60), || {
-        standby.log_text().contains("standing by").then_some(())
-    });
+    wait_for(
+        "the standby to wait for the lock",
+        Duration::from_secs(60),
+        || standby.log_text().contains("standing by").then_some(()),
+    );
     let (streamed, _) = insert_events(&mut admin, 5, 5, 10, 5, None).await;
     committed.extend(streamed);
     wait_all_published(&admin, Duration::from_secs(60)).await;
-    assert_eq!(handed_off_count(&admin).await, 50, "the sweeper published the old rows");
+    assert_eq!(
+        handed_off_count(&admin).await,
+        50,
+        "the sweeper published the old rows"
+    );
 
     leader.kill();
     wait_for("the standby to take over", Duration::from_secs(60), || {

@@ -75,7 +75,11 @@ async fn concurrent_poll_instances(instances: usize) {
         })
         .collect();
     println!("events published by each of {instances} workers: {shares:?}");
-    assert_eq!(shares.iter().sum::<f64>(), committed.len() as f64, "{shares:?}");
+    assert_eq!(
+        shares.iter().sum::<f64>(),
+        committed.len() as f64,
+        "{shares:?}"
+    );
     assert!(
         shares.iter().all(|&n| n > 0.0),
         "every worker took a share: {shares:?}"
@@ -716,26 +720,30 @@ async fn poll_notify_wakes_an_idle_poller_and_is_off_by_default() {
     assert_eq!(triggers().await, 1);
 
     // A 10-minute polling interval: once the poller has found the table empty and sleeps, only the
-    // notification can deliver an event within the wait below.
+    // notification can deliver an event within the wait below. Its first claim (after LISTEN) makes it ready.
     let mut client = pg.client().await;
-    let outboxd = Outboxd::spawn(&args(
-        &url,
-        &brokers,
-        &["--mode", "poll", "--poll-notify", "--poll-interval", "10m"],
-    ));
-    wait_poller_asleep(&client, true).await;
+    let poller = |notify: bool| {
+        let metrics_addr = format!("127.0.0.1:{}", free_port());
+        let mut extra = vec!["--mode", "poll", "--poll-interval", "10m"];
+        if notify {
+            extra.push("--poll-notify");
+        }
+        let mut args = args(&url, &brokers, &extra);
+        args.extend(["--metrics-addr", metrics_addr.as_str()]);
+        let outboxd = Outboxd::spawn(&args);
+        wait_for("the first claim", Duration::from_secs(60), || {
+            http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
+        });
+        outboxd
+    };
+    let notified = poller(true);
     let (committed, _) = insert_events(&mut client, 0, 1, 3, 1, None).await;
     wait_all_published(&client, Duration::from_secs(60)).await;
     verify_delivery(&brokers, &committed, &[], 30, "woken by NOTIFY");
-    drop(outboxd);
+    drop(notified);
 
     // The control: the same sleeping poller without --poll-notify (the trigger still fires) is not woken.
-    let _outboxd = Outboxd::spawn(&args(
-        &url,
-        &brokers,
-        &["--mode", "poll", "--poll-interval", "10m"],
-    ));
-    wait_poller_asleep(&client, false).await;
+    let _not_notified = poller(false);
     insert_events(&mut client, 1, 1, 3, 1, None).await;
     let observed = std::time::Instant::now();
     while observed.elapsed() < Duration::from_secs(3) {
@@ -746,25 +754,6 @@ async fn poll_notify_wakes_an_idle_poller_and_is_off_by_default() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// Waits until the poller's claim came back empty and it sleeps (its session idle after the claim) and, with
-/// `listening`, its LISTEN session is open; no other outboxd session may be around.
-async fn wait_poller_asleep(client: &tokio_postgres::Client, listening: bool) {
-    wait_for_async("the poller to sleep", Duration::from_secs(60), || async {
-        let row = client
-            .query_one(
-                "SELECT count(*) FILTER (WHERE query LIKE '%FOR UPDATE SKIP LOCKED%'),
-                        count(*) FILTER (WHERE query LIKE 'LISTEN%')
-                 FROM pg_stat_activity WHERE state = 'idle' AND pid <> pg_backend_pid()",
-                &[],
-            )
-            .await
-            .unwrap();
-        let (claims, listens): (i64, i64) = (row.get(0), row.get(1));
-        (claims == 1 && (listens == 1) == listening).then_some(())
-    })
-    .await;
 }
 
 /// A statement cancelled by `statement_timeout` (SQLSTATE 57014) or a lock wait given up by `lock_timeout`
@@ -1266,7 +1255,13 @@ async fn outboxd_killed_while_creating_its_slot_creates_it_again_with_its_hand_o
 
     let _outboxd = Outboxd::spawn(&run_args(&pg.url(), &broker.addr()));
     wait_all_published(&client, Duration::from_secs(60)).await;
-    let (_, report) = verify_delivery(&broker.addr(), &committed, &[], 60, "after a killed slot creation");
+    let (_, report) = verify_delivery(
+        &broker.addr(),
+        &committed,
+        &[],
+        60,
+        "after a killed slot creation",
+    );
     assert_eq!(report.duplicates, 0);
     assert_eq!(handed_off_count(&client).await, committed.len() as i64);
     let markers: i64 = client
@@ -1406,7 +1401,10 @@ async fn replay_under_cdc_publishes_an_event_dead_lettered_in_poll_mode() {
         )
         .await
         .unwrap();
-    assert!(row.get::<_, bool>(0), "the replay cleared dead_at and last_error");
+    assert!(
+        row.get::<_, bool>(0),
+        "the replay cleared dead_at and last_error"
+    );
     assert!(
         row.get::<_, i32>(1) <= 1,
         "the replay reset attempts (the one successful attempt counts)"
@@ -1515,7 +1513,11 @@ async fn a_worker_whose_lease_expired_can_no_longer_write_its_rows() {
     let (stale_token, current_token) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
     let lease = Duration::from_millis(200);
     assert_eq!(
-        stale_sql.claim(&mut stale, stale_token, lease, 10).await.unwrap().len(),
+        stale_sql
+            .claim(&mut stale, stale_token, lease, 10)
+            .await
+            .unwrap()
+            .len(),
         1
     );
     // Claimed again once the lease expired.
@@ -1535,16 +1537,31 @@ async fn a_worker_whose_lease_expired_can_no_longer_write_its_rows() {
 
     let ids = [id];
     let refused = [
-        stale_sql.mark_published(&stale, &ids, stale_token).await.unwrap(),
+        stale_sql
+            .mark_published(&stale, &ids, stale_token)
+            .await
+            .unwrap(),
         stale_sql
             .retry_later(&stale, id, stale_token, "late", Duration::from_secs(1))
             .await
             .unwrap(),
-        stale_sql.dead_letter(&stale, id, stale_token, "late").await.unwrap(),
-        stale_sql.release(&stale, &ids, stale_token, None).await.unwrap(),
-        stale_sql.renew(&stale, &ids, stale_token, lease).await.unwrap(),
+        stale_sql
+            .dead_letter(&stale, id, stale_token, "late")
+            .await
+            .unwrap(),
+        stale_sql
+            .release(&stale, &ids, stale_token, None)
+            .await
+            .unwrap(),
+        stale_sql
+            .renew(&stale, &ids, stale_token, lease)
+            .await
+            .unwrap(),
     ];
-    assert_eq!(refused, [0; 5], "the stale worker changed a row it no longer holds");
+    assert_eq!(
+        refused, [0; 5],
+        "the stale worker changed a row it no longer holds"
+    );
     let row = client
         .query_one(
             "SELECT published_at IS NULL AND dead_at IS NULL AND last_error IS NULL, lease_token FROM outbox_event WHERE event_id = $1",
@@ -1552,7 +1569,10 @@ async fn a_worker_whose_lease_expired_can_no_longer_write_its_rows() {
         )
         .await
         .unwrap();
-    assert!(row.get::<_, bool>(0), "the row is as the current holder left it");
+    assert!(
+        row.get::<_, bool>(0),
+        "the row is as the current holder left it"
+    );
     assert_eq!(row.get::<_, Option<uuid::Uuid>>(1), Some(current_token));
     assert_eq!(
         current_sql
@@ -1577,7 +1597,14 @@ async fn poll_order_none_publishes_every_event_exactly_once() {
             Outboxd::spawn(&args(
                 &url,
                 &brokers,
-                &["--mode", "poll", "--poll-order", "none", "--poll-batch-size", "100"],
+                &[
+                    "--mode",
+                    "poll",
+                    "--poll-order",
+                    "none",
+                    "--poll-batch-size",
+                    "100",
+                ],
             ))
         })
         .collect();

@@ -273,7 +273,11 @@ mod tests {
         w.event_finished(t3);
         assert_eq!(w.unreported_events(), 2);
         w.restart();
-        assert_eq!(w.unreported_events(), 0, "a restart re-sends everything anyway");
+        assert_eq!(
+            w.unreported_events(),
+            0,
+            "a restart re-sends everything anyway"
+        );
     }
 
     #[test]

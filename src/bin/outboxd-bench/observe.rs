@@ -177,7 +177,11 @@ pub struct Visible {
 }
 
 /// Joins arrivals with the commits of `events_per_txn`-event transactions.
-pub fn commit_to_visible(commits: &[Commit], arrivals: &[Arrival], events_per_txn: usize) -> Visible {
+pub fn commit_to_visible(
+    commits: &[Commit],
+    arrivals: &[Arrival],
+    events_per_txn: usize,
+) -> Visible {
     let committed: HashMap<i32, SystemTime> = commits.iter().map(|c| (c.txn, c.at)).collect();
     let mut first: HashMap<(i32, i32), SystemTime> = HashMap::new();
     let mut visible = Visible::default();
@@ -185,8 +189,11 @@ pub fn commit_to_visible(commits: &[Commit], arrivals: &[Arrival], events_per_tx
         if !committed.contains_key(&arrival.txn) {
             continue;
         }
-        if first.insert((arrival.txn, arrival.index), arrival.at).is_some() {
-            visible.duplicates += 1;
+        match first.entry((arrival.txn, arrival.index)) {
+            std::collections::hash_map::Entry::Occupied(_) => visible.duplicates += 1,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(arrival.at);
+            }
         }
     }
     visible.missing = (commits.len() * events_per_txn).saturating_sub(first.len());
@@ -291,7 +298,11 @@ mod tests {
             at: at(1_000),
             wal_after: Lsn(150),
         }];
-        let samples = [(at(900), Lsn(500)), (at(1_010), Lsn(140)), (at(1_030), Lsn(150))];
+        let samples = [
+            (at(900), Lsn(500)),
+            (at(1_010), Lsn(140)),
+            (at(1_030), Lsn(150)),
+        ];
         assert_eq!(commit_to_confirmed(&commits, &samples), [0.030]);
     }
 

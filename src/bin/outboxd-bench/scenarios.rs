@@ -468,7 +468,11 @@ impl Bench {
         }
         let commit_to_confirmed = match confirmations {
             Some(sampler) => {
-                let last = commits.iter().map(|c| c.wal_after).max().unwrap_or_default();
+                let last = commits
+                    .iter()
+                    .map(|c| c.wal_after)
+                    .max()
+                    .unwrap_or_default();
                 let last = last.to_string();
                 wait_until(
                     "the slot to confirm the last commit",
@@ -478,7 +482,9 @@ impl Bench {
                 )
                 .await?;
                 let samples = sampler.finish().await?;
-                Some(observe::percentiles(observe::commit_to_confirmed(&commits, &samples)))
+                Some(observe::percentiles(observe::commit_to_confirmed(
+                    &commits, &samples,
+                )))
             }
             None => None,
         };
@@ -593,7 +599,10 @@ impl Bench {
     fn kafka_received(&self, before: i64, events: usize, what: &str) -> BenchResult<()> {
         let gained = self.records_in_kafka()? - before;
         if gained < events as i64 {
-            return Err(format!("Kafka holds {gained} new records after {what} of {events} events").into());
+            return Err(format!(
+                "Kafka holds {gained} new records after {what} of {events} events"
+            )
+            .into());
         }
         Ok(())
     }
