@@ -37,11 +37,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     let mut assignment = TopicPartitionList::new();
     for topic in &args.topic {
-        let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
-        for t in metadata.topics() {
-            for p in t.partitions() {
-                assignment.add_partition_offset(t.name(), p.id(), Offset::Beginning)?;
+        // outboxd creates the topic with its first event: wait for it to exist.
+        loop {
+            let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+            let partitions: Vec<i32> = metadata
+                .topics()
+                .iter()
+                .filter(|t| t.error().is_none())
+                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                .collect();
+            if !partitions.is_empty() {
+                for partition in partitions {
+                    assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
+                }
+                break;
             }
+            if Instant::now() > deadline {
+                return Err(
+                    format!("topic {topic} did not appear within {}s", args.timeout_secs).into(),
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
     }
     consumer.assign(&assignment)?;

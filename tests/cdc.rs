@@ -988,3 +988,99 @@ async fn a_handed_off_event_re_sent_after_a_postgres_restart_stays_the_polling_p
     assert_eq!(published, None, "never produced, so never published");
     assert!(dead.is_some());
 }
+
+/// An event parked behind its aggregate's refused event (waiting in the polling path) must not stop the
+/// stream once the window fills with acknowledged events behind it (they cannot be confirmed past the parked
+/// one): it is handed to the polling path after its predecessor, and every other aggregate keeps flowing.
+/// (Found by review: with the window counting acknowledged events until confirmed, the stream stalled until
+/// the refused event was dead-lettered.)
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_parked_behind_a_refused_one_never_stalls_other_aggregates() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = windowed_args(&url, &brokers, "50");
+    // The refused event stays in the polling path for the whole test.
+    args.extend([
+        "--max-attempts",
+        "100",
+        "--retry-base",
+        "30s",
+        "--retry-cap",
+        "60s",
+    ]);
+    let _outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let insert = |id: uuid::Uuid, pad: i32| {
+        let client = &client;
+        async move {
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, 'Order', 'X', 'E', jsonb_build_object('pad', repeat('x', $2::int)))",
+                    &[&id, &pad],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    // Larger than the producer accepts: handed off at hand-over, its aggregate blocked behind it.
+    let refused = uuid::Uuid::new_v4();
+    insert(refused, 1_500_000).await;
+    wait_for_async(
+        "the refused event to be tried by the polling path",
+        Duration::from_secs(60),
+        || async {
+            let attempts: i32 = client
+                .query_one(
+                    "SELECT attempts FROM outbox_event WHERE event_id = $1",
+                    &[&refused],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (attempts >= 1).then_some(())
+        },
+    )
+    .await;
+    // X's next event is parked (X still waits in the polling path); then far more than the window of others.
+    let parked = uuid::Uuid::new_v4();
+    insert(parked, 10).await;
+    let (others, _) = insert_events(&mut client, 0, 40, 10, 20, None).await;
+    let ids: Vec<uuid::Uuid> = others.iter().map(|e| e.event_id).collect();
+    wait_for_async("the other aggregates to be published", Duration::from_secs(60), || async {
+        let left: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1) AND published_at IS NULL",
+                &[&ids],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    })
+    .await;
+    let row = client
+        .query_one(
+            "SELECT published_at IS NULL, handoff_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+            &[&parked],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, bool>(0), row.get::<_, bool>(1)),
+        (true, true),
+        "X's later event waits in the polling path behind the refused one"
+    );
+    let records = consume_all(&brokers, &[TOPIC], others.len(), Duration::from_secs(30));
+    let report = check_delivery(&records, &others, &[]);
+    assert_eq!(
+        (report.missing, report.order_violations),
+        (0, 0),
+        "{report:?}"
+    );
+    assert!(
+        records.iter().all(|r| r.key.as_deref() != Some("X")),
+        "nothing of X reached Kafka ahead of its refused event"
+    );
+}

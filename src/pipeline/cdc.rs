@@ -745,6 +745,15 @@ impl Session<'_> {
             {
                 self.flush_replay_buffer().await?;
             }
+            // A window full behind parked events (acknowledged ones waiting for them to be confirmable) opens
+            // only once they finish: with nothing else in flight, hand them to the polling path.
+            if !self.parked.is_empty()
+                && self.failing.is_none()
+                && !self.window_open()
+                && self.in_flight_events <= self.parked.len()
+            {
+                self.hand_off_every_parked()?;
+            }
             let confirmed = self.watermark.advance();
             // A window full of acknowledged events opens only once the server is told: tell it now.
             let tell_now = last_sent_at.elapsed() >= MIN_CONFIRM_GAP || !self.window_open();
@@ -1221,6 +1230,26 @@ impl Session<'_> {
             pending.event_id,
             HandOffReason::Blocked,
         )
+    }
+
+    /// Hands every parked event to the polling path, in order, its aggregate with it.
+    fn hand_off_every_parked(&mut self) -> Result<()> {
+        let keys: HashSet<BlockedKey> = self
+            .parked
+            .iter()
+            .map(|pending| blocked_key(&pending.tag, &pending.event))
+            .collect();
+        tracing::debug!(
+            aggregates = keys.len(),
+            "the window is full behind parked events: handing them to the polling path"
+        );
+        for key in keys {
+            if let Some(blocked) = self.blocked.get_mut(&key) {
+                *blocked = Blocked::HANDING_OFF;
+            }
+            self.hand_off_parked(&key)?;
+        }
+        Ok(())
     }
 
     /// Hands the parked events of `aggregate` to the polling path, in order.
