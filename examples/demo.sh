@@ -70,7 +70,8 @@ echo "t,published,unpublished,lag_bytes,inflight,ack_count,ack_sum" >"$work/metr
       /^outboxd_inflight_events / { i = $2 }
       /^outboxd_commit_to_ack_seconds_count/ { c = $2 }
       /^outboxd_commit_to_ack_seconds_sum/ { s = $2 }
-      END { if (p != "") printf "%s,%s,%s,%s,%s,%s,%s\n", t, p, u, l, i, c + 0, s + 0 }' >>"$work/metrics.csv"
+      END { if (p != "") printf "%s,%s,%s,%s,%s,%s,%s\n", t, p, u, l, i, c + 0, s + 0 }' >>"$work/metrics.csv" ||
+      true # /metrics not up yet: under set -e a failed curl used to end the sampler for good (an empty CSV)
     sleep 0.5
   done
 ) &
