@@ -331,14 +331,15 @@ async fn no_create_topics_names_the_missing_topic() {
     let broker = Broker::start();
     let url = pg.url();
     let brokers = broker.addr();
-    let mut outboxd = Outboxd::spawn(&[
+    let args = [
         "run",
         "--database-url",
         &url,
         "--brokers",
         &brokers,
         "--no-create-topics",
-    ]);
+    ];
+    let mut outboxd = Outboxd::spawn(&args);
     let client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
     client
@@ -379,14 +380,7 @@ async fn no_create_topics_names_the_missing_topic() {
         ),
     )
     .await;
-    let _again = Outboxd::spawn(&[
-        "run",
-        "--database-url",
-        &url,
-        "--brokers",
-        &brokers,
-        "--no-create-topics",
-    ]);
+    let _again = Outboxd::spawn(&args);
     wait_all_published(&client, Duration::from_secs(60)).await;
     let records = consume_all(&brokers, &["outbox.Invoice"], 1, Duration::from_secs(30));
     assert_eq!(records.len(), 1, "{records:?}");

@@ -419,6 +419,64 @@ async fn a_partitioned_table_streams_across_partitions_and_retention_drops_old_o
     );
 }
 
+/// Retention of a partitioned table under README's role plus what README says it needs for partitions:
+/// membership in the role that owns the table and its partitions (DETACH and DROP cannot be granted).
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_drops_old_partitions_as_a_member_of_the_owner_role() {
+    let (pg, broker, client) = stack_with(PARTITIONED_TABLE).await;
+    migrate_with(&pg.url(), &["--table", "outbox_p", "--add-polling-columns"]);
+    // The application's role owns the table and its partitions (and so the sequence migrate added).
+    client
+        .batch_execute(
+            "CREATE ROLE app_owner;
+             ALTER TABLE outbox_p OWNER TO app_owner;
+             ALTER TABLE outbox_p_2020 OWNER TO app_owner;
+             ALTER TABLE outbox_p_now OWNER TO app_owner;",
+        )
+        .await
+        .unwrap();
+    // Published long ago, in the 2020 partition; one recent row in the current one.
+    client
+        .batch_execute(
+            "INSERT INTO outbox_p (event_id, aggregate_type, aggregate_id, event_type, payload, created_at, published_at)
+             SELECT gen_random_uuid(), 'Order', 'o-' || i, 'E', '{}', '2020-06-01 00:00:00+00', now() - interval '1 year'
+             FROM generate_series(1, 10) i;
+             INSERT INTO outbox_p (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             VALUES (gen_random_uuid(), 'Order', 'r-1', 'E', '{}', now());",
+        )
+        .await
+        .unwrap();
+    let url = readme_role(
+        &pg,
+        "partitions-secret",
+        "outbox_p",
+        "GRANT app_owner TO outboxd_app;",
+    )
+    .await;
+    let brokers = broker.addr();
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--table",
+        "outbox_p",
+        "--retention",
+        "30d",
+        "--retention-interval",
+        "1s",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_2020_partition_dropped(&client).await;
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_p").await,
+        1,
+        "the current partition keeps its row"
+    );
+    assert!(
+        !outboxd.log_text().contains("permission denied"),
+        "{}",
+        outboxd.log_text()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn two_schemas_tables_stream_through_one_slot_to_their_own_topics() {
     let pg = Postgres::start();

@@ -172,7 +172,7 @@ async fn retention_removes_only_old_published_rows(archive: Option<&str>) {
         ),
         None => "GRANT DELETE ON outbox_event TO outboxd_app;".into(),
     };
-    let url = readme_role(&pg, "retention-secret", &grants).await;
+    let url = readme_role(&pg, "retention-secret", "outbox_event", &grants).await;
     let brokers = broker.addr();
     let mut args = run_args(&url, &brokers);
     args.extend(["--retention", "10m", "--retention-interval", "200ms"]);
@@ -299,7 +299,7 @@ async fn least_privilege_role_runs_everything_and_no_secret_leaks() {
     let (pg, broker) = migrated_stack();
     let mut admin = pg.client().await;
     // Exactly what README's "A role" step grants: nothing owned, no superuser.
-    let url = readme_role(&pg, PG_SECRET, "").await;
+    let url = readme_role(&pg, PG_SECRET, "outbox_event", "").await;
     let brokers = broker.addr();
     let metrics_addr = format!("127.0.0.1:{}", free_port());
     let kafka_option = format!("sasl.password={KAFKA_SECRET}");
@@ -352,7 +352,7 @@ async fn least_privilege_role_runs_everything_and_no_secret_leaks() {
 async fn readme_role_runs_the_sweeper_a_standby_and_the_polling_path() {
     let (pg, broker) = migrated_stack();
     let mut admin = pg.client().await;
-    let url = readme_role(&pg, "paths-secret", "").await;
+    let url = readme_role(&pg, "paths-secret", "outbox_event", "").await;
     let brokers = broker.addr();
     // Older than the slot: the hand-off at slot creation gives them to the sweeper.
     let (mut committed, _) = insert_events(&mut admin, 0, 5, 10, 5, None).await;

@@ -720,30 +720,47 @@ async fn poll_notify_wakes_an_idle_poller_and_is_off_by_default() {
     assert_eq!(triggers().await, 1);
 
     // A 10-minute polling interval: once the poller has found the table empty and sleeps, only the
-    // notification can deliver an event within the wait below. Its first claim (after LISTEN) makes it ready.
+    // notification can deliver an event within the wait below. (Readiness comes before the first claim; the
+    // claim's transaction ending, COMMIT being its session's last statement, says it is done, and LISTEN
+    // comes before it.)
     let mut client = pg.client().await;
+    let observer = pg.client().await;
     let poller = |notify: bool| {
-        let metrics_addr = format!("127.0.0.1:{}", free_port());
-        let mut extra = vec!["--mode", "poll", "--poll-interval", "10m"];
-        if notify {
-            extra.push("--poll-notify");
+        let client = &observer;
+        let (url, brokers) = (&url, &brokers);
+        async move {
+            let started: std::time::SystemTime =
+                client.query_one("SELECT now()", &[]).await.unwrap().get(0);
+            let mut extra = vec!["--mode", "poll", "--poll-interval", "10m"];
+            if notify {
+                extra.push("--poll-notify");
+            }
+            let outboxd = Outboxd::spawn(&args(url, brokers, &extra));
+            wait_for_async("the first claim", Duration::from_secs(60), || async {
+                let row = client
+                    .query_one(
+                        "SELECT count(*) FILTER (WHERE query = 'COMMIT')
+                         FROM pg_stat_activity
+                         WHERE state = 'idle' AND backend_start > $1 AND pid <> pg_backend_pid()",
+                        &[&started],
+                    )
+                    .await
+                    .unwrap();
+                let claimed: i64 = row.get(0);
+                (claimed == 1).then_some(())
+            })
+            .await;
+            outboxd
         }
-        let mut args = args(&url, &brokers, &extra);
-        args.extend(["--metrics-addr", metrics_addr.as_str()]);
-        let outboxd = Outboxd::spawn(&args);
-        wait_for("the first claim", Duration::from_secs(60), || {
-            http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
-        });
-        outboxd
     };
-    let notified = poller(true);
+    let notified = poller(true).await;
     let (committed, _) = insert_events(&mut client, 0, 1, 3, 1, None).await;
     wait_all_published(&client, Duration::from_secs(60)).await;
     verify_delivery(&brokers, &committed, &[], 30, "woken by NOTIFY");
     drop(notified);
 
     // The control: the same sleeping poller without --poll-notify (the trigger still fires) is not woken.
-    let _not_notified = poller(false);
+    let _not_notified = poller(false).await;
     insert_events(&mut client, 1, 1, 3, 1, None).await;
     let observed = std::time::Instant::now();
     while observed.elapsed() < Duration::from_secs(3) {
@@ -1213,15 +1230,23 @@ async fn a_slot_whose_creation_was_interrupted_is_created_again_with_its_hand_of
         60,
         "after an interrupted slot creation",
     );
-    let markers: i64 = client
+    assert_eq!(
+        creation_markers(&client).await,
+        0,
+        "the creation marker is removed"
+    );
+}
+
+/// Slots marking an unfinished creation of the slot `outboxd`.
+async fn creation_markers(client: &tokio_postgres::Client) -> i64 {
+    client
         .query_one(
             "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd_creating'",
             &[],
         )
         .await
         .unwrap()
-        .get(0);
-    assert_eq!(markers, 0, "the creation marker is removed");
+        .get(0)
 }
 
 /// The same interruption, produced for real: outboxd SIGKILLed while CREATE_REPLICATION_SLOT waits for an
@@ -1239,15 +1264,7 @@ async fn outboxd_killed_while_creating_its_slot_creates_it_again_with_its_hand_o
         .unwrap();
     let mut outboxd = Outboxd::spawn(&run_args(&pg.url(), &broker.addr()));
     wait_for_async("the creation marker", Duration::from_secs(60), || async {
-        let markers: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd_creating'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (markers == 1).then_some(())
+        (creation_markers(&client).await == 1).then_some(())
     })
     .await;
     outboxd.kill();
@@ -1264,15 +1281,11 @@ async fn outboxd_killed_while_creating_its_slot_creates_it_again_with_its_hand_o
     );
     assert_eq!(report.duplicates, 0);
     assert_eq!(handed_off_count(&client).await, committed.len() as i64);
-    let markers: i64 = client
-        .query_one(
-            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd_creating'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(markers, 0, "the creation marker is removed");
+    assert_eq!(
+        creation_markers(&client).await,
+        0,
+        "the creation marker is removed"
+    );
 }
 
 /// A claim that meets an earlier event of an aggregate locked by another session (a worker's retry UPDATE
@@ -1414,14 +1427,17 @@ async fn replay_under_cdc_publishes_an_event_dead_lettered_in_poll_mode() {
     assert_eq!(records[0].headers["event_id"], poison.to_string());
 }
 
-/// The lease was measured from the claim transaction's start (`now()`), before its wait for the claim lock,
-/// while renewals count from when the claim returned: a 3 s wait left 1 s of a 4 s lease, and a second worker
-/// claimed the row before the first renewal was due. (Found by the adversarial review.)
-#[tokio::test(flavor = "multi_thread")]
-async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
+/// A migrated table holding one row (aggregate `a`; its id returned), an admin client, and two workers: a
+/// client each with the claim statements a polling instance prepares.
+async fn one_row_and_two_workers(
+    pg: &Postgres,
+) -> (
+    tokio_postgres::Client,
+    uuid::Uuid,
+    [(tokio_postgres::Client, outboxd::pg::outbox::PollSql); 2],
+) {
     use outboxd::pg::outbox::{ClaimScope, PollSql};
-    let pg = Postgres::start();
-    migrate(&pg);
+    migrate(pg);
     let client = pg.client().await;
     let id = uuid::Uuid::new_v4();
     client
@@ -1433,15 +1449,26 @@ async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
         .await
         .unwrap();
     let table = outbox_event_table(&client).await;
-    let mut w1 = pg.client().await;
-    let mut w2 = pg.client().await;
     let order = outboxd::config::PollOrder::PerAggregate;
-    let sql1 = PollSql::prepare(&w1, &table, order, ClaimScope::All)
-        .await
-        .unwrap();
-    let sql2 = PollSql::prepare(&w2, &table, order, ClaimScope::All)
-        .await
-        .unwrap();
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let worker = pg.client().await;
+        let sql = PollSql::prepare(&worker, &table, order, ClaimScope::All)
+            .await
+            .unwrap();
+        workers.push((worker, sql));
+    }
+    let [first, second]: [_; 2] = workers.try_into().ok().unwrap();
+    (client, id, [first, second])
+}
+
+/// The lease was measured from the claim transaction's start (`now()`), before its wait for the claim lock,
+/// while renewals count from when the claim returned: a 3 s wait left 1 s of a 4 s lease, and a second worker
+/// claimed the row before the first renewal was due. (Found by the adversarial review.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
+    let pg = Postgres::start();
+    let (client, id, [(mut w1, sql1), (mut w2, sql2)]) = one_row_and_two_workers(&pg).await;
     // Another claimer holds the claim lock for 3 s (a slow claim under load).
     let mut blocker = pg.client().await;
     let (held_tx, held_rx) = tokio::sync::oneshot::channel();
@@ -1488,28 +1515,9 @@ async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
 /// lease token, so only the current holder's outcome counts.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_worker_whose_lease_expired_can_no_longer_write_its_rows() {
-    use outboxd::pg::outbox::{ClaimScope, PollSql};
     let pg = Postgres::start();
-    migrate(&pg);
-    let client = pg.client().await;
-    let id = uuid::Uuid::new_v4();
-    client
-        .execute(
-            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
-             VALUES ($1, 'Order', 'a', 'E', '{}')",
-            &[&id],
-        )
-        .await
-        .unwrap();
-    let table = outbox_event_table(&client).await;
-    let order = outboxd::config::PollOrder::PerAggregate;
-    let (mut stale, mut current) = (pg.client().await, pg.client().await);
-    let stale_sql = PollSql::prepare(&stale, &table, order, ClaimScope::All)
-        .await
-        .unwrap();
-    let current_sql = PollSql::prepare(&current, &table, order, ClaimScope::All)
-        .await
-        .unwrap();
+    let (client, id, [(mut stale, stale_sql), (mut current, current_sql)]) =
+        one_row_and_two_workers(&pg).await;
     let (stale_token, current_token) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
     let lease = Duration::from_millis(200);
     assert_eq!(

@@ -1416,14 +1416,14 @@ pub fn memory_kib(pid: u32, field: &str) -> u64 {
 }
 
 /// The role README's set-up step 2 makes, with exactly its grants (`LOGIN REPLICATION`, `SELECT, UPDATE` on
-/// `outbox_event`) and then `extra_grants` (SQL run as the admin, for what an option needs on top), allowed
-/// in by password; returns its URL.
-pub async fn readme_role(pg: &Postgres, password: &str, extra_grants: &str) -> String {
+/// the outbox `table`) and then `extra_grants` (SQL run as the admin, for what an option needs on top),
+/// allowed in by password; returns its URL.
+pub async fn readme_role(pg: &Postgres, password: &str, table: &str, extra_grants: &str) -> String {
     let admin = pg.client().await;
     admin
         .batch_execute(&format!(
             "CREATE ROLE outboxd_app LOGIN REPLICATION PASSWORD '{password}';
-             GRANT SELECT, UPDATE ON outbox_event TO outboxd_app;
+             GRANT SELECT, UPDATE ON {table} TO outboxd_app;
              {extra_grants}"
         ))
         .await
