@@ -373,11 +373,7 @@ impl StallAtShutdown {
         wait_for(
             "the last events to be in flight",
             Duration::from_secs(60),
-            || {
-                let (_, metrics) = http_get(&metrics_addr, "/metrics")?;
-                let in_flight = metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")?;
-                (in_flight >= 10.0).then_some(())
-            },
+            || in_flight_events(&metrics_addr).filter(|&n| n >= 10.0),
         );
         StallAtShutdown {
             _pg: pg,
@@ -687,9 +683,7 @@ async fn broker_down_longer_than_wal_sender_timeout_keeps_the_stream_and_confirm
             "the replication connection was dropped"
         );
         peak_rss = peak_rss.max(memory_kib(outboxd.pid(), "VmRSS"));
-        if let Some((200, metrics)) = http_get(&metrics_addr, "/metrics") {
-            let in_flight = metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")
-                .expect("the in-flight gauge");
+        if let Some(in_flight) = in_flight_events(&metrics_addr) {
             peak_in_flight = peak_in_flight.max(in_flight);
         }
     }
@@ -744,10 +738,7 @@ async fn the_byte_window_bounds_what_waits_for_a_stalled_broker() {
     proxy.stall();
     let mut committed = warm_up;
     committed.extend(insert_big_events(&client, 1, 1_000).await);
-    let in_flight = || {
-        let (_, metrics) = http_get(&metrics_addr, "/metrics")?;
-        metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")
-    };
+    let in_flight = || in_flight_events(&metrics_addr);
     wait_for("the byte window to fill", Duration::from_secs(60), || {
         in_flight().filter(|&n| n >= 200.0)
     });

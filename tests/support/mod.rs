@@ -1398,6 +1398,16 @@ pub fn metric_value(text: &str, metric: &str, labels: &str) -> Option<f64> {
         })
 }
 
+/// outboxd's `outboxd_inflight_events` gauge, read from its `/metrics` at `metrics_addr` (None while it
+/// does not answer).
+pub fn in_flight_events(metrics_addr: &str) -> Option<f64> {
+    let (status, metrics) = http_get(metrics_addr, "/metrics")?;
+    if status != 200 {
+        return None;
+    }
+    metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")
+}
+
 /// Runs outboxd until a walsender streams from its new slot, then SIGKILLs it: the slot exists, nothing streams.
 pub async fn create_slot_then_stop(url: &str, brokers: &str, client: &tokio_postgres::Client) {
     let mut outboxd = Outboxd::spawn(&run_args(url, brokers));
