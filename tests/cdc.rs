@@ -138,7 +138,6 @@ async fn idle_outbox_does_not_hold_wal() {
     })
     .await;
     println!("slot lag settled at {lag_bytes} bytes");
-    assert!(start_lag > 1_000_000 || lag_bytes < 1_000_000);
 }
 
 /// Four SIGKILLs, each landing while a backlog is being published (some but not all of the round has
@@ -218,10 +217,15 @@ async fn restart_postgres_mid_stream(mode: &str) {
     )
     .await;
     pg.restart(mode);
-    println!(
-        "restarted PostgreSQL (-m {mode}) with {published_before} of {total} events published"
-    );
     let mut client = pg.client().await;
+    let published_at_restart = total - unpublished(&client).await;
+    println!(
+        "restarted PostgreSQL (-m {mode}) with {published_before} of {total} events published ({published_at_restart} once it was back)"
+    );
+    assert!(
+        published_at_restart < total,
+        "the restart landed after the whole backlog was published"
+    );
     let (c, r) = insert_events(&mut client, 100, 100, 25, 50, Some(17)).await;
     committed.extend(c);
     rolled_back.extend(r);
@@ -611,8 +615,6 @@ async fn aggregate_types_that_are_no_legal_topic_name_are_sanitised() {
             "one record on {topic:?}: {records:?}"
         );
     }
-    let dead = dead_count(&client).await;
-    assert_eq!(dead, 0);
 }
 
 /// The broker is unreachable for longer than wal_sender_timeout: the replication connection stays up
@@ -978,6 +980,11 @@ async fn a_handed_off_event_re_sent_after_a_postgres_restart_stays_the_polling_p
         .await;
     assert_eq!(published, None, "never produced, so never published");
     assert!(dead.is_some());
+    assert_eq!(
+        attempts_of(&client, poison).await,
+        2,
+        "retried --max-attempts times, then dead-lettered"
+    );
 }
 
 /// An event parked behind its aggregate's refused event (waiting in the polling path) must not stop the

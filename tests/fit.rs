@@ -10,6 +10,8 @@ use support::*;
 
 /// The in-flight window of the kill tests: each SIGKILL may re-send at most this many events.
 const KILL_TEST_WINDOW: usize = 20;
+/// Transactions per round of the kill tests: enough that a round takes many windows to stream.
+const KILL_TEST_ROUND_TXNS: usize = 200;
 
 /// A PostgreSQL cluster with `create` run in it, a broker, and a client.
 async fn stack_with(create: &str) -> (Postgres, Broker, tokio_postgres::Client) {
@@ -107,13 +109,12 @@ async fn a_debezium_outbox_table_is_published_as_debeziums_router_publishes_it()
         Duration::from_secs(60),
     );
     assert_eq!(records.len(), 10);
-    for (record, (id, aggregate, n)) in records
-        .iter()
-        .filter(|r| r.key.as_deref() == Some("order-0"))
-        .zip(ids.iter().filter(|i| i.1 == "order-0"))
-    {
+    for (id, aggregate, n) in &ids {
+        let record = records
+            .iter()
+            .find(|r| r.headers.get("id") == Some(&id.to_string()))
+            .unwrap_or_else(|| panic!("no record for event {id}"));
         assert_eq!(record.key.as_deref(), Some(aggregate.as_str()));
-        assert_eq!(record.headers["id"], id.to_string());
         assert!(
             !record.headers.contains_key("created_at"),
             "no created_at column, no header"
@@ -121,6 +122,23 @@ async fn a_debezium_outbox_table_is_published_as_debeziums_router_publishes_it()
         let value: serde_json::Value =
             serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
         assert_eq!(value, serde_json::json!({ "n": n }));
+    }
+    for aggregate in ["order-0", "order-1", "order-2"] {
+        let published: Vec<&String> = records
+            .iter()
+            .filter(|r| r.key.as_deref() == Some(aggregate))
+            .map(|r| &r.headers["id"])
+            .collect();
+        let inserted: Vec<String> = ids
+            .iter()
+            .filter(|i| i.1 == aggregate)
+            .map(|i| i.0.to_string())
+            .collect();
+        assert_eq!(
+            published,
+            inserted.iter().collect::<Vec<_>>(),
+            "{aggregate} in order"
+        );
     }
     assert!(
         outboxd.log_text().contains("running CDC only"),
@@ -396,14 +414,6 @@ async fn a_partitioned_table_streams_across_partitions_and_retention_drops_old_o
         10,
         "the current partition keeps its rows"
     );
-    assert_eq!(
-        count(
-            &client,
-            "SELECT count(*) FROM outbox_p WHERE published_at IS NULL"
-        )
-        .await,
-        0
-    );
     // The drop commits before it is logged.
     let log = wait_for(
         "retention to log the dropped partition",
@@ -613,13 +623,14 @@ async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_k
     let window = KILL_TEST_WINDOW.to_string();
     let mut args = run_args(&url, &brokers);
     args.extend(["--max-in-flight-events", &window]);
+    create_slot_then_stop(&url, &brokers, &client).await;
     let mut committed = Vec::new();
     let mut txn = 0;
     for _ in 0..4 {
-        let mut outboxd = Outboxd::spawn(&args);
-        wait_slot_active(&client, "outboxd").await;
+        // The round waits in the WAL while outboxd is down, so that the kill lands mid-round.
+        let start = current_wal_lsn(&client).await;
         // An order service that keeps its outbox empty: insert and delete in one transaction.
-        for _ in 0..40 {
+        for _ in 0..KILL_TEST_ROUND_TXNS {
             let tx = client.transaction().await.unwrap();
             let events = insert_txn_events(&tx, txn, 5, 7).await;
             tx.batch_execute("DELETE FROM outbox_event").await.unwrap();
@@ -627,7 +638,9 @@ async fn a_cdc_only_table_emptied_by_its_writers_loses_nothing_when_outboxd_is_k
             committed.extend(events);
             txn += 1;
         }
-        outboxd.kill();
+        let end = current_wal_lsn(&client).await;
+        let mut outboxd = Outboxd::spawn(&args);
+        kill_mid_round(&client, &mut outboxd, start, end).await;
     }
     let _outboxd = Outboxd::spawn(&args);
     let end = current_wal_lsn(&client).await;
@@ -756,13 +769,17 @@ async fn two_tables_through_one_slot_lose_nothing_when_outboxd_is_killed() {
     let args = two_schema_args(&pg, &broker, &["--max-in-flight-events", &window]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let brokers = broker.addr();
+    let mut outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    outboxd.kill();
     let mut committed = Vec::new();
     for round in 0..4i64 {
-        let mut outboxd = Outboxd::spawn(&args);
-        wait_slot_active(&client, "outboxd").await;
+        // The round waits in the WAL while outboxd is down, so that the kill lands mid-round.
+        let start = current_wal_lsn(&client).await;
         // Each transaction writes one event to each table; the aggregate's events alternate tables.
-        for n in 0..50i64 {
-            let seq = round * 50 + n;
+        let txns = KILL_TEST_ROUND_TXNS as i64;
+        for n in 0..txns {
+            let seq = round * txns + n;
             let tx = client.transaction().await.unwrap();
             for schema in ["orders", "billing"] {
                 let id = uuid::Uuid::new_v4();
@@ -787,7 +804,9 @@ async fn two_tables_through_one_slot_lose_nothing_when_outboxd_is_killed() {
             }
             tx.commit().await.unwrap();
         }
-        outboxd.kill();
+        let end = current_wal_lsn(&client).await;
+        let mut outboxd = Outboxd::spawn(&args);
+        kill_mid_round(&client, &mut outboxd, start, end).await;
     }
     let _outboxd = Outboxd::spawn(&args);
     wait_all_published_in(&client, "orders.outbox_event").await;

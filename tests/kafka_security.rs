@@ -71,7 +71,7 @@ async fn publishes_over_sasl_ssl_as_a_user_allowed_only_to_write_and_create_its_
     wait_slot_active(&client, "outboxd").await;
 
     let (committed, rolled_back) = insert_events(&mut client, 0, 30, 10, 7, Some(9)).await;
-    verify_delivery(
+    verify_fault_free_delivery(
         &broker.plaintext_addr(),
         &committed,
         &rolled_back,

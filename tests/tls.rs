@@ -101,7 +101,7 @@ async fn every_sslmode_on_sql_and_replication_connections() {
     let backends = outboxd_backends(&client).await;
     assert!(backends.iter().all(|(_, ssl)| *ssl), "{backends:?}");
     let (committed, rolled_back) = insert_events(&mut client, 0, 20, 10, 5, Some(7)).await;
-    verify_delivery(&brokers, &committed, &rolled_back, 60, "verify-full");
+    verify_fault_free_delivery(&brokers, &committed, &rolled_back, 60, "verify-full");
     drop(outboxd);
     wait_for_async("the walsender to go", Duration::from_secs(30), || async {
         slot_active(&client, "outboxd")

@@ -1059,6 +1059,19 @@ pub fn verify_delivery(
     (records, report)
 }
 
+/// [`verify_delivery`] for a run without faults: nothing may go out twice either.
+pub fn verify_fault_free_delivery(
+    brokers: &str,
+    committed: &[Inserted],
+    rolled_back: &[Inserted],
+    timeout_secs: u64,
+    what: &str,
+) -> Vec<Record> {
+    let (records, report) = verify_delivery(brokers, committed, rolled_back, timeout_secs, what);
+    assert_eq!(report.duplicates, 0, "{what}: duplicates without a fault");
+    records
+}
+
 /// A migrated PostgreSQL cluster and a broker, both stopped on drop.
 pub fn migrated_stack() -> (Postgres, Broker) {
     let pg = Postgres::start();
@@ -1115,9 +1128,30 @@ pub async fn unpublished(client: &tokio_postgres::Client) -> i64 {
         .get(0)
 }
 
+/// Waits until every row is published, failing at once (not at the timeout) when one was dead-lettered.
 pub async fn wait_all_published(client: &tokio_postgres::Client, timeout: Duration) {
+    wait_settled(client, timeout).await;
+    let dead = dead_count(client).await;
+    assert_eq!(
+        dead, 0,
+        "{dead} rows were dead-lettered instead of published"
+    );
+}
+
+/// Waits until no row is waiting: each is published or dead-lettered.
+pub async fn wait_settled(client: &tokio_postgres::Client, timeout: Duration) {
     let deadline = std::time::Instant::now() + timeout;
-    while unpublished(client).await > 0 {
+    let waiting = || async {
+        client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND dead_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    while waiting().await > 0 {
         if std::time::Instant::now() > deadline {
             let state = client
                 .query_one(
@@ -1141,7 +1175,7 @@ pub async fn wait_all_published(client: &tokio_postgres::Client, timeout: Durati
                     )
                 });
             panic!(
-                "timed out after {timeout:?} waiting for every row to have published_at: {state:?}"
+                "timed out after {timeout:?} waiting for every row to be published or dead-lettered: {state:?}"
             );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1339,6 +1373,18 @@ impl Broker {
     }
 }
 
+/// How often the polling path claimed event `id` (`attempts`).
+pub async fn attempts_of(client: &tokio_postgres::Client, id: uuid::Uuid) -> i32 {
+    client
+        .query_one(
+            "SELECT attempts FROM outbox_event WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// Dead-lettered rows (`dead_at` set).
 pub async fn dead_count(client: &tokio_postgres::Client) -> i64 {
     client
@@ -1413,6 +1459,28 @@ pub async fn create_slot_then_stop(url: &str, brokers: &str, client: &tokio_post
     let mut outboxd = Outboxd::spawn(&run_args(url, brokers));
     wait_slot_active(client, "outboxd").await;
     outboxd.kill();
+}
+
+/// SIGKILLs `outboxd` while it streams a round committed while it was down (the WAL from `start` to `end`):
+/// once the slot confirmed part of it, and asserting that it had not confirmed all of it.
+pub async fn kill_mid_round(
+    client: &tokio_postgres::Client,
+    outboxd: &mut Outboxd,
+    start: outboxd::lsn::Lsn,
+    end: outboxd::lsn::Lsn,
+) {
+    wait_for_async(
+        "the slot to confirm part of the round",
+        Duration::from_secs(60),
+        || async { (confirmed_flush(client, "outboxd").await > start).then_some(()) },
+    )
+    .await;
+    outboxd.kill();
+    let confirmed = confirmed_flush(client, "outboxd").await;
+    assert!(
+        confirmed < end,
+        "the kill landed after the whole round was confirmed ({confirmed}, round ends at {end})"
+    );
 }
 
 /// A field of /proc/<pid>/status in KiB: `VmRSS` (now) or `VmHWM` (peak).
