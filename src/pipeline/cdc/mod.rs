@@ -6,7 +6,7 @@
 //! history (see `history`).
 //! Reading stops while the in-flight window is full, but standby status updates keep flowing on a timer.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,6 +31,9 @@ use crate::pipeline::replication_error;
 use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::table::OutboxTable;
+
+mod gate;
+use gate::{Admission, AggregateGate};
 
 /// Rows of re-sent transactions are checked against `published_at` in batches of this size.
 const REPLAY_BATCH: usize = 1_000;
@@ -68,36 +71,6 @@ struct Pending {
     tag: CdcTag,
     event: OutboxEvent,
     event_id: Uuid,
-}
-
-/// How a blocked aggregate's later events keep their order behind its rows in the polling path.
-///
-/// Parking holds them in memory (within the in-flight window) and publishes them once the polling path
-/// has drained the aggregate, which is quick for rows handed off at slot creation. Handing them off too
-/// suits an aggregate that stays blocked (a poison event retrying): an aggregate whose parked events reach
-/// its share of the window hands them off, and goes back to parking at the next check, so a steady load
-/// can never keep an aggregate on the polling path for good.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Hold {
-    Park,
-    HandOff,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Blocked {
-    hold: Hold,
-    parked: usize,
-}
-
-impl Blocked {
-    const PARKING: Blocked = Blocked {
-        hold: Hold::Park,
-        parked: 0,
-    };
-    const HANDING_OFF: Blocked = Blocked {
-        hold: Hold::HandOff,
-        parked: 0,
-    };
 }
 
 /// Why an event went to the polling path instead of the producer.
@@ -146,20 +119,15 @@ fn placeholder_event(event_id: &str) -> OutboxEvent {
     }
 }
 
-/// A blocked aggregate: (index of its outbox table, aggregate).
-type BlockedKey = (usize, AggregateKey);
-
-fn blocked_key(tag: &CdcTag, event: &OutboxEvent) -> BlockedKey {
+/// The aggregate an event belongs to, as the polling path names it.
+fn aggregate_of(event: &OutboxEvent) -> AggregateKey {
     (
-        tag.table,
-        (
-            event
-                .aggregate_type
-                .as_deref()
-                .unwrap_or_default()
-                .to_string(),
-            event.aggregate_id.to_string(),
-        ),
+        event
+            .aggregate_type
+            .as_deref()
+            .unwrap_or_default()
+            .to_string(),
+        event.aggregate_id.to_string(),
     )
 }
 
@@ -191,18 +159,15 @@ struct Session<'a> {
     skipped_already_published: u64,
     /// Events handed to the polling path travel to the backfill task on the delivery channel.
     hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
-    /// Aggregates with rows waiting in the polling path: their later events are never published ahead.
-    blocked: HashMap<BlockedKey, Blocked>,
-    /// Tables with more blocked aggregates than [`MAX_TRACKED_BLOCKED`]: every event of them is handed off.
-    held_tables: HashSet<usize>,
+    /// Aggregates with rows waiting in the polling path (their later events are never published ahead), and
+    /// tables with more of them than [`MAX_TRACKED_BLOCKED`] (every event of them is handed off).
+    gate: AggregateGate<Pending>,
     /// Reading pauses until hand-offs in flight are written, so that a held table's check can run (under
     /// steady load some hand-off of it is almost always in flight).
     pausing_for_check: bool,
     /// A table outgrew [`MAX_TRACKED_BLOCKED`]: reading stops, and the session restarts once its hand-offs
     /// are written.
     restart_after_hand_offs: bool,
-    /// Events of blocked aggregates held back (in stream order) until the polling path drained them.
-    parked: VecDeque<Pending>,
     hand_offs_in_flight: usize,
     /// Hand-offs whose `handoff_at` is not written yet, by event id.
     hand_offs_unwritten: HashMap<Uuid, HandedOff>,
@@ -552,18 +517,18 @@ impl CdcPipeline {
         self.history = Some(here);
         // Read only now that this session holds the slot: an instance that led before may have handed off
         // rows until it let go of it.
-        let mut blocked = HashMap::new();
-        let mut held_tables = HashSet::new();
+        // A blocked aggregate parks up to its share of the in-flight window, then hands off.
+        let mut gate = AggregateGate::new(settings.max_in_flight_events / 8);
         for (index, table) in db.tables.iter().enumerate().filter(|(_, t)| t.polling) {
             let pending =
                 outbox::aggregates_pending_hand_off(&sql, table, MAX_TRACKED_BLOCKED).await?;
             if pending.len() > MAX_TRACKED_BLOCKED {
                 tracing::info!(table = %table.name, "more than {MAX_TRACKED_BLOCKED} aggregates wait in the polling path: handing it every event of the table until it has drained them");
-                held_tables.insert(index);
+                gate.hold_table(index);
                 continue;
             }
             for aggregate in pending {
-                blocked.insert((index, aggregate), Blocked::PARKING);
+                gate.block((index, aggregate));
             }
         }
 
@@ -601,11 +566,9 @@ impl CdcPipeline {
             published: 0,
             skipped_already_published: 0,
             hand_offs: delivery_tx,
-            blocked,
-            held_tables,
+            gate,
             pausing_for_check: false,
             restart_after_hand_offs: false,
-            parked: VecDeque::new(),
             hand_offs_in_flight: 0,
             hand_offs_unwritten: HashMap::new(),
             handed_off: 0,
@@ -701,7 +664,7 @@ impl Session<'_> {
                     let timeout = self.delivery_timeout;
                     self.give_up(format!("an event waited {timeout:?} (message.timeout.ms) for its delivery report; {} are outstanding", self.outstanding.len()));
                 }
-                _ = tokio::time::sleep_until(next_unblock_check), if self.has_blocked() && drain_deadline.is_none() && self.failing.is_none() => {
+                _ = tokio::time::sleep_until(next_unblock_check), if self.gate.has_blocked() && drain_deadline.is_none() && self.failing.is_none() => {
                     let started = tokio::time::Instant::now();
                     self.unblock_drained_aggregates().await?;
                     next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK.max(started.elapsed() * UNBLOCK_CHECK_COST_FACTOR);
@@ -747,10 +710,10 @@ impl Session<'_> {
             }
             // A window full behind parked events (acknowledged ones waiting for them to be confirmable) opens
             // only once they finish: with nothing else in flight, hand them to the polling path.
-            if !self.parked.is_empty()
+            if self.gate.parked_len() > 0
                 && self.failing.is_none()
                 && !self.window_open()
-                && self.in_flight_events <= self.parked.len()
+                && self.in_flight_events <= self.gate.parked_len()
             {
                 self.hand_off_every_parked()?;
             }
@@ -898,14 +861,15 @@ impl Session<'_> {
                 self.start_event(txn, event.size_bytes());
                 let tag = self.tag_for(txn, table);
                 // Re-sent rows are checked like replayed ones (see `flush_replay_buffer`).
+                let pending = Pending {
+                    tag,
+                    event,
+                    event_id,
+                };
                 if self.in_replay_region || tag.resent {
-                    self.replay_buffer.push(Pending {
-                        tag,
-                        event,
-                        event_id,
-                    });
+                    self.replay_buffer.push(pending);
                 } else {
-                    self.publish(tag, &event, event_id).await?;
+                    self.publish(pending).await?;
                 }
             }
             PgOutputMessage::Skipped(_) => {}
@@ -947,34 +911,17 @@ impl Session<'_> {
     }
 
     /// Publishes one event, or holds it back when its aggregate has events waiting in the polling path
-    /// (see [`Hold`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
+    /// (see [`gate`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
     /// which retries and dead-letters it; its aggregate is blocked behind it, so order per aggregate holds.
-    async fn publish(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
-        if !self.held_tables.is_empty() && self.held_tables.contains(&tag.table) {
-            return self.hand_off(tag, event, event_id, HandOffReason::Blocked);
+    async fn publish(&mut self, pending: Pending) -> Result<()> {
+        match self
+            .gate
+            .admit(pending.tag.table, pending, |p| aggregate_of(&p.event))
+        {
+            Admission::Publish(p) => self.produce(p.tag, &p.event, p.event_id).await,
+            Admission::Parked => Ok(()),
+            Admission::HandOff(events) => self.hand_off_blocked(&events),
         }
-        // Checked without allocating while nothing is blocked (the common case).
-        if !self.blocked.is_empty() {
-            let key = blocked_key(&tag, event);
-            if let Some(blocked) = self.blocked.get_mut(&key) {
-                let park_limit = (self.settings.max_in_flight_events / 8).max(1);
-                if blocked.hold == Hold::Park && blocked.parked < park_limit {
-                    blocked.parked += 1;
-                    self.parked.push_back(Pending {
-                        tag,
-                        event: event.clone(),
-                        event_id,
-                    });
-                    return Ok(());
-                }
-                if blocked.hold == Hold::Park {
-                    *blocked = Blocked::HANDING_OFF;
-                    self.hand_off_parked(&key)?;
-                }
-                return self.hand_off(tag, event, event_id, HandOffReason::Blocked);
-            }
-        }
-        self.produce(tag, event, event_id).await
     }
 
     /// Hands one event to the producer; a permanent refusal (or a topic the broker refused outright, see
@@ -1021,16 +968,15 @@ impl Session<'_> {
                 if !held {
                     tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
                 }
-                self.blocked
-                    .insert(blocked_key(&tag, event), Blocked::HANDING_OFF);
+                let parked = self.gate.refused((tag.table, aggregate_of(event)));
                 let reason = if rejection.topic_wide {
                     HandOffReason::TopicRefused
                 } else {
                     HandOffReason::Refused
                 };
                 self.hand_off(tag, event, event_id, reason)?;
-                let table_blocked = self.blocked.keys().filter(|(t, _)| *t == tag.table).count();
-                if table_blocked > MAX_TRACKED_BLOCKED {
+                self.hand_off_blocked(&parked)?;
+                if self.gate.blocked_in(tag.table) > MAX_TRACKED_BLOCKED {
                     // Events of these aggregates may still be in flight: holding the table in place could let
                     // a later one overtake them through the polling path. The next session holds it from
                     // its start, when nothing is in flight, once this hand-off is written (so that it
@@ -1213,99 +1159,60 @@ impl Session<'_> {
         Ok(())
     }
 
-    fn is_blocked(&self, tag: &CdcTag, event: &OutboxEvent) -> bool {
-        self.held_tables.contains(&tag.table)
-            || (!self.blocked.is_empty() && self.blocked.contains_key(&blocked_key(tag, event)))
-    }
-
-    fn has_blocked(&self) -> bool {
-        !self.blocked.is_empty() || !self.held_tables.is_empty()
-    }
-
-    /// Hands a held event of a blocked aggregate to the polling path.
-    fn hand_off_blocked(&mut self, pending: &Pending) -> Result<()> {
-        self.hand_off(
-            pending.tag,
-            &pending.event,
-            pending.event_id,
-            HandOffReason::Blocked,
-        )
+    /// Hands held events of blocked aggregates to the polling path, in order.
+    fn hand_off_blocked(&mut self, events: &[Pending]) -> Result<()> {
+        for pending in events {
+            self.hand_off(
+                pending.tag,
+                &pending.event,
+                pending.event_id,
+                HandOffReason::Blocked,
+            )?;
+        }
+        Ok(())
     }
 
     /// Hands every parked event to the polling path, in order, its aggregate with it.
     fn hand_off_every_parked(&mut self) -> Result<()> {
-        let keys: HashSet<BlockedKey> = self
-            .parked
-            .iter()
-            .map(|pending| blocked_key(&pending.tag, &pending.event))
-            .collect();
+        let parked = self.gate.hand_off_every_parked();
         tracing::debug!(
-            aggregates = keys.len(),
+            events = parked.len(),
             "the window is full behind parked events: handing them to the polling path"
         );
-        for key in keys {
-            if let Some(blocked) = self.blocked.get_mut(&key) {
-                *blocked = Blocked::HANDING_OFF;
-            }
-            self.hand_off_parked(&key)?;
-        }
-        Ok(())
-    }
-
-    /// Hands the parked events of `aggregate` to the polling path, in order.
-    fn hand_off_parked(&mut self, (table, aggregate): &BlockedKey) -> Result<()> {
-        for pending in std::mem::take(&mut self.parked) {
-            if pending.tag.table == *table
-                && pending.event.aggregate_type.as_deref().unwrap_or_default() == aggregate.0
-                && *pending.event.aggregate_id == *aggregate.1
-            {
-                self.hand_off_blocked(&pending)?;
-            } else {
-                self.parked.push_back(pending);
-            }
-        }
-        Ok(())
+        self.hand_off_blocked(&parked)
     }
 
     /// Lets the CDC path publish an aggregate again once the polling path has nothing of it left, then
     /// publishes what it parked, in order. Asked only while none of this session's hand-offs are unwritten,
     /// so the query sees all of them; aggregates handing off go back to parking first, so that happens.
     async fn unblock_drained_aggregates(&mut self) -> Result<()> {
-        for blocked in self.blocked.values_mut() {
-            blocked.hold = Hold::Park;
-        }
+        self.gate.begin_check();
         if self.hand_offs_in_flight > 0 {
-            self.pausing_for_check = !self.held_tables.is_empty();
+            self.pausing_for_check = self.gate.has_held_tables();
             return Ok(());
         }
         self.pausing_for_check = false;
         // A held table whose pending aggregates are few enough again is tracked one by one from now on
         // (from exactly what was just read: it is not asked again below).
         let mut released: HashSet<usize> = HashSet::new();
-        for table in self.held_tables.clone() {
+        for table in self.gate.held_tables() {
             let outbox_table: &OutboxTable = &self.settings.database.tables[table];
             let pending =
                 outbox::aggregates_pending_hand_off(&self.sql, outbox_table, MAX_TRACKED_BLOCKED)
                     .await?;
             if pending.len() <= MAX_TRACKED_BLOCKED {
                 tracing::info!(table = %outbox_table.name, blocked = pending.len(), "few enough aggregates wait in the polling path: tracking them one by one again");
-                self.held_tables.remove(&table);
+                self.gate.release_table(table, pending);
                 released.insert(table);
-                for aggregate in pending {
-                    self.blocked.insert((table, aggregate), Blocked::PARKING);
-                }
             }
         }
-        let tables: HashSet<usize> = self
-            .blocked
-            .keys()
-            .map(|(table, _)| *table)
-            .filter(|table| !released.contains(table))
-            .collect();
-        let mut pending: HashSet<BlockedKey> = HashSet::new();
+        let mut pending: HashSet<(usize, AggregateKey)> = HashSet::new();
         // A table whose answer was cut at the limit cannot tell which aggregates drained: none unblocks.
         let mut cut: HashSet<usize> = HashSet::new();
-        for table in tables {
+        for table in self.gate.blocked_tables() {
+            if released.contains(&table) {
+                continue;
+            }
             let outbox_table: &OutboxTable = &self.settings.database.tables[table];
             let aggregates =
                 outbox::aggregates_pending_hand_off(&self.sql, outbox_table, MAX_TRACKED_BLOCKED)
@@ -1315,22 +1222,9 @@ impl Session<'_> {
             }
             pending.extend(aggregates.into_iter().map(|aggregate| (table, aggregate)));
         }
-        let before = self.blocked.len();
-        self.blocked.retain(|aggregate, _| {
-            released.contains(&aggregate.0)
-                || cut.contains(&aggregate.0)
-                || pending.contains(aggregate)
-        });
-        if self.blocked.len() == before {
-            return Ok(());
-        }
-        for held in std::mem::take(&mut self.parked) {
-            let key = blocked_key(&held.tag, &held.event);
-            match self.blocked.get(&key) {
-                Some(blocked) if blocked.hold == Hold::Park => self.parked.push_back(held),
-                // Unblocked (or blocked again by a refusal just now): publish decides.
-                _ => self.publish(held.tag, &held.event, held.event_id).await?,
-            }
+        // Unblocked (or blocked again by a refusal among them): publish decides.
+        for unblocked in self.gate.drained(&pending, &cut, &released) {
+            self.publish(unblocked).await?;
         }
         Ok(())
     }
@@ -1365,14 +1259,16 @@ impl Session<'_> {
             if finished {
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
-            } else if self.is_blocked(&pending.tag, &pending.event) {
+            } else if self
+                .gate
+                .is_blocked(pending.tag.table, || aggregate_of(&pending.event))
+            {
                 // What waits in the polling path for this aggregate may be *later* than this replayed event
                 // (handed off by the session that failed to deliver it): parking it would publish it after
                 // them. The polling path orders it among them by position.
-                self.hand_off_blocked(&pending)?;
+                self.hand_off_blocked(std::slice::from_ref(&pending))?;
             } else {
-                self.publish(pending.tag, &pending.event, pending.event_id)
-                    .await?;
+                self.publish(pending).await?;
             }
         }
         Ok(())
@@ -1381,7 +1277,7 @@ impl Session<'_> {
     /// At shutdown, buffered and parked rows are simply left for the next run (the slot was not confirmed
     /// past them).
     fn drop_held_events(&mut self) {
-        let parked = std::mem::take(&mut self.parked);
+        let parked = self.gate.take_every_parked();
         for pending in std::mem::take(&mut self.replay_buffer)
             .into_iter()
             .chain(parked)
