@@ -17,11 +17,11 @@ use uuid::Uuid;
 use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
-use crate::event::{MappingError, OutboxEvent, RowMapping};
+use crate::event::OutboxEvent;
 use crate::kafka::{Delivery, KnownTopics, PublishError, Publisher, Rejection};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, ClaimScope, OutboxSql};
-use crate::pg::pgoutput::{self, PgOutputMessage};
+use crate::pg::pgoutput;
 use crate::pg::replication::{protocol, ReplicationConnection, ReplicationStream, ServerMessage};
 use crate::pg::{self, slot};
 use crate::pipeline::backfill::{self, CdcTag, Finished};
@@ -32,7 +32,9 @@ use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::table::OutboxTable;
 
+mod decoder;
 mod gate;
+use decoder::{placeholder_event, Decoded, Pending, TransactionDecoder};
 use gate::{Admission, AggregateGate};
 
 /// Rows of re-sent transactions are checked against `published_at` in batches of this size.
@@ -66,13 +68,6 @@ pub struct CdcPipeline {
     topic_holds: TopicHolds,
 }
 
-/// An event decoded in the replay region, waiting for the `published_at` lookup.
-struct Pending {
-    tag: CdcTag,
-    event: OutboxEvent,
-    event_id: Uuid,
-}
-
 /// Why an event went to the polling path instead of the producer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HandOffReason {
@@ -97,28 +92,6 @@ struct HandedOff {
     bytes: usize,
 }
 
-/// What a relation of the stream is to outboxd.
-enum Mapped {
-    /// An outbox table (index into the settings' tables) and how its rows map.
-    Outbox(usize, RowMapping),
-    /// Another table: its rows are ignored, with one warning when the first arrives. (The server may also
-    /// describe partitions of an outbox table whose rows come as the parent's: those never warn.)
-    Other { name: String, warned: bool },
-}
-
-/// Stands for an event handed off without its content (the polling path reads the row itself): only its id.
-fn placeholder_event(event_id: &str) -> OutboxEvent {
-    OutboxEvent {
-        event_id: event_id.into(),
-        aggregate_type: Default::default(),
-        aggregate_id: Default::default(),
-        event_type: Default::default(),
-        payload: None,
-        created_at: None,
-        headers: Vec::new(),
-    }
-}
-
 /// The aggregate an event belongs to, as the polling path names it.
 fn aggregate_of(event: &OutboxEvent) -> AggregateKey {
     (
@@ -139,20 +112,9 @@ struct Session<'a> {
     /// Statements per outbox table, in `settings.database.tables` order.
     outbox_sql: Vec<OutboxSql>,
     publisher: Publisher<CdcTag>,
-    /// Transactions committed before this session connected may have been published by an earlier run.
-    replay_end: Lsn,
+    decoder: TransactionDecoder,
+    /// Rows of the replay region and of re-sent transactions, waiting for their rows' states.
     replay_buffer: Vec<Pending>,
-    mappings: HashMap<u32, Mapped>,
-    current_txn: Option<TxnId>,
-    /// xid of the transaction being decoded (from Begin).
-    current_xid: u32,
-    /// Commit time of that transaction (from Begin), for commit-to-ack latency.
-    current_commit_micros: i64,
-    in_replay_region: bool,
-    /// A diverged transaction (see `Watermark::is_resent`) was reported in this session.
-    warned_divergence: bool,
-    /// The transaction being decoded is re-sent (see `Watermark::is_resent`).
-    current_txn_resent: bool,
     in_flight_events: usize,
     in_flight_bytes: usize,
     published: u64,
@@ -546,21 +508,19 @@ impl CdcPipeline {
             finished_tx,
         ));
 
+        let decoder = TransactionDecoder::new(
+            db.tables.clone(),
+            outbox_sql.iter().map(OutboxSql::can_hand_off).collect(),
+            identity.xlog_position,
+        );
         let mut session = Session {
             settings: &settings,
             watermark: &mut self.watermark,
             sql,
             outbox_sql,
             publisher,
-            replay_end: identity.xlog_position,
+            decoder,
             replay_buffer: Vec::new(),
-            mappings: HashMap::new(),
-            current_txn: None,
-            current_xid: 0,
-            current_commit_micros: 0,
-            in_replay_region: false,
-            warned_divergence: false,
-            current_txn_resent: false,
             in_flight_events: 0,
             in_flight_bytes: 0,
             published: 0,
@@ -757,137 +717,45 @@ impl Session<'_> {
     }
 
     async fn handle_pgoutput(&mut self, data: Bytes) -> Result<()> {
-        match pgoutput::decode(data)? {
-            PgOutputMessage::Begin(begin) => {
-                self.current_txn_resent = self
-                    .watermark
-                    .is_resent(begin.final_lsn, begin.commit_time_micros);
-                if self.current_txn_resent {
-                    tracing::debug!(final_lsn = %begin.final_lsn, "re-sent transaction: looking its rows up");
-                } else {
-                    if self.watermark.is_below_confirmed(begin.final_lsn) && !self.warned_divergence
-                    {
-                        // Committed after everything confirmed, yet below it: new WAL at old positions.
-                        tracing::warn!(final_lsn = %begin.final_lsn, highest_confirmed = %self.watermark.highest_confirmed(), "the server sends a transaction below the confirmed position that committed after it: its WAL diverged from what was confirmed (a restore from a snapshot?); publishing what it holds");
-                        crate::metrics::history_changed();
-                        self.warned_divergence = true;
-                    }
-                    self.in_replay_region = begin.final_lsn < self.replay_end;
-                    if !self.in_replay_region {
-                        self.flush_replay_buffer().await?;
-                    }
+        match self
+            .decoder
+            .decode(pgoutput::decode(data)?, self.watermark)?
+        {
+            Decoded::Begin {
+                final_lsn,
+                left_replay_region,
+                diverged,
+            } => {
+                if diverged {
+                    tracing::warn!(%final_lsn, highest_confirmed = %self.watermark.highest_confirmed(), "the server sends a transaction below the confirmed position that committed after it: its WAL diverged from what was confirmed (a restore from a snapshot?); publishing what it holds");
+                    crate::metrics::history_changed();
                 }
-                self.current_txn = Some(self.watermark.begin());
-                self.current_xid = begin.xid;
-                self.current_commit_micros = begin.commit_time_micros;
-            }
-            PgOutputMessage::Commit(commit) => {
-                self.current_txn_resent = false;
-                if let Some(txn) = self.current_txn.take() {
-                    tracing::trace!(end_lsn = %commit.end_lsn, published = self.published, handed_off = self.handed_off, "transaction decoded");
-                    self.watermark
-                        .commit_at(txn, commit.end_lsn, self.current_commit_micros);
+                if left_replay_region {
+                    self.flush_replay_buffer().await?;
                 }
             }
-            PgOutputMessage::Relation(relation) => {
-                let table = self.settings.database.tables.iter().position(|t| {
-                    relation.namespace == t.name.schema && relation.name == t.name.name
-                });
-                let mapping = match table {
-                    Some(index) => Mapped::Outbox(
-                        index,
-                        RowMapping::from_relation(
-                            &self.settings.database.tables[index],
-                            &relation,
-                        )?,
-                    ),
-                    None => Mapped::Other {
-                        name: format!("{}.{}", relation.namespace, relation.name),
-                        warned: false,
-                    },
-                };
-                self.mappings.insert(relation.id, mapping);
-            }
-            PgOutputMessage::Insert(insert) => {
-                let (Some(txn), Some(mapping)) =
-                    (self.current_txn, self.mappings.get_mut(&insert.relation_id))
-                else {
-                    return Err(Error::setup(
-                        format!("the replication stream sent a row of relation {} outside a transaction or before its Relation message", insert.relation_id),
-                        "report this as an outboxd bug, with the server version",
-                    ));
-                };
-                let (table, mapping) = match mapping {
-                    Mapped::Outbox(table, mapping) => (*table, &*mapping),
-                    Mapped::Other { name, warned } => {
-                        if !*warned {
-                            tracing::warn!(relation = %name, "publication includes a table that is not an outbox table (--table); its rows are ignored");
-                            *warned = true;
-                        }
-                        return Ok(());
-                    }
-                };
-                if self.current_txn_resent && !self.settings.database.tables[table].marks_published
-                {
-                    return Ok(());
-                }
-                let event = match mapping.event(&insert) {
-                    Ok(event) => event,
-                    // A user's table with a nullable column: the polling path dead-letters the row, in place.
-                    Err(MappingError::NullValue {
-                        event_id, column, ..
-                    }) if self.outbox_sql[table].can_hand_off()
-                        && event_id.parse::<Uuid>().is_ok() =>
-                    {
-                        tracing::warn!(%event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
-                        let placeholder = placeholder_event(&event_id);
-                        let id = event_id.parse::<Uuid>().unwrap_or_default();
-                        self.start_event(txn, placeholder.size_bytes());
-                        return self.hand_off(
-                            self.tag_for(txn, table),
-                            &placeholder,
-                            id,
-                            HandOffReason::Invalid,
-                        );
-                    }
-                    Err(error) => return Err(error.into()),
-                };
-                let event_id = event.event_id.parse::<Uuid>().map_err(|_| {
-                    Error::setup(
-                        format!("event_id {:?} is not a UUID", event.event_id),
-                        "make event_id a uuid column",
-                    )
-                })?;
-                self.start_event(txn, event.size_bytes());
-                let tag = self.tag_for(txn, table);
-                // Re-sent rows are checked like replayed ones (see `flush_replay_buffer`).
-                let pending = Pending {
-                    tag,
-                    event,
-                    event_id,
-                };
-                if self.in_replay_region || tag.resent {
+            Decoded::Event { pending, look_up } => {
+                self.start_event(pending.tag.txn, pending.event.size_bytes());
+                // Re-sent and replayed rows are checked first (see `flush_replay_buffer`).
+                if look_up {
                     self.replay_buffer.push(pending);
                 } else {
                     self.publish(pending).await?;
                 }
             }
-            PgOutputMessage::Skipped(_) => {}
+            Decoded::Invalid { pending, column } => {
+                tracing::warn!(event_id = %pending.event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
+                self.start_event(pending.tag.txn, pending.event.size_bytes());
+                self.hand_off(
+                    pending.tag,
+                    &pending.event,
+                    pending.event_id,
+                    HandOffReason::Invalid,
+                )?;
+            }
+            Decoded::Nothing => {}
         }
         Ok(())
-    }
-
-    /// The tag of an event of `txn`, the transaction being decoded, from outbox table `table`.
-    fn tag_for(&self, txn: TxnId, table: usize) -> CdcTag {
-        CdcTag {
-            txn,
-            table,
-            xid: self.current_xid,
-            commit_micros: self.current_commit_micros,
-            hand_off: false,
-            resent: self.current_txn_resent,
-            produced: 0,
-        }
     }
 
     /// Room for another event: the events window counts acknowledged events until the server was told (a
