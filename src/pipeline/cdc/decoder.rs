@@ -13,7 +13,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::event::{MappingError, OutboxEvent, RowMapping};
 use crate::lsn::Lsn;
-use crate::pg::pgoutput::PgOutputMessage;
+use crate::pg::pgoutput::{Begin, Insert, PgOutputMessage};
 use crate::pipeline::backfill::CdcTag;
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::table::OutboxTable;
@@ -100,32 +100,7 @@ impl TransactionDecoder {
         watermark: &mut Watermark,
     ) -> Result<Decoded> {
         match message {
-            PgOutputMessage::Begin(begin) => {
-                let resent = watermark.is_resent(begin.final_lsn, begin.commit_time_micros);
-                let mut diverged = false;
-                let mut left_replay_region = false;
-                if resent {
-                    tracing::debug!(final_lsn = %begin.final_lsn, "re-sent transaction: looking its rows up");
-                } else {
-                    if watermark.is_below_confirmed(begin.final_lsn) && !self.warned_divergence {
-                        diverged = true;
-                        self.warned_divergence = true;
-                    }
-                    self.in_replay_region = begin.final_lsn < self.replay_end;
-                    left_replay_region = !self.in_replay_region;
-                }
-                self.current = Some(Current {
-                    txn: watermark.begin(),
-                    xid: begin.xid,
-                    commit_micros: begin.commit_time_micros,
-                    resent,
-                });
-                Ok(Decoded::Begin {
-                    final_lsn: begin.final_lsn,
-                    left_replay_region,
-                    diverged,
-                })
-            }
+            PgOutputMessage::Begin(begin) => Ok(self.begin(begin, watermark)),
             PgOutputMessage::Commit(commit) => {
                 if let Some(current) = self.current.take() {
                     tracing::trace!(end_lsn = %commit.end_lsn, "transaction decoded");
@@ -150,72 +125,101 @@ impl TransactionDecoder {
                 self.mappings.insert(relation.id, mapping);
                 Ok(Decoded::Nothing)
             }
-            PgOutputMessage::Insert(insert) => {
-                let (Some(current), Some(mapping)) =
-                    (self.current, self.mappings.get_mut(&insert.relation_id))
-                else {
-                    return Err(Error::setup(
-                        format!("the replication stream sent a row of relation {} outside a transaction or before its Relation message", insert.relation_id),
-                        "report this as an outboxd bug, with the server version",
-                    ));
-                };
-                let (table, mapping) = match mapping {
-                    Mapped::Outbox(table, mapping) => (*table, &*mapping),
-                    Mapped::Other { name, warned } => {
-                        if !*warned {
-                            tracing::warn!(relation = %name, "publication includes a table that is not an outbox table (--table); its rows are ignored");
-                            *warned = true;
-                        }
-                        return Ok(Decoded::Nothing);
-                    }
-                };
-                // Without published_at nothing tells a re-sent row from a new one: it was published before.
-                if current.resent && !self.tables[table].marks_published {
-                    return Ok(Decoded::Nothing);
-                }
-                let tag = CdcTag {
-                    txn: current.txn,
-                    table,
-                    xid: current.xid,
-                    commit_micros: current.commit_micros,
-                    hand_off: false,
-                    resent: current.resent,
-                    produced: 0,
-                };
-                let event = match mapping.event(&insert) {
-                    Ok(event) => event,
-                    // A user's table with a nullable column: the polling path dead-letters the row, in place.
-                    Err(MappingError::NullValue {
-                        event_id, column, ..
-                    }) if self.can_hand_off[table] && event_id.parse::<Uuid>().is_ok() => {
-                        return Ok(Decoded::Invalid {
-                            pending: Pending {
-                                tag,
-                                event: placeholder_event(&event_id),
-                                event_id: event_id.parse().unwrap_or_default(),
-                            },
-                            column,
-                        });
-                    }
-                    Err(error) => return Err(error.into()),
-                };
-                let event_id = event.event_id.parse::<Uuid>().map_err(|_| {
-                    Error::setup(
-                        format!("event_id {:?} is not a UUID", event.event_id),
-                        "make event_id a uuid column",
-                    )
-                })?;
-                Ok(Decoded::Event {
-                    look_up: self.in_replay_region || tag.resent,
-                    pending: Pending {
-                        tag,
-                        event,
-                        event_id,
-                    },
-                })
-            }
+            PgOutputMessage::Insert(insert) => self.insert(&insert),
             PgOutputMessage::Skipped(_) => Ok(Decoded::Nothing),
         }
+    }
+
+    fn begin(&mut self, begin: Begin, watermark: &mut Watermark) -> Decoded {
+        let resent = watermark.is_resent(begin.final_lsn, begin.commit_time_micros);
+        let mut diverged = false;
+        let mut left_replay_region = false;
+        if resent {
+            tracing::debug!(final_lsn = %begin.final_lsn, "re-sent transaction: looking its rows up");
+        } else {
+            if watermark.is_below_confirmed(begin.final_lsn) && !self.warned_divergence {
+                diverged = true;
+                self.warned_divergence = true;
+            }
+            self.in_replay_region = begin.final_lsn < self.replay_end;
+            left_replay_region = !self.in_replay_region;
+        }
+        self.current = Some(Current {
+            txn: watermark.begin(),
+            xid: begin.xid,
+            commit_micros: begin.commit_time_micros,
+            resent,
+        });
+        Decoded::Begin {
+            final_lsn: begin.final_lsn,
+            left_replay_region,
+            diverged,
+        }
+    }
+
+    fn insert(&mut self, insert: &Insert) -> Result<Decoded> {
+        let (Some(current), Some(mapping)) =
+            (self.current, self.mappings.get_mut(&insert.relation_id))
+        else {
+            return Err(Error::setup(
+                format!("the replication stream sent a row of relation {} outside a transaction or before its Relation message", insert.relation_id),
+                "report this as an outboxd bug, with the server version",
+            ));
+        };
+        let (table, mapping) = match mapping {
+            Mapped::Outbox(table, mapping) => (*table, &*mapping),
+            Mapped::Other { name, warned } => {
+                if !*warned {
+                    tracing::warn!(relation = %name, "publication includes a table that is not an outbox table (--table); its rows are ignored");
+                    *warned = true;
+                }
+                return Ok(Decoded::Nothing);
+            }
+        };
+        // Without published_at nothing tells a re-sent row from a new one: it was published before.
+        if current.resent && !self.tables[table].marks_published {
+            return Ok(Decoded::Nothing);
+        }
+        let tag = CdcTag {
+            txn: current.txn,
+            table,
+            xid: current.xid,
+            commit_micros: current.commit_micros,
+            hand_off: false,
+            resent: current.resent,
+            produced: 0,
+        };
+        let event = match mapping.event(insert) {
+            Ok(event) => event,
+            // A user's table with a nullable column: the polling path dead-letters the row, in place.
+            Err(MappingError::NullValue {
+                event_id, column, ..
+            }) if self.can_hand_off[table] && event_id.parse::<Uuid>().is_ok() => {
+                return Ok(Decoded::Invalid {
+                    pending: Pending {
+                        tag,
+                        event: placeholder_event(&event_id),
+                        event_id: event_id.parse().unwrap_or_default(),
+                    },
+                    column,
+                });
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let event_id = event.event_id.parse::<Uuid>().map_err(|_| {
+            Error::setup(
+                format!("event_id {:?} is not a UUID", event.event_id),
+                "make event_id a uuid column",
+            )
+        })?;
+        Ok(Decoded::Event {
+            look_up: self.in_replay_region || tag.resent,
+            pending: Pending {
+                tag,
+                event,
+                event_id,
+            },
+        })
     }
 }
 
@@ -239,7 +243,7 @@ mod tests {
 
     use super::*;
     use crate::config::TableName;
-    use crate::pg::pgoutput::{Begin, ColumnValue, Commit, Insert, Relation, RelationColumn};
+    use crate::pg::pgoutput::{ColumnValue, Commit, Relation, RelationColumn};
     use crate::table::TableStyle;
 
     const OUTBOX: u32 = 16_384;

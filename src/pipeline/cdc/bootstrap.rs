@@ -1,0 +1,269 @@
+//! A replication session's start: its connections (both on one server), the slot checked against the
+//! server's history (lost, half-created, another history: see `history`), created with the hand-off of
+//! older rows when missing, streaming started from the right position, and the aggregates that wait in the
+//! polling path read into the gate.
+//!
+//! It decides which position the watermark starts from; it does not stream (see `session`).
+
+use tokio_postgres::Client;
+
+use super::decoder::Pending;
+use super::gate::AggregateGate;
+use super::{CdcPipeline, MAX_TRACKED_BLOCKED};
+use crate::config::RunSettings;
+use crate::error::{Error, Result};
+use crate::lsn::Lsn;
+use crate::pg::outbox::{self, OutboxSql};
+use crate::pg::replication::{ReplicationConnection, ReplicationStream, SystemIdentity};
+use crate::pg::{self, slot};
+use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory};
+use crate::pipeline::replication_error;
+
+/// What a session streams with.
+pub(super) struct Bootstrapped {
+    pub sql: Client,
+    /// Statements per outbox table, in `settings.database.tables` order.
+    pub outbox_sql: Vec<OutboxSql>,
+    /// The server's WAL end when the session connected: transactions committed before it may have been
+    /// published by an earlier run (the replay region).
+    pub replay_end: Lsn,
+    pub gate: AggregateGate<Pending>,
+}
+
+impl CdcPipeline {
+    pub(super) async fn bootstrap(&mut self) -> Result<(ReplicationStream, Bootstrapped)> {
+        let settings = self.settings.clone();
+        let db = &settings.database;
+        let (mut sql, outbox_sql, conn, identity) = connect(&settings).await?;
+        // A lost slot is replaced only when every table's gap can be covered by the polling path.
+        if crate::pipeline::has_polling_columns(&settings) {
+            slot::drop_if_lost(&sql, &db.slot, &db.tables).await?;
+        }
+        // Rows the slot will never send can be handed to the polling path (of the tables that have it).
+        if db.tables.iter().any(|t| t.polling) {
+            slot::undo_interrupted_creation(&sql, &db.slot).await?;
+        }
+        let existing = slot::check_existing_slot(&sql, &db.slot).await?;
+        let here = ServerHistory {
+            system_id: identity.system_id.clone(),
+            timeline: identity.timeline,
+        };
+        let reached = Reached {
+            history: &here,
+            wal_end: identity.xlog_position,
+            slot_missing: existing.is_none(),
+        };
+        let change = history::judge(
+            self.history.as_ref(),
+            self.watermark.highest_confirmed(),
+            &reached,
+        );
+        let slot_position = existing
+            .as_ref()
+            .map(|state| state.confirmed_flush().unwrap_or(Lsn::ZERO));
+        if let Some(change) = &change {
+            self.history_changed(change, &here, identity.xlog_position)?;
+            // At once, before anything below can fail: the old position never pairs with the new history.
+            self.watermark.reset(slot_position.unwrap_or(Lsn::ZERO));
+        }
+        let conn = match slot_position {
+            // The slot belongs to the server's own history: stream from its position (what lies between it
+            // and a higher position confirmed before is re-sent and recognised).
+            Some(position) => {
+                self.watermark.resume_at(position);
+                conn
+            }
+            None => self.create_slot(&mut sql, conn).await?,
+        };
+        let start = self.watermark.confirmed();
+        let stream = conn
+            .start_replication(&db.slot, start, &db.publication)
+            .await
+            .map_err(replication_error)?;
+        tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
+        // This history is the position's from now on (not before: a session that fails before streaming
+        // must not make a slot it never streamed from look like one that vanished).
+        self.history = Some(here);
+        // Read only now that this session holds the slot: an instance that led before may have handed off
+        // rows until it let go of it.
+        let gate = blocked_aggregates(&settings, &sql).await?;
+        let boot = Bootstrapped {
+            sql,
+            outbox_sql,
+            replay_end: identity.xlog_position,
+            gate,
+        };
+        Ok((stream, boot))
+    }
+
+    /// Creates the slot and hands the unpublished rows older than it to the polling path, through the
+    /// slot's exported snapshot; the watermark starts at its consistent point.
+    async fn create_slot(
+        &mut self,
+        sql: &mut Client,
+        mut conn: ReplicationConnection,
+    ) -> Result<ReplicationConnection> {
+        let db = &self.settings.database;
+        let can_hand_off = db.tables.iter().any(|t| t.polling);
+        slot::check_publication(sql, db).await?;
+        if can_hand_off {
+            slot::begin_creation(sql, &db.slot).await?;
+        }
+        let created = conn
+            .create_logical_slot(&db.slot)
+            .await
+            .map_err(replication_error)?;
+        let handed_off = if can_hand_off {
+            match outbox::hand_off_rows_older_than_slot(sql, &db.tables, &created.snapshot_name)
+                .await
+            {
+                Ok(count) => {
+                    slot::finish_creation(sql, &db.slot).await?;
+                    count
+                }
+                Err(error) => {
+                    // Without the hand-off, rows older than the slot would never be published: drop the
+                    // slot so that the next attempt creates it (and exports a snapshot) again.
+                    drop(conn);
+                    drop_slot_after_failed_creation(sql, &db.slot).await;
+                    return Err(error);
+                }
+            }
+        } else {
+            tracing::warn!("the table has no polling columns: rows older than the slot are not published (run `outboxd migrate`)");
+            0
+        };
+        tracing::info!(
+            slot = %db.slot,
+            consistent_point = %created.consistent_point,
+            handed_off_to_polling = handed_off,
+            "created replication slot"
+        );
+        // Never carry a position over to a new slot: anything between its consistent point and an older,
+        // higher position would be skipped.
+        self.watermark.reset(created.consistent_point);
+        Ok(conn)
+    }
+
+    /// Counts and logs a history change once. With a table that has no polling columns, nothing could
+    /// publish what the change may have skipped: stop, saying what may be missing and how to recover.
+    fn history_changed(
+        &self,
+        change: &HistoryChange,
+        here: &ServerHistory,
+        wal_end: Lsn,
+    ) -> Result<()> {
+        crate::metrics::history_changed();
+        let confirmed = self.watermark.highest_confirmed();
+        let (old_system_id, old_timeline) = self
+            .history
+            .as_ref()
+            .map(|h| (h.system_id.as_str(), h.timeline))
+            .unwrap_or_default();
+        if !crate::pipeline::has_polling_columns(&self.settings) {
+            let since = self
+                .last_streamed_at
+                .map(|t| humantime::format_rfc3339_seconds(t).to_string())
+                .unwrap_or_else(|| "start-up".into());
+            let tables =
+                crate::table::names(self.settings.database.tables.iter().filter(|t| !t.polling));
+            return Err(Error::setup(
+                format!(
+                    "the database behind --database-url has another history: {change}. {tables} has no polling columns, so events committed there that the old position skips would never be published: those committed on this server since outboxd last streamed ({since}), up to its WAL end {wal_end} (outboxd had confirmed {confirmed} on system {old_system_id} timeline {old_timeline})"
+                ),
+                "publish (or re-insert) the rows of that table committed since then yourself, then restart outboxd, which streams from a new slot; `outboxd migrate --add-polling-columns` lets outboxd cover such gaps by itself",
+            ));
+        }
+        tracing::warn!(
+            %change,
+            old_system_id,
+            old_timeline,
+            new_system_id = %here.system_id,
+            new_timeline = here.timeline,
+            old_confirmed = %confirmed,
+            server_wal_end = %wal_end,
+            "database history changed: the old position is dropped; streaming from the slot's own position (a new slot hands the unpublished rows older than it to the polling path)"
+        );
+        Ok(())
+    }
+}
+
+/// The SQL connection (not to a standby) with each table's statements prepared, and the replication
+/// connection, both on one server.
+async fn connect(
+    settings: &RunSettings,
+) -> Result<(
+    Client,
+    Vec<OutboxSql>,
+    ReplicationConnection,
+    SystemIdentity,
+)> {
+    let db = &settings.database;
+    let sql = pg::connect(&db.database_url).await?;
+    if pg::in_recovery(&sql).await? {
+        return Err(Error::in_recovery());
+    }
+    let mut outbox_sql = Vec::with_capacity(db.tables.len());
+    for table in &db.tables {
+        outbox_sql.push(OutboxSql::prepare(&sql, table).await?);
+    }
+    // Dead-peer detection as on the leadership connection: a silent server ends the session.
+    let url = crate::pipeline::leader::with_dead_peer_detection(&db.replication_url);
+    let mut conn = ReplicationConnection::connect(&url)
+        .await
+        .map_err(replication_error)?;
+    let identity = conn.identify_system().await.map_err(replication_error)?;
+    // The slot is inspected over SQL: during a switchover the two connections can reach two servers.
+    if let Some(sql_system) = pg::system_identifier(&sql).await? {
+        if sql_system != identity.system_id {
+            return Err(Error::NotReady {
+                problem: format!("the SQL connection reached system {sql_system} but the replication connection system {}", identity.system_id),
+                fix: "point --database-url and --replication-url at the same server".into(),
+                waiting_for: "both connections to reach one server (a switchover under way)".into(),
+            });
+        }
+    }
+    Ok((sql, outbox_sql, conn, identity))
+}
+
+/// The aggregates with rows waiting in the polling path, per table with polling columns; a table with more
+/// than [`MAX_TRACKED_BLOCKED`] is held whole.
+async fn blocked_aggregates(
+    settings: &RunSettings,
+    sql: &Client,
+) -> Result<AggregateGate<Pending>> {
+    // A blocked aggregate parks up to its share of the in-flight window, then hands off.
+    let mut gate = AggregateGate::new(settings.max_in_flight_events / 8);
+    let tables = settings.database.tables.iter().enumerate();
+    for (index, table) in tables.filter(|(_, t)| t.polling) {
+        let pending = outbox::aggregates_pending_hand_off(sql, table, MAX_TRACKED_BLOCKED).await?;
+        if pending.len() > MAX_TRACKED_BLOCKED {
+            tracing::info!(table = %table.name, "more than {MAX_TRACKED_BLOCKED} aggregates wait in the polling path: handing it every event of the table until it has drained them");
+            gate.hold_table(index);
+            continue;
+        }
+        for aggregate in pending {
+            gate.block((index, aggregate));
+        }
+    }
+    Ok(gate)
+}
+
+/// Drops a slot whose creation could not be completed; failures are only logged (the next session sees a
+/// slot without hand-off and the operator is told).
+async fn drop_slot_after_failed_creation(sql: &tokio_postgres::Client, slot: &str) {
+    for _ in 0..20 {
+        match sql
+            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+        {
+            Ok(_) => return,
+            // The walsender that created it may still hold it for a moment.
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(250)).await,
+        }
+    }
+    tracing::error!(
+        slot,
+        "could not drop the half-created slot; drop it by hand and restart outboxd"
+    );
+}

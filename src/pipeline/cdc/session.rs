@@ -1,0 +1,830 @@
+//! One replication session's stream loop: reads the stream while the in-flight window has room, decodes
+//! (see `decoder`), asks the gate (see `gate`) whether each event goes to the producer, waits or goes to the
+//! polling path, carries delivery reports and written hand-offs back into the watermark, and confirms what
+//! it allows. A delivery that fails after the producer accepted it ends the session once every report is
+//! in (the next one re-sends from the slot).
+//!
+//! It owns no connection set-up (see `bootstrap`) and no reconnecting (see the module above).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, watch};
+use uuid::Uuid;
+
+use super::bootstrap::Bootstrapped;
+use super::decoder::{placeholder_event, Decoded, Pending, TransactionDecoder};
+use super::gate::{Admission, AggregateGate};
+use super::window::InFlightWindow;
+use super::MAX_TRACKED_BLOCKED;
+use crate::config::RunSettings;
+use crate::error::{Error, Result};
+use crate::event::OutboxEvent;
+use crate::kafka::{Delivery, PublishError, Publisher, Rejection};
+use crate::lsn::Lsn;
+use crate::pg::outbox::{self, AggregateKey, OutboxSql};
+use crate::pg::pgoutput;
+use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
+use crate::pipeline::backfill::{CdcTag, Finished};
+use crate::pipeline::replication_error;
+use crate::pipeline::topic_holds::TopicHolds;
+use crate::pipeline::watermark::{TxnId, Watermark};
+use crate::table::OutboxTable;
+
+/// Rows of re-sent transactions are checked against `published_at` in batches of this size.
+const REPLAY_BATCH: usize = 1_000;
+/// Least time between two status updates sent because the watermark moved.
+const MIN_CONFIRM_GAP: Duration = Duration::from_millis(100);
+/// How often, at most, a session with blocked aggregates asks whether the polling path has drained them.
+const UNBLOCK_CHECK: Duration = Duration::from_millis(100);
+/// The check waits at least this many times its own last duration, so that asking costs the database at
+/// most ~5% of one backend however many aggregates are blocked.
+const UNBLOCK_CHECK_COST_FACTOR: u32 = 20;
+
+/// Why an event went to the polling path instead of the producer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HandOffReason {
+    /// Its aggregate has earlier events in the polling path.
+    Blocked,
+    /// The producer refused it for good (e.g. too large): the polling path retries and dead-letters it.
+    Refused,
+    /// The broker refuses its topic outright (not authorised; see [`TopicHolds`]): the polling path retries
+    /// it. Unlike an event too large, one whose row is gone is not given up but re-sent from the slot.
+    TopicRefused,
+    /// A required column is NULL: the polling path dead-letters it.
+    Invalid,
+}
+
+/// An event handed to the polling path, kept until its `handoff_at` is written: if its row is gone (deleted
+/// by its own transaction) the polling path will never see it, and the stream must publish it itself.
+struct HandedOff {
+    tag: CdcTag,
+    event: OutboxEvent,
+    reason: HandOffReason,
+    /// What it counts against the in-flight window.
+    bytes: usize,
+}
+
+/// The aggregate an event belongs to, as the polling path names it.
+fn aggregate_of(event: &OutboxEvent) -> AggregateKey {
+    (
+        event
+            .aggregate_type
+            .as_deref()
+            .unwrap_or_default()
+            .to_string(),
+        event.aggregate_id.to_string(),
+    )
+}
+
+/// What the server was last told, and when.
+struct StatusUpdates {
+    last_sent: Lsn,
+    last_sent_at: Instant,
+}
+
+/// Per-session state of the stream loop.
+pub(super) struct Session<'a> {
+    settings: &'a RunSettings,
+    watermark: &'a mut Watermark,
+    sql: tokio_postgres::Client,
+    /// Statements per outbox table, in `settings.database.tables` order.
+    outbox_sql: Vec<OutboxSql>,
+    publisher: Publisher<CdcTag>,
+    decoder: TransactionDecoder,
+    /// Rows of the replay region and of re-sent transactions, waiting for their rows' states.
+    replay_buffer: Vec<Pending>,
+    window: InFlightWindow,
+    published: u64,
+    skipped_already_published: u64,
+    /// Events handed to the polling path travel to the backfill task on the delivery channel.
+    hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
+    /// Aggregates with rows waiting in the polling path (their later events are never published ahead), and
+    /// tables with more of them than [`MAX_TRACKED_BLOCKED`] (every event of them is handed off).
+    gate: AggregateGate<Pending>,
+    /// Reading pauses until hand-offs in flight are written, so that a held table's check can run (under
+    /// steady load some hand-off of it is almost always in flight).
+    pausing_for_check: bool,
+    /// A table outgrew [`MAX_TRACKED_BLOCKED`]: reading stops, and the session restarts once its hand-offs
+    /// are written.
+    restart_after_hand_offs: bool,
+    hand_offs_in_flight: usize,
+    /// Hand-offs whose `handoff_at` is not written yet, by event id.
+    hand_offs_unwritten: HashMap<Uuid, HandedOff>,
+    handed_off: u64,
+    topic_holds: &'a mut TopicHolds,
+    /// Events handed to the producer whose delivery report has not arrived: when each was handed over, by
+    /// its `CdcTag::produced`.
+    outstanding: BTreeMap<u64, tokio::time::Instant>,
+    next_produced: u64,
+    /// How long an event may wait for its delivery report (from the producer, then its `published_at`
+    /// write) before the session gives its deliveries up.
+    delivery_timeout: Duration,
+    /// A delivery failed after the producer accepted it: the producer was purged, nothing more is read or
+    /// produced, and the session ends (re-sending from the slot) once every report is in and the refused
+    /// events are handed off, or at the latest one delivery timeout later. Holds the first failure and when.
+    failing: Option<(String, tokio::time::Instant)>,
+    /// An event was refused for good where nothing can retry it (a table without polling columns): the
+    /// session ends with a definite error, as when the producer refuses one at hand-over.
+    refused_without_polling: Option<String>,
+}
+
+impl<'a> Session<'a> {
+    pub(super) fn new(
+        settings: &'a RunSettings,
+        watermark: &'a mut Watermark,
+        topic_holds: &'a mut TopicHolds,
+        boot: Bootstrapped,
+        publisher: Publisher<CdcTag>,
+        hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
+    ) -> Self {
+        let tables = &settings.database.tables;
+        let decoder = TransactionDecoder::new(
+            tables.clone(),
+            boot.outbox_sql
+                .iter()
+                .map(OutboxSql::can_hand_off)
+                .collect(),
+            boot.replay_end,
+        );
+        Session {
+            settings,
+            watermark,
+            sql: boot.sql,
+            outbox_sql: boot.outbox_sql,
+            publisher,
+            decoder,
+            replay_buffer: Vec::new(),
+            window: InFlightWindow::new(
+                settings.max_in_flight_events,
+                settings.max_in_flight_bytes,
+            ),
+            published: 0,
+            skipped_already_published: 0,
+            hand_offs,
+            gate: boot.gate,
+            pausing_for_check: false,
+            restart_after_hand_offs: false,
+            hand_offs_in_flight: 0,
+            hand_offs_unwritten: HashMap::new(),
+            handed_off: 0,
+            topic_holds,
+            outstanding: BTreeMap::new(),
+            next_produced: 1,
+            delivery_timeout: crate::kafka::delivery_timeout(
+                settings,
+                crate::kafka::DEFAULT_DELIVERY_TIMEOUT,
+            ),
+            failing: None,
+            refused_without_polling: None,
+        }
+    }
+
+    /// Logs what the session did and drops what its producer still holds (the slot was not confirmed past
+    /// it).
+    pub(super) fn end(self) {
+        tracing::info!(
+            published = self.published,
+            skipped_already_published = self.skipped_already_published,
+            handed_off = self.handed_off,
+            confirmed = %self.watermark.confirmed(),
+            "replication session ended"
+        );
+        self.publisher.abandon();
+    }
+}
+
+impl Session<'_> {
+    pub(super) async fn stream(
+        &mut self,
+        stream: &mut ReplicationStream,
+        finished_rx: &mut mpsc::UnboundedReceiver<Finished>,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<()> {
+        let mut status_timer = tokio::time::interval(self.settings.status_interval);
+        status_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut status = StatusUpdates {
+            last_sent: self.watermark.confirmed(),
+            last_sent_at: Instant::now(),
+        };
+        let mut drain_deadline: Option<tokio::time::Instant> = None;
+        let mut next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK;
+        stream.send_status(status.last_sent).await?;
+        loop {
+            let window_open = self.window_open();
+            crate::metrics::in_flight(self.window.events());
+            let mut reply_now = false;
+            tokio::select! {
+                biased;
+                _ = shutdown.wait_for(|stop| *stop), if drain_deadline.is_none() => {
+                    tracing::info!(in_flight = self.window.events(), "shutting down: draining in-flight events");
+                    self.drop_held_events();
+                    drain_deadline = Some(tokio::time::Instant::now() + self.settings.shutdown_timeout);
+                }
+                finished = finished_rx.recv() => self.finished(finished).await?,
+                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs && self.failing.is_none() => {
+                    reply_now = self.handle(message.map_err(replication_error)?).await?;
+                }
+                _ = status_timer.tick() => reply_now = true,
+                _ = sleep_until_opt(self.oldest_outstanding().map(|at| at + self.delivery_timeout)), if self.failing.is_none() => {
+                    let timeout = self.delivery_timeout;
+                    self.give_up(format!("an event waited {timeout:?} (message.timeout.ms) for its delivery report; {} are outstanding", self.outstanding.len()));
+                }
+                _ = tokio::time::sleep_until(next_unblock_check), if self.gate.has_blocked() && drain_deadline.is_none() && self.failing.is_none() => {
+                    let started = tokio::time::Instant::now();
+                    self.unblock_drained_aggregates().await?;
+                    next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK.max(started.elapsed() * UNBLOCK_CHECK_COST_FACTOR);
+                }
+                _ = sleep_until_opt(drain_deadline) => {
+                    tracing::warn!(in_flight = self.window.events(), "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
+                    break;
+                }
+            }
+            self.end_if_given_up(stream).await?;
+            if self.pausing_for_check && self.hand_offs_in_flight == 0 {
+                next_unblock_check = tokio::time::Instant::now();
+            }
+            self.unclog_window().await?;
+            self.confirm(stream, &mut status, reply_now).await?;
+            if drain_deadline.is_some() && self.window.events() == 0 {
+                break;
+            }
+        }
+        stream.send_status(self.watermark.advance()).await?;
+        self.watermark.reported();
+        Ok(())
+    }
+
+    /// A report from the backfill task: events finished (acknowledged and marked, or handed off and
+    /// marked), hand-offs written, deliveries that failed after hand-over, or its own failure.
+    async fn finished(&mut self, finished: Option<Finished>) -> Result<()> {
+        match finished {
+            Some(Finished::Events(events)) => {
+                let now = protocol::pg_timestamp_micros(std::time::SystemTime::now());
+                let mut published = 0;
+                for (tag, bytes) in events {
+                    if tag.hand_off {
+                        self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
+                    } else {
+                        self.delivery_reported(tag.produced);
+                        published += 1;
+                        crate::metrics::commit_to_ack(
+                            (now - tag.commit_micros).max(0) as f64 / 1e6,
+                        );
+                    }
+                    self.finish_event(tag.txn, bytes);
+                }
+                crate::metrics::published("cdc", published);
+                Ok(())
+            }
+            Some(Finished::HandOffs {
+                handed_off,
+                rowless,
+            }) => self.publish_rowless_hand_offs(&handed_off, &rowless).await,
+            Some(Finished::Undelivered(deliveries)) => self.undelivered(deliveries),
+            Some(Finished::Failed(error)) => {
+                crate::metrics::publish_error(match error {
+                    Error::Kafka { .. } => "delivery",
+                    _ => "database",
+                });
+                Err(error)
+            }
+            None => Err(Error::Kafka {
+                message: "the backfill task stopped".into(),
+                transient: true,
+            }),
+        }
+    }
+
+    /// Ends the session once its deliveries were given up and every report is in (or one delivery timeout
+    /// later), confirming first what was acknowledged before; or once a table outgrew the blocked
+    /// aggregates tracked and its hand-offs are written.
+    async fn end_if_given_up(&mut self, stream: &mut ReplicationStream) -> Result<()> {
+        if let Some((failure, since)) = &self.failing {
+            let reported = self.outstanding.is_empty() && self.hand_offs_in_flight == 0;
+            if reported || since.elapsed() > self.delivery_timeout {
+                let confirmed = self.watermark.advance();
+                stream.send_status(confirmed).await?;
+                self.watermark.reported();
+                if let Some(refused) = self.refused_without_polling.take() {
+                    return Err(Error::Kafka {
+                        message: refused,
+                        transient: false,
+                    });
+                }
+                return Err(Error::Kafka {
+                    message: format!("{failure}; re-sending what was not acknowledged"),
+                    transient: true,
+                });
+            }
+        }
+        if self.restart_after_hand_offs && self.hand_offs_in_flight == 0 {
+            return Err(Error::SessionRestart(format!(
+                "more than {MAX_TRACKED_BLOCKED} aggregates of one table wait in the polling path"
+            )));
+        }
+        Ok(())
+    }
+
+    /// What can fill the window without finishing by itself is moved on: buffered replayed rows are looked
+    /// up, and parked events are handed to the polling path once nothing else is in flight (acknowledged
+    /// events behind them cannot be confirmed until they finish).
+    async fn unclog_window(&mut self) -> Result<()> {
+        if !self.replay_buffer.is_empty()
+            && self.failing.is_none()
+            && (self.replay_buffer.len() >= REPLAY_BATCH || !self.window_open())
+        {
+            self.flush_replay_buffer().await?;
+        }
+        if self.gate.parked_len() > 0
+            && self.failing.is_none()
+            && !self.window_open()
+            && self.window.events() <= self.gate.parked_len()
+        {
+            self.hand_off_every_parked()?;
+        }
+        Ok(())
+    }
+
+    /// Sends a status update when the server asked for one (or the timer fired), or when the watermark
+    /// moved: at most every [`MIN_CONFIRM_GAP`], at once when the window is full (a window full of
+    /// acknowledged events opens only once the server is told).
+    async fn confirm(
+        &mut self,
+        stream: &mut ReplicationStream,
+        status: &mut StatusUpdates,
+        reply_now: bool,
+    ) -> Result<()> {
+        let confirmed = self.watermark.advance();
+        let tell_now = status.last_sent_at.elapsed() >= MIN_CONFIRM_GAP || !self.window_open();
+        if reply_now || (confirmed > status.last_sent && tell_now) {
+            stream.send_status(confirmed).await?;
+            self.watermark.reported();
+            if confirmed > status.last_sent {
+                tracing::debug!(%confirmed, "confirmed");
+            }
+            status.last_sent = confirmed;
+            status.last_sent_at = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Handles one server message; returns true when the server wants a status update now.
+    async fn handle(&mut self, message: ServerMessage) -> Result<bool> {
+        match message {
+            ServerMessage::Keepalive {
+                wal_end,
+                reply_requested,
+            } => {
+                self.flush_replay_buffer().await?;
+                self.watermark.keepalive(wal_end);
+                Ok(reply_requested)
+            }
+            ServerMessage::XLogData { data, .. } => {
+                self.handle_pgoutput(data).await?;
+                Ok(false)
+            }
+        }
+    }
+
+    async fn handle_pgoutput(&mut self, data: Bytes) -> Result<()> {
+        match self
+            .decoder
+            .decode(pgoutput::decode(data)?, self.watermark)?
+        {
+            Decoded::Begin {
+                final_lsn,
+                left_replay_region,
+                diverged,
+            } => {
+                if diverged {
+                    tracing::warn!(%final_lsn, highest_confirmed = %self.watermark.highest_confirmed(), "the server sends a transaction below the confirmed position that committed after it: its WAL diverged from what was confirmed (a restore from a snapshot?); publishing what it holds");
+                    crate::metrics::history_changed();
+                }
+                if left_replay_region {
+                    self.flush_replay_buffer().await?;
+                }
+            }
+            Decoded::Event { pending, look_up } => {
+                self.start_event(pending.tag.txn, pending.event.size_bytes());
+                // Re-sent and replayed rows are checked first (see `flush_replay_buffer`).
+                if look_up {
+                    self.replay_buffer.push(pending);
+                } else {
+                    self.publish(pending).await?;
+                }
+            }
+            Decoded::Invalid { pending, column } => {
+                tracing::warn!(event_id = %pending.event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
+                self.start_event(pending.tag.txn, pending.event.size_bytes());
+                self.hand_off(
+                    pending.tag,
+                    &pending.event,
+                    pending.event_id,
+                    HandOffReason::Invalid,
+                )?;
+            }
+            Decoded::Nothing => {}
+        }
+        Ok(())
+    }
+
+    /// Room for another event (see [`window`]).
+    fn window_open(&self) -> bool {
+        self.window.is_open(self.watermark.unreported_events())
+    }
+
+    fn start_event(&mut self, txn: TxnId, bytes: usize) {
+        self.watermark.event_started(txn);
+        self.window.start(bytes);
+    }
+
+    fn finish_event(&mut self, txn: TxnId, bytes: usize) {
+        self.watermark.event_finished(txn);
+        self.window.finish(bytes);
+    }
+
+    /// Publishes one event, or holds it back when its aggregate has events waiting in the polling path
+    /// (see [`gate`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
+    /// which retries and dead-letters it; its aggregate is blocked behind it, so order per aggregate holds.
+    async fn publish(&mut self, pending: Pending) -> Result<()> {
+        match self
+            .gate
+            .admit(pending.tag.table, pending, |p| aggregate_of(&p.event))
+        {
+            Admission::Publish(p) => self.produce(p.tag, &p.event, p.event_id).await,
+            Admission::Parked => Ok(()),
+            Admission::HandOff(events) => self.hand_off_blocked(&events),
+        }
+    }
+
+    /// Hands one event to the producer; a permanent refusal (or a topic the broker refused outright, see
+    /// [`TopicHolds`]) sends it to the polling path.
+    async fn produce(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+        if self.failing.is_some() {
+            // Given up: the event stays unfinished and is re-sent by the next session.
+            return Ok(());
+        }
+        let topic = self
+            .settings
+            .topic
+            .render_event(&self.settings.database.tables[tag.table].name, event);
+        let held = self.outbox_sql[tag.table].can_hand_off()
+            && self
+                .topic_holds
+                .is_held(&topic, tokio::time::Instant::now());
+        let tag = CdcTag {
+            produced: self.next_produced,
+            ..tag
+        };
+        let published = if held {
+            Err(PublishError::Rejected(Rejection {
+                permanent: true,
+                topic_wide: true,
+                ..Rejection::transient(format!("topic {topic} was refused by the broker"))
+            }))
+        } else {
+            self.publisher
+                .publish(&topic, event, event_id, tag, None)
+                .await
+        };
+        match published {
+            Ok(()) => {
+                self.outstanding
+                    .insert(self.next_produced, tokio::time::Instant::now());
+                self.next_produced += 1;
+                self.published += 1;
+                Ok(())
+            }
+            Err(PublishError::Rejected(rejection))
+                if rejection.permanent && self.outbox_sql[tag.table].can_hand_off() =>
+            {
+                if !held {
+                    tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
+                }
+                let parked = self.gate.refused((tag.table, aggregate_of(event)));
+                let reason = if rejection.topic_wide {
+                    HandOffReason::TopicRefused
+                } else {
+                    HandOffReason::Refused
+                };
+                self.hand_off(tag, event, event_id, reason)?;
+                self.hand_off_blocked(&parked)?;
+                if self.gate.blocked_in(tag.table) > MAX_TRACKED_BLOCKED {
+                    // Events of these aggregates may still be in flight: holding the table in place could let
+                    // a later one overtake them through the polling path. The next session holds it from
+                    // its start, when nothing is in flight, once this hand-off is written (so that it
+                    // finds the aggregates waiting).
+                    self.restart_after_hand_offs = true;
+                }
+                Ok(())
+            }
+            // The producer stopped (the gap-less guarantee after a refusal whose report is still on its
+            // way) or cannot take it now: the event stays unfinished, and is re-sent by the next session
+            // once the reports already on their way are in (a refused one is handed off first).
+            Err(PublishError::Rejected(rejection)) if !rejection.permanent => {
+                self.give_up(format!(
+                    "the producer did not take event {event_id}: {}",
+                    rejection.reason
+                ));
+                Ok(())
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// A delivery report arrived for the event handed to the producer as `produced`.
+    fn delivery_reported(&mut self, produced: u64) {
+        self.outstanding.remove(&produced);
+    }
+
+    /// When the longest-waiting event still without a delivery report was handed to the producer.
+    fn oldest_outstanding(&self) -> Option<tokio::time::Instant> {
+        self.outstanding.first_key_value().map(|(_, at)| *at)
+    }
+
+    /// Gives this session's deliveries up: the producer fails at once whatever it still holds (so nothing
+    /// after a failure can still reach Kafka ahead of it), and the session ends once every report is in.
+    fn give_up(&mut self, failure: String) {
+        if self.failing.is_none() {
+            tracing::warn!(%failure, in_flight = self.outstanding.len(), "giving up this session's deliveries: purging the producer; what it did not deliver is re-sent from the slot");
+            self.publisher.purge();
+            self.failing = Some((failure, tokio::time::Instant::now()));
+        }
+    }
+
+    /// Deliveries that failed after the producer accepted them. Under the gap-less guarantee nothing after
+    /// a failed event in its partition was written, so re-sending from the slot keeps every aggregate's
+    /// order; an event the broker refused for good (too large, not authorised, invalid) would only be
+    /// refused again, so it goes to the polling path first (its aggregate waits behind it there), and a
+    /// topic refused outright is held (see [`TopicHolds`]).
+    fn undelivered(&mut self, deliveries: Vec<Delivery<CdcTag>>) -> Result<()> {
+        for delivery in deliveries {
+            self.delivery_reported(delivery.tag.produced);
+            let Err(rejection) = delivery.result else {
+                continue;
+            };
+            crate::metrics::publish_error("delivery");
+            self.give_up(format!(
+                "delivery of event {} failed: {}",
+                delivery.event_id, rejection.reason
+            ));
+            if !rejection.permanent {
+                continue;
+            }
+            if !self.outbox_sql[delivery.tag.table].can_hand_off() {
+                self.refused_without_polling.get_or_insert(format!(
+                    "the broker refused event {} for good ({}) and its table has no polling columns to retry and dead-letter it: fix the cause, or run `outboxd migrate` to add them",
+                    delivery.event_id, rejection.reason
+                ));
+                continue;
+            }
+            tracing::warn!(event_id = %delivery.event_id, error = %rejection.reason, "event refused by the broker after the producer accepted it; handing it and its aggregate to the polling path");
+            if let (true, Some(topic)) = (rejection.topic_wide, &rejection.topic) {
+                let now = tokio::time::Instant::now();
+                // Once per refusal, not once per event refused with it (all were in flight already).
+                if !self.topic_holds.is_held(topic, now) {
+                    let hold = self.topic_holds.hold(topic, now);
+                    tracing::warn!(%topic, ?hold, error = %rejection.reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
+                }
+            }
+            let placeholder = placeholder_event(&delivery.event_id.to_string());
+            let reason = if rejection.topic_wide {
+                HandOffReason::TopicRefused
+            } else {
+                HandOffReason::Refused
+            };
+            self.hand_off_sized(
+                delivery.tag,
+                &placeholder,
+                delivery.event_id,
+                delivery.bytes,
+                reason,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn hand_off(
+        &mut self,
+        tag: CdcTag,
+        event: &OutboxEvent,
+        event_id: Uuid,
+        reason: HandOffReason,
+    ) -> Result<()> {
+        self.hand_off_sized(tag, event, event_id, event.size_bytes(), reason)
+    }
+
+    /// `bytes`: what the event counts against the in-flight window.
+    fn hand_off_sized(
+        &mut self,
+        tag: CdcTag,
+        event: &OutboxEvent,
+        event_id: Uuid,
+        bytes: usize,
+        reason: HandOffReason,
+    ) -> Result<()> {
+        let tag = CdcTag {
+            hand_off: true,
+            ..tag
+        };
+        let item = Delivery {
+            tag,
+            event_id,
+            bytes,
+            result: Ok(()),
+        };
+        self.hand_offs.send(item).map_err(|_| Error::Kafka {
+            message: "the backfill task stopped".into(),
+            transient: true,
+        })?;
+        self.hand_offs_in_flight += 1;
+        self.handed_off += 1;
+        self.hand_offs_unwritten.insert(
+            event_id,
+            HandedOff {
+                tag,
+                event: event.clone(),
+                reason,
+                bytes,
+            },
+        );
+        Ok(())
+    }
+
+    /// The backfill wrote (or tried to write) `handoff_at` for `handed_off`; `rowless` had no row left. A
+    /// blocked aggregate's event without a row is published from the stream now (possibly ahead of its
+    /// aggregate's earlier events, which is better than never); a refused or invalid one cannot be retried
+    /// or dead-lettered without its row, and is reported.
+    async fn publish_rowless_hand_offs(
+        &mut self,
+        handed_off: &[Uuid],
+        rowless: &[Uuid],
+    ) -> Result<()> {
+        let rowless: HashSet<&Uuid> = rowless.iter().collect();
+        let mut rowless_events = Vec::new();
+        for event_id in handed_off {
+            if let Some(handed) = self.hand_offs_unwritten.remove(event_id) {
+                if rowless.contains(event_id) {
+                    rowless_events.push((*event_id, handed));
+                }
+            }
+        }
+        for (event_id, handed) in rowless_events {
+            if handed.reason == HandOffReason::TopicRefused {
+                // Nothing can retry it but the stream, once the broker lets its topic be written: kept
+                // unfinished (the hand-off's finish is balanced here), so the slot stays before it.
+                self.start_event(handed.tag.txn, handed.bytes);
+                self.give_up(format!("event {event_id} has no row (deleted by its own transaction) and the broker refuses its topic: it stays unconfirmed and is re-sent from the slot"));
+                continue;
+            }
+            if handed.reason != HandOffReason::Blocked {
+                tracing::error!(%event_id, reason = ?handed.reason, "event could not be published and its row was deleted by its own transaction: it cannot be retried or dead-lettered");
+                continue;
+            }
+            tracing::warn!(%event_id, aggregate_id = %handed.event.aggregate_id, "handed-off event has no row (deleted by its own transaction): publishing it from the stream, possibly ahead of earlier events of its aggregate");
+            let tag = CdcTag {
+                hand_off: false,
+                ..handed.tag
+            };
+            self.start_event(tag.txn, handed.event.size_bytes());
+            self.produce(tag, &handed.event, event_id).await?;
+        }
+        Ok(())
+    }
+
+    /// Hands held events of blocked aggregates to the polling path, in order.
+    fn hand_off_blocked(&mut self, events: &[Pending]) -> Result<()> {
+        for pending in events {
+            self.hand_off(
+                pending.tag,
+                &pending.event,
+                pending.event_id,
+                HandOffReason::Blocked,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Hands every parked event to the polling path, in order, its aggregate with it.
+    fn hand_off_every_parked(&mut self) -> Result<()> {
+        let parked = self.gate.hand_off_every_parked();
+        tracing::debug!(
+            events = parked.len(),
+            "the window is full behind parked events: handing them to the polling path"
+        );
+        self.hand_off_blocked(&parked)
+    }
+
+    /// Lets the CDC path publish an aggregate again once the polling path has nothing of it left, then
+    /// publishes what it parked, in order. Asked only while none of this session's hand-offs are unwritten,
+    /// so the query sees all of them; aggregates handing off go back to parking first, so that happens.
+    async fn unblock_drained_aggregates(&mut self) -> Result<()> {
+        self.gate.begin_check();
+        if self.hand_offs_in_flight > 0 {
+            self.pausing_for_check = self.gate.has_held_tables();
+            return Ok(());
+        }
+        self.pausing_for_check = false;
+        // A held table whose pending aggregates are few enough again is tracked one by one from now on
+        // (from exactly what was just read: it is not asked again below).
+        let mut released: HashSet<usize> = HashSet::new();
+        for table in self.gate.held_tables() {
+            let outbox_table: &OutboxTable = &self.settings.database.tables[table];
+            let pending =
+                outbox::aggregates_pending_hand_off(&self.sql, outbox_table, MAX_TRACKED_BLOCKED)
+                    .await?;
+            if pending.len() <= MAX_TRACKED_BLOCKED {
+                tracing::info!(table = %outbox_table.name, blocked = pending.len(), "few enough aggregates wait in the polling path: tracking them one by one again");
+                self.gate.release_table(table, pending);
+                released.insert(table);
+            }
+        }
+        let mut pending: HashSet<(usize, AggregateKey)> = HashSet::new();
+        // A table whose answer was cut at the limit cannot tell which aggregates drained: none unblocks.
+        let mut cut: HashSet<usize> = HashSet::new();
+        for table in self.gate.blocked_tables() {
+            if released.contains(&table) {
+                continue;
+            }
+            let outbox_table: &OutboxTable = &self.settings.database.tables[table];
+            let aggregates =
+                outbox::aggregates_pending_hand_off(&self.sql, outbox_table, MAX_TRACKED_BLOCKED)
+                    .await?;
+            if aggregates.len() > MAX_TRACKED_BLOCKED {
+                cut.insert(table);
+            }
+            pending.extend(aggregates.into_iter().map(|aggregate| (table, aggregate)));
+        }
+        // Unblocked (or blocked again by a refusal among them): publish decides.
+        for unblocked in self.gate.drained(&pending, &cut, &released) {
+            self.publish(unblocked).await?;
+        }
+        Ok(())
+    }
+
+    /// Publishes buffered replayed rows, except those an earlier run already published (one lookup).
+    async fn flush_replay_buffer(&mut self) -> Result<()> {
+        if self.replay_buffer.is_empty() {
+            return Ok(());
+        }
+        let mut states: HashMap<(usize, Uuid), bool> = HashMap::new();
+        for (table, sql) in self.outbox_sql.iter().enumerate() {
+            let ids: Vec<Uuid> = self
+                .replay_buffer
+                .iter()
+                .filter(|p| p.tag.table == table)
+                .map(|p| p.event_id)
+                .collect();
+            if !ids.is_empty() {
+                let answer = sql.row_states(&self.sql, &ids).await?;
+                states.extend(answer.into_iter().map(|(id, state)| ((table, id), state)));
+            }
+        }
+        for pending in std::mem::take(&mut self.replay_buffer) {
+            // A row gone: a re-sent one was finished before (deleted after publishing, or by retention); a
+            // replayed one may have been deleted by its own transaction and is published from the stream.
+            // A re-sent row that exists unfinished lost its marks (a server restored from a snapshot taken
+            // before they were written): it is published again.
+            let finished = states
+                .get(&(pending.tag.table, pending.event_id))
+                .copied()
+                .unwrap_or(pending.tag.resent);
+            if finished {
+                self.finish_event(pending.tag.txn, pending.event.size_bytes());
+                self.skipped_already_published += 1;
+            } else if self
+                .gate
+                .is_blocked(pending.tag.table, || aggregate_of(&pending.event))
+            {
+                // What waits in the polling path for this aggregate may be *later* than this replayed event
+                // (handed off by the session that failed to deliver it): parking it would publish it after
+                // them. The polling path orders it among them by position.
+                self.hand_off_blocked(std::slice::from_ref(&pending))?;
+            } else {
+                self.publish(pending).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// At shutdown, buffered and parked rows are simply left for the next run (the slot was not confirmed
+    /// past them).
+    fn drop_held_events(&mut self) {
+        let parked = self.gate.take_every_parked();
+        for pending in std::mem::take(&mut self.replay_buffer)
+            .into_iter()
+            .chain(parked)
+        {
+            self.window.finish(pending.event.size_bytes());
+        }
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
