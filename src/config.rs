@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Deserialize;
 
-use crate::table::{OutboxTable, TableStyle};
+use crate::table::{OutboxTable, TableName, TableStyle};
 use crate::topic::{TemplateError, TopicTemplate};
 
 #[derive(Debug, Parser)]
@@ -265,31 +265,11 @@ fn invalid(message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid(message.into())
 }
 
-/// A schema-qualified table name whose parts are plain identifiers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TableName {
-    pub schema: String,
-    pub name: String,
-}
-
-impl TableName {
-    /// `"schema"."name"`, safe to splice into SQL (parts are validated identifiers).
-    pub fn quoted(&self) -> String {
-        format!("\"{}\".\"{}\"", self.schema, self.name)
-    }
-}
-
-impl std::fmt::Display for TableName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}", self.schema, self.name)
-    }
-}
-
 /// Settings every command needs.
 #[derive(Debug, Clone)]
 pub struct DatabaseSettings {
-    pub database_url: crate::pg::PgUrl,
-    pub replication_url: crate::pg::PgUrl,
+    pub database_url: crate::pg::url::PgUrl,
+    pub replication_url: crate::pg::url::PgUrl,
     /// Every outbox table, in --table order; all share the slot and the publication.
     pub tables: Vec<OutboxTable>,
     pub style: TableStyle,
@@ -680,8 +660,8 @@ pub fn parse_duration(setting: &str, text: &str) -> Result<Duration, ConfigError
 }
 
 /// Parses a libpq-style URL or key=value string. The error never repeats the URL (it may hold a password).
-pub fn parse_postgres_url(setting: &str, url: &str) -> Result<crate::pg::PgUrl, ConfigError> {
-    crate::pg::PgUrl::parse(setting, url).map_err(invalid)
+pub fn parse_postgres_url(setting: &str, url: &str) -> Result<crate::pg::url::PgUrl, ConfigError> {
+    crate::pg::url::PgUrl::parse(setting, url).map_err(invalid)
 }
 
 /// Identifiers outboxd splices into SQL: letters, digits, `_`, `$`, not starting with a digit or `$`, ≤ 63 bytes.

@@ -291,7 +291,7 @@ mod tests {
 
     fn standard() -> OutboxTable {
         OutboxTable::new(
-            crate::config::TableName {
+            crate::table::TableName {
                 schema: "public".into(),
                 name: "outbox_event".into(),
             },
@@ -441,7 +441,7 @@ mod tests {
     #[test]
     fn debezium_table_without_created_at_bytea_payload_and_null_payload() {
         let mut table = OutboxTable::new(
-            crate::config::TableName {
+            crate::table::TableName {
                 schema: "public".into(),
                 name: "outboxevent".into(),
             },

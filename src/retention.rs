@@ -15,9 +15,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Client;
 
-use crate::config::{Retention, TableName};
+use crate::config::Retention;
 use crate::error::{Error, Result};
 use crate::pg::{self, slot};
+use crate::table::TableName;
 use crate::table::{OutboxTable, Role};
 
 /// Rows per statement: small enough to hold locks only briefly.

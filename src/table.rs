@@ -7,8 +7,6 @@
 use clap::ValueEnum;
 use serde::Deserialize;
 
-use crate::config::TableName;
-
 /// What a column means to outboxd.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -137,6 +135,26 @@ pub const POLLING_COLUMNS: [&str; 9] = [
     "handoff_at",
     "position",
 ];
+
+/// A schema-qualified table name whose parts are plain identifiers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    pub schema: String,
+    pub name: String,
+}
+
+impl TableName {
+    /// `"schema"."name"`, safe to splice into SQL (parts are validated identifiers).
+    pub fn quoted(&self) -> String {
+        format!("\"{}\".\"{}\"", self.schema, self.name)
+    }
+}
+
+impl std::fmt::Display for TableName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.schema, self.name)
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxTable {

@@ -1,7 +1,7 @@
 //! Topic templates: parse `outbox.{aggregate_type}`-style templates once, render a legal Kafka topic name
 //! per event. Pure; owns nothing about the broker.
 
-use crate::config::TableName;
+use crate::table::TableName;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Part {

@@ -8,8 +8,9 @@ mod support;
 
 use std::time::Duration;
 
-use outboxd::config::{Retention, TableName};
+use outboxd::config::Retention;
 use outboxd::retention::sweep_once;
+use outboxd::table::TableName;
 use outboxd::table::{OutboxTable, TableStyle};
 use support::*;
 

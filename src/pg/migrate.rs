@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use tokio_postgres::{Client, GenericClient};
 
-use crate::config::{DatabaseSettings, ExistingRows, TableName};
+use crate::config::{DatabaseSettings, ExistingRows};
 use crate::error::{Error, Result};
 use crate::pg::slot;
+use crate::table::TableName;
 use crate::table::{OutboxTable, Role};
 
 /// Embedded migrations, applied in order. Never edit one that has shipped: add a new one.

@@ -4,10 +4,11 @@
 
 use tokio_postgres::{Client, GenericClient};
 
-use crate::config::{DatabaseSettings, TableName};
+use crate::config::DatabaseSettings;
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 use crate::table::OutboxTable;
+use crate::table::TableName;
 
 /// `wal_level` must be `logical` for a logical slot.
 pub async fn check_wal_level(client: &Client) -> Result<()> {

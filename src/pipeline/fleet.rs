@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::backoff::Backoff;
-use crate::config::{PollOrder, RunSettings, TableName};
+use crate::config::{PollOrder, RunSettings};
 use crate::error::{Error, Result};
-use crate::pipeline::leader::{self, LOCK_ROWS};
+use crate::pipeline::liveness::{self, LOCK_ROWS};
+use crate::table::TableName;
 
 /// How often a poller asks whether a CDC leader streams its table.
 pub const LEADER_CHECK: Duration = Duration::from_secs(1);
@@ -35,8 +36,8 @@ fn poll_order_key(table: &TableName, order: PollOrder) -> String {
 }
 
 /// Whether another live session of this database holds the lock for key text `key`. A holder whose
-/// session has run no statement for [`leader::SILENT_LEADER`] does not count: the connections holding
-/// these locks run a health query every [`leader::HEALTH_INTERVAL`], so a silent one is a dead node or a
+/// session has run no statement for [`liveness::SILENT_LEADER`] does not count: the connections holding
+/// these locks run a health query every [`liveness::HEALTH_INTERVAL`], so a silent one is a dead node or a
 /// partition. (Where the role may not see other sessions' state, every holder counts.)
 async fn held_by_another(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
     let sql = format!(
@@ -45,7 +46,7 @@ async fn held_by_another(client: &tokio_postgres::Client, key: &str) -> Result<b
                  AND a.state = 'idle' AND a.state_change < now() - make_interval(secs => $2)))"
     );
     let row = client
-        .query_one(&sql, &[&key, &leader::SILENT_LEADER.as_secs_f64()])
+        .query_one(&sql, &[&key, &liveness::SILENT_LEADER.as_secs_f64()])
         .await?;
     Ok(row.get(0))
 }
@@ -64,7 +65,7 @@ async fn streamed_by_another(client: &tokio_postgres::Client, key: &str) -> Resu
                          WHERE a.pid = l.pid AND a.application_name LIKE 'outboxd active %' AND s.active))"
     );
     let row = client
-        .query_one(&sql, &[&key, &leader::SILENT_LEADER.as_secs_f64()])
+        .query_one(&sql, &[&key, &liveness::SILENT_LEADER.as_secs_f64()])
         .await?;
     Ok(row.get(0))
 }
@@ -171,7 +172,7 @@ pub async fn announce_poll_order(settings: &RunSettings) -> Result<Option<PollOr
         return Ok(None);
     }
     let order = settings.poll.order;
-    let url = leader::with_dead_peer_detection(&settings.database.database_url);
+    let url = liveness::with_dead_peer_detection(&settings.database.database_url);
     let client = announce(&url, &tables, order)
         .await?
         .map_err(mixed_orders)?;
@@ -182,9 +183,9 @@ pub async fn announce_poll_order(settings: &RunSettings) -> Result<Option<PollOr
         loop {
             // Keep the session busy (and notice a dead one), as the leadership connection does.
             loop {
-                tokio::time::sleep(leader::HEALTH_INTERVAL).await;
+                tokio::time::sleep(liveness::HEALTH_INTERVAL).await;
                 let alive =
-                    tokio::time::timeout(leader::HEALTH_TIMEOUT, client.simple_query("SELECT 1"));
+                    tokio::time::timeout(liveness::HEALTH_TIMEOUT, client.simple_query("SELECT 1"));
                 if !matches!(alive.await, Ok(Ok(_))) {
                     break;
                 }
@@ -220,7 +221,7 @@ async fn announce(
     order: PollOrder,
 ) -> Result<std::result::Result<tokio_postgres::Client, String>> {
     let client = crate::pg::connect(url).await?;
-    client.batch_execute(&leader::session_settings()).await?;
+    client.batch_execute(&liveness::session_settings()).await?;
     // Own order first, then the others: of two instances starting at once, at least one sees the other.
     for table in tables {
         client

@@ -5,14 +5,15 @@
 //!
 //! - the lock connection has TCP keepalives and `tcp_user_timeout` on both ends (the client's socket, and
 //!   the server's through its session settings), and idle-session kills switched off for that session;
-//! - the leader runs a health query every [`HEALTH_INTERVAL`] that also proves its own server session holds
+//! - the leader runs a health query every [`HEALTH_INTERVAL`](crate::pipeline::liveness::HEALTH_INTERVAL) that also proves its own server session holds
 //!   the lock (a transaction-mode pooler would run it elsewhere: refused with a setup error), and gives up
-//!   leadership when it gets no answer within [`HEALTH_TIMEOUT`];
-//! - a standby ends the session of a leader that has been silent for [`SILENT_LEADER`], and, once it holds
+//!   leadership when it gets no answer within [`HEALTH_TIMEOUT`](crate::pipeline::liveness::HEALTH_TIMEOUT);
+//! - a standby ends the session of a leader that has been silent for [`SILENT_LEADER`](crate::pipeline::liveness::SILENT_LEADER), and, once it holds
 //!   the lock, a walsender of the slot that has sent no reply for [`SILENT_WALSENDER`] (a proxy or load
 //!   balancer in between keeps answering TCP for a dead client, so keepalives alone are not enough).
 //!
-//! Together these bound a takeover by [`TAKEOVER_BOUND`], the figure README states.
+//! Together these bound a takeover by [`TAKEOVER_BOUND`], the figure README states (the shared parts of
+//! dead-peer detection are in `liveness`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -23,16 +24,13 @@ use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::http::READINESS;
+use crate::pipeline::liveness::{
+    session_settings, with_dead_peer_detection, HEALTH_INTERVAL, HEALTH_TIMEOUT, LOCK_ROWS,
+    SILENT_LEADER,
+};
 
 /// How often a standby asks for the lock.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
-/// How often the leader proves that its lock session is alive (and keeps it from looking idle).
-pub const HEALTH_INTERVAL: Duration = Duration::from_secs(2);
-/// How long any statement on the lock connection may take before the connection counts as dead.
-pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
-/// A leader whose lock session ran no statement for this long is gone: a standby ends its session.
-/// Far above [`HEALTH_INTERVAL`], so a live leader is never taken for a dead one.
-pub const SILENT_LEADER: Duration = Duration::from_secs(15);
 /// A walsender of our slot that has had no reply from its client for this long serves a dead client (a
 /// live outboxd replies every `--status-interval`): the instance holding the lock ends it.
 pub const SILENT_WALSENDER: Duration = Duration::from_secs(10);
@@ -46,16 +44,6 @@ pub const TAKEOVER_BOUND: Duration = Duration::from_secs(
         + HEALTH_TIMEOUT.as_secs()
         + STREAM_START.as_secs(),
 );
-
-/// TCP keepalives on the lock connection, client and server side: first probe after this much silence...
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
-/// ...then one probe every...
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
-/// ...and the connection is dropped after this many unanswered probes.
-const KEEPALIVE_COUNT: u32 = 3;
-/// Data unacknowledged this long drops the connection (`tcp_user_timeout`, both sides; also the connect
-/// timeout of the lock connection when the URL sets none).
-const USER_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The role an instance plays for a slot, shown as the `application_name` of its leadership connection so
 /// that `outboxd status` (any process with SQL access) can count active and standby instances.
@@ -87,26 +75,6 @@ async fn announce(client: &tokio_postgres::Client, role: Role, slot: &str) -> Re
     Ok(())
 }
 
-/// The session settings of the lock connection: the server's side of dead-peer detection (PostgreSQL
-/// applies these to its socket for this session), and no idle-session kill of a connection that idles
-/// between health queries by design.
-pub(crate) fn session_settings() -> String {
-    format!(
-        "SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; SET tcp_keepalives_count = {}; \
-         SET tcp_user_timeout = {}; SET idle_session_timeout = 0; SET idle_in_transaction_session_timeout = 0",
-        KEEPALIVE_IDLE.as_secs(),
-        KEEPALIVE_INTERVAL.as_secs(),
-        KEEPALIVE_COUNT,
-        USER_TIMEOUT.as_millis()
-    )
-}
-
-/// The rows of `pg_locks` that are the leadership lock for `$1` (the key text) in this database.
-pub(crate) const LOCK_ROWS: &str =
-    "pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-    AND ((l.classid::int8 << 32) | l.objid::int8) = hashtext($1)::int8";
-
 /// Whether this connection's own server session holds the lock: false through a pooler in transaction or
 /// statement mode, where the lock stays on whichever server connection ran `pg_try_advisory_lock`.
 async fn holds_lock(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
@@ -121,7 +89,7 @@ fn pooler_error() -> Error {
     )
 }
 
-/// A statement on the lock connection, given up after [`HEALTH_TIMEOUT`] (the connection counts as dead).
+/// A statement on the lock connection, given up after [`HEALTH_TIMEOUT`](crate::pipeline::liveness::HEALTH_TIMEOUT) (the connection counts as dead).
 async fn within<T>(statement: impl std::future::Future<Output = Result<T>>) -> Result<T> {
     tokio::time::timeout(HEALTH_TIMEOUT, statement)
         .await
@@ -179,7 +147,7 @@ fn report(lost: &watch::Sender<Option<Lost>>, why: Lost) {
     });
 }
 
-/// The leader's health query, every [`HEALTH_INTERVAL`], until it fails. Owns the client: when this task
+/// The leader's health query, every [`HEALTH_INTERVAL`](crate::pipeline::liveness::HEALTH_INTERVAL), until it fails. Owns the client: when this task
 /// ends (or is aborted with its `Leadership`) the connection closes.
 async fn watch_health(
     client: tokio_postgres::Client,
@@ -205,7 +173,7 @@ async fn watch_health(
     }
 }
 
-/// Ends the session of a leader whose lock session has run no statement for [`SILENT_LEADER`] (a dead
+/// Ends the session of a leader whose lock session has run no statement for [`SILENT_LEADER`](crate::pipeline::liveness::SILENT_LEADER) (a dead
 /// node, a partition). Needs the same role as that session (or `pg_signal_backend` and `pg_read_all_stats`);
 /// without it, the server's keepalives end the session instead. Returns whether one was ended.
 async fn end_silent_leader(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
@@ -274,24 +242,13 @@ fn lock_key(settings: &RunSettings) -> String {
 /// leaders), and it does not depend on the order of `--table`s (earlier versions used that order, so a fleet
 /// of several tables given in another order than sorted gets a new key once: upgrade it all at once).
 pub fn key_text<'a>(
-    tables: impl IntoIterator<Item = &'a crate::config::TableName>,
+    tables: impl IntoIterator<Item = &'a crate::table::TableName>,
     slot: &str,
 ) -> String {
     let mut names: Vec<String> = tables.into_iter().map(|t| t.to_string()).collect();
     names.sort();
     names.dedup();
     format!("outboxd.leader.{}.{slot}", names.join(", "))
-}
-
-/// The URL with dead-peer detection on the client's socket, for the connections a silent server must end:
-/// the leadership lock, the fleet announcements and the replication stream.
-pub(crate) fn with_dead_peer_detection(url: &crate::pg::PgUrl) -> crate::pg::PgUrl {
-    url.with_dead_peer_detection(
-        KEEPALIVE_IDLE,
-        KEEPALIVE_INTERVAL,
-        KEEPALIVE_COUNT,
-        USER_TIMEOUT,
-    )
 }
 
 /// Waits until this instance holds the lock for `settings`' slot. `None` when `shutdown` came first.
@@ -425,7 +382,7 @@ mod tests {
 
     #[test]
     fn the_leadership_key_is_stable_across_versions_and_table_order() {
-        let table = |schema: &str, name: &str| crate::config::TableName {
+        let table = |schema: &str, name: &str| crate::table::TableName {
             schema: schema.into(),
             name: name.into(),
         };

@@ -9,6 +9,7 @@ pub mod cdc;
 pub mod fleet;
 pub mod history;
 pub mod leader;
+pub mod liveness;
 pub mod poll;
 pub mod topic_holds;
 pub mod watermark;

@@ -58,7 +58,7 @@ const BROKER_DOWN_MAX_WAIT: Duration = Duration::from_secs(5);
 /// notification (and when the connection ends, so the poller never sleeps on a dead listener).
 async fn listen(
     settings: &RunSettings,
-    table: &crate::config::TableName,
+    table: &crate::table::TableName,
 ) -> Result<(tokio_postgres::Client, Arc<tokio::sync::Notify>)> {
     let (client, mut connection) = settings.database.database_url.connect_raw().await?;
     let notify = Arc::new(tokio::sync::Notify::new());
@@ -212,7 +212,7 @@ impl PollWorker {
     ) -> Result<()> {
         let poll = &self.settings.poll;
         // A silent server must end the session (it may hold the claim lock every claimer waits for).
-        let mut client = pg::connect(&super::leader::with_dead_peer_detection(
+        let mut client = pg::connect(&super::liveness::with_dead_peer_detection(
             &self.settings.database.database_url,
         ))
         .await?;

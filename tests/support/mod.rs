@@ -1003,7 +1003,7 @@ pub fn migrate_with(url: &str, args: &[&str]) -> String {
 /// The default table `public.outbox_event`, inspected, for tests that call the library's SQL directly.
 pub async fn outbox_event_table(client: &tokio_postgres::Client) -> outboxd::table::OutboxTable {
     let mut table = outboxd::table::OutboxTable::new(
-        outboxd::config::TableName {
+        outboxd::table::TableName {
             schema: "public".into(),
             name: "outbox_event".into(),
         },

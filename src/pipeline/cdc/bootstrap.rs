@@ -208,7 +208,7 @@ async fn connect(
         outbox_sql.push(OutboxSql::prepare(&sql, table).await?);
     }
     // Dead-peer detection as on the leadership connection: a silent server ends the session.
-    let url = crate::pipeline::leader::with_dead_peer_detection(&db.replication_url);
+    let url = crate::pipeline::liveness::with_dead_peer_detection(&db.replication_url);
     let mut conn = ReplicationConnection::connect(&url)
         .await
         .map_err(replication_error)?;

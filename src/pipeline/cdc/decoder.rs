@@ -242,8 +242,8 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::config::TableName;
     use crate::pg::pgoutput::{ColumnValue, Commit, Relation, RelationColumn};
+    use crate::table::TableName;
     use crate::table::TableStyle;
 
     const OUTBOX: u32 = 16_384;

@@ -217,7 +217,7 @@ impl CdcPipeline {
             let sql = pg::connect(&self.settings.database.database_url).await?;
             leader::end_silent_walsender(&sql, &self.settings.database.slot).await
         };
-        match tokio::time::timeout(leader::HEALTH_TIMEOUT, ended).await {
+        match tokio::time::timeout(crate::pipeline::liveness::HEALTH_TIMEOUT, ended).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
                 tracing::debug!(%error, "cannot check the slot for a silent walsender")

@@ -1,0 +1,85 @@
+//! A PostgreSQL connection target parsed from a libpq URL or key=value string, with the TLS policy
+//! (`sslmode`) tokio-postgres cannot express and its connectors built once. Parsing and TLS only: opening
+//! connections is `pg`'s.
+
+use std::time::Duration;
+
+use super::tls;
+
+/// A PostgreSQL connection target: tokio-postgres's config plus the TLS policy (libpq `sslmode`) that
+/// tokio-postgres cannot express, with its connector built once at start-up.
+#[derive(Clone)]
+pub struct PgUrl {
+    pub config: tokio_postgres::Config,
+    pub tls: tls::TlsSettings,
+    /// Built once at start-up: the replication connection's TLS, and `connector`'s.
+    pub ssl: openssl::ssl::SslConnector,
+    connector: postgres_openssl::MakeTlsConnector,
+}
+
+/// A SQL connection's driver half, to be polled (or awaited) on a task of its own.
+pub type Connection = tokio_postgres::Connection<
+    tokio_postgres::Socket,
+    postgres_openssl::TlsStream<tokio_postgres::Socket>,
+>;
+
+impl PgUrl {
+    /// Parses a libpq URL or key=value string given as `setting`. Errors are whole messages naming the
+    /// setting and the fix; they never repeat the URL (it may hold a password).
+    pub fn parse(setting: &str, url: &str) -> std::result::Result<Self, String> {
+        let invalid = |e: &dyn std::fmt::Display| {
+            format!("{setting} is not a valid PostgreSQL URL ({e}); expected postgres://user:password@host:5432/database[?sslmode=verify-full&sslrootcert=/path/ca.crt]")
+        };
+        let (rest, tls) = tls::split_tls_settings(url).map_err(|e| invalid(&e))?;
+        let mut config = rest
+            .parse::<tokio_postgres::Config>()
+            .map_err(|e| invalid(&e))?;
+        config.ssl_mode(tls::driver_ssl_mode(tls.mode));
+        let ssl = tls.ssl_connector().map_err(|e| format!("{setting}: {e}"))?;
+        let connector = tls.connector(ssl.clone());
+        Ok(PgUrl {
+            config,
+            tls,
+            ssl,
+            connector,
+        })
+    }
+
+    /// The SQL connections' TLS connector for this target.
+    pub fn connector(&self) -> postgres_openssl::MakeTlsConnector {
+        self.connector.clone()
+    }
+
+    /// This target with TCP keepalives and `tcp_user_timeout` on the client's socket (so that a peer gone
+    /// silent fails the connection within about `user_timeout` instead of the operating system's two hours),
+    /// and a connect timeout when the URL gives none.
+    pub fn with_dead_peer_detection(
+        &self,
+        idle: Duration,
+        interval: Duration,
+        retries: u32,
+        user_timeout: Duration,
+    ) -> PgUrl {
+        let mut url = self.clone();
+        url.config
+            .keepalives(true)
+            .keepalives_idle(idle)
+            .keepalives_interval(interval)
+            .keepalives_retries(retries)
+            .tcp_user_timeout(user_timeout);
+        if url.config.get_connect_timeout().is_none() {
+            url.config.connect_timeout(user_timeout);
+        }
+        url
+    }
+}
+
+impl std::fmt::Debug for PgUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // tokio-postgres's Debug redacts the password.
+        f.debug_struct("PgUrl")
+            .field("config", &self.config)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
