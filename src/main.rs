@@ -93,12 +93,8 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                 // Keep the sender alive so receivers never see a closed channel.
                 std::future::pending::<()>().await;
             });
-            let metrics = outboxd::metrics::install().map_err(|e| {
-                outboxd::Error::setup(
-                    format!("cannot set up metrics: {e}"),
-                    "report this as an outboxd bug",
-                )
-            })?;
+            let metrics = outboxd::metrics::install()
+                .map_err(|e| outboxd::Error::bug(format!("cannot set up metrics: {e}")))?;
             if let Some(addr) = settings.metrics_addr {
                 outboxd::http::serve(addr, metrics).await?;
             }

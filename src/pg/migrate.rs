@@ -283,10 +283,9 @@ async fn mark_history(client: &mut Client, table: &OutboxTable) -> Result<()> {
         .await?
         .get(0);
     let position: crate::lsn::Lsn = position.parse().map_err(|_| {
-        Error::setup(
-            format!("unexpected WAL position {position:?}"),
-            "report this as an outboxd bug, with the server version",
-        )
+        Error::bug(format!(
+            "PostgreSQL answered an unexpected WAL position {position:?}"
+        ))
     })?;
     run_locked(
         client,
@@ -344,10 +343,9 @@ async fn build_partitioned_index(
 ) -> Result<()> {
     let parent = table.name.quoted();
     let Some((_, definition)) = sql.split_once(&format!(" ON {parent} ")) else {
-        return Err(Error::setup(
-            format!("cannot read the index statement of migrate for {parent}: {sql}"),
-            "report this as an outboxd bug",
-        ));
+        return Err(Error::bug(format!(
+            "cannot read the index statement of migrate for {parent}: {sql}"
+        )));
     };
     let parent_index = format!("\"{}\".{index}", table.name.schema);
     run_locked(

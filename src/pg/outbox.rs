@@ -148,10 +148,9 @@ pub async fn hand_off_rows_older_than_slot(
         .chars()
         .all(|c| c.is_ascii_hexdigit() || c == '-')
     {
-        return Err(crate::error::Error::setup(
-            format!("unexpected exported snapshot name {snapshot_name:?}"),
-            "report this as an outboxd bug, with the server version",
-        ));
+        return Err(crate::error::Error::bug(format!(
+            "PostgreSQL exported an unexpected snapshot name {snapshot_name:?}"
+        )));
     }
     let tx = client
         .build_transaction()

@@ -21,10 +21,11 @@ use tokio::sync::watch;
 
 use crate::backoff::Backoff;
 use crate::config::{Mode, RunSettings};
+use crate::error::replication_error;
 use crate::error::{Error, Result};
 use crate::kafka::{self, KnownTopics};
 use crate::pg::outbox::ClaimScope;
-use crate::pg::replication::{ReplicationConnection, ReplicationError};
+use crate::pg::replication::ReplicationConnection;
 use crate::pg::{self, slot};
 use crate::table::{OutboxTable, Role};
 
@@ -63,46 +64,6 @@ impl DatabaseOutage {
             ));
         }
         Ok(Some(waiting_for.to_string()))
-    }
-}
-
-/// Maps replication-connection failures a person must fix to setup errors that say how.
-pub fn replication_error(error: ReplicationError) -> Error {
-    let message = error.to_string();
-    if let ReplicationError::Tls { mode, .. } = &error {
-        return pg::tls_problem(&message, *mode).unwrap_or(Error::Replication(error));
-    }
-    if let ReplicationError::ChannelBindingRequired(_) = &error {
-        return Error::setup(
-            message,
-            "authenticate replication connections with scram-sha-256 over TLS (a `hostssl ... scram-sha-256` line in pg_hba.conf, sslmode=require or stricter, a password stored as SCRAM), or drop channel_binding=require from the URL",
-        );
-    }
-    match error.code() {
-        Some("42501") => Error::replication_unavailable(
-            format!("the user may not open a replication connection ({message})"),
-            "ALTER ROLE <user> WITH REPLICATION (managed services: GRANT rds_replication TO <user> or the provider's equivalent)",
-        ),
-        Some("28000") => Error::replication_unavailable(
-            format!("PostgreSQL refused the replication connection ({message})"),
-            "add a pg_hba.conf line for this user and database (a logical replication connection matches the database column)",
-        ),
-        Some("28P01") => Error::setup(
-            format!("PostgreSQL rejected the password of the replication connection ({message})"),
-            "check the password in --replication-url / --database-url",
-        ),
-        Some("3D000") => Error::database_missing(&message),
-        // PG 15 says "logical decoding cannot be used while in recovery" with 0A000 (55000 on some paths).
-        Some("0A000" | "55000") if message.contains("recovery") => Error::in_recovery(),
-        Some("55000") if message.contains("wal_level") => Error::replication_unavailable(
-            format!("logical decoding is not enabled ({message})"),
-            "set wal_level = logical and restart PostgreSQL",
-        ),
-        Some("42704") => Error::setup(
-            format!("a replication object is missing ({message})"),
-            "run `outboxd migrate` to create the publication, or check --publication and --slot",
-        ),
-        _ => Error::Replication(error),
     }
 }
 
@@ -383,7 +344,7 @@ async fn run_auto(
         let stop_for_good = loop {
             tokio::select! {
                 result = &mut polling => {
-                    return result.map_err(|e| Error::setup(format!("polling task failed: {e}"), "report this as an outboxd bug"))?;
+                    return result.map_err(|e| Error::bug(format!("polling task failed: {e}")))?;
                 }
                 _ = shutdown.wait_for(|stop| *stop) => break true,
                 _ = tokio::time::sleep(REPLICATION_RECHECK) => {
@@ -394,12 +355,9 @@ async fn run_auto(
             }
         };
         let _ = stop_poll.send(true);
-        polling.await.map_err(|e| {
-            Error::setup(
-                format!("polling task failed: {e}"),
-                "report this as an outboxd bug",
-            )
-        })??;
+        polling
+            .await
+            .map_err(|e| Error::bug(format!("polling task failed: {e}")))??;
         if stop_for_good {
             return Ok(());
         }
@@ -449,16 +407,5 @@ mod tests {
                 && text.contains("raise --reconnect-timeout"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn recovery_errors_of_the_replication_connection_are_waited_for() {
-        let error = replication_error(ReplicationError::Server {
-            severity: "ERROR".into(),
-            code: "0A000".into(),
-            message: "logical decoding cannot be used while in recovery".into(),
-            detail: None,
-        });
-        assert_eq!(error.awaited_database(), Some("the standby to be promoted"));
     }
 }

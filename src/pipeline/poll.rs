@@ -112,12 +112,7 @@ pub async fn poll_all_tables(
         workers.spawn(async move { worker.run(shutdown).await });
     }
     while let Some(result) = workers.join_next().await {
-        result.map_err(|e| {
-            Error::setup(
-                format!("polling task failed: {e}"),
-                "report this as an outboxd bug",
-            )
-        })??;
+        result.map_err(|e| Error::bug(format!("polling task failed: {e}")))??;
     }
     Ok(())
 }

@@ -64,6 +64,11 @@ impl ReplicationError {
             _ => None,
         }
     }
+
+    /// The server's SQLSTATE, to compare with `tokio_postgres::error::SqlState`'s constants.
+    pub fn sqlstate(&self) -> Option<tokio_postgres::error::SqlState> {
+        self.code().map(tokio_postgres::error::SqlState::from_code)
+    }
 }
 
 /// Result of IDENTIFY_SYSTEM.

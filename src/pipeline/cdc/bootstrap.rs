@@ -11,13 +11,13 @@ use super::decoder::Pending;
 use super::gate::AggregateGate;
 use super::{CdcPipeline, MAX_TRACKED_BLOCKED};
 use crate::config::RunSettings;
+use crate::error::replication_error;
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, OutboxSql};
 use crate::pg::replication::{ReplicationConnection, ReplicationStream, SystemIdentity};
 use crate::pg::{self, slot};
 use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory};
-use crate::pipeline::replication_error;
 
 /// What a session streams with.
 pub(super) struct Bootstrapped {

@@ -161,10 +161,10 @@ impl TransactionDecoder {
         let (Some(current), Some(mapping)) =
             (self.current, self.mappings.get_mut(&insert.relation_id))
         else {
-            return Err(Error::setup(
-                format!("the replication stream sent a row of relation {} outside a transaction or before its Relation message", insert.relation_id),
-                "report this as an outboxd bug, with the server version",
-            ));
+            return Err(Error::bug(format!(
+                "the replication stream sent a row of relation {} outside a transaction or before its Relation message",
+                insert.relation_id
+            )));
         };
         let (table, mapping) = match mapping {
             Mapped::Outbox(table, mapping) => (*table, &*mapping),

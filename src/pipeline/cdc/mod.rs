@@ -169,8 +169,8 @@ impl CdcPipeline {
             match result {
                 Ok(()) => return Ok(()),
                 // Held by another client since start-up (not a walsender that is still dying): say so.
-                Err(Error::Replication(error))
-                    if error.code() == Some("55006")
+                Err(error)
+                    if error.is_slot_in_use()
                         && !self.ever_streamed
                         && first_attempt.elapsed() > self.settings.startup_timeout =>
                 {
@@ -185,13 +185,11 @@ impl CdcPipeline {
                         backoff.reset();
                     }
                     let mut delay = backoff.next_delay();
-                    if let Error::Replication(slot_busy) = &error {
-                        if slot_busy.code() == Some("55006") {
-                            // We hold the leadership lock: a walsender whose client went silent is the
-                            // previous leader's, and is ended; a live one is asked again soon.
-                            self.end_silent_walsender().await;
-                            delay = delay.min(SLOT_BUSY_RETRY);
-                        }
+                    if error.is_slot_in_use() {
+                        // We hold the leadership lock: a walsender whose client went silent is the
+                        // previous leader's, and is ended; a live one is asked again soon.
+                        self.end_silent_walsender().await;
+                        delay = delay.min(SLOT_BUSY_RETRY);
                     }
                     match outage.judge(&error)? {
                         Some(waiting_for) => {

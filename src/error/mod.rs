@@ -1,5 +1,10 @@
 //! The library's error type and the one decision every caller needs from it: retry, or stop and tell the
-//! user what to fix.
+//! user what to fix. `classify` makes that decision, in one place: it turns PostgreSQL's and the
+//! replication protocol's failures into the variants below, by SQLSTATE (tokio-postgres' `SqlState`).
+
+mod classify;
+
+pub use classify::{connect_error, replication_error, tls_problem};
 
 use crate::config::ConfigError;
 use crate::event::MappingError;
@@ -38,30 +43,22 @@ pub enum Error {
     Mapping(#[from] MappingError),
     #[error("cannot decode the replication stream: {0}")]
     Decode(#[from] DecodeError),
+    /// An internal invariant broke (or a server answered against its protocol): nothing the user can fix.
+    #[error("internal error: {0} (please report this as an outboxd bug, with the server versions and the log)")]
+    Bug(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// SQLSTATEs that mean "try again later": connection failures, server shutting down or starting up,
-/// too many connections, a replication slot still held by a dying walsender.
-fn is_transient_sqlstate(code: &str) -> bool {
-    code.starts_with("08")
-        || code.starts_with("57P")
-        // Too many connections, object in use, serialization failure, deadlock; a statement cancelled
-        // (statement_timeout, pg_cancel_backend) and a lock wait given up (lock_timeout): the database is
-        // busy, not wrong.
-        || matches!(code, "53300" | "55006" | "40001" | "40P01" | "57014" | "55P03")
-}
-
-/// Connection failures and a server shutting down, restarting or starting up.
-fn is_unreachable_sqlstate(code: &str) -> bool {
-    code.starts_with("08") || code.starts_with("57P")
-}
-
+/// What a running pipeline waits for (`waiting_for` of [`Error::NotReady`], see [`Error::awaited_database`]).
 const ACCEPTING_CONNECTIONS: &str = "PostgreSQL to accept connections";
 const PROMOTION: &str = "the standby to be promoted";
 
 impl Error {
+    pub fn bug(what: impl Into<String>) -> Self {
+        Error::Bug(what.into())
+    }
+
     pub fn setup(problem: impl Into<String>, fix: impl Into<String>) -> Self {
         Error::Setup {
             problem: problem.into(),
@@ -93,60 +90,6 @@ impl Error {
             waiting_for: PROMOTION.into(),
         }
     }
-
-    /// What a running pipeline waits for when the database went away or is not ready yet (a failover, a
-    /// restore, a switchover): `None` for errors that are not about the database being reachable and ready.
-    pub fn awaited_database(&self) -> Option<&str> {
-        match self {
-            Error::NotReady { waiting_for, .. } => Some(waiting_for),
-            // A write on a standby (the address reached one before its promotion).
-            Error::Postgres(e) if e.code().map(|c| c.code()) == Some("25006") => Some(PROMOTION),
-            Error::Postgres(e) => match e.code() {
-                None => self.is_transient(),
-                Some(code) => is_unreachable_sqlstate(code.code()),
-            }
-            .then_some(ACCEPTING_CONNECTIONS),
-            Error::Replication(
-                ReplicationError::Io(_)
-                | ReplicationError::Closed
-                | ReplicationError::Connect { .. },
-            ) => Some(ACCEPTING_CONNECTIONS),
-            Error::Replication(ReplicationError::Server { code, .. }) => {
-                is_unreachable_sqlstate(code).then_some(ACCEPTING_CONNECTIONS)
-            }
-            _ => None,
-        }
-    }
-
-    /// True when waiting and retrying can succeed; false when a person must change something first.
-    pub fn is_transient(&self) -> bool {
-        match self {
-            Error::Config(_)
-            | Error::Setup { .. }
-            | Error::ReplicationUnavailable { .. }
-            | Error::NotReady { .. }
-            | Error::Mapping(_)
-            | Error::Decode(_) => false,
-            Error::Postgres(e) => match e.code() {
-                Some(code) => is_transient_sqlstate(code.code()),
-                // No SQLSTATE: the connection itself failed or closed.
-                None => !is_config_like(&e.to_string()),
-            },
-            Error::Replication(e) => match e {
-                ReplicationError::Server { code, .. } => is_transient_sqlstate(code),
-                ReplicationError::Io(_)
-                | ReplicationError::Closed
-                | ReplicationError::Connect { .. }
-                | ReplicationError::Tls { .. } => true,
-                ReplicationError::Protocol(_)
-                | ReplicationError::Unsupported(_)
-                | ReplicationError::PasswordRequired
-                | ReplicationError::ChannelBindingRequired(_) => false,
-            },
-            Error::Kafka { transient, .. } => *transient,
-            Error::SessionRestart(_) => true,
-        }
-    }
 }
 
 /// tokio-postgres displays server errors as just "db error"; show the server's message and SQLSTATE.
@@ -158,8 +101,4 @@ pub fn postgres_error_text(error: &tokio_postgres::Error) -> String {
             None => error.to_string(),
         },
     }
-}
-
-fn is_config_like(message: &str) -> bool {
-    message.contains("invalid configuration") || message.contains("password missing")
 }
