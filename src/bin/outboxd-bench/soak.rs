@@ -6,7 +6,7 @@
 //! of h MiB in the middle of a window of L million events still counts as about 1.5·h/L).
 //!
 //! Owns the load, the sampling and the analysis; not the stack (the caller starts PostgreSQL, the broker
-//! and outboxd and says where they are). Self-contained so that the CI test (`tests/soak.rs`) runs the same
+//! and outboxd and says where they are). Self-contained so that the CI test (`tests/it/soak.rs`) runs the same
 //! code: it includes this file by path.
 
 use std::fmt::Write as _;

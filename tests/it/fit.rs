@@ -2,11 +2,9 @@
 //! tombstones, partitioned tables with retention, and several tables through one slot. Real PostgreSQL 15
 //! and a real Kafka-protocol broker.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// The in-flight window of the kill tests: each SIGKILL may re-send at most this many events.
 const KILL_TEST_WINDOW: usize = 20;

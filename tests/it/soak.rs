@@ -7,15 +7,13 @@
 //! 16.4 MiB per million here (every commit-to-ack sample kept until a scrape); a flat process measures
 //! 0.0-1.0 for RSS.
 
-mod support;
-
-#[path = "../src/bin/outboxd-bench/soak.rs"]
+#[path = "../../src/bin/outboxd-bench/soak.rs"]
 #[allow(dead_code)]
-mod soak;
+mod bench_soak;
 
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// MiB per million events after warm-up: anonymous memory, and all of RSS.
 const MAX_ANON_GROWTH: f64 = 2.0;
@@ -32,13 +30,13 @@ async fn soak_without_scrapes(mode: &str) {
     if mode == "cdc" {
         wait_slot_active(&client, "outboxd").await;
     }
-    let target = soak::Target {
+    let target = bench_soak::Target {
         outboxd_pid: outboxd.pid(),
         sql: &client,
         pg_url: url.clone(),
         metrics_addr: Some(metrics_addr.clone()),
     };
-    let plan = soak::Plan {
+    let plan = bench_soak::Plan {
         // Long enough that a one-time step of the allocator's high-water mark (seen here: 0.7-0.9 MiB once,
         // mid-run, on 2026-12-02) does not read as growth: over 350,000 events it measured 2.1-2.7 MiB per million.
         events: 1_000_000,
@@ -50,13 +48,13 @@ async fn soak_without_scrapes(mode: &str) {
         burst_events: 2 * outboxd::config::DEFAULT_MAX_IN_FLIGHT_EVENTS as u64,
         warmup_events: 150_000,
     };
-    let result = soak::run(&target, &plan).await.unwrap();
-    let growth = result.growth_per_million(soak::Measure::RssMib);
-    let anon_growth = result.growth_per_million(soak::Measure::RssAnonMib);
-    let chart = result.chart(soak::Measure::RssMib, 60, 10);
+    let result = bench_soak::run(&target, &plan).await.unwrap();
+    let growth = result.growth_per_million(bench_soak::Measure::RssMib);
+    let anon_growth = result.growth_per_million(bench_soak::Measure::RssAnonMib);
+    let chart = result.chart(bench_soak::Measure::RssMib, 60, 10);
     println!(
         "{mode}: RSS {:?} MiB after warm-up, growth {growth:.2} MiB per million events (anonymous {anon_growth:.2}), {} samples\n{chart}",
-        result.steady_range(soak::Measure::RssMib),
+        result.steady_range(bench_soak::Measure::RssMib),
         result.steady().count(),
     );
     assert!(
@@ -68,8 +66,8 @@ async fn soak_without_scrapes(mode: &str) {
         "{mode}: without scrapes outboxd's RSS grew {growth:.2} MiB per million events (bound {MAX_RSS_GROWTH}), its anonymous memory {anon_growth:.2} (bound {MAX_ANON_GROWTH}):\n{chart}"
     );
     for (what, measure) in [
-        ("open descriptors", soak::Measure::Fds),
-        ("threads", soak::Measure::Threads),
+        ("open descriptors", bench_soak::Measure::Fds),
+        ("threads", bench_soak::Measure::Threads),
     ] {
         let (first, last) = result.steady_range(measure);
         assert!(

@@ -1,11 +1,9 @@
 //! TLS to PostgreSQL with libpq's sslmode semantics, on the SQL connections and on the replication
 //! connection, against a local server with `ssl = on` and a CA made in the test.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// Every outboxd backend (SQL and walsender) and whether it uses TLS, once a walsender streams.
 async fn outboxd_backends(client: &tokio_postgres::Client) -> Vec<(String, bool)> {

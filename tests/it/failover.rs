@@ -3,14 +3,12 @@
 //! through the same proxy, and every event present in the database outboxd ends up on must be published,
 //! in order per aggregate.
 
-mod support;
-
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use outboxd::lsn::Lsn;
-use support::*;
 
 const SLOT: &str = "outboxd";
 /// WAL written on the old server after the copy/standby stopped following it: far more than the new

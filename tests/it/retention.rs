@@ -4,15 +4,13 @@
 //! `/metrics` and `outboxd status`. Most tests drive one retention pass (`outboxd::retention::sweep_once`)
 //! as a role with exactly README's grants; no broker is needed for those.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use outboxd::config::Retention;
 use outboxd::retention::sweep_once;
 use outboxd::table::TableName;
 use outboxd::table::{OutboxTable, TableStyle};
-use support::*;
 
 /// The role README's grants describe: the outbox table's SELECT, UPDATE, DELETE, and nothing on the schema
 /// (PG 15's `public` grants CREATE to nobody but its owner).

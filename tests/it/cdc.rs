@@ -1,11 +1,9 @@
 //! End-to-end tests of the CDC fast path against a real PostgreSQL 15 and a real Kafka-protocol broker.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use outboxd::lsn::Lsn;
-use support::*;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn delivers_every_committed_event_in_order_with_headers() {

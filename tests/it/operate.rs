@@ -1,10 +1,8 @@
 //! Operating outboxd: the metrics endpoint, health and readiness, scraped during a real run.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_and_readiness_follow_a_real_run() {

@@ -4,12 +4,10 @@
 //! hand-over (retried, dead-lettered after --max-attempts, later events of its aggregate after it, other
 //! aggregates flowing) without restarting the stream more than a few times.
 
-mod support;
-
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::support::*;
 use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
-use support::*;
 
 /// What the topic accepts; librdkafka's own limit (message.max.bytes, 1 MB) is far above it, so the
 /// producer accepts a bigger event and the broker refuses it.

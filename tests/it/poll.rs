@@ -1,10 +1,8 @@
 //! The polling path, modes, the sweeper and poison events, against a real PostgreSQL 15 and a real broker.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn args<'a>(url: &'a str, brokers: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = run_args(url, brokers);

@@ -1,11 +1,9 @@
 //! Every configuration and permission error exits non-zero at once with one message naming the problem and
 //! the fix; passwords never appear. Also: migrations and `status`.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// Runs `outboxd run` against `url` expecting failure; returns stderr.
 fn run_expecting_failure(url: &str, brokers: &str, extra: &[&str]) -> String {

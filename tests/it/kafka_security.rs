@@ -3,11 +3,9 @@
 //! without one). outboxd publishes as a user that may only write and create its topic; a wrong password and a
 //! CA that did not sign the broker's certificate stop it at start-up with the reason and the fix.
 
-mod support;
-
 use std::process::Output;
 
-use support::*;
+use crate::support::*;
 
 /// `outboxd run` against `broker` as its super user with `password`, trusting `ca`, under a start-up timeout
 /// (10 minutes) long enough that only a definite failure ends it before `run_outboxd`'s deadline (120 s).

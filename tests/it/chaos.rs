@@ -19,8 +19,8 @@
 //! Profiles (`OUTBOXD_CHAOS_PROFILE`): `short` (the default, run by CI with the other tests) and `full`:
 //!
 //! ```sh
-//! OUTBOXD_CHAOS_PROFILE=full cargo test --release --test chaos -- --nocapture
-//! cargo test --test chaos broker_failover -- --nocapture     # only the cluster scenario (short profile)
+//! OUTBOXD_CHAOS_PROFILE=full cargo test --release --test it chaos:: -- --nocapture
+//! cargo test --test it chaos::broker_failover -- --nocapture     # only the cluster scenario (short profile)
 //! ```
 //!
 //! The scenarios run one at a time. The short profile kills the busiest partition's leader 3 times and hangs
@@ -28,14 +28,12 @@
 //!
 //! `OUTBOXD_CHAOS_SEED` replays a run's random choices (the seed is printed and in the report).
 
-mod support;
-
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use support::*;
+use crate::support::*;
 use tokio::sync::watch;
 
 /// Events per second the load generator offers (over all its connections).

@@ -2,13 +2,11 @@
 //! never fails; indexes are built concurrently and never twice; an index already in place is kept; a table's
 //! history counts as published unless the user says otherwise. Against a real PostgreSQL 15.
 
-mod support;
-
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 const USER_TABLE: &str = "CREATE TABLE public.outbox_event (
     event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,

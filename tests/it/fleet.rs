@@ -2,11 +2,9 @@
 //! CDC leader leaves the table to it, mixed `--poll-order`s are refused, and the leadership key does not
 //! depend on the order of `--table`s (and is the key of earlier versions for one table).
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// Migrates `orders.outbox_event` and `billing.outbox_event`.
 fn migrate_two_tables(url: &str) {

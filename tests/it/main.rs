@@ -1,0 +1,23 @@
+//! The integration tests, one binary (the support code compiles once): each module is one area, run
+//! against a real PostgreSQL 15 and a real Apache Kafka that `support` starts (and stops) per test.
+//! `cargo test --test it cdc::` runs one area; `cargo test --test it cdc::name` one test.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod architecture;
+mod cdc;
+mod chaos;
+mod docker;
+mod errors;
+mod failover;
+mod fit;
+mod fleet;
+mod kafka_security;
+mod migrate;
+mod operate;
+mod poll;
+mod refusals;
+mod retention;
+mod soak;
+mod tls;
