@@ -25,7 +25,7 @@ latency = [None] + [
 ]
 
 fig, axes = plt.subplots(2, 2, figsize=(11, 6.5), sharex=True)
-fig.suptitle("outboxd during examples/demo.sh (CDC mode, local PostgreSQL 15 + tansu, 2 cores)")
+fig.suptitle("outboxd during examples/demo.sh (CDC mode, local PostgreSQL 15 + Apache Kafka 4.1.1, 2 cores)")
 axes[0][0].plot(t, rate, color="tab:green")
 axes[0][0].set_title("throughput (events/s acknowledged)")
 axes[0][1].plot(t, backlog, label="unpublished rows")
