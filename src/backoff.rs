@@ -5,6 +5,7 @@ use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
+/// Retry delays that double per attempt from `base` up to `cap`, with jitter.
 #[derive(Debug, Clone)]
 pub struct Backoff {
     base: Duration,
@@ -13,6 +14,7 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// Starts at attempt 0: the first delay is `base` (before jitter).
     pub fn new(base: Duration, cap: Duration) -> Self {
         Backoff {
             base,
@@ -29,11 +31,13 @@ impl Backoff {
         delay.mul_f64(0.5 + random_fraction() / 2.0)
     }
 
+    /// The delay of the next attempt before jitter: `base * 2^attempt`, at most `cap`.
     pub fn delay_without_jitter(&self) -> Duration {
         let factor = 2u32.saturating_pow(self.attempt.min(30));
         self.base.saturating_mul(factor).min(self.cap)
     }
 
+    /// Starts over from `base` (after a success).
     pub fn reset(&mut self) {
         self.attempt = 0;
     }

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use crate::table::{OutboxTable, TableName, TableStyle};
 use crate::topic::{TemplateError, TopicTemplate};
 
+/// Command line of the `outboxd` binary.
 #[derive(Debug, Parser)]
 #[command(
     name = "outboxd",
@@ -18,10 +19,12 @@ use crate::topic::{TemplateError, TopicTemplate};
     about = "Transactional Outbox connector: PostgreSQL logical replication to Kafka"
 )]
 pub struct Cli {
+    /// The subcommand to run.
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// What `outboxd` is asked to do: migrate, run, replay or status.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Create or upgrade the outbox table, the inbox table and the publication (idempotent; needs no broker).
@@ -30,6 +33,7 @@ pub enum Command {
     Run(Options),
     /// Re-queue dead-lettered events (they are retried from scratch by the polling path).
     Replay {
+        /// Every option; replay needs only the database ones.
         #[command(flatten)]
         options: Options,
         /// Re-queue this dead event.
@@ -44,11 +48,13 @@ pub enum Command {
     },
     /// Show the slot and the backlog (needs no broker).
     Status {
+        /// Every option; status needs only the database ones (and `--mode`).
         #[command(flatten)]
         options: Options,
         /// Print only JSON on stdout.
         #[arg(long)]
         json: bool,
+        /// When the verdict is WARNING or CRITICAL.
         #[command(flatten)]
         thresholds: Thresholds,
     },
@@ -68,11 +74,14 @@ pub struct Thresholds {
     pub warn_age: f64,
 }
 
+/// Format of the log lines written to stderr (`--log-format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
+    /// Human-readable lines.
     #[default]
     Text,
+    /// One JSON object per line.
     Json,
 }
 
@@ -80,9 +89,12 @@ pub enum LogFormat {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
+    /// The slot when the server allows logical replication, else polling.
     #[default]
     Auto,
+    /// The replication slot only.
     Cdc,
+    /// The outbox table only (polling).
     Poll,
 }
 
@@ -246,17 +258,29 @@ pub struct Options {
     pub log_format: Option<LogFormat>,
 }
 
+/// An option that cannot be used as given; the message names the setting and, where it helps, the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The `--config` file cannot be read.
     #[error("cannot read --config file {path}: {source}")]
     ReadFile {
+        /// The `--config` path as given.
         path: PathBuf,
+        /// Why reading it failed.
         source: std::io::Error,
     },
+    /// The `--config` file is not valid TOML, or holds an unknown key or a value of the wrong type.
     #[error("invalid --config file {path}: {message}")]
-    ParseFile { path: PathBuf, message: String },
+    ParseFile {
+        /// The `--config` path as given.
+        path: PathBuf,
+        /// The TOML parser's message (it names the key at fault).
+        message: String,
+    },
+    /// Any other invalid setting, with the message to show.
     #[error("{0}")]
     Invalid(String),
+    /// An invalid `--topic` template.
     #[error(transparent)]
     Topic(#[from] TemplateError),
 }
@@ -268,59 +292,94 @@ fn invalid(message: impl Into<String>) -> ConfigError {
 /// Settings every command needs.
 #[derive(Debug, Clone)]
 pub struct DatabaseSettings {
+    /// `--database-url`: connection for ordinary SQL (migrations, polling, status, the leadership lock).
     pub database_url: crate::pg::url::PgUrl,
+    /// `--replication-url`: connection for the replication stream (`--database-url` unless given).
     pub replication_url: crate::pg::url::PgUrl,
     /// Every outbox table, in --table order; all share the slot and the publication.
     pub tables: Vec<OutboxTable>,
+    /// `--table-style`: the preset column names and topic template.
     pub style: TableStyle,
+    /// `--add-polling-columns`: migrate adds the polling columns to an existing table.
     pub add_polling_columns: bool,
+    /// `--existing-rows`: what migrate makes of the rows a table already holds when it gains `published_at`.
     pub existing_rows: ExistingRows,
+    /// `--slot`: the logical replication slot's name (a valid slot name).
     pub slot: String,
+    /// `--publication`: the publication's name (a valid identifier).
     pub publication: String,
 }
 
 /// Settings of `outboxd run`.
 #[derive(Debug, Clone)]
 pub struct RunSettings {
+    /// Connections, outbox tables, slot and publication.
     pub database: DatabaseSettings,
+    /// `--brokers`: Kafka bootstrap servers, a comma-separated host:port list (never empty).
     pub brokers: String,
+    /// `--topic`, parsed (the table style's default topic unless given).
     pub topic: TopicTemplate,
+    /// `--kafka-option` pairs (property, value), passed to librdkafka in the order given.
     pub kafka_options: Vec<(String, String)>,
+    /// `--topic-partitions`: partitions of the topics outboxd creates (at least 1).
     pub topic_partitions: i32,
+    /// `--topic-replication-factor`; `None`: the broker's default.
     pub topic_replication_factor: Option<i32>,
+    /// False with `--no-create-topics`: a missing topic is then an error.
     pub create_topics: bool,
+    /// `--startup-timeout`: how long to retry unreachable PostgreSQL or brokers at first start.
     pub startup_timeout: Duration,
+    /// `--reconnect-timeout`: how long a running outboxd waits for its database to come back.
     pub reconnect_timeout: Duration,
+    /// `--shutdown-timeout`: how long to drain in-flight events on SIGINT/SIGTERM.
     pub shutdown_timeout: Duration,
+    /// `--max-in-flight-events`: most events handed to the broker but not yet finished (at least 1).
     pub max_in_flight_events: usize,
+    /// `--max-in-flight-bytes`: most payload bytes in flight (at least 1024).
     pub max_in_flight_bytes: usize,
+    /// `--status-interval`: how often standby status updates go out (1ms to 20s).
     pub status_interval: Duration,
+    /// `--mode`: which path moves events.
     pub mode: Mode,
+    /// Settings of the polling path.
     pub poll: PollSettings,
     /// `None`: `--metrics-addr off`.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// `None`: no `--retention`, published rows are kept.
     pub retention: Option<Retention>,
 }
 
 /// Deleting (or archiving) published rows by age.
 #[derive(Debug, Clone)]
 pub struct Retention {
+    /// `--retention`: published rows older than this are deleted (or archived).
     pub keep: Duration,
+    /// `--archive-table`: where old published rows are moved; `None`: they are deleted.
     pub archive_table: Option<TableName>,
+    /// `--retention-interval`: how often retention runs.
     pub interval: Duration,
 }
 
 /// Settings of the polling path.
 #[derive(Debug, Clone)]
 pub struct PollSettings {
+    /// `--poll-interval`: pause between polling rounds; doubles while idle, up to 16x.
     pub interval: Duration,
+    /// `--poll-batch-size`: rows claimed per polling round (1 to 100000).
     pub batch_size: i64,
+    /// `--lease`: how long a claimed row is leased to one worker (at least 2s).
     pub lease: Duration,
+    /// `--poll-order`: the ordering rule of the claim query.
     pub order: PollOrder,
+    /// `--retry-base`: first retry delay after a failed publish; doubles per attempt, with jitter.
     pub retry_base: Duration,
+    /// `--retry-cap`: longest retry delay (not shorter than `retry_base`).
     pub retry_cap: Duration,
+    /// `--max-attempts`: attempts before an event is dead-lettered (at least 1).
     pub max_attempts: i32,
+    /// `--dead-letter-topic`: where dead-lettered events are also produced; `None`: nowhere.
     pub dead_letter_topic: Option<String>,
+    /// `--poll-notify`: wake the polling path with LISTEN/NOTIFY.
     pub notify: bool,
 }
 
@@ -390,6 +449,7 @@ impl Options {
         }
     }
 
+    /// The settings every command needs, validated; errors name the option at fault.
     pub fn database(&self) -> Result<DatabaseSettings, ConfigError> {
         let url = self.database_url.as_deref().ok_or_else(|| {
             invalid("--database-url is required (or OUTBOXD_DATABASE_URL), e.g. postgres://user:pass@localhost:5432/app")
@@ -471,6 +531,7 @@ impl Options {
         })
     }
 
+    /// The settings of `outboxd run`, validated, with every default filled in.
     pub fn run(&self) -> Result<RunSettings, ConfigError> {
         let database = self.database()?;
         let brokers = self
@@ -698,6 +759,7 @@ pub fn parse_slot_name(name: &str) -> Result<String, ConfigError> {
     }
 }
 
+/// Parses `--table` text, `schema.name` or `name` (in `public`), checking both parts as identifiers.
 pub fn parse_table(text: &str) -> Result<TableName, ConfigError> {
     let (schema, name) = text.split_once('.').unwrap_or(("public", text));
     Ok(TableName {

@@ -18,11 +18,13 @@ const BYTEA_OID: u32 = 17;
 pub struct Text(Bytes);
 
 impl Text {
+    /// Wraps `bytes` without copying, after checking that they are UTF-8.
     pub fn from_utf8(bytes: Bytes) -> Result<Self, std::str::Utf8Error> {
         std::str::from_utf8(&bytes)?;
         Ok(Text(bytes))
     }
 
+    /// The text, borrowed from the shared buffer.
     pub fn as_str(&self) -> &str {
         // SAFETY: every constructor checks or guarantees UTF-8, and `Bytes` is immutable.
         unsafe { std::str::from_utf8_unchecked(&self.0) }
@@ -104,37 +106,61 @@ impl OutboxEvent {
     }
 }
 
+/// Why an outbox table's relation or row cannot become an [`OutboxEvent`].
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MappingError {
+    /// The relation lacks a column the table's mapping names.
     #[error(
         "table {table} has no column {column:?} (its {role} column); map your column with --column {role}=<column>, or run `outboxd migrate` to create the standard table"
     )]
     MissingColumn {
+        /// The outbox table, `schema.name`.
         table: String,
+        /// The column name the mapping expects.
         column: String,
+        /// The role that column plays (e.g. `aggregate_id`), or `header`.
         role: &'static str,
     },
+    /// A row's value count differs from its relation's column count.
     #[error("row of {table} has {got} values but its relation has {expected} columns")]
     ColumnCountMismatch {
+        /// The outbox table, `schema.name`.
         table: String,
+        /// Columns of the relation.
         expected: usize,
+        /// Values in the row.
         got: usize,
     },
+    /// A NULL where outboxd needs a value (event_id, aggregate_type or aggregate_id).
     #[error("row {event_id} of {table}: the {column} column is NULL; outboxd cannot publish an event without it")]
     NullValue {
+        /// The outbox table, `schema.name`.
         table: String,
+        /// The row's event id as text; empty when the event id itself is NULL.
         event_id: String,
+        /// The role of the NULL column.
         column: &'static str,
     },
+    /// A text column or header column holds bytes that are not UTF-8.
     #[error("row of {table}: the {column} column is not valid UTF-8 text")]
-    NotUtf8 { table: String, column: &'static str },
+    NotUtf8 {
+        /// The outbox table, `schema.name`.
+        table: String,
+        /// The role of the column (e.g. `aggregate_id`), or `header`.
+        column: &'static str,
+    },
+    /// A bytea payload that is not in hex output form (`\x...`).
     #[error("row of {table}: the bytea payload is not in hex form")]
-    BadBytea { table: String },
+    BadBytea {
+        /// The outbox table, `schema.name`.
+        table: String,
+    },
 }
 
 /// Where each role's column and each header column sit in a relation's tuples.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowMapping {
+    /// The outbox table, `schema.name` as the relation names it, for errors.
     pub table: String,
     column_count: usize,
     /// Index per role (`Role::ALL` order); `None` for an optional role the table lacks.
@@ -144,6 +170,7 @@ pub struct RowMapping {
 }
 
 impl RowMapping {
+    /// Finds each mapped role's column and each header column by name in a Relation message.
     pub fn from_relation(outbox: &OutboxTable, relation: &Relation) -> Result<Self, MappingError> {
         let table = format!("{}.{}", relation.namespace, relation.name);
         let position = |column: &str, role: &'static str| {
@@ -179,6 +206,7 @@ impl RowMapping {
         })
     }
 
+    /// Maps one inserted row of this relation to an event.
     pub fn event(&self, insert: &Insert) -> Result<OutboxEvent, MappingError> {
         if insert.values.len() != self.column_count {
             return Err(MappingError::ColumnCountMismatch {

@@ -20,6 +20,7 @@ pub struct Readiness {
     mode: AtomicU8,
 }
 
+/// The process's readiness, set by `stats` and the pipelines, read by `/readyz`.
 pub static READINESS: Readiness = Readiness {
     database: AtomicBool::new(false),
     broker: AtomicBool::new(false),
@@ -27,10 +28,12 @@ pub static READINESS: Readiness = Readiness {
 };
 
 impl Readiness {
+    /// Records whether the last check reached PostgreSQL.
     pub fn set_database(&self, ok: bool) {
         self.database.store(ok, Ordering::Relaxed);
     }
 
+    /// Records whether the last check reached a broker.
     pub fn set_broker(&self, ok: bool) {
         self.broker.store(ok, Ordering::Relaxed);
     }

@@ -26,6 +26,7 @@ use crate::event::OutboxEvent;
 /// Why the broker (or librdkafka) refused an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
+    /// librdkafka's or the broker's message.
     pub reason: String,
     /// Retrying cannot fix it (too large, invalid topic, not authorized): counts toward dead-lettering.
     pub permanent: bool,
@@ -129,12 +130,17 @@ impl From<PublishError> for Error {
 /// What travels with a record to its delivery report. `T` tells the caller which event it was.
 #[derive(Debug)]
 pub struct Delivery<T> {
+    /// The caller's tag, telling which event it was.
     pub tag: T,
+    /// The event's id.
     pub event_id: Uuid,
+    /// The event's approximate size in memory, for the in-flight byte budget.
     pub bytes: usize,
+    /// `Ok` once the broker acknowledged the event, or why it was not delivered.
     pub result: Result<(), Rejection>,
 }
 
+/// The producer's context: reports each delivery on the channel and watches librdkafka's log.
 pub struct DeliveryContext<T> {
     deliveries: UnboundedSender<Delivery<T>>,
     known_topics: KnownTopics,
@@ -218,8 +224,10 @@ impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
 /// The topic whose metadata [`Publisher::check_brokers`] asks for; never created.
 pub const PROBE_TOPIC: &str = "__outboxd_readiness_probe";
 
+/// Topics known to exist, shared by every session of the process.
 pub type KnownTopics = Arc<Mutex<HashSet<String>>>;
 
+/// The Kafka producer (and admin client) that publishes outbox events and creates their topics.
 pub struct Publisher<T: Send + Sync + 'static> {
     producer: ThreadedProducer<DeliveryContext<T>>,
     admin: AdminClient<DefaultClientContext>,

@@ -9,6 +9,7 @@ use std::str::FromStr;
 pub struct Lsn(pub u64);
 
 impl Lsn {
+    /// The LSN 0/0.
     pub const ZERO: Lsn = Lsn(0);
 
     /// Bytes from `earlier` to `self`, or 0 when `earlier` is ahead.
@@ -17,6 +18,7 @@ impl Lsn {
     }
 }
 
+/// Text that is not an LSN (`X/Y` in hexadecimal); holds the text.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("invalid LSN {0:?}: expected two hexadecimal numbers separated by '/', like 0/16B6C50")]
 pub struct ParseLsnError(String);

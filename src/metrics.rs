@@ -5,22 +5,39 @@
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
+/// Gauge: `pg_current_wal_lsn()` minus the slot's confirmed_flush_lsn, in bytes.
 pub const SLOT_LAG_BYTES: &str = "outboxd_slot_lag_bytes";
+/// Gauge: `pg_current_wal_lsn()` minus the slot's restart_lsn (WAL the slot keeps), in bytes.
 pub const SLOT_RETAINED_WAL_BYTES: &str = "outboxd_slot_retained_wal_bytes";
+/// Gauge: the slot's safe_wal_size (WAL that may still be written before the slot is lost), in bytes.
 pub const SLOT_SAFE_WAL_BYTES: &str = "outboxd_slot_safe_wal_bytes";
+/// Gauge per `status` label: 1 for the slot's current wal_status, 0 for the others.
 pub const SLOT_WAL_STATUS: &str = "outboxd_slot_wal_status";
+/// Counter per `path` label (cdc, poll): events acknowledged by the broker, once each.
 pub const EVENTS_PUBLISHED: &str = "outboxd_events_published_total";
+/// Counter per `kind` label ([`ERROR_KINDS`]): failed publish attempts.
 pub const PUBLISH_ERRORS: &str = "outboxd_publish_errors_total";
+/// Counter: events dead-lettered.
 pub const EVENTS_DEAD: &str = "outboxd_events_dead_total";
+/// Gauge: rows with `published_at IS NULL` that are not dead (0 on a standby instance).
 pub const UNPUBLISHED_EVENTS: &str = "outboxd_unpublished_events";
+/// Gauge: age of the oldest unpublished row, in seconds (0 on a standby instance).
 pub const OLDEST_UNPUBLISHED_AGE: &str = "outboxd_oldest_unpublished_age_seconds";
+/// Gauge: events handed to the broker and not yet finished.
 pub const INFLIGHT_EVENTS: &str = "outboxd_inflight_events";
+/// Histogram: seconds from the transaction's commit to the broker's acknowledgement.
 pub const COMMIT_TO_ACK: &str = "outboxd_commit_to_ack_seconds";
+/// Gauge per `mode` label (cdc, poll, standby, starting, reconnecting): 1 for the current mode.
 pub const MODE: &str = "outboxd_mode";
+/// Counter: times the server behind the URL had another history (failover, restore, switchover, slot gone).
 pub const HISTORY_CHANGES: &str = "outboxd_database_history_changes_total";
+/// Gauge: 1 while outboxd runs.
 pub const UP: &str = "outboxd_up";
+/// Counter: retention passes that failed, per table (the log says why).
 pub const RETENTION_FAILURES: &str = "outboxd_retention_failures_total";
+/// Gauge: retention passes in a row that failed (0 after a successful one).
 pub const RETENTION_CONSECUTIVE_FAILURES: &str = "outboxd_retention_consecutive_failures";
+/// Gauge: Unix time of the last successful retention pass (0: none yet, or no `--retention`).
 pub const RETENTION_LAST_SUCCESS: &str = "outboxd_retention_last_success_timestamp_seconds";
 
 /// Every metric name `/metrics` exports (the Grafana dashboard may only use these).
@@ -161,12 +178,14 @@ pub fn install() -> Result<PrometheusHandle, String> {
     Ok(handle)
 }
 
+/// Sets `outboxd_mode` to 1 for `mode` (cdc, poll, standby, starting or reconnecting) and 0 for the others.
 pub fn set_mode(mode: &str) {
     for m in MODES {
         gauge!(MODE, "mode" => m).set(if m == mode { 1.0 } else { 0.0 });
     }
 }
 
+/// Sets `outboxd_slot_wal_status` to 1 for `status` and 0 for the others; `None` (no slot) counts as `none`.
 pub fn set_wal_status(status: Option<&str>) {
     let status = status.unwrap_or("none");
     for s in WAL_STATUSES {
@@ -174,30 +193,37 @@ pub fn set_wal_status(status: Option<&str>) {
     }
 }
 
+/// Counts `events` acknowledged by the broker on `path` (cdc or poll).
 pub fn published(path: &'static str, events: u64) {
     counter!(EVENTS_PUBLISHED, "path" => path).increment(events);
 }
 
+/// Counts one failed publish attempt of `kind` (one of [`ERROR_KINDS`]).
 pub fn publish_error(kind: &'static str) {
     counter!(PUBLISH_ERRORS, "kind" => kind).increment(1);
 }
 
+/// Counts `events` dead-lettered.
 pub fn dead(events: u64) {
     counter!(EVENTS_DEAD).increment(events);
 }
 
+/// Counts one change of the server history behind the URL.
 pub fn history_changed() {
     counter!(HISTORY_CHANGES).increment(1);
 }
 
+/// Sets the number of events handed to the broker and not yet finished.
 pub fn in_flight(events: usize) {
     gauge!(INFLIGHT_EVENTS).set(events as f64);
 }
 
+/// Records one event's time from commit to the broker's acknowledgement, in seconds.
 pub fn commit_to_ack(seconds: f64) {
     histogram!(COMMIT_TO_ACK).record(seconds);
 }
 
+/// Counts one failed retention pass.
 pub fn retention_failed() {
     counter!(RETENTION_FAILURES).increment(1);
 }

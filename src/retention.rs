@@ -32,8 +32,11 @@ const LOCK_TIMEOUT: &str = "500ms";
 /// Where the sweeper runs: the settings `run` needs beside the tables.
 #[derive(Debug, Clone)]
 pub struct Sweeper {
+    /// The connection for the sweeper's SQL.
     pub database_url: crate::pg::PgUrl,
+    /// The outbox tables to sweep.
     pub tables: Vec<OutboxTable>,
+    /// `--retention`, `--archive-table` and `--retention-interval`.
     pub retention: Arc<Retention>,
     /// The replication publication (an archive in it would be republished).
     pub publication: String,
@@ -41,6 +44,7 @@ pub struct Sweeper {
     pub slot: String,
 }
 
+/// The sweeper: a pass over every table each `--retention-interval`, forever, recording each pass's outcome.
 pub async fn run(sweeper: Sweeper) {
     let mut health = Health::default();
     let mut marker: Option<Client> = None;
@@ -102,12 +106,14 @@ fn unix_now() -> u64 {
 /// Consecutive failed passes and the time of the last successful one.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Health {
+    /// Passes in a row that failed (0 after a successful one).
     pub consecutive_failures: u64,
     /// Unix seconds; `None` until a pass succeeded.
     pub last_success: Option<u64>,
 }
 
 impl Health {
+    /// Records one pass's outcome at `now` (Unix seconds).
     pub fn record(&mut self, ok: bool, now: u64) {
         if ok {
             self.consecutive_failures = 0;
@@ -287,6 +293,7 @@ fn not_owner(parent: &TableName, relation: &str, owner: &str, role: &str) -> Err
 /// What one retention pass removed.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Removed {
+    /// Rows deleted (or moved to the archive table).
     pub rows: u64,
     /// Dropped partitions, schema-qualified.
     pub partitions: Vec<String>,
@@ -363,7 +370,9 @@ pub struct ArchivePlan {
 /// A column as the catalog describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Column {
+    /// Column name.
     pub name: String,
+    /// Type, as `format_type` prints it.
     pub type_name: String,
     /// NOT NULL without a default (nor generated, nor identity): an INSERT must give it a value.
     pub needs_value: bool,

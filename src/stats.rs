@@ -12,6 +12,7 @@ use crate::kafka::{Delivery, KnownTopics, Publisher};
 use crate::metrics as m;
 use crate::pg::{self, outbox, slot};
 
+/// How often the gauges and readiness are refreshed.
 pub const INTERVAL: Duration = Duration::from_secs(5);
 
 /// The longest one refresh may take, connecting included: a database that stopped answering (a blackholed

@@ -9,18 +9,30 @@ use crate::error::Result;
 use crate::pg::{self, outbox, slot};
 use crate::pipeline::leader::{application_name, Role};
 
+/// What `outboxd status` reports: the slot, the backlog, the instances and retention (also as JSON).
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
+    /// The outbox tables, `schema.name`, comma-separated.
     pub table: String,
+    /// The replication slot's name (`--slot`).
     pub slot_name: String,
+    /// Whether the slot exists in pg_replication_slots.
     pub slot_exists: bool,
+    /// Whether a walsender streams from the slot; `None` without a slot.
     pub active: Option<bool>,
+    /// PID of the walsender streaming from the slot; `None` when none does, or without a slot.
     pub active_pid: Option<i32>,
+    /// The slot's confirmed_flush_lsn, as PostgreSQL prints it (e.g. 0/15132E8); `None` without a slot.
     pub confirmed_flush_lsn: Option<String>,
+    /// The slot's wal_status (reserved, extended, unreserved, lost); `None` without a slot.
     pub wal_status: Option<String>,
+    /// `pg_current_wal_lsn() - confirmed_flush_lsn`, in bytes; `None` without a slot.
     pub lag_bytes: Option<i64>,
+    /// `pg_current_wal_lsn() - restart_lsn`: WAL the slot keeps, in bytes; `None` without a slot.
     pub retained_wal_bytes: Option<i64>,
+    /// Unpublished rows that are not dead, over every table with `published_at`.
     pub unpublished_events: i64,
+    /// Age of the oldest of them, in seconds; `None` when there are none, or no table has `created_at`.
     pub oldest_unpublished_age_seconds: Option<f64>,
     /// Dead-lettered events (0 without the polling columns).
     pub dead_events: i64,
@@ -35,6 +47,7 @@ pub struct Status {
     pub retention: Option<RetentionStatus>,
 }
 
+/// How retention fares, as the running sweepers record it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RetentionStatus {
     /// Passes in a row that failed (0: the last one succeeded).
@@ -47,13 +60,18 @@ pub struct RetentionStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum Level {
+    /// Nothing to report (exit code 0).
     Ok = 0,
+    /// At least one finding to look into (exit code 1).
     Warning = 1,
+    /// The slot is lost, or its lag is above `--crit-lag` (exit code 2).
     Critical = 2,
+    /// The status could not be read (exit code 3).
     Unknown = 3,
 }
 
 impl Level {
+    /// The level as printed: OK, WARNING, CRITICAL or UNKNOWN.
     pub fn as_str(self) -> &'static str {
         match self {
             Level::Ok => "OK",
@@ -64,9 +82,12 @@ impl Level {
     }
 }
 
+/// The verdict of `outboxd status`: its level and why.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Verdict {
+    /// The worst level found.
     pub level: Level,
+    /// The findings of that level joined with `; `, or a fixed sentence when all is well.
     pub reason: String,
 }
 
@@ -242,6 +263,7 @@ async fn instances(client: &tokio_postgres::Client, slot: &str) -> Result<(i64, 
 }
 
 impl Status {
+    /// The status as an aligned two-column text table, one line per figure.
     pub fn to_table(&self) -> String {
         fn show<T: std::fmt::Display>(value: &Option<T>) -> String {
             value

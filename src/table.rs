@@ -10,15 +10,22 @@ use serde::Deserialize;
 /// What a column means to outboxd.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
+    /// The event's unique id (a uuid column): the record's event id header.
     EventId,
+    /// The aggregate's type: the `aggregate_type` header and `{aggregate_type}` in topics (optional).
     AggregateType,
+    /// The aggregate's id: the record key, which keeps one aggregate's events in one partition.
     AggregateId,
+    /// The event's type: the `event_type` header and `{event_type}` in topics (optional).
     EventType,
+    /// The record value (jsonb, json, text or bytea); NULL publishes a tombstone.
     Payload,
+    /// When the event was created: the `created_at` header, RFC 3339 (optional).
     CreatedAt,
 }
 
 impl Role {
+    /// Every role, in declaration order (the index order of per-role arrays).
     pub const ALL: [Role; 6] = [
         Role::EventId,
         Role::AggregateType,
@@ -28,6 +35,7 @@ impl Role {
         Role::CreatedAt,
     ];
 
+    /// The role's name, as `--column ROLE=...` and error messages write it (e.g. `aggregate_id`).
     pub fn name(self) -> &'static str {
         match self {
             Role::EventId => "event_id",
@@ -66,6 +74,7 @@ pub enum TableStyle {
 }
 
 impl TableStyle {
+    /// The column name this style gives `role` (unless `--column` maps it).
     pub fn column(self, role: Role) -> &'static str {
         match (self, role) {
             (TableStyle::Debezium, Role::EventId) => "id",
@@ -76,6 +85,7 @@ impl TableStyle {
         }
     }
 
+    /// The topic template used without `--topic`.
     pub fn default_topic(self) -> &'static str {
         match self {
             TableStyle::Standard => "outbox.{aggregate_type}",
@@ -139,7 +149,9 @@ pub const POLLING_COLUMNS: [&str; 9] = [
 /// A schema-qualified table name whose parts are plain identifiers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableName {
+    /// Schema name.
     pub schema: String,
+    /// Table name.
     pub name: String,
 }
 
@@ -156,8 +168,10 @@ impl std::fmt::Display for TableName {
     }
 }
 
+/// One outbox table: its name, its column mapping and what the database says about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxTable {
+    /// The table's schema-qualified name.
     pub name: TableName,
     /// Column per role, in `Role::ALL` order; `None` once resolved means the table lacks that optional role.
     columns: [Option<String>; 6],
@@ -171,6 +185,7 @@ pub struct OutboxTable {
     pub marks_published: bool,
     /// The table has every polling column: backfill, sweeper and the polling path work.
     pub polling: bool,
+    /// The table is partitioned: the publication must publish via the partition root.
     pub partitioned: bool,
 }
 
@@ -178,7 +193,9 @@ pub struct OutboxTable {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{problem}")]
 pub struct TableMismatch {
+    /// What does not fit.
     pub problem: String,
+    /// How to make it fit.
     pub fix: String,
 }
 
@@ -334,6 +351,7 @@ impl OutboxTable {
 pub struct ForTable<T> {
     /// The table as written (`schema.name` or `name`); `None`: every table.
     pub table: Option<String>,
+    /// The value itself.
     pub value: T,
 }
 

@@ -19,14 +19,29 @@ pub struct TopicTemplate {
     parts: Vec<Part>,
 }
 
+/// Why a topic template cannot be used.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum TemplateError {
+    /// A `{name}` that is not one of the placeholders.
     #[error("--topic {template:?}: unknown placeholder {{{name}}}; use {{aggregate_type}}, {{event_type}}, {{schema}} or {{table}}")]
-    UnknownPlaceholder { template: String, name: String },
+    UnknownPlaceholder {
+        /// The template as given.
+        template: String,
+        /// The unknown name between the braces.
+        name: String,
+    },
+    /// A `{` without its `}`, or a `}` without a `{`; holds the template.
     #[error("--topic {0:?}: unbalanced '{{' or '}}'")]
     Unbalanced(String),
+    /// The template's literal text holds a character Kafka does not allow in topic names.
     #[error("--topic {template:?}: character {ch:?} is not allowed in Kafka topic names (use letters, digits, '.', '_', '-')")]
-    IllegalCharacter { template: String, ch: char },
+    IllegalCharacter {
+        /// The template as given.
+        template: String,
+        /// The first character Kafka does not allow, in the template's literal text.
+        ch: char,
+    },
+    /// An empty template.
     #[error("--topic is empty")]
     Empty,
 }
@@ -39,6 +54,7 @@ fn is_legal_topic_char(ch: char) -> bool {
 }
 
 impl TopicTemplate {
+    /// Parses a template, checking its placeholders and literal characters.
     pub fn parse(template: &str) -> Result<Self, TemplateError> {
         if template.is_empty() {
             return Err(TemplateError::Empty);
@@ -94,6 +110,7 @@ impl TopicTemplate {
         self.parts.contains(&Part::AggregateType)
     }
 
+    /// Whether the template uses `{event_type}`.
     pub fn uses_event_type(&self) -> bool {
         self.parts.contains(&Part::EventType)
     }

@@ -11,36 +11,61 @@ use crate::event::MappingError;
 use crate::pg::pgoutput::DecodeError;
 use crate::pg::replication::ReplicationError;
 
+/// Every failure of the library; `is_transient` and `awaited_database` say whether to retry or wait.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// An invalid option.
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// A problem with the database or broker set-up that retrying cannot fix.
     #[error("{problem}; fix: {fix}")]
-    Setup { problem: String, fix: String },
+    Setup {
+        /// What is wrong with the set-up.
+        problem: String,
+        /// What to change so that it works.
+        fix: String,
+    },
     /// The server does not let us use logical replication (wal_level, permission, pg_hba): `auto` polls.
     #[error("{problem}; fix: {fix}")]
-    ReplicationUnavailable { problem: String, fix: String },
+    ReplicationUnavailable {
+        /// Why logical replication cannot be used.
+        problem: String,
+        /// What to change to allow it (outboxd polls meanwhile under `--mode auto`).
+        fix: String,
+    },
     /// The database is there but not ready for outboxd: missing, or a standby still in recovery. Definite at
     /// first start (a wrong URL); after a failover, restore or switchover a running outboxd waits for it
     /// (`--reconnect-timeout`), saying what it waits for.
     #[error("{problem}; fix: {fix}")]
     NotReady {
+        /// What is not ready (the database missing, a standby in recovery).
         problem: String,
+        /// What to change, should it not resolve itself.
         fix: String,
+        /// What a running pipeline waits for, for its log lines (e.g. "the standby to be promoted").
         waiting_for: String,
     },
+    /// An error of an ordinary SQL connection (tokio-postgres).
     #[error("PostgreSQL: {}", postgres_error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
+    /// An error of the replication connection.
     #[error("PostgreSQL replication: {0}")]
     Replication(#[from] ReplicationError),
     /// The replication session must start over (its state would be unsafe to change in place).
     #[error("restarting the replication session: {0}")]
     SessionRestart(String),
+    /// Reaching the brokers, creating or checking topics, or delivering to Kafka failed.
     #[error("Kafka: {message}")]
-    Kafka { message: String, transient: bool },
+    Kafka {
+        /// What librdkafka or the broker reported, or what stopped the delivery.
+        message: String,
+        /// True when retrying can succeed; false when a person must fix something first.
+        transient: bool,
+    },
+    /// An outbox relation or row that cannot be mapped to an event.
     #[error(transparent)]
     Mapping(#[from] MappingError),
+    /// A pgoutput message that cannot be decoded.
     #[error("cannot decode the replication stream: {0}")]
     Decode(#[from] DecodeError),
     /// An internal invariant broke (or a server answered against its protocol): nothing the user can fix.
@@ -48,6 +73,7 @@ pub enum Error {
     Bug(String),
 }
 
+/// The library's result type ([`Error`] unless given).
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What a running pipeline waits for (`waiting_for` of [`Error::NotReady`], see [`Error::awaited_database`]).
@@ -55,10 +81,12 @@ const ACCEPTING_CONNECTIONS: &str = "PostgreSQL to accept connections";
 const PROMOTION: &str = "the standby to be promoted";
 
 impl Error {
+    /// An [`Error::Bug`]: a broken internal invariant.
     pub fn bug(what: impl Into<String>) -> Self {
         Error::Bug(what.into())
     }
 
+    /// An [`Error::Setup`]: a set-up problem and its fix.
     pub fn setup(problem: impl Into<String>, fix: impl Into<String>) -> Self {
         Error::Setup {
             problem: problem.into(),
@@ -66,6 +94,7 @@ impl Error {
         }
     }
 
+    /// An [`Error::ReplicationUnavailable`]: why logical replication cannot be used, and the fix.
     pub fn replication_unavailable(problem: impl Into<String>, fix: impl Into<String>) -> Self {
         Error::ReplicationUnavailable {
             problem: problem.into(),

@@ -62,7 +62,9 @@ const CREATE_TABLE_VERSION: i32 = 1;
 /// What `migrate` did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct MigrationReport {
+    /// Migrations applied by this run, as `schema.table NNNN_name`.
     pub applied: Vec<String>,
+    /// Whether this run created the publication.
     pub publication_created: bool,
     /// Existing tables left without polling columns (no `--add-polling-columns`): they run CDC only.
     pub cdc_only: Vec<String>,
@@ -682,9 +684,12 @@ pub async fn notify_trigger(client: &Client, table: &TableName) -> Result<Notify
     })
 }
 
+/// Whether an outbox table has outboxd's LISTEN/NOTIFY insert trigger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NotifyTrigger {
+    /// No trigger.
     Missing,
+    /// Notifies on this version's channel.
     Current,
     /// Installed by an older version, on another channel.
     Outdated,

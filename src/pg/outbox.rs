@@ -18,6 +18,7 @@ pub struct OutboxSql {
 }
 
 impl OutboxSql {
+    /// Prepares the statements the table's columns allow (none without `published_at`).
     pub async fn prepare(client: &Client, outbox: &OutboxTable) -> Result<Self> {
         let table = outbox.name.quoted();
         let id = outbox.col(Role::EventId);
@@ -319,6 +320,7 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
 /// See [`backlog_statements`].
 #[derive(Debug, Clone)]
 pub struct BacklogStatements {
+    /// Counts the unpublished rows (with the polling columns: those not dead).
     pub count: String,
     /// Without a `created_at` column there is no age.
     pub oldest: Option<String>,
@@ -337,7 +339,9 @@ pub async fn dead_count(client: &Client, table: &OutboxTable) -> Result<i64> {
 /// Backlog figures of the outbox table.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Backlog {
+    /// Unpublished rows that are not dead, summed over the tables.
     pub unpublished_events: i64,
+    /// Age of the oldest unpublished row in seconds; `None` without rows, or without `created_at` columns.
     pub oldest_unpublished_age_seconds: Option<f64>,
 }
 
@@ -376,8 +380,11 @@ pub enum ClaimScope {
 /// A row claimed by one polling worker under its lease token.
 #[derive(Debug, Clone)]
 pub struct ClaimedRow {
+    /// The event's id (the row's event_id column).
     pub event_id: Uuid,
+    /// The event, as it will be published.
     pub event: crate::event::OutboxEvent,
+    /// Publish attempts so far, this claim included.
     pub attempts: i32,
     /// Why this row can never be published (a required column is NULL in a user's table): dead-letter it.
     pub invalid: Option<String>,
@@ -399,6 +406,7 @@ pub struct PollSql {
 }
 
 impl PollSql {
+    /// Prepares the polling statements of `outbox` for the given ordering rule and claim scope.
     pub async fn prepare(
         client: &Client,
         outbox: &OutboxTable,
@@ -618,12 +626,14 @@ impl PollSql {
         Ok(claimed.into_iter().map(|(_, _, row)| row).collect())
     }
 
+    /// Marks the given rows published and ends their lease (only rows still under `token`); returns how many.
     pub async fn mark_published(&self, client: &Client, ids: &[Uuid], token: Uuid) -> Result<u64> {
         Ok(client
             .execute(&self.mark_published, &[&ids, &token])
             .await?)
     }
 
+    /// Ends the lease of a failed row, keeps `error` as `last_error` and makes it claimable after `delay`.
     pub async fn retry_later(
         &self,
         client: &Client,
@@ -640,6 +650,7 @@ impl PollSql {
             .await?)
     }
 
+    /// Dead-letters a row still under `token` (sets `dead_at`), keeping `error` as `last_error`.
     pub async fn dead_letter(
         &self,
         client: &Client,
@@ -729,7 +740,10 @@ pub async fn replay_dead(
 /// Which dead events `outboxd replay` re-queues.
 #[derive(Debug, Clone)]
 pub enum ReplayFilter {
+    /// The dead event with this event id.
     EventId(Uuid),
+    /// Every dead event of this aggregate_id (of any aggregate_type).
     AggregateId(String),
+    /// Every dead event.
     AllDead,
 }

@@ -9,54 +9,75 @@ use crate::lsn::Lsn;
 /// One decoded pgoutput message. Messages outboxd does not act on are reported as `Skipped` with their tag.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PgOutputMessage {
+    /// Start of a transaction ('B').
     Begin(Begin),
+    /// End of a transaction ('C').
     Commit(Commit),
+    /// A table's description ('R'), sent before the table's first row in a session and again after it changes.
     Relation(Relation),
+    /// A new row ('I').
     Insert(Insert),
     /// Update, Delete, Truncate, Origin, Type, logical Message, ...: safe to ignore for an insert-only outbox.
     Skipped(u8),
 }
 
+/// A Begin message: a transaction starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Begin {
     /// LSN of the commit record (not an ack position).
     pub final_lsn: Lsn,
     /// Commit time, microseconds since 2000-01-01 00:00:00 UTC.
     pub commit_time_micros: i64,
+    /// Transaction id.
     pub xid: u32,
 }
 
+/// A Commit message: every row of the transaction has been sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Commit {
+    /// LSN of the commit record (the Begin's `final_lsn`; not an ack position).
     pub commit_lsn: Lsn,
     /// End of the commit record: the position to confirm once the transaction is done.
     pub end_lsn: Lsn,
+    /// Commit time, microseconds since 2000-01-01 00:00:00 UTC.
     pub commit_time_micros: i64,
 }
 
+/// A Relation message: a table's OID, name and columns, which Insert messages refer to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Relation {
+    /// OID of the table; Insert messages name it as `relation_id`.
     pub id: u32,
+    /// Schema of the table.
     pub namespace: String,
+    /// Name of the table.
     pub name: String,
+    /// The columns, in tuple order.
     pub columns: Vec<RelationColumn>,
 }
 
+/// One column of a Relation message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RelationColumn {
+    /// Column name.
     pub name: String,
+    /// OID of the column's type (e.g. 17 for bytea).
     pub type_oid: u32,
 }
 
+/// An Insert message: one new row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Insert {
+    /// OID of the table, as in its Relation message.
     pub relation_id: u32,
+    /// The row's values, in the relation's column order.
     pub values: Vec<ColumnValue>,
 }
 
 /// A column value of a new tuple, as pgoutput sends it in protocol version 1.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ColumnValue {
+    /// SQL NULL.
     Null,
     /// An unchanged TOASTed value (only in updates; listed for completeness).
     UnchangedToast,
@@ -65,6 +86,7 @@ pub enum ColumnValue {
 }
 
 impl ColumnValue {
+    /// The text-format bytes; `None` for NULL and for an unchanged TOASTed value.
     pub fn as_text(&self) -> Option<&Bytes> {
         match self {
             ColumnValue::Text(bytes) => Some(bytes),
@@ -73,26 +95,53 @@ impl ColumnValue {
     }
 }
 
+/// A pgoutput message that does not follow the protocol's layout.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
+    /// A message of zero bytes.
     #[error("pgoutput message is empty")]
     Empty,
+    /// The message ends before a field it must hold.
     #[error(
         "pgoutput message {tag:?} is truncated: needed {needed} more bytes at offset {offset}"
     )]
     Truncated {
+        /// Tag of the message (e.g. 'I').
         tag: char,
+        /// How many more bytes the field needed.
         needed: usize,
+        /// Byte offset of the field in the message.
         offset: usize,
     },
+    /// A string without its terminating NUL byte.
     #[error("pgoutput message {tag:?} has a string without its terminating NUL")]
-    UnterminatedString { tag: char },
+    UnterminatedString {
+        /// Tag of the message (e.g. 'R').
+        tag: char,
+    },
+    /// A name (of a schema, table or column) that is not UTF-8.
     #[error("pgoutput message {tag:?} has a string that is not UTF-8")]
-    NotUtf8 { tag: char },
+    NotUtf8 {
+        /// Tag of the message (e.g. 'R').
+        tag: char,
+    },
+    /// A tuple column kind other than NULL ('n'), unchanged TOAST ('u') and text ('t').
     #[error("pgoutput message {tag:?} has unknown tuple column kind {kind:?}")]
-    UnknownColumnKind { tag: char, kind: char },
+    UnknownColumnKind {
+        /// Tag of the message (e.g. 'I').
+        tag: char,
+        /// The column kind byte found (outboxd knows 'n', 'u' and 't').
+        kind: char,
+    },
+    /// A column count or value length below zero.
     #[error("pgoutput message {tag:?} has a negative count or length {value}")]
-    NegativeLength { tag: char, value: i64 },
+    NegativeLength {
+        /// Tag of the message (e.g. 'I').
+        tag: char,
+        /// The count or length as read.
+        value: i64,
+    },
+    /// An Insert whose tuple is not marked 'N' (new tuple).
     #[error("pgoutput insert has tuple marker {0:?}, expected 'N'")]
     BadTupleMarker(char),
 }

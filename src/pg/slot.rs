@@ -64,12 +64,15 @@ pub fn check_polling_columns(table: &OutboxTable) -> Result<()> {
 /// What the catalog says about a publication, relative to the outbox table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PublicationState {
+    /// The publication publishes inserts (`pubinsert`).
     pub publishes_inserts: bool,
+    /// The publication includes the table (as pg_publication_tables lists it).
     pub covers_table: bool,
     /// `publish_via_partition_root`: rows of partitions decode as the partitioned table.
     pub via_root: bool,
 }
 
+/// The publication's state relative to `table`; `None` when the publication does not exist.
 pub async fn publication_state(
     client: &impl GenericClient,
     publication: &str,
@@ -135,14 +138,23 @@ pub async fn check_publication(client: &Client, settings: &DatabaseSettings) -> 
 /// A replication slot as `pg_replication_slots` shows it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SlotState {
+    /// The slot's name.
     pub slot_name: String,
+    /// The output plugin (`pgoutput` for outboxd's); `None` for a physical slot.
     pub plugin: Option<String>,
+    /// `logical` or `physical`.
     pub slot_type: String,
+    /// The database of a logical slot; `None` for a physical slot.
     pub database: Option<String>,
+    /// Whether a walsender streams from the slot now.
     pub active: bool,
+    /// PID of that walsender; `None` when none does.
     pub active_pid: Option<i32>,
+    /// The slot's confirmed_flush_lsn as text; `None` for a physical slot.
     pub confirmed_flush_lsn: Option<String>,
+    /// The slot's restart_lsn as text: the oldest WAL it keeps; `None` when it keeps none.
     pub restart_lsn: Option<String>,
+    /// reserved, extended, unreserved or lost; `None` when PostgreSQL shows none.
     pub wal_status: Option<String>,
     /// `pg_current_wal_lsn() - confirmed_flush_lsn`.
     pub lag_bytes: Option<i64>,
@@ -153,6 +165,7 @@ pub struct SlotState {
 }
 
 impl SlotState {
+    /// The confirmed_flush_lsn as an [`Lsn`]; `None` when there is none.
     pub fn confirmed_flush(&self) -> Option<Lsn> {
         self.confirmed_flush_lsn
             .as_deref()
@@ -160,6 +173,7 @@ impl SlotState {
     }
 }
 
+/// The slot named `slot` as pg_replication_slots shows it; `None` when it does not exist.
 pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>> {
     let row = client
         .query_opt(
@@ -235,6 +249,7 @@ pub async fn begin_creation(client: &Client, slot: &str) -> Result<()> {
     Ok(())
 }
 
+/// Removes the creation marker once the hand-off of the rows older than the slot is committed.
 pub async fn finish_creation(client: &Client, slot: &str) -> Result<()> {
     client
         .execute(

@@ -12,11 +12,16 @@ use tokio_openssl::SslStream;
 /// libpq's `sslmode` values outboxd supports (`allow` is refused: it is never what anyone wants).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SslMode {
+    /// No TLS.
     Disable,
+    /// TLS when the server offers it, else plaintext; no certificate checks (libpq's default).
     #[default]
     Prefer,
+    /// TLS required; the chain is checked only when `sslrootcert` is given.
     Require,
+    /// TLS with the server's certificate chained to a trusted CA.
     VerifyCa,
+    /// As verify-ca, and the certificate must name the host.
     VerifyFull,
 }
 
@@ -36,6 +41,7 @@ impl SslMode {
         })
     }
 
+    /// The mode as written in a URL (e.g. `verify-full`).
     pub fn as_str(self) -> &'static str {
         match self {
             SslMode::Disable => "disable",
@@ -55,6 +61,7 @@ impl SslMode {
 /// What the TLS handshake must prove.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TlsSettings {
+    /// The URL's `sslmode` (libpq's default, prefer, without one).
     pub mode: SslMode,
     /// CA certificate(s) the server's certificate must chain to (libpq's `sslrootcert`).
     pub root_cert: Option<PathBuf>,

@@ -10,7 +10,9 @@ use super::tls;
 /// tokio-postgres cannot express, with its connector built once at start-up.
 #[derive(Clone)]
 pub struct PgUrl {
+    /// tokio-postgres's settings from the URL, its `ssl_mode` derived from `tls.mode`.
     pub config: tokio_postgres::Config,
+    /// The URL's `sslmode` and `sslrootcert`.
     pub tls: tls::TlsSettings,
     /// Built once at start-up: the replication connection's TLS, and `connector`'s.
     pub ssl: openssl::ssl::SslConnector,

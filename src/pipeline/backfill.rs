@@ -22,6 +22,7 @@ use crate::table::OutboxTable;
 /// What the CDC path attaches to each event it hands to the producer or to the polling path.
 #[derive(Debug, Clone, Copy)]
 pub struct CdcTag {
+    /// The transaction of the event in the watermark.
     pub txn: TxnId,
     /// Index of the event's outbox table in `settings.database.tables`.
     pub table: usize,
@@ -42,6 +43,7 @@ pub struct CdcTag {
 /// Most events marked by one UPDATE.
 pub const MAX_BATCH: usize = 2_000;
 
+/// What the backfill task reports to the session.
 #[derive(Debug)]
 pub enum Finished {
     /// Acknowledged by the broker and `published_at` written, or handed off and `handoff_at` written:
@@ -50,7 +52,9 @@ pub enum Finished {
     /// Sent before the `Events` of a batch with hand-offs: the handed-off events whose rows were gone
     /// (deleted by their own transaction, or already published), which the polling path will never see.
     HandOffs {
+        /// Every handed-off event of the batch.
         handed_off: Vec<Uuid>,
+        /// Those whose rows were gone.
         rowless: Vec<Uuid>,
     },
     /// The broker (or librdkafka) failed these deliveries after the producer accepted them; the session
@@ -60,6 +64,7 @@ pub enum Finished {
     Failed(Error),
 }
 
+/// The backfill task: writes the marks of acknowledged events in batches and reports what finished.
 pub async fn run(
     database_url: crate::pg::PgUrl,
     tables: Vec<OutboxTable>,

@@ -96,6 +96,7 @@ pub struct LeaderWatch {
 }
 
 impl LeaderWatch {
+    /// A watch on `table`, checked at the first call to [`LeaderWatch::defer`].
     pub fn new(table: &TableName) -> Self {
         LeaderWatch {
             table: table.clone(),

@@ -13,13 +13,16 @@ use crate::lsn::Lsn;
 /// One server history: a position is valid only within it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerHistory {
+    /// System identifier of the cluster (`IDENTIFY_SYSTEM`'s systemid).
     pub system_id: String,
+    /// Timeline the server is on (`IDENTIFY_SYSTEM`'s timeline).
     pub timeline: u32,
 }
 
 /// What a session found when it connected, next to what the previous sessions of this process confirmed.
 #[derive(Debug, Clone)]
 pub struct Reached<'a> {
+    /// The server history the session reached.
     pub history: &'a ServerHistory,
     /// The server's WAL flush position (`IDENTIFY_SYSTEM`'s xlogpos).
     pub wal_end: Lsn,
@@ -31,11 +34,26 @@ pub struct Reached<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HistoryChange {
     /// Another cluster behind the same URL (a blue/green switch, a new cluster).
-    OtherSystem { old: String, new: String },
+    OtherSystem {
+        /// System identifier the position was confirmed on.
+        old: String,
+        /// System identifier of the server reached now.
+        new: String,
+    },
     /// The same cluster on a new timeline (a promoted standby, a point-in-time restore).
-    NewTimeline { old: u32, new: u32 },
+    NewTimeline {
+        /// Timeline the position was confirmed on.
+        old: u32,
+        /// Timeline of the server reached now.
+        new: u32,
+    },
     /// The server's WAL ends before the confirmed position (a restore of an earlier backup).
-    WalBehind { wal_end: Lsn, confirmed: Lsn },
+    WalBehind {
+        /// The server's WAL flush position now.
+        wal_end: Lsn,
+        /// The position confirmed earlier, beyond that end.
+        confirmed: Lsn,
+    },
     /// The slot is gone (dropped, or a server that never had it): a new slot starts where it is created.
     SlotMissing,
 }

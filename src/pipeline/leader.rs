@@ -49,7 +49,9 @@ pub const TAKEOVER_BOUND: Duration = Duration::from_secs(
 /// that `outboxd status` (any process with SQL access) can count active and standby instances.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
+    /// Holds the slot's leadership lock: this instance streams.
     Active,
+    /// Waits for the lock, to take over when the active instance goes.
     Standby,
 }
 

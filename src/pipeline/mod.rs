@@ -38,6 +38,7 @@ pub struct DatabaseOutage {
 }
 
 impl DatabaseOutage {
+    /// No outage yet; `limit`: how long one may last (`--reconnect-timeout`).
     pub fn new(limit: Duration) -> Self {
         DatabaseOutage { limit, since: None }
     }

@@ -38,9 +38,13 @@ enum Outcome {
 /// Counts of one batch, for logs and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct BatchReport {
+    /// Rows delivered and marked published.
     pub published: usize,
+    /// Rows given back to retry later (after a backoff, or at once when the broker is down).
     pub retried: usize,
+    /// Rows dead-lettered.
     pub dead: usize,
+    /// Rows given back unsent because an earlier event of their aggregate failed in this batch.
     pub held_back: usize,
     /// Nothing was delivered and every failure was transient: the broker (or the way to it) is down, so the
     /// rows went back without a per-row backoff and the worker waits instead.
@@ -150,6 +154,7 @@ pub struct PollWorker {
 }
 
 impl PollWorker {
+    /// A worker for `settings.database.tables[table]`, claiming rows of `scope`.
     pub fn new(
         settings: Arc<RunSettings>,
         table: usize,

@@ -10,8 +10,10 @@ use tokio::time::Instant;
 
 /// The first hold of a topic; every refusal after it doubles the hold, up to [`LONGEST_HOLD`].
 pub const FIRST_HOLD: Duration = Duration::from_secs(30);
+/// The longest hold of a topic.
 pub const LONGEST_HOLD: Duration = Duration::from_secs(600);
 
+/// Topics held back from the producer, and until when.
 #[derive(Debug, Default)]
 pub struct TopicHolds {
     /// Topic -> (held until, length of its latest hold).
@@ -29,6 +31,7 @@ impl TopicHolds {
         length
     }
 
+    /// Whether `topic` is held at `now`.
     pub fn is_held(&self, topic: &str, now: Instant) -> bool {
         !self.holds.is_empty() && self.holds.get(topic).is_some_and(|(until, _)| *until > now)
     }

@@ -30,6 +30,7 @@ struct Entry {
     commit_micros: Option<i64>,
 }
 
+/// The ack watermark of one replication stream (see the module's documentation).
 #[derive(Debug, Default)]
 pub struct Watermark {
     entries: VecDeque<Entry>,

@@ -26,32 +26,53 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Socket for T {}
 const SESSION_OPTIONS: &str =
     "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c TimeZone=UTC -c bytea_output=hex";
 
+/// A failure of the replication connection, from connecting to the end of the stream.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicationError {
+    /// No socket could be opened (the error of the last address tried).
     #[error("cannot connect to PostgreSQL at {target}: {source}")]
     Connect {
+        /// The address tried: host:port, or the Unix socket's path.
         target: String,
+        /// Why connecting failed.
         source: std::io::Error,
     },
+    /// Reading or writing the socket failed.
     #[error("replication connection I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// The server closed the connection or ended the CopyBoth stream.
     #[error("PostgreSQL ended the replication stream or closed the connection")]
     Closed,
+    /// An ErrorResponse from the server.
     #[error("{severity} {code}: {message}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
     Server {
+        /// Severity as the server sends it (e.g. ERROR, FATAL).
         severity: String,
+        /// SQLSTATE, e.g. 55006 (object in use).
         code: String,
+        /// The server's primary message.
         message: String,
+        /// The server's detail message, if it sent one.
         detail: Option<String>,
     },
+    /// The server's messages did not follow the protocol (or a reply could not be parsed).
     #[error("replication protocol error: {0}")]
     Protocol(String),
+    /// The server asks for something outboxd does not support (an authentication method).
     #[error("{0}")]
     Unsupported(String),
+    /// TLS could not be set up as the URL's sslmode requires.
     #[error("TLS with sslmode={}: {message}", .mode.as_str())]
-    Tls { mode: SslMode, message: String },
+    Tls {
+        /// The URL's sslmode.
+        mode: SslMode,
+        /// What failed: the handshake or certificate check, or a server without TLS.
+        message: String,
+    },
+    /// The server asks for a password and the URL has none.
     #[error("the server asks for a password but the connection URL has none: add it to the URL or use PGPASSWORD-free auth (trust)")]
     PasswordRequired,
+    /// The URL's `channel_binding=require` cannot be met; holds why.
     #[error("channel_binding=require, but {0}")]
     ChannelBindingRequired(String),
 }
@@ -74,17 +95,22 @@ impl ReplicationError {
 /// Result of IDENTIFY_SYSTEM.
 #[derive(Debug, Clone)]
 pub struct SystemIdentity {
+    /// The cluster's system identifier.
     pub system_id: String,
+    /// The server's current timeline (0 if the reply held none).
     pub timeline: u32,
     /// The server's current WAL flush position.
     pub xlog_position: Lsn,
+    /// The connection's database (`None` only on a physical replication connection).
     pub database: Option<String>,
 }
 
 /// Result of CREATE_REPLICATION_SLOT with an exported snapshot.
 #[derive(Debug, Clone)]
 pub struct CreatedSlot {
+    /// Where the new slot became consistent: the earliest position it can stream from.
     pub consistent_point: Lsn,
+    /// Name of the exported snapshot, for `SET TRANSACTION SNAPSHOT`.
     pub snapshot_name: String,
 }
 
@@ -274,6 +300,7 @@ impl ReplicationConnection {
         }
     }
 
+    /// Runs IDENTIFY_SYSTEM: the cluster's identity, its timeline and its WAL flush position.
     pub async fn identify_system(&mut self) -> Result<SystemIdentity, ReplicationError> {
         let rows = self.simple_query("IDENTIFY_SYSTEM").await?;
         let row = rows

@@ -15,18 +15,29 @@ const PG_EPOCH_OFFSET_SECS: u64 = 946_684_800;
 pub enum ServerMessage {
     /// WAL data: for logical replication, one pgoutput message. Header positions are not ack positions.
     XLogData {
+        /// Start of the WAL data in this message.
         wal_start: Lsn,
+        /// The server's current end of WAL.
         wal_end: Lsn,
+        /// The payload: one pgoutput message.
         data: Bytes,
     },
     /// The server's current WAL end, and whether it wants a status update now.
-    Keepalive { wal_end: Lsn, reply_requested: bool },
+    Keepalive {
+        /// The server's current end of WAL.
+        wal_end: Lsn,
+        /// The server asks for a status update right away.
+        reply_requested: bool,
+    },
 }
 
+/// A replication CopyData message that cannot be decoded.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ProtocolError {
+    /// Shorter than its type's fixed header; holds its length in bytes.
     #[error("replication CopyData message is truncated ({0} bytes)")]
     Truncated(usize),
+    /// A message type other than 'w' (XLogData) and 'k' (keepalive).
     #[error("unknown replication CopyData message type {0:?}")]
     UnknownType(char),
 }

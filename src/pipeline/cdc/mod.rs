@@ -42,6 +42,7 @@ const MAX_TRACKED_BLOCKED: usize = 50_000;
 /// Longest wait before asking again for a slot another walsender holds, while this instance leads.
 const SLOT_BUSY_RETRY: Duration = Duration::from_secs(1);
 
+/// The CDC path: replication sessions on the slot, one after another, reconnecting as needed.
 pub struct CdcPipeline {
     settings: Arc<RunSettings>,
     watermark: Watermark,
@@ -59,6 +60,7 @@ pub struct CdcPipeline {
 }
 
 impl CdcPipeline {
+    /// A pipeline that has not streamed yet; `known_topics` is shared with the process's other publishers.
     pub fn new(settings: Arc<RunSettings>, known_topics: KnownTopics) -> Self {
         CdcPipeline {
             settings,
