@@ -220,7 +220,6 @@ impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
     }
 }
 
-/// Topics known to exist, shared by every session of the process.
 /// The topic whose metadata [`Publisher::check_brokers`] asks for; never created.
 pub const PROBE_TOPIC: &str = "__outboxd_readiness_probe";
 

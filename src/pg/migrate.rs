@@ -208,8 +208,8 @@ fn plan(sql: &str) -> Vec<Step> {
     steps
 }
 
-/// Runs `sql` in one transaction whose lock waits end after [`LOCK_TIMEOUT`]; a wait given up is tried again
-/// with backoff (the application's transactions holding the table come and go), for up to [`LOCK_PATIENCE`].
+/// Runs `sql` in one transaction whose lock waits end after `LOCK_TIMEOUT`; a wait given up is tried again
+/// with backoff (the application's transactions holding the table come and go), for up to `LOCK_PATIENCE`.
 pub async fn run_locked(client: &mut Client, table: &TableName, sql: &str) -> Result<()> {
     let started = std::time::Instant::now();
     let mut backoff =

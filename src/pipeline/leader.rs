@@ -5,10 +5,10 @@
 //!
 //! - the lock connection has TCP keepalives and `tcp_user_timeout` on both ends (the client's socket, and
 //!   the server's through its session settings), and idle-session kills switched off for that session;
-//! - the leader runs a health query every [`HEALTH_INTERVAL`](crate::pipeline::liveness::HEALTH_INTERVAL) that also proves its own server session holds
+//! - the leader runs a health query every [`HEALTH_INTERVAL`] that also proves its own server session holds
 //!   the lock (a transaction-mode pooler would run it elsewhere: refused with a setup error), and gives up
-//!   leadership when it gets no answer within [`HEALTH_TIMEOUT`](crate::pipeline::liveness::HEALTH_TIMEOUT);
-//! - a standby ends the session of a leader that has been silent for [`SILENT_LEADER`](crate::pipeline::liveness::SILENT_LEADER), and, once it holds
+//!   leadership when it gets no answer within [`HEALTH_TIMEOUT`];
+//! - a standby ends the session of a leader that has been silent for [`SILENT_LEADER`], and, once it holds
 //!   the lock, a walsender of the slot that has sent no reply for [`SILENT_WALSENDER`] (a proxy or load
 //!   balancer in between keeps answering TCP for a dead client, so keepalives alone are not enough).
 //!
@@ -91,7 +91,7 @@ fn pooler_error() -> Error {
     )
 }
 
-/// A statement on the lock connection, given up after [`HEALTH_TIMEOUT`](crate::pipeline::liveness::HEALTH_TIMEOUT) (the connection counts as dead).
+/// A statement on the lock connection, given up after [`HEALTH_TIMEOUT`] (the connection counts as dead).
 async fn within<T>(statement: impl std::future::Future<Output = Result<T>>) -> Result<T> {
     tokio::time::timeout(HEALTH_TIMEOUT, statement)
         .await
@@ -149,7 +149,7 @@ fn report(lost: &watch::Sender<Option<Lost>>, why: Lost) {
     });
 }
 
-/// The leader's health query, every [`HEALTH_INTERVAL`](crate::pipeline::liveness::HEALTH_INTERVAL), until it fails. Owns the client: when this task
+/// The leader's health query, every [`HEALTH_INTERVAL`], until it fails. Owns the client: when this task
 /// ends (or is aborted with its `Leadership`) the connection closes.
 async fn watch_health(
     client: tokio_postgres::Client,
@@ -175,7 +175,7 @@ async fn watch_health(
     }
 }
 
-/// Ends the session of a leader whose lock session has run no statement for [`SILENT_LEADER`](crate::pipeline::liveness::SILENT_LEADER) (a dead
+/// Ends the session of a leader whose lock session has run no statement for [`SILENT_LEADER`] (a dead
 /// node, a partition). Needs the same role as that session (or `pg_signal_backend` and `pg_read_all_stats`);
 /// without it, the server's keepalives end the session instead. Returns whether one was ended.
 async fn end_silent_leader(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
