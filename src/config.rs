@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::table::{OutboxTable, TableName, TableStyle};
 use crate::topic::{TemplateError, TopicTemplate};
@@ -75,7 +75,7 @@ pub struct Thresholds {
 }
 
 /// Format of the log lines written to stderr (`--log-format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     /// Human-readable lines.
@@ -86,7 +86,7 @@ pub enum LogFormat {
 }
 
 /// Which path moves events: the slot (cdc), the table (poll), or the slot when the server allows it (auto).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// The slot when the server allows logical replication, else polling.
@@ -99,7 +99,7 @@ pub enum Mode {
 }
 
 /// What `migrate --add-polling-columns` makes of the rows a table already holds when it gains `published_at`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum ExistingRows {
     /// Already sent (by another relay, or by outboxd's CDC path): marked published before outboxd
@@ -111,7 +111,7 @@ pub enum ExistingRows {
 }
 
 /// Ordering rule of the polling path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum PollOrder {
     /// Never publish an event while an earlier event of its aggregate is unpublished (and not dead).
@@ -121,8 +121,10 @@ pub enum PollOrder {
     None,
 }
 
-/// Every option, as given by flag, environment or file. The same names are the TOML keys (kebab-case).
-#[derive(Debug, Clone, Default, Args, Deserialize)]
+/// Every option, as given by flag, environment or file. The same names are the TOML keys (kebab-case). A new
+/// option is a field here (and its validation in [`Options::run`] or [`Options::database`]): the merge of
+/// flags and environment over the file goes by these names, field by field (see `Options::or`).
+#[derive(Debug, Clone, Default, Args, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Options {
     /// TOML file with any of these options as keys (flags and environment win over it).
@@ -164,7 +166,7 @@ pub struct Options {
     /// migrate: add the polling columns (published_at, leases, position, dead letters) to an existing
     /// table; without them outboxd runs CDC only.
     #[arg(long, env = "OUTBOXD_ADD_POLLING_COLUMNS")]
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub add_polling_columns: bool,
     /// migrate --add-polling-columns: whether the rows the table already holds were sent before
     /// (`published`, the default) or must be published now (`unpublished`).
@@ -188,7 +190,7 @@ pub struct Options {
     pub topic_replication_factor: Option<i32>,
     /// Never create topics; a missing topic is an error.
     #[arg(long, env = "OUTBOXD_NO_CREATE_TOPICS")]
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_create_topics: bool,
     /// How long to retry unreachable PostgreSQL or brokers at first start [default: 60s].
     #[arg(long, env = "OUTBOXD_STARTUP_TIMEOUT")]
@@ -236,7 +238,7 @@ pub struct Options {
     /// Wake the polling path with LISTEN/NOTIFY (migrate: install the statement-level trigger). NOTIFY
     /// serialises committing transactions: use it only with --mode poll and a modest insert rate.
     #[arg(long, env = "OUTBOXD_POLL_NOTIFY")]
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub poll_notify: bool,
     /// Also produce dead-lettered events to this topic (with an `error` header).
     #[arg(long, env = "OUTBOXD_DEAD_LETTER_TOPIC")]
@@ -390,7 +392,7 @@ impl Options {
             return Ok(self);
         };
         let file = Options::from_file(&path)?;
-        Ok(self.or(file))
+        self.or(file)
     }
 
     fn from_file(path: &Path) -> Result<Options, ConfigError> {
@@ -404,49 +406,20 @@ impl Options {
         })
     }
 
-    fn or(self, file: Options) -> Options {
-        Options {
-            config: self.config,
-            database_url: self.database_url.or(file.database_url),
-            replication_url: self.replication_url.or(file.replication_url),
-            brokers: self.brokers.or(file.brokers),
-            topic: self.topic.or(file.topic),
-            table: self.table.or(file.table),
-            table_style: self.table_style.or(file.table_style),
-            column: self.column.or(file.column),
-            header_column: self.header_column.or(file.header_column),
-            add_polling_columns: self.add_polling_columns || file.add_polling_columns,
-            existing_rows: self.existing_rows.or(file.existing_rows),
-            slot: self.slot.or(file.slot),
-            publication: self.publication.or(file.publication),
-            kafka_option: self.kafka_option.or(file.kafka_option),
-            topic_partitions: self.topic_partitions.or(file.topic_partitions),
-            topic_replication_factor: self
-                .topic_replication_factor
-                .or(file.topic_replication_factor),
-            no_create_topics: self.no_create_topics || file.no_create_topics,
-            startup_timeout: self.startup_timeout.or(file.startup_timeout),
-            reconnect_timeout: self.reconnect_timeout.or(file.reconnect_timeout),
-            shutdown_timeout: self.shutdown_timeout.or(file.shutdown_timeout),
-            max_in_flight_events: self.max_in_flight_events.or(file.max_in_flight_events),
-            max_in_flight_bytes: self.max_in_flight_bytes.or(file.max_in_flight_bytes),
-            status_interval: self.status_interval.or(file.status_interval),
-            log_format: self.log_format.or(file.log_format),
-            mode: self.mode.or(file.mode),
-            poll_interval: self.poll_interval.or(file.poll_interval),
-            poll_batch_size: self.poll_batch_size.or(file.poll_batch_size),
-            lease: self.lease.or(file.lease),
-            poll_order: self.poll_order.or(file.poll_order),
-            retry_base: self.retry_base.or(file.retry_base),
-            retry_cap: self.retry_cap.or(file.retry_cap),
-            max_attempts: self.max_attempts.or(file.max_attempts),
-            dead_letter_topic: self.dead_letter_topic.or(file.dead_letter_topic),
-            poll_notify: self.poll_notify || file.poll_notify,
-            metrics_addr: self.metrics_addr.or(file.metrics_addr),
-            retention: self.retention.or(file.retention),
-            archive_table: self.archive_table.or(file.archive_table),
-            retention_interval: self.retention_interval.or(file.retention_interval),
-        }
+    /// `self` (flags and environment) over `file`, option by option: a flag left unset (`None`, or a switch
+    /// left off) takes the file's value.
+    fn or(self, file: Options) -> Result<Options, ConfigError> {
+        let table = |options: &Options| {
+            toml::Table::try_from(options)
+                .map_err(|e| invalid(format!("cannot merge the options: {e}")))
+        };
+        let mut merged = table(&file)?;
+        merged.extend(table(&self)?);
+        let mut options: Options = merged
+            .try_into()
+            .map_err(|e| invalid(format!("cannot merge the options: {e}")))?;
+        options.config = self.config;
+        Ok(options)
     }
 
     /// The settings every command needs, validated; errors name the option at fault.
@@ -994,6 +967,76 @@ mod tests {
         let secret = ["hunter2,sasl.username=me".to_string()];
         let err = split_kafka_options(secret.iter()).unwrap_err().to_string();
         assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    /// Every option a file can set, each with a value no default has.
+    const EVERY_OPTION: &str = r#"
+database-url = "postgres://file/db"
+replication-url = "postgres://file-replication/db"
+brokers = "file:9092"
+topic = "file.{aggregate_type}"
+table = ["file.outbox"]
+table-style = "debezium"
+column = ["event_id=eid"]
+header-column = ["trace"]
+add-polling-columns = true
+existing-rows = "unpublished"
+slot = "file_slot"
+publication = "file_publication"
+kafka-option = ["acks=all"]
+topic-partitions = 9
+topic-replication-factor = 3
+no-create-topics = true
+startup-timeout = "61s"
+reconnect-timeout = "11m"
+shutdown-timeout = "31s"
+max-in-flight-events = 1234
+max-in-flight-bytes = 4096
+status-interval = "2s"
+mode = "poll"
+poll-interval = "300ms"
+poll-batch-size = 77
+lease = "31s"
+poll-order = "none"
+retry-base = "2s"
+retry-cap = "6m"
+max-attempts = 11
+poll-notify = true
+dead-letter-topic = "file.dead"
+retention = "8d"
+archive-table = "file.archive"
+retention-interval = "2m"
+metrics-addr = "127.0.0.1:9999"
+log-format = "json"
+"#;
+
+    /// Every option, as a TOML table (how the merge sees it).
+    fn as_table(options: &Options) -> toml::Table {
+        toml::Table::try_from(options).unwrap()
+    }
+
+    #[test]
+    fn the_file_fills_every_option_and_flags_win_over_every_one() {
+        let file: Options = toml::from_str(EVERY_OPTION).unwrap();
+        let from_file = as_table(&file);
+        assert_eq!(
+            from_file.len(),
+            EVERY_OPTION.lines().filter(|l| l.contains('=')).count(),
+            "every option of the file is read: {from_file:?}"
+        );
+        // Nothing given by flag or environment: the file's value, for every option.
+        let merged = Options::default().or(file.clone()).unwrap();
+        assert_eq!(as_table(&merged), from_file);
+        // Everything given: the flag's value, for every option.
+        let flags: Options = toml::from_str(
+            &EVERY_OPTION
+                .replace("file", "flag")
+                .replace("= 9\n", "= 8\n")
+                .replace("= 3\n", "= 2\n"),
+        )
+        .unwrap();
+        let merged = flags.clone().or(file).unwrap();
+        assert_eq!(as_table(&merged), as_table(&flags));
     }
 
     #[test]

@@ -62,7 +62,7 @@ impl Role {
 }
 
 /// Preset column names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, serde::Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum TableStyle {
     /// outboxd's table: event_id, aggregate_type, aggregate_id, event_type, payload, created_at.
