@@ -35,6 +35,14 @@ enum Outcome {
     Invalid(String),
 }
 
+/// A claimed row's aggregate, as the batch groups them.
+fn aggregate_of(row: &ClaimedRow) -> (&str, &str) {
+    (
+        row.event.aggregate_type.as_deref().unwrap_or_default(),
+        row.event.aggregate_id.as_str(),
+    )
+}
+
 /// Counts of one batch, for logs and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct BatchReport {
@@ -398,16 +406,38 @@ impl PollWorker {
         token: Uuid,
         rows: Vec<ClaimedRow>,
     ) -> Result<BatchReport> {
-        let poll = &self.settings.poll;
+        let mut report = BatchReport::default();
+        let (mut outcomes, in_flight) = self.hand_over(publisher, &rows).await?;
+        self.await_reports(publisher, deliveries, &mut outcomes, in_flight, &mut report)
+            .await;
+        self.settle_refusals(&rows, &mut outcomes).await;
+        self.record_outcomes(client, sql, publisher, token, &rows, &outcomes, &mut report)
+            .await?;
+        let broken = outcomes.iter().find_map(|o| match o {
+            Outcome::Failed(r) if r.producer_broken => Some(r.reason.clone()),
+            _ => None,
+        });
+        if let Some(reason) = publisher.fatal_error().or(broken) {
+            tracing::info!(%reason, "the producer stopped; starting a new one");
+            report.producer_spent = true;
+        }
+        Ok(report)
+    }
+
+    /// Hands the batch to the producer in claim order; an aggregate that failed stops there (its later
+    /// events are held back). Returns each row's outcome so far and how many are in flight.
+    async fn hand_over(
+        &self,
+        publisher: &Publisher<Option<usize>>,
+        rows: &[ClaimedRow],
+    ) -> Result<(Vec<Outcome>, usize)> {
+        let order = self.settings.poll.order;
         let mut outcomes: Vec<Outcome> = Vec::with_capacity(rows.len());
         let mut failed_aggregates: HashSet<(&str, &str)> = HashSet::new();
         let mut in_flight = 0usize;
         for (index, row) in rows.iter().enumerate() {
-            let aggregate = (
-                row.event.aggregate_type.as_deref().unwrap_or_default(),
-                row.event.aggregate_id.as_str(),
-            );
-            if poll.order == PollOrder::PerAggregate && failed_aggregates.contains(&aggregate) {
+            let aggregate = aggregate_of(row);
+            if order == PollOrder::PerAggregate && failed_aggregates.contains(&aggregate) {
                 outcomes.push(Outcome::HeldBack);
                 continue;
             }
@@ -439,10 +469,19 @@ impl PollWorker {
             }
             outcomes.push(outcome);
         }
+        Ok((outcomes, in_flight))
+    }
 
-        // Wait for every delivery report (the caller renews the lease meanwhile). Past the delivery timeout
-        // the producer is purged: every event it still holds reports a failure at once.
-        let mut report = BatchReport::default();
+    /// Waits for every delivery report (the caller renews the lease meanwhile). Past the delivery timeout
+    /// the producer is purged: every event it still holds reports a failure at once.
+    async fn await_reports(
+        &self,
+        publisher: &Publisher<Option<usize>>,
+        deliveries: &mut Deliveries,
+        outcomes: &mut [Outcome],
+        mut in_flight: usize,
+        report: &mut BatchReport,
+    ) {
         let deadline = tokio::time::Instant::now() + self.delivery_timeout();
         while in_flight > 0 {
             let delivery = tokio::select! {
@@ -466,24 +505,24 @@ impl PollWorker {
                 in_flight -= 1;
             }
         }
+    }
 
-        // A refusal may be of the batch the event shared with others (too large together): each first
-        // refusal of its aggregate in this batch is tried again alone before it counts (the gap-less
-        // guarantee stopped the producer at the refusal, so nothing after it in its partition was written).
-        // Later events of an aggregate whose earlier event was not delivered did not fail on their own, nor
-        // did events the stopped producer failed after another aggregate's refusal: they are held back,
-        // without an attempt.
+    /// A refusal may be of the batch the event shared with others (too large together): each first
+    /// refusal of its aggregate in this batch is tried again alone before it counts (the gap-less
+    /// guarantee stopped the producer at the refusal, so nothing after it in its partition was written).
+    /// Later events of an aggregate whose earlier event was not delivered did not fail on their own, nor
+    /// did events the stopped producer failed after another aggregate's refusal: they are held back,
+    /// without an attempt.
+    async fn settle_refusals(&self, rows: &[ClaimedRow], outcomes: &mut [Outcome]) {
+        let order = self.settings.poll.order;
         let refused = outcomes
             .iter()
             .any(|o| matches!(o, Outcome::Failed(r) if r.permanent));
         let mut undelivered: HashSet<(&str, &str)> = HashSet::new();
         for (row, outcome) in rows.iter().zip(outcomes.iter_mut()) {
-            let aggregate = (
-                row.event.aggregate_type.as_deref().unwrap_or_default(),
-                row.event.aggregate_id.as_str(),
-            );
+            let aggregate = aggregate_of(row);
             if undelivered.contains(&aggregate) {
-                if poll.order == PollOrder::PerAggregate && matches!(outcome, Outcome::Failed(_)) {
+                if order == PollOrder::PerAggregate && matches!(outcome, Outcome::Failed(_)) {
                     *outcome = Outcome::HeldBack;
                 }
             } else if refused
@@ -499,9 +538,24 @@ impl PollWorker {
                 undelivered.insert(aggregate);
             }
         }
+    }
+
+    /// Writes what became of each row: published, given back (held back, or at once when the broker is
+    /// down), retried later with backoff, or dead-lettered.
+    #[allow(clippy::too_many_arguments)] // the batch's connection, statements, lease and producer
+    async fn record_outcomes(
+        &self,
+        client: &tokio_postgres::Client,
+        sql: &PollSql,
+        publisher: &Publisher<Option<usize>>,
+        token: Uuid,
+        rows: &[ClaimedRow],
+        outcomes: &[Outcome],
+        report: &mut BatchReport,
+    ) -> Result<()> {
         let ids_where = |wanted: fn(&Outcome) -> bool| -> Vec<Uuid> {
             rows.iter()
-                .zip(&outcomes)
+                .zip(outcomes)
                 .filter(|(_, o)| wanted(o))
                 .map(|(row, _)| row.event_id)
                 .collect()
@@ -543,57 +597,64 @@ impl PollWorker {
                 .iter()
                 .for_each(|_| crate::metrics::publish_error("refused"));
         }
-        for (row, outcome) in rows.iter().zip(&outcomes) {
-            if let Outcome::Invalid(reason) = outcome {
-                sql.dead_letter(client, row.event_id, token, reason).await?;
-                report.dead += 1;
-                tracing::error!(event_id = %row.event_id, error = %reason, "event dead-lettered: it can never be published");
-                continue;
-            }
-            let Outcome::Failed(rejection) = outcome else {
-                continue;
-            };
-            if report.broker_down {
-                continue;
-            }
-            if rejection.permanent && row.attempts >= poll.max_attempts {
-                sql.dead_letter(client, row.event_id, token, &rejection.reason)
-                    .await?;
-                report.dead += 1;
-                tracing::error!(
-                    event_id = %row.event_id,
-                    aggregate_id = %row.event.aggregate_id,
-                    attempts = row.attempts,
-                    error = %rejection.reason,
-                    "event dead-lettered; later events of its aggregate proceed; re-queue with `outboxd replay`"
-                );
-                if let Some(topic) = &poll.dead_letter_topic {
-                    self.produce_dead_letter(topic, row, &rejection.reason)
-                        .await;
+        for (row, outcome) in rows.iter().zip(outcomes) {
+            match outcome {
+                Outcome::Invalid(reason) => {
+                    sql.dead_letter(client, row.event_id, token, reason).await?;
+                    report.dead += 1;
+                    tracing::error!(event_id = %row.event_id, error = %reason, "event dead-lettered: it can never be published");
                 }
-            } else {
-                let delay = retry_delay(poll.retry_base, poll.retry_cap, row.attempts);
-                sql.retry_later(client, row.event_id, token, &rejection.reason, delay)
-                    .await?;
-                report.retried += 1;
-                crate::metrics::publish_error("refused");
-                tracing::warn!(
-                    event_id = %row.event_id,
-                    attempts = row.attempts,
-                    retry_in = ?delay,
-                    error = %rejection.reason,
-                    "publish failed; will retry"
-                );
+                Outcome::Failed(rejection) if !report.broker_down => {
+                    self.record_failure(client, sql, token, row, rejection, report)
+                        .await?;
+                }
+                _ => {}
             }
         }
-        let broken = outcomes.iter().find_map(|o| match o {
-            Outcome::Failed(r) if r.producer_broken => Some(r.reason.clone()),
-            _ => None,
-        });
-        if let Some(reason) = publisher.fatal_error().or(broken) {
-            tracing::info!(%reason, "the producer stopped; starting a new one");
-            report.producer_spent = true;
+        Ok(())
+    }
+
+    /// A row whose publish failed: dead-lettered once it was refused for good `--max-attempts` times, else
+    /// retried later with backoff.
+    async fn record_failure(
+        &self,
+        client: &tokio_postgres::Client,
+        sql: &PollSql,
+        token: Uuid,
+        row: &ClaimedRow,
+        rejection: &Rejection,
+        report: &mut BatchReport,
+    ) -> Result<()> {
+        let poll = &self.settings.poll;
+        if rejection.permanent && row.attempts >= poll.max_attempts {
+            sql.dead_letter(client, row.event_id, token, &rejection.reason)
+                .await?;
+            report.dead += 1;
+            tracing::error!(
+                event_id = %row.event_id,
+                aggregate_id = %row.event.aggregate_id,
+                attempts = row.attempts,
+                error = %rejection.reason,
+                "event dead-lettered; later events of its aggregate proceed; re-queue with `outboxd replay`"
+            );
+            if let Some(topic) = &poll.dead_letter_topic {
+                self.produce_dead_letter(topic, row, &rejection.reason)
+                    .await;
+            }
+        } else {
+            let delay = retry_delay(poll.retry_base, poll.retry_cap, row.attempts);
+            sql.retry_later(client, row.event_id, token, &rejection.reason, delay)
+                .await?;
+            report.retried += 1;
+            crate::metrics::publish_error("refused");
+            tracing::warn!(
+                event_id = %row.event_id,
+                attempts = row.attempts,
+                retry_in = ?delay,
+                error = %rejection.reason,
+                "publish failed; will retry"
+            );
         }
-        Ok(report)
+        Ok(())
     }
 }
