@@ -505,6 +505,7 @@ impl Options {
     }
 
     /// The settings of `outboxd run`, validated, with every default filled in.
+    // Long: one validation per option of `run`, in the order of `Options`; each names its option.
     pub fn run(&self) -> Result<RunSettings, ConfigError> {
         let database = self.database()?;
         let brokers = self

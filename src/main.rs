@@ -59,117 +59,138 @@ fn main() -> ExitCode {
 
 async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCode> {
     match command {
-        Command::Migrate(_) => {
-            let settings = options.database()?;
-            let mut client = pg::connect(&settings.database_url).await?;
-            let report = pg::migrate::migrate(&mut client, &settings).await?;
-            for table in &settings.tables {
-                let trigger = pg::migrate::notify_trigger(&client, &table.name).await?;
-                if options.poll_notify {
-                    pg::migrate::install_notify_trigger(&mut client, &table.name).await?;
-                    tracing::warn!(table = %table.name, "installed the LISTEN/NOTIFY trigger: every insert now notifies (serialising commits); drop it with DROP TRIGGER outboxd_notify ON <table>");
-                } else if trigger == pg::migrate::NotifyTrigger::Outdated {
-                    // An older version's trigger: with a long table name it makes every insert fail.
-                    pg::migrate::install_notify_trigger(&mut client, &table.name).await?;
-                    tracing::info!(table = %table.name, "updated the LISTEN/NOTIFY trigger to this version's channel name");
-                }
-            }
-            for (table, position, target) in &report.history_awaiting_slot {
-                tracing::warn!(%table, slot = %settings.slot, %position, %target, "the table's rows now count as published before outboxd (--existing-rows published), but the slot has not streamed all of them yet: it still will, once outboxd runs; until its confirmed_flush_lsn passes the target (see `outboxd status`), keep the slot (should it be lost first, outboxd republishes the table's history; should you drop it, republish with `UPDATE <table> SET published_at = NULL, handoff_at = now() WHERE published_at = '-infinity'`)");
-            }
-            for table in &report.cdc_only {
-                tracing::warn!(%table, "existing table left without the polling columns: outboxd will run CDC only (no backfill of older rows, no polling fallback, no retries or dead letters); add them with `outboxd migrate --add-polling-columns`");
-            }
-            tracing::info!(applied = ?report.applied, publication_created = report.publication_created, tables = %outboxd::table::names(&settings.tables), publication = %settings.publication, "migrations done");
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Run(_) => {
-            let settings = options.run()?;
-            let (stop_tx, stop_rx) = watch::channel(false);
-            tokio::spawn(async move {
-                wait_for_signal().await;
-                tracing::info!("received shutdown signal");
-                let _ = stop_tx.send(true);
-                // Keep the sender alive so receivers never see a closed channel.
-                std::future::pending::<()>().await;
-            });
-            let metrics = outboxd::metrics::install()
-                .map_err(|e| outboxd::Error::bug(format!("cannot set up metrics: {e}")))?;
-            if let Some(addr) = settings.metrics_addr {
-                outboxd::http::serve(addr, metrics).await?;
-            }
-            tokio::spawn(outboxd::stats::run(std::sync::Arc::new(settings.clone())));
-            pipeline::run(settings, stop_rx).await?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Migrate(_) => migrate(&options).await,
+        Command::Run(_) => run(&options).await,
         Command::Replay {
             event_id,
             aggregate_id,
             all_dead,
             ..
-        } => {
-            let settings = options.database()?;
-            let filter = match (event_id, aggregate_id, all_dead) {
-                (Some(id), _, _) => ReplayFilter::EventId(id),
-                (_, Some(aggregate), _) => ReplayFilter::AggregateId(aggregate),
-                (_, _, true) => ReplayFilter::AllDead,
-                _ => {
-                    return Err(outboxd::config::ConfigError::Invalid(
-                        "replay needs one of --event-id ID, --aggregate-id ID or --all-dead".into(),
-                    )
-                    .into())
-                }
-            };
-            let client = pg::connect(&settings.database_url).await?;
-            let mut count = 0;
-            let mut tables = settings.tables.clone();
-            pg::slot::inspect_all(&client, &mut tables).await?;
-            for table in &tables {
-                pg::slot::check_polling_columns(table)?;
-                count += pg::outbox::replay_dead(&client, table, &filter).await?;
-            }
-            println!("re-queued {count} dead event(s)");
-            Ok(ExitCode::SUCCESS)
-        }
+        } => replay(&options, event_id, aggregate_id, all_dead).await,
         Command::Status {
             json, thresholds, ..
-        } => {
-            let settings = options.database()?;
-            // Exit codes as monitoring plugins expect: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
-            let (status, verdict) =
-                match status::read(&settings, options.mode.unwrap_or_default()).await {
-                    Ok(status) => {
-                        let verdict = status::verdict(&status, &thresholds);
-                        (Some(status), verdict)
-                    }
-                    Err(error) => (
-                        None,
-                        status::Verdict {
-                            level: status::Level::Unknown,
-                            reason: format!("cannot tell: {error}"),
-                        },
-                    ),
-                };
-            if json {
-                // The status fields at the top level, plus the verdict.
-                let mut value = serde_json::to_value(&status).unwrap_or_default();
-                if !value.is_object() {
-                    value = serde_json::json!({});
-                }
-                value["verdict"] = serde_json::json!({ "level": verdict.level.as_str(), "reason": verdict.reason });
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&value).unwrap_or_default()
-                );
-            } else {
-                if let Some(status) = &status {
-                    print!("{}", status.to_table());
-                }
-                println!("{}: {}", verdict.level.as_str(), verdict.reason);
-            }
-            Ok(ExitCode::from(verdict.level as u8))
+        } => status(&options, json, &thresholds).await,
+    }
+}
+
+/// `outboxd migrate`: the table's columns and indexes, the publication, the NOTIFY trigger when asked.
+async fn migrate(options: &Options) -> outboxd::Result<ExitCode> {
+    let settings = options.database()?;
+    let mut client = pg::connect(&settings.database_url).await?;
+    let report = pg::migrate::migrate(&mut client, &settings).await?;
+    for table in &settings.tables {
+        let trigger = pg::migrate::notify_trigger(&client, &table.name).await?;
+        if options.poll_notify {
+            pg::migrate::install_notify_trigger(&mut client, &table.name).await?;
+            tracing::warn!(table = %table.name, "installed the LISTEN/NOTIFY trigger: every insert now notifies (serialising commits); drop it with DROP TRIGGER outboxd_notify ON <table>");
+        } else if trigger == pg::migrate::NotifyTrigger::Outdated {
+            // An older version's trigger: with a long table name it makes every insert fail.
+            pg::migrate::install_notify_trigger(&mut client, &table.name).await?;
+            tracing::info!(table = %table.name, "updated the LISTEN/NOTIFY trigger to this version's channel name");
         }
     }
+    for (table, position, target) in &report.history_awaiting_slot {
+        tracing::warn!(%table, slot = %settings.slot, %position, %target, "the table's rows now count as published before outboxd (--existing-rows published), but the slot has not streamed all of them yet: it still will, once outboxd runs; until its confirmed_flush_lsn passes the target (see `outboxd status`), keep the slot (should it be lost first, outboxd republishes the table's history; should you drop it, republish with `UPDATE <table> SET published_at = NULL, handoff_at = now() WHERE published_at = '-infinity'`)");
+    }
+    for table in &report.cdc_only {
+        tracing::warn!(%table, "existing table left without the polling columns: outboxd will run CDC only (no backfill of older rows, no polling fallback, no retries or dead letters); add them with `outboxd migrate --add-polling-columns`");
+    }
+    tracing::info!(applied = ?report.applied, publication_created = report.publication_created, tables = %outboxd::table::names(&settings.tables), publication = %settings.publication, "migrations done");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outboxd run`: the pipeline until SIGINT/SIGTERM, with /metrics and the periodic figures.
+async fn run(options: &Options) -> outboxd::Result<ExitCode> {
+    let settings = options.run()?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("received shutdown signal");
+        let _ = stop_tx.send(true);
+        // Keep the sender alive so receivers never see a closed channel.
+        std::future::pending::<()>().await;
+    });
+    let metrics = outboxd::metrics::install()
+        .map_err(|e| outboxd::Error::bug(format!("cannot set up metrics: {e}")))?;
+    if let Some(addr) = settings.metrics_addr {
+        outboxd::http::serve(addr, metrics).await?;
+    }
+    tokio::spawn(outboxd::stats::run(std::sync::Arc::new(settings.clone())));
+    pipeline::run(settings, stop_rx).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outboxd replay`: re-queues dead-lettered events.
+async fn replay(
+    options: &Options,
+    event_id: Option<uuid::Uuid>,
+    aggregate_id: Option<String>,
+    all_dead: bool,
+) -> outboxd::Result<ExitCode> {
+    let settings = options.database()?;
+    let filter = match (event_id, aggregate_id, all_dead) {
+        (Some(id), _, _) => ReplayFilter::EventId(id),
+        (_, Some(aggregate), _) => ReplayFilter::AggregateId(aggregate),
+        (_, _, true) => ReplayFilter::AllDead,
+        _ => {
+            return Err(outboxd::config::ConfigError::Invalid(
+                "replay needs one of --event-id ID, --aggregate-id ID or --all-dead".into(),
+            )
+            .into())
+        }
+    };
+    let client = pg::connect(&settings.database_url).await?;
+    let mut count = 0;
+    let mut tables = settings.tables.clone();
+    pg::slot::inspect_all(&client, &mut tables).await?;
+    for table in &tables {
+        pg::slot::check_polling_columns(table)?;
+        count += pg::outbox::replay_dead(&client, table, &filter).await?;
+    }
+    println!("re-queued {count} dead event(s)");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outboxd status`: slot, backlog and instances, with a verdict and its exit code.
+async fn status(
+    options: &Options,
+    json: bool,
+    thresholds: &outboxd::config::Thresholds,
+) -> outboxd::Result<ExitCode> {
+    let settings = options.database()?;
+    // Exit codes as monitoring plugins expect: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
+    let (status, verdict) = match status::read(&settings, options.mode.unwrap_or_default()).await {
+        Ok(status) => {
+            let verdict = status::verdict(&status, thresholds);
+            (Some(status), verdict)
+        }
+        Err(error) => (
+            None,
+            status::Verdict {
+                level: status::Level::Unknown,
+                reason: format!("cannot tell: {error}"),
+            },
+        ),
+    };
+    if json {
+        // The status fields at the top level, plus the verdict.
+        let mut value = serde_json::to_value(&status).unwrap_or_default();
+        if !value.is_object() {
+            value = serde_json::json!({});
+        }
+        value["verdict"] =
+            serde_json::json!({ "level": verdict.level.as_str(), "reason": verdict.reason });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        );
+    } else {
+        if let Some(status) = &status {
+            print!("{}", status.to_table());
+        }
+        println!("{}: {}", verdict.level.as_str(), verdict.reason);
+    }
+    Ok(ExitCode::from(verdict.level as u8))
 }
 
 async fn wait_for_signal() {

@@ -74,6 +74,7 @@ const UPKEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Installs the global recorder, gives every metric its first sample and starts the upkeep task that keeps
 /// the recorder's memory flat whether or not anyone scrapes (needs a Tokio runtime).
+// Long: one description per metric, the list README's metrics table follows.
 pub fn install() -> Result<PrometheusHandle, String> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(

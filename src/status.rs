@@ -92,6 +92,7 @@ pub struct Verdict {
 }
 
 /// Judges a status: the worst finding wins. Pure.
+// Long: one check per finding, in the order `status` reports them.
 pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdict {
     let mut findings: Vec<(Level, String)> = Vec::new();
     match status.wal_status.as_deref() {

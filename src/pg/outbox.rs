@@ -407,6 +407,7 @@ pub struct PollSql {
 
 impl PollSql {
     /// Prepares the polling statements of `outbox` for the given ordering rule and claim scope.
+    // Long: the SQL of each polling statement, written out once per ordering rule and claim scope.
     pub async fn prepare(
         client: &Client,
         outbox: &OutboxTable,
@@ -535,6 +536,7 @@ impl PollSql {
 
     /// Claims up to `batch` rows under `token` in one short transaction, committed before any Kafka call.
     /// Rows come back in publishing order.
+    // Long: one claim transaction, its SQL and the rows it returns, read in one place.
     pub async fn claim(
         &self,
         client: &mut Client,

@@ -143,6 +143,8 @@ impl ReplicationConnection {
     /// Startup and authentication. `channel_binding` is the TLS connection's `tls-server-end-point` data:
     /// with it SCRAM binds to the TLS channel (SCRAM-SHA-256-PLUS) when the server offers it, and the URL's
     /// `channel_binding` (libpq's: disable, prefer, require) is enforced as libpq does.
+    // Long: the authentication exchange as the protocol runs it, one message type per arm (cleartext, MD5,
+    // SCRAM with and without channel binding).
     async fn startup(
         &mut self,
         config: &tokio_postgres::Config,
