@@ -194,14 +194,16 @@ where
     }
 }
 
-/// `outboxd run`: retries transient start-up failures for `--startup-timeout`, then moves events until
-/// shutdown in the configured mode.
-pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> Result<()> {
+/// The start-up checks of `run`, each retried while transient for `--startup-timeout`: the tables against
+/// the database (their capabilities are read into `settings`), the mode the server allows (`auto` on
+/// tables without polling columns becomes `cdc`), retention, the brokers and the fleet's poll order; then
+/// retention starts. Returns the poll-order announcement, held for the process's lifetime.
+async fn start_up(settings: &mut RunSettings) -> Result<Option<fleet::PollOrderAnnouncement>> {
     let deadline = Instant::now() + settings.startup_timeout;
     settings.database.tables =
-        retry_until(&settings, deadline, || preflight_database(&settings)).await?;
-    check_topic_template(&settings)?;
-    let can_sweep = has_polling_columns(&settings);
+        retry_until(settings, deadline, || preflight_database(settings)).await?;
+    check_topic_template(settings)?;
+    let can_sweep = has_polling_columns(settings);
     if settings.mode != Mode::Poll && !can_sweep {
         let tables = crate::table::names(settings.database.tables.iter().filter(|t| !t.polling));
         tracing::warn!(
@@ -213,15 +215,15 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
     }
     match settings.mode {
         Mode::Cdc => {
-            retry_until(&settings, deadline, || {
-                require_replication(&settings, can_sweep)
+            retry_until(settings, deadline, || {
+                require_replication(settings, can_sweep)
             })
             .await?
         }
         // Configuration mistakes (missing publication, a slot of another plugin) stop `auto` too.
         Mode::Auto => {
-            retry_until(&settings, deadline, || async {
-                replication_availability(&settings, can_sweep)
+            retry_until(settings, deadline, || async {
+                replication_availability(settings, can_sweep)
                     .await
                     .map(|_| ())
             })
@@ -239,7 +241,7 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         ));
     }
     if let Some(retention) = &settings.retention {
-        retry_until(&settings, deadline, || async {
+        retry_until(settings, deadline, || async {
             let client = crate::pg::connect(&settings.database.database_url).await?;
             crate::retention::check(
                 &client,
@@ -251,12 +253,10 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         })
         .await?;
     }
-    retry_until(&settings, deadline, || preflight_brokers(&settings)).await?;
+    retry_until(settings, deadline, || preflight_brokers(settings)).await?;
     // Every instance that may claim rows says in which order; a peer of another order is refused.
-    let announcement = retry_until(&settings, deadline, || {
-        fleet::announce_poll_order(&settings)
-    })
-    .await?;
+    let announcement =
+        retry_until(settings, deadline, || fleet::announce_poll_order(settings)).await?;
     if let Some(retention) = &settings.retention {
         tokio::spawn(crate::retention::run(crate::retention::Sweeper {
             database_url: settings.database.database_url.clone(),
@@ -266,6 +266,13 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
             slot: settings.database.slot.clone(),
         }));
     }
+    Ok(announcement)
+}
+
+/// `outboxd run`: retries transient start-up failures for `--startup-timeout`, then moves events until
+/// shutdown in the configured mode.
+pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> Result<()> {
+    let announcement = start_up(&mut settings).await?;
     tracing::info!(
         tables = %crate::table::names(&settings.database.tables),
         mode = ?settings.mode,

@@ -212,15 +212,11 @@ impl PollWorker {
         }
     }
 
-    async fn session(
-        &self,
-        shutdown: &mut watch::Receiver<bool>,
-        backoff: &mut Backoff,
-        outage: &mut super::DatabaseOutage,
-    ) -> Result<()> {
-        let poll = &self.settings.poll;
+    /// The session's SQL connection (to a primary, reading times as ISO UTC) with its statements prepared,
+    /// once every row of the table has a position.
+    async fn open(&self) -> Result<(tokio_postgres::Client, PollSql)> {
         // A silent server must end the session (it may hold the claim lock every claimer waits for).
-        let mut client = pg::connect(&super::liveness::with_dead_peer_detection(
+        let client = pg::connect(&super::liveness::with_dead_peer_detection(
             &self.settings.database.database_url,
         ))
         .await?;
@@ -237,7 +233,19 @@ impl PollWorker {
         if numbered > 0 {
             tracing::info!(table = %self.table().name, rows = numbered, "gave rows without a position one, in insert order");
         }
+        let poll = &self.settings.poll;
         let sql = PollSql::prepare(&client, self.table(), poll.order, self.scope).await?;
+        Ok((client, sql))
+    }
+
+    async fn session(
+        &self,
+        shutdown: &mut watch::Receiver<bool>,
+        backoff: &mut Backoff,
+        outage: &mut super::DatabaseOutage,
+    ) -> Result<()> {
+        let poll = &self.settings.poll;
+        let (mut client, sql) = self.open().await?;
         let (mut publisher, mut deliveries) = self.new_publisher()?;
         let wake = match (poll.notify, self.scope) {
             (true, ClaimScope::All) => Some(listen(&self.settings, &self.table().name).await?),
