@@ -499,26 +499,7 @@ async fn migrate_under_lock(
                 *version == CLAIM_ORDER_VERSION && claim_index_in_order(client, table).await?;
             if !skip {
                 let rendered = render_migration(sql, table, existing_rows);
-                for step in plan(&rendered) {
-                    match step {
-                        Step::Locked(sql) => run_locked(client, &table.name, &sql).await?,
-                        // PostgreSQL builds no index of a partitioned table concurrently, and drops none.
-                        Step::Concurrent {
-                            sql,
-                            index: Some(index),
-                        } if table.partitioned => {
-                            build_partitioned_index(client, table, &index, &sql).await?
-                        }
-                        Step::Concurrent { sql, index: None } if table.partitioned => {
-                            run_locked(client, &table.name, &sql.replace(" CONCURRENTLY", ""))
-                                .await?
-                        }
-                        Step::Concurrent { sql, index } => {
-                            run_concurrent(client, &table.name.schema, &sql, index.as_deref())
-                                .await?
-                        }
-                    }
-                }
+                apply(client, table, &rendered).await?;
             }
             if existing_rows == Some(ExistingRows::Published) {
                 mark_history(client, table).await?;
@@ -539,10 +520,41 @@ async fn migrate_under_lock(
         }
         slot::inspect(&*client, table).await?;
     }
-    let publication = &settings.publication;
+    report.publication_created = ensure_publication(client, &settings.publication, &tables).await?;
+    Ok(report)
+}
+
+/// Runs one rendered migration step by step: statements that lock the table briefly under `run_locked`,
+/// index builds concurrently (or, on a partitioned table, per partition).
+async fn apply(client: &mut Client, table: &OutboxTable, rendered: &str) -> Result<()> {
+    for step in plan(rendered) {
+        match step {
+            Step::Locked(sql) => run_locked(client, &table.name, &sql).await?,
+            // PostgreSQL builds no index of a partitioned table concurrently, and drops none.
+            Step::Concurrent {
+                sql,
+                index: Some(index),
+            } if table.partitioned => build_partitioned_index(client, table, &index, &sql).await?,
+            Step::Concurrent { sql, index: None } if table.partitioned => {
+                run_locked(client, &table.name, &sql.replace(" CONCURRENTLY", "")).await?
+            }
+            Step::Concurrent { sql, index } => {
+                run_concurrent(client, &table.name.schema, &sql, index.as_deref()).await?
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The publication covers every table (inserts only, partitions as their root); true when it was created.
+async fn ensure_publication(
+    client: &mut Client,
+    publication: &str,
+    tables: &[OutboxTable],
+) -> Result<bool> {
     let partitioned = tables.iter().any(|t| t.partitioned);
     let mut created = false;
-    for table in &tables {
+    for table in tables {
         let name = &table.name;
         let statement = match slot::publication_state(&*client, publication, name).await? {
             None => {
@@ -573,8 +585,7 @@ async fn migrate_under_lock(
             run_locked(client, name, &sql).await?;
         }
     }
-    report.publication_created = created;
-    Ok(report)
+    Ok(created)
 }
 
 /// The NOTIFY channel of an outbox table's insert trigger, also the name of the trigger's function:

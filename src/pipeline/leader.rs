@@ -253,6 +253,26 @@ pub fn key_text<'a>(
     format!("outboxd.leader.{}.{slot}", names.join(", "))
 }
 
+/// With the lock just taken: proves that this connection's server session holds it (a setup error through
+/// a pooler in transaction mode), marks the tables this leader streams, announces it, and ends a walsender
+/// a silent previous leader left behind. Any other error means the connection is in trouble.
+async fn take_over(
+    client: &tokio_postgres::Client,
+    settings: &RunSettings,
+    key: &str,
+) -> Result<()> {
+    let slot = settings.database.slot.as_str();
+    if !within(holds_lock(client, key)).await? {
+        return Err(pooler_error());
+    }
+    within(super::fleet::mark_cdc_tables(client, settings)).await?;
+    within(announce(client, Role::Active, slot)).await?;
+    if let Err(error) = within(end_silent_walsender(client, slot)).await {
+        tracing::debug!(%error, "cannot check the slot for a silent walsender");
+    }
+    Ok(())
+}
+
 /// Waits until this instance holds the lock for `settings`' slot. `None` when `shutdown` came first.
 pub async fn acquire(
     settings: &RunSettings,
@@ -311,21 +331,10 @@ pub async fn acquire(
                     Err(error) => break error,
                 };
                 if held {
-                    match within(holds_lock(&client, &key)).await {
-                        Ok(true) => {}
-                        Ok(false) => return Err(pooler_error()),
-                        Err(error) => break error,
-                    }
-                    if let Err(error) =
-                        within(super::fleet::mark_cdc_tables(&client, settings)).await
-                    {
-                        break error; // the lock goes with the session
-                    }
-                    if let Err(error) = within(announce(&client, Role::Active, slot)).await {
-                        break error;
-                    }
-                    if let Err(error) = within(end_silent_walsender(&client, slot)).await {
-                        tracing::debug!(%error, "cannot check the slot for a silent walsender");
+                    match take_over(&client, settings, &key).await {
+                        Ok(()) => {}
+                        Err(error @ Error::Setup { .. }) => return Err(error),
+                        Err(error) => break error, // the lock goes with the session
                     }
                     if standing_by {
                         tracing::info!("took over as the active instance for this slot");
