@@ -415,9 +415,11 @@ impl Options {
         };
         let mut merged = table(&file)?;
         merged.extend(table(&self)?);
-        let mut options: Options = merged
-            .try_into()
-            .map_err(|e| invalid(format!("cannot merge the options: {e}")))?;
+        // What a struct serialised reads back as itself; the error would quote a value (maybe a URL with its
+        // password), so it is not repeated.
+        let mut options: Options = merged.try_into().map_err(|_| {
+            invalid("cannot merge the options given by flag or environment with the file")
+        })?;
         options.config = self.config;
         Ok(options)
     }
