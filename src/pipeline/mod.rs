@@ -21,8 +21,7 @@ use tokio::sync::watch;
 
 use crate::backoff::Backoff;
 use crate::config::{Mode, RunSettings};
-use crate::error::replication_error;
-use crate::error::{Error, Result};
+use crate::error::{replication_error, Error, Result};
 use crate::kafka::{self, KnownTopics};
 use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::ReplicationConnection;
