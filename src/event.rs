@@ -314,19 +314,12 @@ pub fn to_rfc3339(pg_text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pg::pgoutput::{ColumnValue, RelationColumn};
+    use crate::pg::pgoutput::tests::text;
+    use crate::pg::pgoutput::ColumnValue;
     use crate::table::TableStyle;
 
     fn standard() -> OutboxTable {
-        OutboxTable::new(
-            crate::table::TableName {
-                schema: "public".into(),
-                name: "outbox_event".into(),
-            },
-            TableStyle::Standard,
-            &[],
-            vec![],
-        )
+        OutboxTable::standard_for_tests()
     }
 
     const STANDARD_COLUMNS: [&str; 6] = [
@@ -339,22 +332,7 @@ mod tests {
     ];
 
     fn relation(names: &[&str]) -> Relation {
-        Relation {
-            id: 1,
-            namespace: "public".into(),
-            name: "outbox_event".into(),
-            columns: names
-                .iter()
-                .map(|n| RelationColumn {
-                    name: n.to_string(),
-                    type_oid: 25,
-                })
-                .collect(),
-        }
-    }
-
-    fn text(s: &str) -> ColumnValue {
-        ColumnValue::Text(Bytes::copy_from_slice(s.as_bytes()))
+        crate::pg::pgoutput::tests::relation(1, "outbox_event", names)
     }
 
     #[test]

@@ -661,7 +661,6 @@ pub fn age(last_success: u64) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::table::TableStyle;
 
     fn col(name: &str, needs_value: bool) -> Column {
         Column {
@@ -673,15 +672,7 @@ mod tests {
     }
 
     fn outbox() -> (OutboxTable, Vec<Column>) {
-        let mut table = OutboxTable::new(
-            TableName {
-                schema: "public".into(),
-                name: "outbox_event".into(),
-            },
-            TableStyle::Standard,
-            &[],
-            Vec::new(),
-        );
+        let mut table = OutboxTable::standard_for_tests();
         let names = [
             "event_id",
             "aggregate_type",

@@ -409,6 +409,22 @@ pub fn parse_header_columns(values: &[String]) -> Vec<ForTable<String>> {
 }
 
 #[cfg(test)]
+impl OutboxTable {
+    /// `public.outbox_event` in the standard style, as the unit tests of other modules need it.
+    pub(crate) fn standard_for_tests() -> Self {
+        OutboxTable::new(
+            TableName {
+                schema: "public".into(),
+                name: "outbox_event".into(),
+            },
+            TableStyle::Standard,
+            &[],
+            Vec::new(),
+        )
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

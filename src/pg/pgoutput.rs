@@ -293,6 +293,27 @@ impl Reader {
 pub(crate) mod tests {
     use super::*;
 
+    /// A Relation message of `public.<name>` whose columns are all `text`.
+    pub(crate) fn relation(id: u32, name: &str, columns: &[&str]) -> Relation {
+        Relation {
+            id,
+            namespace: "public".into(),
+            name: name.into(),
+            columns: columns
+                .iter()
+                .map(|n| RelationColumn {
+                    name: n.to_string(),
+                    type_oid: 25,
+                })
+                .collect(),
+        }
+    }
+
+    /// A column value in the text format.
+    pub(crate) fn text(s: &str) -> ColumnValue {
+        ColumnValue::Text(Bytes::copy_from_slice(s.as_bytes()))
+    }
+
     // Messages built field by field so each test documents the layout; `captured_*` tests below use bytes
     // captured from a real PostgreSQL 15 server.
     fn begin_bytes() -> Vec<u8> {

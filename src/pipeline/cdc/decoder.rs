@@ -238,27 +238,17 @@ pub fn placeholder_event(event_id: &str) -> OutboxEvent {
 
 #[cfg(test)]
 mod tests {
-    use bytes::Bytes;
     use proptest::prelude::*;
 
     use super::*;
-    use crate::pg::pgoutput::{ColumnValue, Commit, Relation, RelationColumn};
-    use crate::table::TableName;
-    use crate::table::TableStyle;
+    use crate::pg::pgoutput::tests::text;
+    use crate::pg::pgoutput::{self, ColumnValue, Commit};
 
     const OUTBOX: u32 = 16_384;
     const OTHER: u32 = 16_390;
 
     fn table(marks_published: bool, polling: bool) -> OutboxTable {
-        let mut table = OutboxTable::new(
-            TableName {
-                schema: "public".into(),
-                name: "outbox_event".into(),
-            },
-            TableStyle::Standard,
-            &[],
-            vec![],
-        );
+        let mut table = OutboxTable::standard_for_tests();
         table.marks_published = marks_published;
         table.polling = polling;
         table
@@ -278,22 +268,7 @@ mod tests {
             "payload",
             "created_at",
         ];
-        PgOutputMessage::Relation(Relation {
-            id,
-            namespace: "public".into(),
-            name: name.into(),
-            columns: columns
-                .iter()
-                .map(|n| RelationColumn {
-                    name: n.to_string(),
-                    type_oid: 25,
-                })
-                .collect(),
-        })
-    }
-
-    fn text(s: &str) -> ColumnValue {
-        ColumnValue::Text(Bytes::copy_from_slice(s.as_bytes()))
+        PgOutputMessage::Relation(pgoutput::tests::relation(id, name, &columns))
     }
 
     fn insert(relation_id: u32, id: Uuid, aggregate: Option<&str>) -> PgOutputMessage {
