@@ -22,74 +22,46 @@ use uuid::Uuid;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
+use crate::sink::{Delivery, PublishError, Rejection, Sink, Sinks};
 
-/// Why the broker (or librdkafka) refused an event.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rejection {
-    /// librdkafka's or the broker's message.
-    pub reason: String,
-    /// Retrying cannot fix it (too large, invalid topic, not authorized): counts toward dead-lettering.
-    pub permanent: bool,
-    /// The producer's idempotence state is broken (fenced, epoch or sequence lost, e.g. after an outage):
-    /// only a new producer recovers.
-    pub producer_broken: bool,
-    /// The refusal is the topic's, not the event's (the principal may not write it): every event bound
-    /// for it would be refused alike.
-    pub topic_wide: bool,
-    /// The topic of a refused delivery (set by the delivery report).
-    pub topic: Option<String>,
-}
-
-impl Rejection {
-    fn from_kafka(error: &KafkaError) -> Self {
-        let topic_wide = matches!(
-            error.rdkafka_error_code(),
-            Some(
-                RDKafkaErrorCode::TopicAuthorizationFailed
-                    | RDKafkaErrorCode::ClusterAuthorizationFailed
-            )
-        );
-        let permanent = matches!(
-            error.rdkafka_error_code(),
-            Some(
-                RDKafkaErrorCode::MessageSizeTooLarge
-                    | RDKafkaErrorCode::InvalidMessageSize
-                    | RDKafkaErrorCode::InvalidMessage
-                    | RDKafkaErrorCode::InvalidRecord
-                    | RDKafkaErrorCode::MessageBatchTooLarge
-                    | RDKafkaErrorCode::InvalidTopic
-                    | RDKafkaErrorCode::TopicAuthorizationFailed
-                    | RDKafkaErrorCode::ClusterAuthorizationFailed
-            )
-        );
-        let producer_broken = matches!(
-            error.rdkafka_error_code(),
-            Some(
-                RDKafkaErrorCode::ProducerFenced
-                    | RDKafkaErrorCode::InvalidProducerEpoch
-                    | RDKafkaErrorCode::OutOfOrderSequenceNumber
-                    | RDKafkaErrorCode::UnknownProducerId
-                    | RDKafkaErrorCode::InvalidProducerIdMapping
-            )
-        );
-        Rejection {
-            reason: error.to_string(),
-            permanent,
-            producer_broken,
-            topic_wide,
-            topic: None,
-        }
-    }
-
-    /// A failure that is neither the event's nor the topic's (a timeout, the broker unreachable).
-    pub fn transient(reason: String) -> Self {
-        Rejection {
-            reason,
-            permanent: false,
-            producer_broken: false,
-            topic_wide: false,
-            topic: None,
-        }
+/// What a librdkafka error means for the event it refused.
+fn rejection_from(error: &KafkaError) -> Rejection {
+    let topic_wide = matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::ClusterAuthorizationFailed
+        )
+    );
+    let permanent = matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::InvalidMessage
+                | RDKafkaErrorCode::InvalidRecord
+                | RDKafkaErrorCode::MessageBatchTooLarge
+                | RDKafkaErrorCode::InvalidTopic
+                | RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::ClusterAuthorizationFailed
+        )
+    );
+    let producer_broken = matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch
+                | RDKafkaErrorCode::OutOfOrderSequenceNumber
+                | RDKafkaErrorCode::UnknownProducerId
+                | RDKafkaErrorCode::InvalidProducerIdMapping
+        )
+    );
+    Rejection {
+        reason: error.to_string(),
+        permanent,
+        producer_broken,
+        topic_wide,
+        topic: None,
     }
 }
 
@@ -104,40 +76,6 @@ fn topic_gone(error: &KafkaError) -> bool {
                 | RDKafkaErrorCode::UnknownTopicOrPartition
         )
     )
-}
-
-/// Why an event could not be handed to the producer.
-#[derive(Debug)]
-pub enum PublishError {
-    /// librdkafka refused this event (e.g. larger than message.max.bytes).
-    Rejected(Rejection),
-    /// The topic could not be created or checked.
-    Failed(Error),
-}
-
-impl From<PublishError> for Error {
-    fn from(error: PublishError) -> Self {
-        match error {
-            PublishError::Rejected(r) => Error::Kafka {
-                message: r.reason,
-                transient: !r.permanent,
-            },
-            PublishError::Failed(e) => e,
-        }
-    }
-}
-
-/// What travels with a record to its delivery report. `T` tells the caller which event it was.
-#[derive(Debug)]
-pub struct Delivery<T> {
-    /// The caller's tag, telling which event it was.
-    pub tag: T,
-    /// The event's id.
-    pub event_id: Uuid,
-    /// The event's approximate size in memory, for the in-flight byte budget.
-    pub bytes: usize,
-    /// `Ok` once the broker acknowledged the event, or why it was not delivered.
-    pub result: Result<(), Rejection>,
 }
 
 /// The producer's context: reports each delivery on the channel and watches librdkafka's log.
@@ -211,7 +149,7 @@ impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
             }
             delivery.result = Err(Rejection {
                 topic: Some(message.topic().to_string()),
-                ..Rejection::from_kafka(error)
+                ..rejection_from(error)
             });
         }
         delivery.result = self.trusted(delivery.result);
@@ -236,6 +174,28 @@ pub struct Publisher<T: Send + Sync + 'static> {
     replication_factor: i32,
     /// Header carrying the event id: `event_id`, or `id` for Debezium-style tables.
     event_id_header: &'static str,
+}
+
+/// Makes the pipelines' Kafka producers ([`Publisher`]); its clones share the topics known to exist.
+#[derive(Clone, Default)]
+pub struct KafkaSinks {
+    known_topics: KnownTopics,
+}
+
+impl Sinks for KafkaSinks {
+    type Sink<T: Send + Sync + 'static> = Publisher<T>;
+
+    fn sink<T: Send + Sync + 'static>(
+        &self,
+        settings: &RunSettings,
+        deliveries: UnboundedSender<Delivery<T>>,
+    ) -> Result<Publisher<T>> {
+        Publisher::new(settings, self.known_topics.clone(), deliveries)
+    }
+
+    async fn check_ready(&self, settings: &RunSettings) -> Result<()> {
+        startup::check_brokers(settings, Duration::from_secs(5)).await
+    }
 }
 
 /// librdkafka's default `message.timeout.ms`: how long the CDC path lets any one event wait for its
@@ -395,14 +355,6 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         })
     }
 
-    /// Fails unless a broker answers a metadata request within `timeout`.
-    /// Asks for the metadata of one topic that is never created (`allow.auto.create.topics=false`), which any
-    /// broker answers with its broker list: proof that a broker answers, without fetching every topic of the
-    /// cluster every few seconds.
-    pub async fn check_brokers(&self, timeout: Duration) -> Result<()> {
-        ask_a_broker(self.producer.clone(), timeout).await
-    }
-
     /// Makes sure `topic` exists: created on first use, or checked when topic creation is off.
     async fn ensure_topic(&self, topic: &str) -> Result<()> {
         if self
@@ -492,10 +444,20 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             .iter()
             .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
     }
+}
+
+impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
+    /// Fails unless a broker answers a metadata request within `timeout`.
+    /// Asks for the metadata of one topic that is never created (`allow.auto.create.topics=false`), which any
+    /// broker answers with its broker list: proof that a broker answers, without fetching every topic of the
+    /// cluster every few seconds.
+    async fn check_brokers(&self, timeout: Duration) -> Result<()> {
+        ask_a_broker(self.producer.clone(), timeout).await
+    }
 
     /// Hands one event to the producer; its acknowledgement arrives later on the delivery channel, tagged
     /// with `tag`. `error` adds an `error` header (dead letters).
-    pub async fn publish(
+    async fn publish(
         &self,
         topic: &str,
         event: &OutboxEvent,
@@ -550,16 +512,14 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                     record = returned;
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                Err((error, _)) => {
-                    return Err(PublishError::Rejected(Rejection::from_kafka(&error)))
-                }
+                Err((error, _)) => return Err(PublishError::Rejected(rejection_from(&error))),
             }
         }
     }
 
     /// A fatal producer error (e.g. the idempotent producer was fenced after an outage): the producer must be
     /// replaced; every later send would fail.
-    pub fn fatal_error(&self) -> Option<String> {
+    fn fatal_error(&self) -> Option<String> {
         let implicit_ack = self
             .producer
             .context()
@@ -574,13 +534,13 @@ impl<T: Send + Sync + 'static> Publisher<T> {
 
     /// Fails every event the producer still holds (their delivery reports arrive at once, as failures):
     /// the attempt is given up and the producer must not be used again (see [`Publisher::new`]).
-    pub fn purge(&self) {
+    fn purge(&self) {
         self.producer
             .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
     }
 
     /// Drops whatever the producer still holds; those events are re-sent from the slot.
-    pub fn abandon(self) {
+    fn abandon(self) {
         self.producer
             .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
     }

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod pg;
 pub mod pipeline;
 pub mod retention;
+pub mod sink;
 pub mod stats;
 pub mod status;
 pub mod table;

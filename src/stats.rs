@@ -8,9 +8,10 @@ use tokio::sync::mpsc;
 
 use crate::config::RunSettings;
 use crate::http::READINESS;
-use crate::kafka::{Delivery, KnownTopics, Publisher};
+use crate::kafka::{KnownTopics, Publisher};
 use crate::metrics as m;
 use crate::pg::{self, outbox, slot};
+use crate::sink::{Delivery, Sink};
 
 /// How often the gauges and readiness are refreshed.
 pub const INTERVAL: Duration = Duration::from_secs(5);

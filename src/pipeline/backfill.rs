@@ -14,9 +14,9 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use uuid::Uuid;
 
 use crate::error::Error;
-use crate::kafka::Delivery;
 use crate::pg::{self, outbox, outbox::OutboxSql};
 use crate::pipeline::watermark::TxnId;
+use crate::sink::Delivery;
 use crate::table::OutboxTable;
 
 /// What the CDC path attaches to each event it hands to the producer or to the polling path.

@@ -299,7 +299,7 @@ pub async fn acquire(
                 tracing::warn!(%error, waiting_for = waiting_for.as_deref(), "cannot reach PostgreSQL for the leadership lock; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff.next_delay()) => continue,
-                    _ = shutdown.wait_for(|stop| *stop) => return Ok(None),
+                    _ = crate::pipeline::stopped(shutdown) => return Ok(None),
                 }
             }
         };
@@ -364,7 +364,7 @@ pub async fn acquire(
                 tokio::select! {
                     _ = tokio::time::sleep(STANDBY_POLL) => {}
                     _ = lost.wait_for(Option::is_some) => break Error::SessionRestart("the leadership connection ended".into()),
-                    _ = shutdown.wait_for(|stop| *stop) => return Ok(None),
+                    _ = crate::pipeline::stopped(shutdown) => return Ok(None),
                 }
             },
         };
@@ -372,7 +372,7 @@ pub async fn acquire(
         drop(client);
         tokio::select! {
             _ = tokio::time::sleep(backoff.next_delay()) => {}
-            _ = shutdown.wait_for(|stop| *stop) => return Ok(None),
+            _ = crate::pipeline::stopped(shutdown) => return Ok(None),
         }
     }
 }

@@ -22,10 +22,11 @@ use tokio::sync::watch;
 use crate::backoff::Backoff;
 use crate::config::{Mode, RunSettings};
 use crate::error::{replication_error, Error, Result};
-use crate::kafka::{self, KnownTopics};
+use crate::kafka::KafkaSinks;
 use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::ReplicationConnection;
 use crate::pg::{self, slot};
+use crate::sink::Sinks;
 use crate::table::{OutboxTable, Role};
 
 /// A running pipeline's patience with its database: after a failover, restore or switchover the server
@@ -98,12 +99,6 @@ fn check_topic_template(settings: &RunSettings) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// A broker answers a metadata request and accepts outboxd's credentials and TLS (and the Kafka options are
-/// valid).
-async fn preflight_brokers(settings: &RunSettings) -> Result<()> {
-    kafka::startup::check_brokers(settings, Duration::from_secs(5)).await
 }
 
 /// Whether the CDC path can run here.
@@ -197,7 +192,10 @@ where
 /// the database (their capabilities are read into `settings`), the mode the server allows (`auto` on
 /// tables without polling columns becomes `cdc`), retention, the brokers and the fleet's poll order; then
 /// retention starts. Returns the poll-order announcement, held for the process's lifetime.
-async fn start_up(settings: &mut RunSettings) -> Result<Option<fleet::PollOrderAnnouncement>> {
+async fn start_up(
+    settings: &mut RunSettings,
+    sinks: &impl Sinks,
+) -> Result<Option<fleet::PollOrderAnnouncement>> {
     let deadline = Instant::now() + settings.startup_timeout;
     settings.database.tables =
         retry_until(settings, deadline, || preflight_database(settings)).await?;
@@ -252,7 +250,7 @@ async fn start_up(settings: &mut RunSettings) -> Result<Option<fleet::PollOrderA
         })
         .await?;
     }
-    retry_until(settings, deadline, || preflight_brokers(settings)).await?;
+    retry_until(settings, deadline, || sinks.check_ready(settings)).await?;
     // Every instance that may claim rows says in which order; a peer of another order is refused.
     let announcement =
         retry_until(settings, deadline, || fleet::announce_poll_order(settings)).await?;
@@ -268,10 +266,19 @@ async fn start_up(settings: &mut RunSettings) -> Result<Option<fleet::PollOrderA
     Ok(announcement)
 }
 
-/// `outboxd run`: retries transient start-up failures for `--startup-timeout`, then moves events until
-/// shutdown in the configured mode.
-pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> Result<()> {
-    let announcement = start_up(&mut settings).await?;
+/// `outboxd run`: retries transient start-up failures for `--startup-timeout`, then moves events into Kafka
+/// until shutdown in the configured mode.
+pub async fn run(settings: RunSettings, shutdown: watch::Receiver<bool>) -> Result<()> {
+    run_with(settings, KafkaSinks::default(), shutdown).await
+}
+
+/// [`run`] into the sinks `sinks` makes (an in-memory broker in tests).
+pub async fn run_with(
+    mut settings: RunSettings,
+    sinks: impl Sinks,
+    shutdown: watch::Receiver<bool>,
+) -> Result<()> {
+    let announcement = start_up(&mut settings, &sinks).await?;
     tracing::info!(
         tables = %crate::table::names(&settings.database.tables),
         mode = ?settings.mode,
@@ -280,20 +287,19 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
         "start-up checks passed"
     );
     let settings = Arc::new(settings);
-    let topics = KnownTopics::default();
     let pipeline = async {
         match settings.mode {
             Mode::Poll => {
                 tracing::info!(mode = "poll", "polling the outbox table");
                 crate::http::READINESS.set_mode("poll");
-                poll::poll_all_tables(settings.clone(), ClaimScope::All, topics, shutdown).await
+                poll::poll_all_tables(settings.clone(), ClaimScope::All, sinks, shutdown).await
             }
             Mode::Cdc => {
-                cdc::CdcPipeline::new(settings.clone(), topics)
+                cdc::CdcPipeline::new(settings.clone(), sinks)
                     .run(shutdown)
                     .await
             }
-            Mode::Auto => run_auto(settings.clone(), topics, shutdown).await,
+            Mode::Auto => run_auto(settings.clone(), sinks, shutdown).await,
         }
     };
     match announcement {
@@ -305,6 +311,13 @@ pub async fn run(mut settings: RunSettings, shutdown: watch::Receiver<bool>) -> 
     }
 }
 
+/// Resolves once `shutdown` turns true (or its sender is gone). Unlike `watch::Receiver::wait_for` it
+/// returns no guard, which in a `select!` whose other arms await would make the pipeline a future that
+/// cannot move between threads.
+pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
 /// How often `auto` checks whether replication has become available while it polls.
 const REPLICATION_RECHECK: Duration = Duration::from_secs(10);
 
@@ -312,10 +325,10 @@ const REPLICATION_RECHECK: Duration = Duration::from_secs(10);
 /// switch once with its reason.
 async fn run_auto(
     settings: Arc<RunSettings>,
-    topics: KnownTopics,
+    sinks: impl Sinks,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
-    let mut cdc = cdc::CdcPipeline::new(settings.clone(), topics.clone());
+    let mut cdc = cdc::CdcPipeline::new(settings.clone(), sinks.clone());
     loop {
         let reason = match replication_availability(&settings, true).await {
             Ok(Availability::Available) => {
@@ -333,7 +346,7 @@ async fn run_auto(
                 tracing::warn!(%error, "cannot tell whether replication is available; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(REPLICATION_RECHECK) => continue,
-                    _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                    _ = crate::pipeline::stopped(&mut shutdown) => return Ok(()),
                 }
             }
             Err(error) => return Err(error),
@@ -345,7 +358,7 @@ async fn run_auto(
         let mut polling = tokio::spawn(poll::poll_all_tables(
             settings.clone(),
             ClaimScope::All,
-            topics.clone(),
+            sinks.clone(),
             poll_shutdown,
         ));
         let stop_for_good = loop {
@@ -353,7 +366,7 @@ async fn run_auto(
                 result = &mut polling => {
                     return result.map_err(|e| Error::bug(format!("polling task failed: {e}")))?;
                 }
-                _ = shutdown.wait_for(|stop| *stop) => break true,
+                _ = stopped(&mut shutdown) => break true,
                 _ = tokio::time::sleep(REPLICATION_RECHECK) => {
                     if matches!(replication_availability(&settings, true).await, Ok(Availability::Available)) {
                         break false;

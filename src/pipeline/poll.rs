@@ -17,11 +17,11 @@ use crate::backoff::{retry_delay, Backoff};
 use crate::config::{PollOrder, RunSettings};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
-use crate::kafka::{KnownTopics, PublishError, Publisher, Rejection};
 use crate::pg;
 use crate::pg::outbox::{self, ClaimScope, ClaimedRow, PollSql};
+use crate::sink::{Delivery, PublishError, Rejection, Sink, Sinks};
 
-type Deliveries = mpsc::UnboundedReceiver<crate::kafka::Delivery<Option<usize>>>;
+type Deliveries = mpsc::UnboundedReceiver<Delivery<Option<usize>>>;
 
 /// What happened to one claimed row.
 #[derive(Debug)]
@@ -108,7 +108,7 @@ async fn listen(
 pub async fn poll_all_tables(
     settings: Arc<RunSettings>,
     scope: ClaimScope,
-    known_topics: KnownTopics,
+    sinks: impl Sinks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
     let mut workers = tokio::task::JoinSet::new();
@@ -119,7 +119,7 @@ pub async fn poll_all_tables(
         .enumerate()
         .filter(|(_, t)| t.polling)
     {
-        let worker = PollWorker::new(settings.clone(), table, scope, known_topics.clone());
+        let worker = PollWorker::new(settings.clone(), table, scope, sinks.clone());
         let shutdown = shutdown.clone();
         workers.spawn(async move { worker.run(shutdown).await });
     }
@@ -152,28 +152,26 @@ async fn renew_leases(
     }
 }
 
-/// Polls one outbox table.
-pub struct PollWorker {
+/// Polls one outbox table, publishing into the sinks `K` makes.
+pub struct PollWorker<K> {
     settings: Arc<RunSettings>,
     /// Index into `settings.database.tables`.
     table: usize,
     scope: ClaimScope,
-    known_topics: KnownTopics,
+    sinks: K,
 }
 
-impl PollWorker {
+/// A worker's producer.
+type PollSink<K> = <K as Sinks>::Sink<Option<usize>>;
+
+impl<K: Sinks> PollWorker<K> {
     /// A worker for `settings.database.tables[table]`, claiming rows of `scope`.
-    pub fn new(
-        settings: Arc<RunSettings>,
-        table: usize,
-        scope: ClaimScope,
-        known_topics: KnownTopics,
-    ) -> Self {
+    pub fn new(settings: Arc<RunSettings>, table: usize, scope: ClaimScope, sinks: K) -> Self {
         PollWorker {
             settings,
             table,
             scope,
-            known_topics,
+            sinks,
         }
     }
 
@@ -204,7 +202,7 @@ impl PollWorker {
                     }
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
-                        _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                        _ = crate::pipeline::stopped(&mut shutdown) => return Ok(()),
                     }
                 }
                 Err(error) => return Err(error),
@@ -267,7 +265,7 @@ impl PollWorker {
                 if leader.defer(&client).await? {
                     tokio::select! {
                         _ = tokio::time::sleep(super::fleet::LEADER_CHECK) => continue,
-                        _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                        _ = crate::pipeline::stopped(shutdown) => return Ok(()),
                     }
                 }
             }
@@ -292,7 +290,7 @@ impl PollWorker {
                 tokio::select! {
                     _ = tokio::time::sleep(idle_delay) => {}
                     _ = notified => {}
-                    _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                    _ = crate::pipeline::stopped(shutdown) => return Ok(()),
                 }
                 idle_delay = (idle_delay * 2).min(poll.interval * 16);
                 continue;
@@ -316,7 +314,7 @@ impl PollWorker {
                 tracing::warn!(rows = report.retried, retry_in = ?delay, "the broker failed every send of the batch; retrying the rows once it answers");
                 tokio::select! {
                     _ = tokio::time::sleep(delay) => {}
-                    _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                    _ = crate::pipeline::stopped(shutdown) => return Ok(()),
                 }
             } else {
                 broker_down.reset();
@@ -324,9 +322,9 @@ impl PollWorker {
         }
     }
 
-    fn new_publisher(&self) -> Result<(Publisher<Option<usize>>, Deliveries)> {
+    fn new_publisher(&self) -> Result<(PollSink<K>, Deliveries)> {
         let (delivery_tx, deliveries) = mpsc::unbounded_channel();
-        let publisher = Publisher::new(&self.settings, self.known_topics.clone(), delivery_tx)?;
+        let publisher = self.sinks.sink(&self.settings, delivery_tx)?;
         Ok((publisher, deliveries))
     }
 
@@ -409,7 +407,7 @@ impl PollWorker {
         &self,
         client: &tokio_postgres::Client,
         sql: &PollSql,
-        publisher: &Publisher<Option<usize>>,
+        publisher: &PollSink<K>,
         deliveries: &mut Deliveries,
         token: Uuid,
         rows: Vec<ClaimedRow>,
@@ -436,7 +434,7 @@ impl PollWorker {
     /// events are held back). Returns each row's outcome so far and how many are in flight.
     async fn hand_over(
         &self,
-        publisher: &Publisher<Option<usize>>,
+        publisher: &PollSink<K>,
         rows: &[ClaimedRow],
     ) -> Result<(Vec<Outcome>, usize)> {
         let order = self.settings.poll.order;
@@ -484,7 +482,7 @@ impl PollWorker {
     /// the producer is purged: every event it still holds reports a failure at once.
     async fn await_reports(
         &self,
-        publisher: &Publisher<Option<usize>>,
+        publisher: &PollSink<K>,
         deliveries: &mut Deliveries,
         outcomes: &mut [Outcome],
         mut in_flight: usize,
@@ -555,7 +553,7 @@ impl PollWorker {
         &self,
         client: &tokio_postgres::Client,
         sql: &PollSql,
-        publisher: &Publisher<Option<usize>>,
+        publisher: &PollSink<K>,
         token: Uuid,
         rows: &[ClaimedRow],
         outcomes: &[Outcome],

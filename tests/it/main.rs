@@ -19,5 +19,6 @@ mod operate;
 mod poll;
 mod refusals;
 mod retention;
+mod sink;
 mod soak;
 mod tls;

@@ -17,6 +17,7 @@ use crate::pg::outbox::{self, OutboxSql};
 use crate::pg::replication::{ReplicationConnection, ReplicationStream, SystemIdentity};
 use crate::pg::{self, slot};
 use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory};
+use crate::sink::Sinks;
 
 /// What a session streams with.
 pub(super) struct Bootstrapped {
@@ -29,7 +30,7 @@ pub(super) struct Bootstrapped {
     pub gate: AggregateGate<Pending>,
 }
 
-impl CdcPipeline {
+impl<K: Sinks> CdcPipeline<K> {
     pub(super) async fn bootstrap(&mut self) -> Result<(ReplicationStream, Bootstrapped)> {
         let settings = self.settings.clone();
         let db = &settings.database;

@@ -19,7 +19,6 @@ use tokio::sync::{mpsc, watch};
 use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
-use crate::kafka::{KnownTopics, Publisher};
 use crate::lsn::Lsn;
 use crate::pg;
 use crate::pg::outbox::ClaimScope;
@@ -28,6 +27,7 @@ use crate::pipeline::history::ServerHistory;
 use crate::pipeline::leader;
 use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::Watermark;
+use crate::sink::Sinks;
 
 mod bootstrap;
 mod decoder;
@@ -42,11 +42,12 @@ const MAX_TRACKED_BLOCKED: usize = 50_000;
 /// Longest wait before asking again for a slot another walsender holds, while this instance leads.
 const SLOT_BUSY_RETRY: Duration = Duration::from_secs(1);
 
-/// The CDC path: replication sessions on the slot, one after another, reconnecting as needed.
-pub struct CdcPipeline {
+/// The CDC path: replication sessions on the slot, one after another, reconnecting as needed, publishing
+/// into the sinks `K` makes (one per session).
+pub struct CdcPipeline<K> {
     settings: Arc<RunSettings>,
     watermark: Watermark,
-    known_topics: KnownTopics,
+    sinks: K,
     /// Whether a session of this process ever reached streaming (a slot held since start-up is an error).
     ever_streamed: bool,
     /// Whether the latest session reached streaming (ends a database outage).
@@ -59,13 +60,13 @@ pub struct CdcPipeline {
     topic_holds: TopicHolds,
 }
 
-impl CdcPipeline {
-    /// A pipeline that has not streamed yet; `known_topics` is shared with the process's other publishers.
-    pub fn new(settings: Arc<RunSettings>, known_topics: KnownTopics) -> Self {
+impl<K: Sinks> CdcPipeline<K> {
+    /// A pipeline that has not streamed yet.
+    pub fn new(settings: Arc<RunSettings>, sinks: K) -> Self {
         CdcPipeline {
             settings,
             watermark: Watermark::new(Lsn::ZERO),
-            known_topics,
+            sinks,
             ever_streamed: false,
             reached_streaming: false,
             history: None,
@@ -86,7 +87,7 @@ impl CdcPipeline {
             let mut parent = shutdown.clone();
             let watcher = tokio::spawn(async move {
                 let lost = tokio::select! {
-                    _ = parent.wait_for(|stop| *stop) => None,
+                    _ = crate::pipeline::stopped(&mut parent) => None,
                     lost = leadership.lost() => Some(lost),
                 };
                 if let Some(Ok(why)) = &lost {
@@ -119,7 +120,7 @@ impl CdcPipeline {
 
     async fn run_as_leader(&mut self, shutdown: watch::Receiver<bool>) -> Result<()> {
         let (stop_sweeper, mut sweeper_shutdown) = watch::channel(false);
-        let (settings, topics) = (self.settings.clone(), self.known_topics.clone());
+        let (settings, sinks) = (self.settings.clone(), self.sinks.clone());
         // One sweeper per table with polling columns. It outlives its errors: it logs them and starts
         // again, so handed-off rows are never stranded.
         let sweeper = tokio::spawn(async move {
@@ -127,7 +128,7 @@ impl CdcPipeline {
                 let sweep = crate::pipeline::poll::poll_all_tables(
                     settings.clone(),
                     ClaimScope::HandedOff,
-                    topics.clone(),
+                    sinks.clone(),
                     sweeper_shutdown.clone(),
                 );
                 match sweep.await {
@@ -136,7 +137,7 @@ impl CdcPipeline {
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_secs(5)) => {}
-                    _ = sweeper_shutdown.wait_for(|stop| *stop) => return,
+                    _ = crate::pipeline::stopped(&mut sweeper_shutdown) => return,
                 }
             }
         });
@@ -203,7 +204,7 @@ impl CdcPipeline {
                     }
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
-                        _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+                        _ = crate::pipeline::stopped(&mut shutdown) => return Ok(()),
                     }
                 }
                 Err(error) => return Err(error),
@@ -235,7 +236,7 @@ impl CdcPipeline {
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
-        let publisher = Publisher::new(&settings, self.known_topics.clone(), delivery_tx.clone())?;
+        let publisher = self.sinks.sink(&settings, delivery_tx.clone())?;
         let backfill = tokio::spawn(backfill::run(
             settings.database.database_url.clone(),
             settings.database.tables.clone(),

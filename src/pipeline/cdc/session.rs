@@ -21,7 +21,6 @@ use super::MAX_TRACKED_BLOCKED;
 use crate::config::RunSettings;
 use crate::error::{replication_error, Error, Result};
 use crate::event::OutboxEvent;
-use crate::kafka::{Delivery, PublishError, Publisher, Rejection};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, OutboxSql};
 use crate::pg::pgoutput;
@@ -29,6 +28,7 @@ use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
 use crate::pipeline::backfill::{CdcTag, Finished};
 use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::{TxnId, Watermark};
+use crate::sink::{Delivery, PublishError, Rejection, Sink};
 use crate::table::OutboxTable;
 
 /// Rows of re-sent transactions are checked against `published_at` in batches of this size.
@@ -83,14 +83,14 @@ struct StatusUpdates {
     last_sent_at: Instant,
 }
 
-/// Per-session state of the stream loop.
-pub(super) struct Session<'a> {
+/// Per-session state of the stream loop, publishing into `S`.
+pub(super) struct Session<'a, S> {
     settings: &'a RunSettings,
     watermark: &'a mut Watermark,
     sql: tokio_postgres::Client,
     /// Statements per outbox table, in `settings.database.tables` order.
     outbox_sql: Vec<OutboxSql>,
-    publisher: Publisher<CdcTag>,
+    publisher: S,
     decoder: TransactionDecoder,
     /// Rows of the replay region and of re-sent transactions, waiting for their rows' states.
     replay_buffer: Vec<Pending>,
@@ -129,13 +129,13 @@ pub(super) struct Session<'a> {
     refused_without_polling: Option<String>,
 }
 
-impl<'a> Session<'a> {
+impl<'a, S: Sink<CdcTag>> Session<'a, S> {
     pub(super) fn new(
         settings: &'a RunSettings,
         watermark: &'a mut Watermark,
         topic_holds: &'a mut TopicHolds,
         boot: Bootstrapped,
-        publisher: Publisher<CdcTag>,
+        publisher: S,
         hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
     ) -> Self {
         let tables = &settings.database.tables;
@@ -194,7 +194,7 @@ impl<'a> Session<'a> {
     }
 }
 
-impl Session<'_> {
+impl<S: Sink<CdcTag>> Session<'_, S> {
     pub(super) async fn stream(
         &mut self,
         stream: &mut ReplicationStream,
@@ -216,7 +216,7 @@ impl Session<'_> {
             let mut reply_now = false;
             tokio::select! {
                 biased;
-                _ = shutdown.wait_for(|stop| *stop), if drain_deadline.is_none() => {
+                _ = crate::pipeline::stopped(shutdown), if drain_deadline.is_none() => {
                     tracing::info!(in_flight = self.window.events(), "shutting down: draining in-flight events");
                     self.drop_held_events();
                     drain_deadline = Some(tokio::time::Instant::now() + self.settings.shutdown_timeout);

@@ -1,0 +1,391 @@
+//! An in-memory broker for tests and fault injection: every sink it makes writes to one log, in an order a
+//! Kafka partition could keep (each sink's accepted events in send order, nothing after a failure of the
+//! same sink; what several sinks hold at once is written sink by sink, oldest sink first, as two producers'
+//! requests may arrive in any order), and its faults are set by the test: refuse an event at hand-over, accept it and fail its
+//! delivery, hold delivery reports (a slow or unreachable broker) and release them in any order.
+//!
+//! Not a Kafka emulation: no partitions, offsets or transactions; enough to drive the pipelines' rules
+//! without a broker. The integration tests against Apache Kafka stay for the real thing.
+
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use tokio::sync::mpsc::UnboundedSender;
+use uuid::Uuid;
+
+use super::{Delivery, PublishError, Rejection, Sink, Sinks};
+use crate::config::RunSettings;
+use crate::error::{Error, Result};
+use crate::event::OutboxEvent;
+
+/// A record the broker wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Its topic.
+    pub topic: String,
+    /// Its key: the event's aggregate id.
+    pub key: String,
+    /// The event's id.
+    pub event_id: Uuid,
+    /// The `error` header (dead letters).
+    pub error: Option<String>,
+    /// Its value (`None`: a tombstone).
+    pub payload: Option<Vec<u8>>,
+}
+
+/// What goes wrong for an event that a fault rule matches.
+#[derive(Debug, Clone)]
+pub enum Fault {
+    /// The producer refuses it at hand-over (as librdkafka refuses a record larger than message.max.bytes).
+    RefuseAtHandOver(Rejection),
+    /// The producer takes it and its delivery report is this failure; it is not written, and the sink is
+    /// spent: every later event it holds fails too (the gap-less guarantee).
+    FailAfterAcceptance(Rejection),
+}
+
+/// In what order held delivery reports are released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// As the events were sent.
+    InOrder,
+    /// Last sent first.
+    Reversed,
+    /// Interleaved: every second report first (0, 2, 4, …, then 1, 3, 5, …), per sink.
+    Interleaved,
+}
+
+type Matcher = Box<dyn Fn(&str, &OutboxEvent) -> bool + Send + Sync>;
+
+struct FaultRule {
+    matches: Matcher,
+    fault: Fault,
+    /// How many more events it applies to.
+    times: usize,
+}
+
+#[derive(Default)]
+struct BrokerState {
+    log: Vec<Record>,
+    faults: Vec<FaultRule>,
+    holding: bool,
+    down: bool,
+    sinks: Vec<Weak<dyn Flush>>,
+    sinks_made: usize,
+    refused_at_hand_over: usize,
+    failed_after_acceptance: usize,
+}
+
+/// The broker every sink it makes writes to; clones share it.
+#[derive(Clone, Default)]
+pub struct MemoryBroker {
+    state: Arc<Mutex<BrokerState>>,
+}
+
+impl MemoryBroker {
+    /// A broker that writes every event at once and reports it delivered.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BrokerState> {
+        // A test that panicked while holding the lock fails anyway; its state is still readable.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The next `times` events that `matches` (topic, event) meet `fault`.
+    pub fn add_fault(
+        &self,
+        fault: Fault,
+        times: usize,
+        matches: impl Fn(&str, &OutboxEvent) -> bool + Send + Sync + 'static,
+    ) {
+        self.lock().faults.push(FaultRule {
+            matches: Box::new(matches),
+            fault,
+            times,
+        });
+    }
+
+    /// While set, accepted events wait: nothing is written or reported until [`MemoryBroker::release`].
+    pub fn hold_reports(&self, hold: bool) {
+        let mut state = self.lock();
+        state.holding = hold;
+        if !hold && !state.down {
+            flush_all(&mut state, Release::InOrder, None);
+        }
+    }
+
+    /// Writes what every sink holds, in send order, and sends the reports in `order`.
+    pub fn release(&self, order: Release) {
+        flush_all(&mut self.lock(), order, None);
+    }
+
+    /// [`MemoryBroker::release`] for the events of one key only (another partition's reports may come
+    /// first); the others keep waiting.
+    pub fn release_key(&self, key: &str) {
+        flush_all(&mut self.lock(), Release::InOrder, Some(key));
+    }
+
+    /// Unreachable: accepted events wait (as with [`MemoryBroker::hold_reports`]) and `check_brokers`
+    /// fails; back up, what waits is written and reported in order.
+    pub fn set_down(&self, down: bool) {
+        let mut state = self.lock();
+        state.down = down;
+        if !down && !state.holding {
+            flush_all(&mut state, Release::InOrder, None);
+        }
+    }
+
+    /// Every record written so far, in write order.
+    pub fn records(&self) -> Vec<Record> {
+        self.lock().log.clone()
+    }
+
+    /// Events accepted and not yet written or failed.
+    pub fn held(&self) -> usize {
+        let state = self.lock();
+        state
+            .sinks
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|sink| sink.held())
+            .sum()
+    }
+
+    /// How many sinks (producers) were made.
+    pub fn sinks_made(&self) -> usize {
+        self.lock().sinks_made
+    }
+
+    /// How many faults struck: refusals at hand-over, failures after acceptance.
+    pub fn faults_struck(&self) -> (usize, usize) {
+        let state = self.lock();
+        (state.refused_at_hand_over, state.failed_after_acceptance)
+    }
+}
+
+fn flush_all(state: &mut BrokerState, order: Release, key: Option<&str>) {
+    state.sinks.retain(|sink| sink.strong_count() > 0);
+    let sinks: Vec<Arc<dyn Flush>> = state.sinks.iter().filter_map(Weak::upgrade).collect();
+    for sink in sinks {
+        sink.flush(&mut state.log, order, key);
+    }
+}
+
+/// What the broker needs of a sink whatever its tag type.
+trait Flush: Send + Sync {
+    /// Writes (or fails) what it holds of `key` (`None`: everything), in send order.
+    fn flush(&self, log: &mut Vec<Record>, order: Release, key: Option<&str>);
+    fn held(&self) -> usize;
+}
+
+struct Accepted<T> {
+    delivery: Delivery<T>,
+    record: Record,
+    fails: Option<Rejection>,
+}
+
+struct SinkState<T> {
+    deliveries: UnboundedSender<Delivery<T>>,
+    accepted: Vec<Accepted<T>>,
+    /// Why the sink is spent, once a delivery failed.
+    spent: Option<String>,
+}
+
+impl<T: Send> Flush for Mutex<SinkState<T>> {
+    fn flush(&self, log: &mut Vec<Record>, order: Release, key: Option<&str>) {
+        let mut state = self.lock().unwrap_or_else(|p| p.into_inner());
+        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut state.accepted)
+            .into_iter()
+            .partition(|a| key.is_none_or(|key| a.record.key == key));
+        state.accepted = waiting;
+        let mut reports = Vec::with_capacity(due.len());
+        for accepted in due {
+            let Accepted {
+                mut delivery,
+                record,
+                fails,
+            } = accepted;
+            delivery.result = match (&state.spent, fails) {
+                (Some(spent), _) => Err(Rejection::transient(format!(
+                    "the producer stopped after an earlier failure: {spent}"
+                ))),
+                (None, Some(rejection)) => {
+                    state.spent = Some(rejection.reason.clone());
+                    Err(rejection)
+                }
+                (None, None) => {
+                    log.push(record.clone());
+                    Ok(())
+                }
+            };
+            if let Err(rejection) = &mut delivery.result {
+                rejection.topic = Some(record.topic);
+            }
+            reports.push(delivery);
+        }
+        let reports = match order {
+            Release::InOrder => reports,
+            Release::Reversed => reports.into_iter().rev().collect(),
+            Release::Interleaved => {
+                let (even, odd): (Vec<_>, Vec<_>) = reports
+                    .into_iter()
+                    .enumerate()
+                    .partition(|(i, _)| i % 2 == 0);
+                even.into_iter().chain(odd).map(|(_, d)| d).collect()
+            }
+        };
+        for report in reports {
+            // The receiver is gone only when its session ended.
+            let _ = state.deliveries.send(report);
+        }
+    }
+
+    fn held(&self) -> usize {
+        self.lock().map(|s| s.accepted.len()).unwrap_or(0)
+    }
+}
+
+/// A producer of a [`MemoryBroker`].
+pub struct MemorySink<T> {
+    broker: MemoryBroker,
+    state: Arc<Mutex<SinkState<T>>>,
+}
+
+impl<T> MemorySink<T> {
+    fn state(&self) -> MutexGuard<'_, SinkState<T>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fails what it holds, reporting at once.
+    fn fail_held(&self, reason: &str) {
+        let mut state = self.state();
+        for accepted in std::mem::take(&mut state.accepted) {
+            let mut delivery = accepted.delivery;
+            delivery.result = Err(Rejection {
+                topic: Some(accepted.record.topic),
+                ..Rejection::transient(reason.to_string())
+            });
+            let _ = state.deliveries.send(delivery);
+        }
+        state.spent.get_or_insert_with(|| reason.to_string());
+    }
+}
+
+impl<T: Send + Sync + 'static> Sink<T> for MemorySink<T> {
+    async fn publish(
+        &self,
+        topic: &str,
+        event: &OutboxEvent,
+        event_id: Uuid,
+        tag: T,
+        error: Option<&str>,
+    ) -> Result<(), PublishError> {
+        let mut broker = self.broker.lock();
+        let mut fails = None;
+        if let Some(rule) = broker
+            .faults
+            .iter_mut()
+            .find(|rule| rule.times > 0 && (rule.matches)(topic, event))
+        {
+            rule.times -= 1;
+            match rule.fault.clone() {
+                Fault::RefuseAtHandOver(rejection) => {
+                    broker.refused_at_hand_over += 1;
+                    return Err(PublishError::Rejected(rejection));
+                }
+                Fault::FailAfterAcceptance(rejection) => {
+                    broker.failed_after_acceptance += 1;
+                    fails = Some(rejection);
+                }
+            }
+        }
+        {
+            let mut state = self.state();
+            if let Some(spent) = &state.spent {
+                return Err(PublishError::Rejected(Rejection::transient(format!(
+                    "the producer stopped: {spent}"
+                ))));
+            }
+            state.accepted.push(Accepted {
+                delivery: Delivery {
+                    tag,
+                    event_id,
+                    bytes: event.size_bytes(),
+                    result: Ok(()),
+                },
+                record: Record {
+                    topic: topic.to_string(),
+                    key: event.aggregate_id.to_string(),
+                    event_id,
+                    error: error.map(str::to_string),
+                    payload: event.payload.as_ref().map(|p| p.to_vec()),
+                },
+                fails,
+            });
+        }
+        if !broker.holding && !broker.down {
+            self.state.flush(&mut broker.log, Release::InOrder, None);
+        }
+        Ok(())
+    }
+
+    async fn check_brokers(&self, _timeout: Duration) -> Result<()> {
+        match self.broker.lock().down {
+            true => Err(broker_down()),
+            false => Ok(()),
+        }
+    }
+
+    fn fatal_error(&self) -> Option<String> {
+        self.state().spent.clone()
+    }
+
+    fn purge(&self) {
+        self.fail_held("purged");
+    }
+
+    fn abandon(self) {
+        self.fail_held("abandoned");
+    }
+}
+
+fn broker_down() -> Error {
+    Error::Kafka {
+        message: "the in-memory broker is down".into(),
+        transient: true,
+    }
+}
+
+impl Sinks for MemoryBroker {
+    type Sink<T: Send + Sync + 'static> = MemorySink<T>;
+
+    fn sink<T: Send + Sync + 'static>(
+        &self,
+        _settings: &RunSettings,
+        deliveries: UnboundedSender<Delivery<T>>,
+    ) -> Result<MemorySink<T>> {
+        let state = Arc::new(Mutex::new(SinkState {
+            deliveries,
+            accepted: Vec::new(),
+            spent: None,
+        }));
+        let mut broker = self.lock();
+        broker.sinks_made += 1;
+        let flush: Arc<dyn Flush> = state.clone();
+        broker.sinks.push(Arc::downgrade(&flush));
+        Ok(MemorySink {
+            broker: self.clone(),
+            state,
+        })
+    }
+
+    async fn check_ready(&self, _settings: &RunSettings) -> Result<()> {
+        match self.lock().down {
+            true => Err(broker_down()),
+            false => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! The pipelines' delivery rules against a real PostgreSQL and an in-memory broker
+//! (`outboxd::sink::memory`), in-process: the broker refuses events at hand-over, fails them after the
+//! producer accepted them, holds delivery reports past the delivery timeout and releases them out of
+//! order, exactly when the test says. What reached the broker is checked like a Kafka topic: nothing
+//! committed missing, nothing rolled back, every aggregate in commit order.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use clap::Parser;
+use outboxd::config::{Cli, Command, RunSettings};
+use outboxd::sink::memory::{Fault, MemoryBroker, Release};
+use outboxd::sink::Rejection;
+use tokio::sync::watch;
+
+use crate::support::*;
+
+/// outboxd's pipeline running in this process, publishing into a [`MemoryBroker`].
+struct InProcess {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<outboxd::Result<()>>,
+}
+
+impl InProcess {
+    fn start(pg: &Postgres, broker: &MemoryBroker, extra: &[&str]) -> Self {
+        let url = pg.url();
+        let mut argv = vec![
+            "outboxd",
+            "run",
+            "--database-url",
+            &url,
+            "--brokers",
+            "in-memory",
+            "--status-interval",
+            "200ms",
+            "--poll-interval",
+            "100ms",
+        ];
+        argv.extend_from_slice(extra);
+        let Command::Run(options) = Cli::try_parse_from(argv).expect("arguments").command else {
+            panic!("not a run command");
+        };
+        let settings: RunSettings = options.run().expect("valid settings");
+        let (stop, shutdown) = watch::channel(false);
+        let task = tokio::spawn(outboxd::pipeline::run_with(
+            settings,
+            broker.clone(),
+            shutdown,
+        ));
+        InProcess { stop, task }
+    }
+
+    /// Stops it (SIGTERM's way) and returns how it ended.
+    async fn stop(self) -> outboxd::Result<()> {
+        let _ = self.stop.send(true);
+        self.task.await.expect("the pipeline task panicked")
+    }
+}
+
+/// The broker's log as Kafka records of one partition, for [`check_delivery`].
+fn as_records(broker: &MemoryBroker, topic: &str) -> Vec<Record> {
+    broker
+        .records()
+        .into_iter()
+        .filter(|r| r.topic == topic)
+        .enumerate()
+        .map(|(offset, r)| Record {
+            topic: r.topic,
+            partition: 0,
+            offset: offset as i64,
+            key: Some(r.key),
+            value: r.payload,
+            headers: HashMap::from([("event_id".to_string(), r.event_id.to_string())]),
+            timestamp: None,
+        })
+        .collect()
+}
+
+/// Nothing committed missing, nothing rolled back present, no aggregate out of commit order; returns the
+/// duplicates.
+fn assert_delivered(
+    broker: &MemoryBroker,
+    committed: &[Inserted],
+    rolled_back: &[Inserted],
+) -> usize {
+    let report = check_delivery(&as_records(broker, TOPIC), committed, rolled_back);
+    assert_eq!(report.missing, 0, "missing: {:?}", report.missing_sample);
+    assert_eq!(
+        report.from_rolled_back, 0,
+        "events of rolled-back transactions"
+    );
+    assert_eq!(report.order_violations, 0, "aggregates out of commit order");
+    report.duplicates
+}
+
+async fn slot_confirmed(client: &tokio_postgres::Client) -> Option<outboxd::lsn::Lsn> {
+    let row = client
+        .query_opt(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap()?;
+    row.get::<_, Option<String>>(0)
+        .map(|lsn| lsn.parse().expect("an LSN"))
+}
+
+async fn current_lsn(client: &tokio_postgres::Client) -> outboxd::lsn::Lsn {
+    let lsn: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    lsn.parse().expect("an LSN")
+}
+
+/// The `seq` the test wrote into an event's payload (see [`insert_events`]): known before the event exists,
+/// so a fault can be set before the stream meets it.
+fn seq_of(event: &outboxd::event::OutboxEvent) -> Option<i64> {
+    let payload: serde_json::Value = serde_json::from_slice(event.payload.as_deref()?).ok()?;
+    payload.get("seq")?.as_i64()
+}
+
+fn too_large() -> Rejection {
+    Rejection {
+        permanent: true,
+        ..Rejection::transient("Broker: Message size too large".into())
+    }
+}
+
+/// Starts outboxd on a fresh, migrated PostgreSQL and waits until its slot streams (what is inserted from
+/// then on comes through the slot).
+async fn streaming(
+    broker: &MemoryBroker,
+    extra: &[&str],
+) -> (Postgres, tokio_postgres::Client, InProcess) {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    let outboxd = InProcess::start(&pg, broker, extra);
+    wait_slot_active(&client, "outboxd").await;
+    (pg, client, outboxd)
+}
+
+/// The failure after hand-over that once let a later event of its aggregate overtake it: the first event of
+/// an aggregate is accepted and then refused by the broker (too large) while the next ones of its aggregate
+/// are in flight behind it, and the reports come back last first. The refused event goes to the polling
+/// path, which is refused once more and retries it seconds later, while the next session re-sends the later
+/// events from the slot: they must wait for it, not overtake it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refusal_after_acceptance_keeps_its_aggregate_in_order() {
+    let broker = MemoryBroker::new();
+    let (_pg, mut client, outboxd) = streaming(&broker, &["--retry-base", "3s"]).await;
+    broker.hold_reports(true);
+    broker.add_fault(Fault::FailAfterAcceptance(too_large()), 2, |_, event| {
+        seq_of(event) == Some(0)
+    });
+    let (committed, rolled_back) = insert_events(&mut client, 0, 20, 3, 4, Some(7)).await;
+    wait_for("every event in flight", Duration::from_secs(60), || {
+        (broker.held() >= committed.len()).then_some(())
+    });
+    broker.release(Release::Reversed);
+    broker.hold_reports(false);
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    assert_eq!(broker.faults_struck(), (0, 2), "the refusals struck");
+    let attempts: i32 = client
+        .query_one(
+            "SELECT attempts FROM outbox_event WHERE event_id = $1",
+            &[&committed[0].event_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        attempts, 2,
+        "the polling path published it on its second claim"
+    );
+    let duplicates = assert_delivered(&broker, &committed, &rolled_back);
+    println!("{} events, {duplicates} duplicates", committed.len());
+    outboxd.stop().await.expect("clean stop");
+}
+
+/// An event refused at hand-over every time is dead-lettered after --max-attempts (with its copy in the
+/// dead-letter topic), and the later events of its aggregate are published after it, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_refused_every_time_is_dead_lettered_and_its_aggregate_goes_on() {
+    let broker = MemoryBroker::new();
+    let args = [
+        "--max-attempts",
+        "2",
+        "--retry-base",
+        "100ms",
+        "--retry-cap",
+        "200ms",
+        "--dead-letter-topic",
+        "outbox.dead",
+    ];
+    let (_pg, mut client, outboxd) = streaming(&broker, &args).await;
+    broker.add_fault(
+        Fault::RefuseAtHandOver(too_large()),
+        usize::MAX,
+        |topic, event| topic == TOPIC && seq_of(event) == Some(1),
+    );
+    let (committed, rolled_back) = insert_events(&mut client, 0, 10, 3, 2, None).await;
+    let poison = committed[1].clone();
+    wait_settled(&client, Duration::from_secs(120)).await;
+    let dead: Vec<uuid::Uuid> = client
+        .query(
+            "SELECT event_id FROM outbox_event WHERE dead_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(
+        dead,
+        vec![poison.event_id],
+        "only the refused event is dead"
+    );
+    let (refused, _) = broker.faults_struck();
+    assert!(refused >= 2, "refused at every attempt ({refused})");
+    let dead_letters: Vec<_> = broker
+        .records()
+        .into_iter()
+        .filter(|r| r.topic == "outbox.dead")
+        .collect();
+    assert_eq!(dead_letters.len(), 1, "{dead_letters:?}");
+    assert_eq!(dead_letters[0].event_id, poison.event_id);
+    assert!(dead_letters[0]
+        .error
+        .as_deref()
+        .is_some_and(|e| e.contains("too large")));
+    let delivered: Vec<Inserted> = committed
+        .iter()
+        .filter(|e| e.event_id != poison.event_id)
+        .cloned()
+        .collect();
+    assert_delivered(&broker, &delivered, &rolled_back);
+    outboxd.stop().await.expect("clean stop");
+}
+
+/// Reports held past the delivery timeout: the session gives its deliveries up (the producer is purged)
+/// and re-sends from the slot once reports flow again. Nothing is lost, nothing reordered.
+#[tokio::test(flavor = "multi_thread")]
+async fn reports_held_past_the_delivery_timeout_are_sent_again() {
+    let broker = MemoryBroker::new();
+    let args = ["--kafka-option", "message.timeout.ms=1000"];
+    let (_pg, mut client, outboxd) = streaming(&broker, &args).await;
+    broker.hold_reports(true);
+    let (committed, rolled_back) = insert_events(&mut client, 0, 10, 3, 3, None).await;
+    wait_for("every event in flight", Duration::from_secs(60), || {
+        (broker.held() >= committed.len()).then_some(())
+    });
+    let producers = broker.sinks_made();
+    // Past the timeout the session purges what it holds: the producer then holds nothing.
+    wait_for("the session to give up", Duration::from_secs(60), || {
+        (broker.held() < committed.len()).then_some(())
+    });
+    broker.hold_reports(false);
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    assert!(
+        broker.sinks_made() > producers,
+        "a new session, with a new producer"
+    );
+    assert_delivered(&broker, &committed, &rolled_back);
+    outboxd.stop().await.expect("clean stop");
+}
+
+/// Reports of a later transaction arriving before an earlier one's: the later one is marked published, but
+/// the slot is not confirmed past the earlier, unfinished transaction until its report is in.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_later_report_first_does_not_confirm_an_earlier_transaction() {
+    let broker = MemoryBroker::new();
+    let (_pg, client, outboxd) = streaming(&broker, &[]).await;
+    broker.hold_reports(true);
+    let before = current_lsn(&client).await;
+    let insert = |aggregate: &'static str| {
+        let client = &client;
+        async move {
+            let id = uuid::Uuid::new_v4();
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, 'Order', $2, 'E', '{}')",
+                    &[&id, &aggregate],
+                )
+                .await
+                .unwrap();
+            id
+        }
+    };
+    let earlier = insert("earlier").await;
+    let later = insert("later").await;
+    let after = current_lsn(&client).await;
+    wait_for("both in flight", Duration::from_secs(60), || {
+        (broker.held() == 2).then_some(())
+    });
+    broker.release_key("later");
+    let published = |id: uuid::Uuid| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    "SELECT published_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        }
+    };
+    wait_for_async(
+        "the later event marked",
+        Duration::from_secs(60),
+        || async { published(later).await.then_some(()) },
+    )
+    .await;
+    // Several status updates later (every 200 ms), the slot is still before the earlier transaction's end.
+    let replies = || async {
+        client
+            .query_one(
+                "SELECT reply_time::text FROM pg_stat_replication WHERE application_name <> 'walreceiver' LIMIT 1",
+                &[],
+            )
+            .await
+            .ok()
+            .and_then(|row| row.get::<_, Option<String>>(0))
+    };
+    let first_reply = replies().await;
+    for _ in 0..3 {
+        let seen = replies().await;
+        wait_for_async("another status update", Duration::from_secs(30), || async {
+            (replies().await != seen).then_some(())
+        })
+        .await;
+    }
+    assert!(first_reply.is_some());
+    let confirmed = slot_confirmed(&client).await.expect("the slot");
+    assert!(
+        confirmed < after,
+        "confirmed {confirmed} past both transactions (ended by {after}) with the earlier one unreported"
+    );
+    assert!(!published(earlier).await);
+    broker.release(Release::InOrder);
+    broker.hold_reports(false);
+    wait_for_async(
+        "the slot confirmed past both",
+        Duration::from_secs(60),
+        || async {
+            slot_confirmed(&client)
+                .await
+                .filter(|confirmed| *confirmed >= after)
+        },
+    )
+    .await;
+    assert!(published(earlier).await && before < after);
+    outboxd.stop().await.expect("clean stop");
+}
