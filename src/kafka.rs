@@ -207,7 +207,8 @@ pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(300);
 /// (see [`Publisher::new`]).
 pub fn delivery_timeout(settings: &RunSettings, default: Duration) -> Duration {
     settings
-        .kafka_options
+        .kafka
+        .options
         .iter()
         .rev()
         .find(|(key, _)| key == "message.timeout.ms" || key == "delivery.timeout.ms")
@@ -242,7 +243,7 @@ async fn ask_a_broker<C: ProducerContext + 'static>(
 pub fn client_config(settings: &RunSettings) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
-        .set("bootstrap.servers", &settings.brokers)
+        .set("bootstrap.servers", &settings.kafka.brokers)
         .set("client.id", "outboxd")
         .set("enable.idempotence", "true")
         .set("acks", "all")
@@ -251,7 +252,7 @@ pub fn client_config(settings: &RunSettings) -> ClientConfig {
         // Topics are created through the admin API (or checked, with --no-create-topics), never as a side
         // effect of a metadata request: the broker check asks for a topic that must not come to exist.
         .set("allow.auto.create.topics", "false");
-    for (key, value) in &settings.kafka_options {
+    for (key, value) in &settings.kafka.options {
         config.set(key, value);
     }
     config
@@ -348,9 +349,9 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             producer,
             admin,
             known_topics,
-            create_topics: settings.create_topics,
-            partitions: settings.topic_partitions,
-            replication_factor: settings.topic_replication_factor.unwrap_or(-1),
+            create_topics: settings.kafka.create_topics,
+            partitions: settings.kafka.topic_partitions,
+            replication_factor: settings.kafka.topic_replication_factor.unwrap_or(-1),
             event_id_header: settings.database.style.event_id_header(),
         })
     }

@@ -149,10 +149,10 @@ pub async fn check_brokers(settings: &RunSettings, timeout: Duration) -> Result<
         .ok()
         .and_then(|mut r| r.take());
     match (answered, refusal) {
-        (Err(_), Some(refusal)) => Err(refusal.into_error(&settings.kafka_options)),
+        (Err(_), Some(refusal)) => Err(refusal.into_error(&settings.kafka.options)),
         (Ok(()), Some(refusal)) => {
             // Another broker answered: the one that refused is named in the warning.
-            tracing::warn!(error = %refusal.into_error(&settings.kafka_options), "a Kafka broker refused outboxd");
+            tracing::warn!(error = %refusal.into_error(&settings.kafka.options), "a Kafka broker refused outboxd");
             Ok(())
         }
         (answered, None) => answered,

@@ -636,7 +636,11 @@ async fn create_topic(settings: &outboxd::config::RunSettings, topic: &str) -> B
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> =
         outboxd::kafka::client_config(settings).create()?;
-    let new = NewTopic::new(topic, settings.topic_partitions, TopicReplication::Fixed(1));
+    let new = NewTopic::new(
+        topic,
+        settings.kafka.topic_partitions,
+        TopicReplication::Fixed(1),
+    );
     let _ = admin.create_topics([&new], &AdminOptions::new()).await?;
     Ok(())
 }

@@ -233,7 +233,7 @@ async fn blocked_aggregates(
     sql: &Client,
 ) -> Result<AggregateGate<Pending>> {
     // A blocked aggregate parks up to its share of the in-flight window, then hands off.
-    let mut gate = AggregateGate::new(settings.max_in_flight_events / 8);
+    let mut gate = AggregateGate::new(settings.cdc.max_in_flight_events / 8);
     let tables = settings.database.tables.iter().enumerate();
     for (index, table) in tables.filter(|(_, t)| t.polling) {
         let pending = outbox::aggregates_pending_hand_off(sql, table, MAX_TRACKED_BLOCKED).await?;

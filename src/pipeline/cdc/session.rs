@@ -156,8 +156,8 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             decoder,
             replay_buffer: Vec::new(),
             window: InFlightWindow::new(
-                settings.max_in_flight_events,
-                settings.max_in_flight_bytes,
+                settings.cdc.max_in_flight_events,
+                settings.cdc.max_in_flight_bytes,
             ),
             published: 0,
             skipped_already_published: 0,
@@ -201,7 +201,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         finished_rx: &mut mpsc::UnboundedReceiver<Finished>,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<()> {
-        let mut status_timer = tokio::time::interval(self.settings.status_interval);
+        let mut status_timer = tokio::time::interval(self.settings.cdc.status_interval);
         status_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut status = StatusUpdates {
             last_sent: self.watermark.confirmed(),

@@ -1,0 +1,240 @@
+//! The command line: subcommands and every option as given by flag or environment (`OUTBOXD_*`); the same
+//! names are the `--config` file's keys. Parsing only: the merge with the file is `merge`'s, validation
+//! `settings`'.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+use super::settings::{ExistingRows, Mode, PollOrder};
+use crate::table::TableStyle;
+
+/// Command line of the `outboxd` binary.
+#[derive(Debug, Parser)]
+#[command(
+    name = "outboxd",
+    version,
+    about = "Transactional Outbox connector: PostgreSQL logical replication to Kafka"
+)]
+pub struct Cli {
+    /// The subcommand to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// What `outboxd` is asked to do: migrate, run, replay or status.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create or upgrade the outbox table, the inbox table and the publication (idempotent; needs no broker).
+    Migrate(Options),
+    /// Stream committed outbox events to Kafka until stopped (SIGINT/SIGTERM).
+    Run(Options),
+    /// Re-queue dead-lettered events (they are retried from scratch by the polling path).
+    Replay {
+        /// Every option; replay needs only the database ones.
+        #[command(flatten)]
+        options: Options,
+        /// Re-queue this dead event.
+        #[arg(long, group = "which")]
+        event_id: Option<uuid::Uuid>,
+        /// Re-queue every dead event of this aggregate.
+        #[arg(long, group = "which")]
+        aggregate_id: Option<String>,
+        /// Re-queue every dead event.
+        #[arg(long, group = "which")]
+        all_dead: bool,
+    },
+    /// Show the slot and the backlog (needs no broker).
+    Status {
+        /// Every option; status needs only the database ones (and `--mode`).
+        #[command(flatten)]
+        options: Options,
+        /// Print only JSON on stdout.
+        #[arg(long)]
+        json: bool,
+        /// When the verdict is WARNING or CRITICAL.
+        #[command(flatten)]
+        thresholds: Thresholds,
+    },
+}
+
+/// When `outboxd status` says WARNING or CRITICAL (exit codes 1 and 2, as monitoring plugins expect).
+#[derive(Debug, Clone, Copy, Args)]
+pub struct Thresholds {
+    /// Slot lag (bytes) above which the verdict is WARNING.
+    #[arg(long, default_value_t = 256 * 1024 * 1024)]
+    pub warn_lag: i64,
+    /// Slot lag (bytes) above which the verdict is CRITICAL.
+    #[arg(long, default_value_t = 4 * 1024 * 1024 * 1024)]
+    pub crit_lag: i64,
+    /// Age (seconds) of the oldest unpublished event above which the verdict is WARNING.
+    #[arg(long, default_value_t = 300.0)]
+    pub warn_age: f64,
+}
+
+/// Format of the log lines written to stderr (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Every option, as given by flag, environment or file. The same names are the TOML keys (kebab-case). A new
+/// option is a field here (and its validation in [`Options::run`] or [`Options::database`]): the merge of
+/// flags and environment over the file goes by these names, field by field (see `Options::or`).
+#[derive(Debug, Clone, Default, Args, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Options {
+    /// TOML file with any of these options as keys (flags and environment win over it).
+    #[arg(long, env = "OUTBOXD_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// PostgreSQL URL for ordinary SQL, e.g. postgres://user:pass@host:5432/db.
+    #[arg(long, env = "OUTBOXD_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// PostgreSQL URL for the replication connection (default: --database-url); lets it bypass a pooler.
+    #[arg(long, env = "OUTBOXD_REPLICATION_URL")]
+    pub replication_url: Option<String>,
+    /// Kafka bootstrap servers, comma-separated host:port list.
+    #[arg(long, env = "OUTBOXD_BROKERS")]
+    pub brokers: Option<String>,
+    /// Topic template; placeholders {aggregate_type}, {event_type}, {schema} and {table} (of the outbox
+    /// table) [default: outbox.{aggregate_type}; debezium style: outbox.event.{aggregate_type}].
+    #[arg(long, env = "OUTBOXD_TOPIC")]
+    pub topic: Option<String>,
+    /// Outbox table, optionally schema-qualified; repeatable (or comma-separated) for several tables
+    /// streamed through one slot and publication [default: public.outbox_event].
+    #[arg(long, env = "OUTBOXD_TABLE", value_delimiter = ',')]
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub table: Option<Vec<String>>,
+    /// Preset column names: standard (outboxd's table) or debezium (id, aggregatetype, aggregateid, type,
+    /// payload; `id` header; topic outbox.event.{aggregate_type}) [default: standard].
+    #[arg(long, env = "OUTBOXD_TABLE_STYLE", value_enum)]
+    pub table_style: Option<TableStyle>,
+    /// Column playing a role, [TABLE:]ROLE=COLUMN (repeatable); roles: event_id, aggregate_type,
+    /// aggregate_id, event_type, payload, created_at. Every --table, or only TABLE when prefixed.
+    #[arg(long, env = "OUTBOXD_COLUMN", value_delimiter = ',')]
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub column: Option<Vec<String>>,
+    /// Column copied to a Kafka header of the same name, [TABLE:]COLUMN (repeatable), e.g. traceparent;
+    /// NULL: no header.
+    #[arg(long, env = "OUTBOXD_HEADER_COLUMN", value_delimiter = ',')]
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub header_column: Option<Vec<String>>,
+    /// migrate: add the polling columns (published_at, leases, position, dead letters) to an existing
+    /// table; without them outboxd runs CDC only.
+    #[arg(long, env = "OUTBOXD_ADD_POLLING_COLUMNS")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub add_polling_columns: bool,
+    /// migrate --add-polling-columns: whether the rows the table already holds were sent before
+    /// (`published`, the default) or must be published now (`unpublished`).
+    #[arg(long, env = "OUTBOXD_EXISTING_ROWS", value_enum)]
+    pub existing_rows: Option<ExistingRows>,
+    /// Logical replication slot name [default: outboxd].
+    #[arg(long, env = "OUTBOXD_SLOT")]
+    pub slot: Option<String>,
+    /// Publication name [default: outboxd].
+    #[arg(long, env = "OUTBOXD_PUBLICATION")]
+    pub publication: Option<String>,
+    /// librdkafka property passed through, key=value (repeatable), e.g. security.protocol=SASL_SSL.
+    /// Several in one value are separated by commas; a comma inside a value stays (see `split_kafka_options`).
+    #[arg(long, env = "OUTBOXD_KAFKA_OPTION")]
+    pub kafka_option: Option<Vec<String>>,
+    /// Partitions of topics outboxd creates [default: 6].
+    #[arg(long, env = "OUTBOXD_TOPIC_PARTITIONS")]
+    pub topic_partitions: Option<i32>,
+    /// Replication factor of topics outboxd creates [default: the broker's default].
+    #[arg(long, env = "OUTBOXD_TOPIC_REPLICATION_FACTOR")]
+    pub topic_replication_factor: Option<i32>,
+    /// Never create topics; a missing topic is an error.
+    #[arg(long, env = "OUTBOXD_NO_CREATE_TOPICS")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_create_topics: bool,
+    /// How long to retry unreachable PostgreSQL or brokers at first start [default: 60s].
+    #[arg(long, env = "OUTBOXD_STARTUP_TIMEOUT")]
+    pub startup_timeout: Option<String>,
+    /// How long a running outboxd waits for its database to come back after a failover, restore or
+    /// switchover (unreachable, database missing, server still in recovery) before it gives up [default: 10m].
+    #[arg(long, env = "OUTBOXD_RECONNECT_TIMEOUT")]
+    pub reconnect_timeout: Option<String>,
+    /// How long to drain in-flight events on SIGINT/SIGTERM [default: 30s].
+    #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT")]
+    pub shutdown_timeout: Option<String>,
+    /// Most events handed to the broker but not yet finished [default: 10000].
+    #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT_EVENTS")]
+    pub max_in_flight_events: Option<usize>,
+    /// Most payload bytes in flight [default: 16MiB, written in bytes].
+    #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT_BYTES")]
+    pub max_in_flight_bytes: Option<usize>,
+    /// Interval of standby status updates; keep it well under wal_sender_timeout/2 [default: 1s].
+    #[arg(long, env = "OUTBOXD_STATUS_INTERVAL")]
+    pub status_interval: Option<String>,
+    /// auto (slot when the server allows it, else polling), cdc (slot only) or poll (table only) [default: auto].
+    #[arg(long, env = "OUTBOXD_MODE", value_enum)]
+    pub mode: Option<Mode>,
+    /// Polling interval; doubles while idle up to 16x [default: 200ms].
+    #[arg(long, env = "OUTBOXD_POLL_INTERVAL")]
+    pub poll_interval: Option<String>,
+    /// Rows claimed per polling round [default: 500].
+    #[arg(long, env = "OUTBOXD_POLL_BATCH_SIZE")]
+    pub poll_batch_size: Option<i64>,
+    /// How long a claimed row is leased to one worker; renewed while a slow send is in flight [default: 30s].
+    #[arg(long, env = "OUTBOXD_LEASE")]
+    pub lease: Option<String>,
+    /// Polling order: per-aggregate or none [default: per-aggregate].
+    #[arg(long, env = "OUTBOXD_POLL_ORDER", value_enum)]
+    pub poll_order: Option<PollOrder>,
+    /// First retry delay after a failed publish; doubles per attempt, with jitter [default: 1s].
+    #[arg(long, env = "OUTBOXD_RETRY_BASE")]
+    pub retry_base: Option<String>,
+    /// Longest retry delay [default: 5m].
+    #[arg(long, env = "OUTBOXD_RETRY_CAP")]
+    pub retry_cap: Option<String>,
+    /// Attempts before an event is dead-lettered [default: 10].
+    #[arg(long, env = "OUTBOXD_MAX_ATTEMPTS")]
+    pub max_attempts: Option<i32>,
+    /// Wake the polling path with LISTEN/NOTIFY (migrate: install the statement-level trigger). NOTIFY
+    /// serialises committing transactions: use it only with --mode poll and a modest insert rate.
+    #[arg(long, env = "OUTBOXD_POLL_NOTIFY")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub poll_notify: bool,
+    /// Also produce dead-lettered events to this topic (with an `error` header).
+    #[arg(long, env = "OUTBOXD_DEAD_LETTER_TOPIC")]
+    pub dead_letter_topic: Option<String>,
+    /// Delete published rows older than this (e.g. 7d), in small batches; off by default.
+    #[arg(long, env = "OUTBOXD_RETENTION")]
+    pub retention: Option<String>,
+    /// With --retention: move old published rows to this table instead of deleting them.
+    #[arg(long, env = "OUTBOXD_ARCHIVE_TABLE")]
+    pub archive_table: Option<String>,
+    /// How often retention runs [default: 1m].
+    #[arg(long, env = "OUTBOXD_RETENTION_INTERVAL")]
+    pub retention_interval: Option<String>,
+    /// Address of /metrics, /healthz and /readyz, or `off` [default: 127.0.0.1:9187].
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
+    /// Log format: text or json [default: text]. Filter with RUST_LOG (e.g. RUST_LOG=outboxd=debug).
+    #[arg(long, env = "OUTBOXD_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+/// A TOML value that may be one string or a list of strings (`table = "a"` or `table = ["a", "b"]`).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Vec<String>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(Some(match OneOrMany::deserialize(deserializer)? {
+        OneOrMany::One(one) => vec![one],
+        OneOrMany::Many(many) => many,
+    }))
+}

@@ -1,0 +1,158 @@
+//! Validated settings: what `run` and the other commands use, every default filled in and every value
+//! checked (by `validate`). The choices a setting can take (`Mode`, `PollOrder`, `ExistingRows`) live here
+//! with the settings that hold them.
+
+use std::time::Duration;
+
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+use crate::table::{OutboxTable, TableName, TableStyle};
+use crate::topic::TopicTemplate;
+
+/// Which path moves events: the slot (cdc), the table (poll), or the slot when the server allows it (auto).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// The slot when the server allows logical replication, else polling.
+    #[default]
+    Auto,
+    /// The replication slot only.
+    Cdc,
+    /// The outbox table only (polling).
+    Poll,
+}
+
+/// What `migrate --add-polling-columns` makes of the rows a table already holds when it gains `published_at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExistingRows {
+    /// Already sent (by another relay, or by outboxd's CDC path): marked published before outboxd
+    /// (`published_at = '-infinity'`), never claimed, not backlog, removed by retention.
+    #[default]
+    Published,
+    /// Never sent: the polling path publishes them all, oldest first.
+    Unpublished,
+}
+
+/// Ordering rule of the polling path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum PollOrder {
+    /// Never publish an event while an earlier event of its aggregate is unpublished (and not dead).
+    #[default]
+    PerAggregate,
+    /// The pattern's plain claim query: fastest, no ordering guarantee.
+    None,
+}
+
+/// `--max-in-flight-events` unless set.
+pub const DEFAULT_MAX_IN_FLIGHT_EVENTS: usize = 10_000;
+
+/// Settings every command needs.
+#[derive(Debug, Clone)]
+pub struct DatabaseSettings {
+    /// `--database-url`: connection for ordinary SQL (migrations, polling, status, the leadership lock).
+    pub database_url: crate::pg::url::PgUrl,
+    /// `--replication-url`: connection for the replication stream (`--database-url` unless given).
+    pub replication_url: crate::pg::url::PgUrl,
+    /// Every outbox table, in --table order; all share the slot and the publication.
+    pub tables: Vec<OutboxTable>,
+    /// `--table-style`: the preset column names and topic template.
+    pub style: TableStyle,
+    /// `--add-polling-columns`: migrate adds the polling columns to an existing table.
+    pub add_polling_columns: bool,
+    /// `--existing-rows`: what migrate makes of the rows a table already holds when it gains `published_at`.
+    pub existing_rows: ExistingRows,
+    /// `--slot`: the logical replication slot's name (a valid slot name).
+    pub slot: String,
+    /// `--publication`: the publication's name (a valid identifier).
+    pub publication: String,
+}
+
+/// Settings of `outboxd run`.
+#[derive(Debug, Clone)]
+pub struct RunSettings {
+    /// Connections, outbox tables, slot and publication.
+    pub database: DatabaseSettings,
+    /// `--topic`, parsed (the table style's default topic unless given).
+    pub topic: TopicTemplate,
+    /// The brokers and the producer.
+    pub kafka: KafkaSettings,
+    /// `--startup-timeout`: how long to retry unreachable PostgreSQL or brokers at first start.
+    pub startup_timeout: Duration,
+    /// `--reconnect-timeout`: how long a running outboxd waits for its database to come back.
+    pub reconnect_timeout: Duration,
+    /// `--shutdown-timeout`: how long to drain in-flight events on SIGINT/SIGTERM.
+    pub shutdown_timeout: Duration,
+    /// Settings of the CDC path.
+    pub cdc: CdcSettings,
+    /// `--mode`: which path moves events.
+    pub mode: Mode,
+    /// Settings of the polling path.
+    pub poll: PollSettings,
+    /// `None`: `--metrics-addr off`.
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// `None`: no `--retention`, published rows are kept.
+    pub retention: Option<Retention>,
+}
+
+/// Deleting (or archiving) published rows by age.
+#[derive(Debug, Clone)]
+pub struct Retention {
+    /// `--retention`: published rows older than this are deleted (or archived).
+    pub keep: Duration,
+    /// `--archive-table`: where old published rows are moved; `None`: they are deleted.
+    pub archive_table: Option<TableName>,
+    /// `--retention-interval`: how often retention runs.
+    pub interval: Duration,
+}
+
+/// The brokers and the producer.
+#[derive(Debug, Clone)]
+pub struct KafkaSettings {
+    /// `--brokers`: Kafka bootstrap servers, a comma-separated host:port list (never empty).
+    pub brokers: String,
+    /// `--kafka-option` pairs (property, value), passed to librdkafka in the order given.
+    pub options: Vec<(String, String)>,
+    /// `--topic-partitions`: partitions of the topics outboxd creates (at least 1).
+    pub topic_partitions: i32,
+    /// `--topic-replication-factor`; `None`: the broker's default.
+    pub topic_replication_factor: Option<i32>,
+    /// False with `--no-create-topics`: a missing topic is then an error.
+    pub create_topics: bool,
+}
+
+/// Settings of the CDC path.
+#[derive(Debug, Clone)]
+pub struct CdcSettings {
+    /// `--max-in-flight-events`: most events handed to the broker but not yet finished (at least 1).
+    pub max_in_flight_events: usize,
+    /// `--max-in-flight-bytes`: most payload bytes in flight (at least 1024).
+    pub max_in_flight_bytes: usize,
+    /// `--status-interval`: how often standby status updates go out (1ms to 20s).
+    pub status_interval: Duration,
+}
+
+/// Settings of the polling path.
+#[derive(Debug, Clone)]
+pub struct PollSettings {
+    /// `--poll-interval`: pause between polling rounds; doubles while idle, up to 16x.
+    pub interval: Duration,
+    /// `--poll-batch-size`: rows claimed per polling round (1 to 100000).
+    pub batch_size: i64,
+    /// `--lease`: how long a claimed row is leased to one worker (at least 2s).
+    pub lease: Duration,
+    /// `--poll-order`: the ordering rule of the claim query.
+    pub order: PollOrder,
+    /// `--retry-base`: first retry delay after a failed publish; doubles per attempt, with jitter.
+    pub retry_base: Duration,
+    /// `--retry-cap`: longest retry delay (not shorter than `retry_base`).
+    pub retry_cap: Duration,
+    /// `--max-attempts`: attempts before an event is dead-lettered (at least 1).
+    pub max_attempts: i32,
+    /// `--dead-letter-topic`: where dead-lettered events are also produced; `None`: nowhere.
+    pub dead_letter_topic: Option<String>,
+    /// `--poll-notify`: wake the polling path with LISTEN/NOTIFY.
+    pub notify: bool,
+}

@@ -1,0 +1,360 @@
+//! Parsing, merging and validation of the options, without I/O beyond temporary `--config` files.
+
+use std::time::Duration;
+
+use clap::Parser;
+
+use super::parse::split_kafka_options;
+use super::*;
+use crate::table::TableName;
+
+fn options(args: &[&str]) -> Options {
+    let mut argv = vec!["outboxd", "run"];
+    argv.extend_from_slice(args);
+    match Cli::try_parse_from(argv).unwrap().command {
+        Command::Run(options) => options,
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn defaults_fill_everything_but_urls() {
+    let run = options(&[
+        "--database-url",
+        "postgres://u:p@localhost/db",
+        "--brokers",
+        "b:9092",
+    ])
+    .run()
+    .unwrap();
+    assert_eq!(
+        run.database.tables[0].name,
+        TableName {
+            schema: "public".into(),
+            name: "outbox_event".into()
+        }
+    );
+    assert_eq!(run.database.slot, "outboxd");
+    assert_eq!(run.database.publication, "outboxd");
+    assert_eq!(run.kafka.topic_partitions, 6);
+    assert_eq!(run.kafka.topic_replication_factor, None);
+    assert!(run.kafka.create_topics);
+    assert_eq!(run.startup_timeout, Duration::from_secs(60));
+    assert_eq!(run.reconnect_timeout, Duration::from_secs(600));
+    assert_eq!(run.shutdown_timeout, Duration::from_secs(30));
+    assert_eq!(
+        run.topic.render(&run.database.tables[0].name, "Order", "x"),
+        "outbox.Order"
+    );
+}
+
+#[test]
+fn missing_required_options_are_named() {
+    let err = options(&["--brokers", "b:9092"])
+        .run()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--database-url"), "{err}");
+    let err = options(&["--database-url", "postgres://localhost/db"])
+        .run()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--brokers"), "{err}");
+}
+
+#[test]
+fn rejects_invalid_names_and_injection() {
+    for (flag, value) in [
+        ("--slot", "Bad-Slot"),
+        ("--slot", "x\"; DROP TABLE t; --"),
+        ("--publication", "pub'; drop"),
+        ("--table", "public.outbox event"),
+        ("--table", "a.b.c"),
+    ] {
+        let err = options(&[
+            "--database-url",
+            "postgres://localhost/db",
+            "--brokers",
+            "b",
+            flag,
+            value,
+        ])
+        .run()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+    }
+}
+
+#[test]
+fn parses_durations_and_names_the_setting() {
+    assert_eq!(
+        parse_duration("--x", "500ms").unwrap(),
+        Duration::from_millis(500)
+    );
+    assert_eq!(
+        parse_duration("--x", "7d").unwrap(),
+        Duration::from_secs(7 * 86400)
+    );
+    let err = parse_duration("--startup-timeout", "soon")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--startup-timeout"), "{err}");
+}
+
+#[test]
+fn bad_url_error_hides_the_password() {
+    let err = parse_postgres_url("--database-url", "postgres://u:secret@host:notaport/db")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--database-url"), "{err}");
+    assert!(!err.contains("secret"), "{err}");
+    assert_eq!(
+        redact_url("postgres://u:secret@h:5432/db"),
+        "postgres://u:***@h:5432/db"
+    );
+}
+
+#[test]
+fn kafka_options_must_be_key_value() {
+    let run = options(&[
+        "--database-url",
+        "postgres://h/db",
+        "--brokers",
+        "b",
+        "--kafka-option",
+        "linger.ms=5",
+    ])
+    .run()
+    .unwrap();
+    assert_eq!(
+        run.kafka.options,
+        vec![("linger.ms".to_string(), "5".to_string())]
+    );
+    let err = options(&[
+        "--database-url",
+        "postgres://h/db",
+        "--brokers",
+        "b",
+        "--kafka-option",
+        "nonsense",
+    ])
+    .run()
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("--kafka-option"), "{err}");
+    assert!(!err.contains("nonsense"), "the text is never echoed: {err}");
+}
+
+#[test]
+fn kafka_option_values_keep_their_commas() {
+    let given = [
+        "sasl.password=p,ss w=rd,,x".to_string(),
+        "acks=all,linger.ms=5".to_string(),
+        "sasl.jaas.config=x required user=\"u\",pw".to_string(),
+    ];
+    assert_eq!(
+        split_kafka_options(given.iter()).unwrap(),
+        [
+            ("sasl.password", "p,ss w=rd,,x"),
+            ("acks", "all"),
+            ("linger.ms", "5"),
+            ("sasl.jaas.config", "x required user=\"u\",pw"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+    );
+    let secret = ["hunter2,sasl.username=me".to_string()];
+    let err = split_kafka_options(secret.iter()).unwrap_err().to_string();
+    assert!(!err.contains("hunter2"), "{err}");
+}
+
+/// Every option a file can set, each with a value no default has.
+const EVERY_OPTION: &str = r#"
+database-url = "postgres://file/db"
+replication-url = "postgres://file-replication/db"
+brokers = "file:9092"
+topic = "file.{aggregate_type}"
+table = ["file.outbox"]
+table-style = "debezium"
+column = ["event_id=eid"]
+header-column = ["trace"]
+add-polling-columns = true
+existing-rows = "unpublished"
+slot = "file_slot"
+publication = "file_publication"
+kafka-option = ["acks=all"]
+topic-partitions = 9
+topic-replication-factor = 3
+no-create-topics = true
+startup-timeout = "61s"
+reconnect-timeout = "11m"
+shutdown-timeout = "31s"
+max-in-flight-events = 1234
+max-in-flight-bytes = 4096
+status-interval = "2s"
+mode = "poll"
+poll-interval = "300ms"
+poll-batch-size = 77
+lease = "31s"
+poll-order = "none"
+retry-base = "2s"
+retry-cap = "6m"
+max-attempts = 11
+poll-notify = true
+dead-letter-topic = "file.dead"
+retention = "8d"
+archive-table = "file.archive"
+retention-interval = "2m"
+metrics-addr = "127.0.0.1:9999"
+log-format = "json"
+"#;
+
+/// Every option, as a TOML table (how the merge sees it).
+fn as_table(options: &Options) -> toml::Table {
+    toml::Table::try_from(options).unwrap()
+}
+
+#[test]
+fn the_file_fills_every_option_and_flags_win_over_every_one() {
+    let file: Options = toml::from_str(EVERY_OPTION).unwrap();
+    let from_file = as_table(&file);
+    assert_eq!(
+        from_file.len(),
+        EVERY_OPTION.lines().filter(|l| l.contains('=')).count(),
+        "every option of the file is read: {from_file:?}"
+    );
+    // Nothing given by flag or environment: the file's value, for every option.
+    let merged = Options::default().or(file.clone()).unwrap();
+    assert_eq!(as_table(&merged), from_file);
+    // Everything given: the flag's value, for every option.
+    let flags: Options = toml::from_str(
+        &EVERY_OPTION
+            .replace("file", "flag")
+            .replace("= 9\n", "= 8\n")
+            .replace("= 3\n", "= 2\n"),
+    )
+    .unwrap();
+    let merged = flags.clone().or(file).unwrap();
+    assert_eq!(as_table(&merged), as_table(&flags));
+}
+
+#[test]
+fn file_fills_gaps_and_flags_win() {
+    let dir = std::env::temp_dir().join(format!("outboxd-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("outboxd.toml");
+    std::fs::write(
+        &path,
+        "brokers = \"file:9092\"\nslot = \"from_file\"\nkafka-option = [\"acks=all\"]\n",
+    )
+    .unwrap();
+    let merged = options(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--slot",
+        "from_flag",
+        "--database-url",
+        "postgres://h/db",
+    ])
+    .with_file()
+    .unwrap();
+    assert_eq!(merged.brokers.as_deref(), Some("file:9092"));
+    assert_eq!(merged.slot.as_deref(), Some("from_flag"));
+    assert_eq!(merged.kafka_option, Some(vec!["acks=all".to_string()]));
+
+    std::fs::write(&path, "brokers = \"b\"\nbogus-key = 1\n").unwrap();
+    let err = options(&["--config", path.to_str().unwrap()])
+        .with_file()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("bogus-key"), "{err}");
+    std::fs::write(&path, "topic-partitions = \"six\"\n").unwrap();
+    let err = options(&["--config", path.to_str().unwrap()])
+        .with_file()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("topic-partitions"), "{err}");
+    // One table or a list of tables.
+    for (text, expected) in [
+        ("table = \"app.outbox\"\n", 1),
+        ("table = [\"a.outbox\", \"b.outbox\"]\n", 2),
+    ] {
+        std::fs::write(&path, text).unwrap();
+        let merged = options(&["--config", path.to_str().unwrap()])
+            .with_file()
+            .unwrap();
+        assert_eq!(merged.table.map(|t| t.len()), Some(expected), "{text}");
+    }
+    std::fs::write(
+        &path,
+        "column = \"event_id=id\"\nheader-column = [\"a\", \"b\"]\n",
+    )
+    .unwrap();
+    let merged = options(&["--config", path.to_str().unwrap()])
+        .with_file()
+        .unwrap();
+    assert_eq!(merged.column, Some(vec!["event_id=id".to_string()]));
+    assert_eq!(merged.header_column.map(|h| h.len()), Some(2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn table_mapping_options() {
+    let base = ["--database-url", "postgres://h/db", "--brokers", "b:9092"];
+    let run = options(
+        &[
+            &base[..],
+            &[
+                "--table",
+                "orders.outboxevent",
+                "--table",
+                "billing.outboxevent",
+                "--table-style",
+                "debezium",
+                "--column",
+                "billing.outboxevent:created_at=occurred_at",
+                "--header-column",
+                "traceparent",
+            ],
+        ]
+        .concat(),
+    )
+    .run()
+    .unwrap();
+    let tables = &run.database.tables;
+    assert_eq!(tables.len(), 2);
+    assert_eq!(tables[1].name.schema, "billing");
+    assert_eq!(tables[0].required(crate::table::Role::EventId), "id");
+    assert_eq!(
+        tables[1].column(crate::table::Role::CreatedAt),
+        Some("occurred_at")
+    );
+    assert_eq!(
+        tables[0].column(crate::table::Role::CreatedAt),
+        Some("created_at"),
+        "a TABLE: prefix maps that table only"
+    );
+    assert_eq!(tables[0].header_columns, vec!["traceparent".to_string()]);
+    assert_eq!(
+        run.topic.render(&tables[0].name, "Order", "x"),
+        "outbox.event.Order"
+    );
+    for (flag, value, expected) in [
+        ("--column", "event_id", "ROLE=COLUMN"),
+        ("--column", "key=id", "unknown role"),
+        ("--column", "payload=bo dy", "not a valid identifier"),
+        ("--header-column", "x\"y", "not a valid identifier"),
+        ("--table", "public.outbox_event,outbox_event", "given twice"),
+        (
+            "--column",
+            "other:payload=body",
+            "not one of the --table values",
+        ),
+    ] {
+        let err = options(&[&base[..], &[flag, value]].concat())
+            .run()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expected), "{flag} {value}: {err}");
+    }
+}

@@ -1,0 +1,269 @@
+//! From [`Options`] to settings: every default filled in, every value checked, each error naming the
+//! option at fault (and, where it helps, the fix).
+
+use std::time::Duration;
+
+use super::cli::Options;
+use super::parse::{
+    parse_duration, parse_identifier, parse_postgres_url, parse_slot_name, parse_table,
+    split_kafka_options,
+};
+use super::settings::{
+    CdcSettings, DatabaseSettings, KafkaSettings, PollSettings, Retention, RunSettings,
+    DEFAULT_MAX_IN_FLIGHT_EVENTS,
+};
+use super::{invalid, ConfigError};
+use crate::table::{OutboxTable, TableName};
+use crate::topic::TopicTemplate;
+
+impl Options {
+    /// The settings every command needs, validated; errors name the option at fault.
+    pub fn database(&self) -> Result<DatabaseSettings, ConfigError> {
+        let url = self.database_url.as_deref().ok_or_else(|| {
+            invalid("--database-url is required (or OUTBOXD_DATABASE_URL), e.g. postgres://user:pass@localhost:5432/app")
+        })?;
+        let database_url = parse_postgres_url("--database-url", url)?;
+        let replication_url = match &self.replication_url {
+            Some(url) => parse_postgres_url("--replication-url", url)?,
+            None => database_url.clone(),
+        };
+        let style = self.table_style.unwrap_or_default();
+        let overrides = crate::table::parse_column_overrides(self.column.as_deref().unwrap_or(&[]))
+            .map_err(invalid)?;
+        for column in &overrides {
+            parse_identifier("--column", &column.value.1)?;
+        }
+        let header_columns =
+            crate::table::parse_header_columns(self.header_column.as_deref().unwrap_or(&[]));
+        for column in &header_columns {
+            parse_identifier("--header-column", &column.value)?;
+        }
+        let names = match &self.table {
+            Some(names) if !names.is_empty() => names.clone(),
+            _ => vec!["public.outbox_event".to_string()],
+        };
+        let names = names
+            .iter()
+            .map(|name| parse_table(name.trim()))
+            .collect::<Result<Vec<_>, _>>()?;
+        // `TABLE:` prefixes must name a --table; unprefixed values apply to every table.
+        let applies_to = |setting: &str, table: &Option<String>, name: &TableName| {
+            let Some(table) = table else {
+                return Ok(true);
+            };
+            let target = parse_table(table)?;
+            if names.contains(&target) {
+                Ok(&target == name)
+            } else {
+                Err(invalid(format!(
+                    "{setting} {table}:...: {table} is not one of the --table values"
+                )))
+            }
+        };
+        let mut tables: Vec<OutboxTable> = Vec::with_capacity(names.len());
+        for name in &names {
+            if tables.iter().any(|t| &t.name == name) {
+                return Err(invalid(format!("--table {name} is given twice")));
+            }
+            let mut own_overrides = Vec::new();
+            for o in &overrides {
+                if applies_to("--column", &o.table, name)? {
+                    own_overrides.push(o.value.clone());
+                }
+            }
+            let mut own_headers = Vec::new();
+            for h in &header_columns {
+                if applies_to("--header-column", &h.table, name)? {
+                    own_headers.push(h.value.clone());
+                }
+            }
+            tables.push(OutboxTable::new(
+                name.clone(),
+                style,
+                &own_overrides,
+                own_headers,
+            ));
+        }
+        Ok(DatabaseSettings {
+            database_url,
+            replication_url,
+            tables,
+            style,
+            add_polling_columns: self.add_polling_columns,
+            existing_rows: self.existing_rows.unwrap_or_default(),
+            slot: parse_slot_name(self.slot.as_deref().unwrap_or("outboxd"))?,
+            publication: parse_identifier(
+                "--publication",
+                self.publication.as_deref().unwrap_or("outboxd"),
+            )?,
+        })
+    }
+
+    /// The settings of `outboxd run`, validated, with every default filled in.
+    // Long: one validation per option of `run`, in the order of `Options`; each names its option.
+    pub fn run(&self) -> Result<RunSettings, ConfigError> {
+        let database = self.database()?;
+        let brokers = self
+            .brokers
+            .clone()
+            .filter(|b| !b.trim().is_empty())
+            .ok_or_else(|| {
+                invalid("--brokers is required (or OUTBOXD_BROKERS), e.g. localhost:9092")
+            })?;
+        let topic = TopicTemplate::parse(
+            self.topic
+                .as_deref()
+                .unwrap_or(database.style.default_topic()),
+        )?;
+        let kafka_options = split_kafka_options(self.kafka_option.iter().flatten())?;
+        let topic_partitions = self.topic_partitions.unwrap_or(6);
+        if topic_partitions < 1 {
+            return Err(invalid(format!(
+                "--topic-partitions must be at least 1, got {topic_partitions}"
+            )));
+        }
+        if let Some(rf) = self.topic_replication_factor {
+            if rf < 1 {
+                return Err(invalid(format!(
+                    "--topic-replication-factor must be at least 1, got {rf}"
+                )));
+            }
+        }
+        let max_in_flight_events = self
+            .max_in_flight_events
+            .unwrap_or(DEFAULT_MAX_IN_FLIGHT_EVENTS);
+        if max_in_flight_events == 0 {
+            return Err(invalid("--max-in-flight-events must be at least 1"));
+        }
+        let max_in_flight_bytes = self.max_in_flight_bytes.unwrap_or(16 * 1024 * 1024);
+        if max_in_flight_bytes < 1024 {
+            return Err(invalid("--max-in-flight-bytes must be at least 1024"));
+        }
+        let status_interval = parse_duration(
+            "--status-interval",
+            self.status_interval.as_deref().unwrap_or("1s"),
+        )?;
+        if status_interval.is_zero() || status_interval > Duration::from_secs(20) {
+            return Err(invalid(
+                "--status-interval must be between 1ms and 20s (well under wal_sender_timeout/2)",
+            ));
+        }
+        let poll = self.poll()?;
+        let metrics_addr = match self.metrics_addr.as_deref().unwrap_or("127.0.0.1:9187") {
+            "off" => None,
+            addr => Some(addr.parse().map_err(|_| {
+                invalid(format!(
+                    "--metrics-addr {addr:?} is not host:port (e.g. 0.0.0.0:9187) or off"
+                ))
+            })?),
+        };
+        let retention = match &self.retention {
+            None => {
+                if self.archive_table.is_some() {
+                    return Err(invalid(
+                        "--archive-table needs --retention (e.g. --retention 7d)",
+                    ));
+                }
+                None
+            }
+            Some(keep) => Some(Retention {
+                keep: parse_duration("--retention", keep)?,
+                archive_table: self
+                    .archive_table
+                    .as_deref()
+                    .map(|t| {
+                        parse_table(t).map_err(|_| {
+                            invalid(format!("--archive-table {t:?} is not a valid table name"))
+                        })
+                    })
+                    .transpose()?,
+                interval: parse_duration(
+                    "--retention-interval",
+                    self.retention_interval.as_deref().unwrap_or("1m"),
+                )?,
+            }),
+        };
+        Ok(RunSettings {
+            retention,
+            metrics_addr,
+            mode: self.mode.unwrap_or_default(),
+            poll,
+            database,
+            topic,
+            kafka: KafkaSettings {
+                brokers,
+                options: kafka_options,
+                topic_partitions,
+                topic_replication_factor: self.topic_replication_factor,
+                create_topics: !self.no_create_topics,
+            },
+            startup_timeout: parse_duration(
+                "--startup-timeout",
+                self.startup_timeout.as_deref().unwrap_or("60s"),
+            )?,
+            reconnect_timeout: parse_duration(
+                "--reconnect-timeout",
+                self.reconnect_timeout.as_deref().unwrap_or("10m"),
+            )?,
+            shutdown_timeout: parse_duration(
+                "--shutdown-timeout",
+                self.shutdown_timeout.as_deref().unwrap_or("30s"),
+            )?,
+            cdc: CdcSettings {
+                max_in_flight_events,
+                max_in_flight_bytes,
+                status_interval,
+            },
+        })
+    }
+}
+
+impl Options {
+    fn poll(&self) -> Result<PollSettings, ConfigError> {
+        let duration = |flag: &str, value: &Option<String>, default: &str| {
+            parse_duration(flag, value.as_deref().unwrap_or(default))
+        };
+        let interval = duration("--poll-interval", &self.poll_interval, "200ms")?;
+        let lease = duration("--lease", &self.lease, "30s")?;
+        let retry_base = duration("--retry-base", &self.retry_base, "1s")?;
+        let retry_cap = duration("--retry-cap", &self.retry_cap, "5m")?;
+        let batch_size = self.poll_batch_size.unwrap_or(500);
+        let max_attempts = self.max_attempts.unwrap_or(10);
+        if interval.is_zero() {
+            return Err(invalid("--poll-interval must be above zero, e.g. 200ms"));
+        }
+        if lease < Duration::from_secs(2) {
+            return Err(invalid(
+                "--lease must be at least 2s (it must outlast a normal send)",
+            ));
+        }
+        if !(1..=100_000).contains(&batch_size) {
+            return Err(invalid(format!(
+                "--poll-batch-size must be between 1 and 100000, got {batch_size}"
+            )));
+        }
+        if max_attempts < 1 {
+            return Err(invalid(format!(
+                "--max-attempts must be at least 1, got {max_attempts}"
+            )));
+        }
+        if retry_cap < retry_base {
+            return Err(invalid("--retry-cap must not be shorter than --retry-base"));
+        }
+        if let Some(topic) = &self.dead_letter_topic {
+            TopicTemplate::parse(topic)
+                .map_err(|e| invalid(format!("--dead-letter-topic: {e}")))?;
+        }
+        Ok(PollSettings {
+            interval,
+            batch_size,
+            lease,
+            order: self.poll_order.unwrap_or_default(),
+            retry_base,
+            retry_cap,
+            max_attempts,
+            dead_letter_topic: self.dead_letter_topic.clone(),
+            notify: self.poll_notify,
+        })
+    }
+}
