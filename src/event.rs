@@ -446,7 +446,7 @@ mod tests {
 
     #[test]
     fn debezium_table_without_created_at_bytea_payload_and_null_payload() {
-        let mut table = OutboxTable::new(
+        let spec = crate::table::TableSpec::new(
             crate::table::TableName {
                 schema: "public".into(),
                 name: "outboxevent".into(),
@@ -476,7 +476,7 @@ mod tests {
             .iter()
             .map(|(n, t)| (n.to_string(), t.to_string()))
             .collect();
-        table.resolve(&columns, false).unwrap();
+        let table = spec.resolve(&columns, false).unwrap();
         let mapping = RowMapping::from_relation(&table, &rel).unwrap();
         let row = |payload: ColumnValue| Insert {
             relation_id: 1,

@@ -205,7 +205,7 @@ pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long outboxd waits for acknowledgements before it gives an attempt up: `message.timeout.ms` (or
 /// `delivery.timeout.ms`) from `--kafka-option`, else `default`. librdkafka itself is never given a timeout
 /// (see [`Publisher::new`]).
-pub fn delivery_timeout(settings: &RunSettings, default: Duration) -> Duration {
+pub fn delivery_timeout<Tables>(settings: &RunSettings<Tables>, default: Duration) -> Duration {
     settings
         .kafka
         .options
@@ -240,7 +240,7 @@ async fn ask_a_broker<C: ProducerContext + 'static>(
 }
 
 /// The producer settings outboxd relies on; `--kafka-option` values are applied after them.
-pub fn client_config(settings: &RunSettings) -> ClientConfig {
+pub fn client_config<Tables>(settings: &RunSettings<Tables>) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", &settings.kafka.brokers)
@@ -260,7 +260,7 @@ pub fn client_config(settings: &RunSettings) -> ClientConfig {
 
 /// The producer's configuration: [`client_config`] with the settings outboxd's delivery guarantees rest on,
 /// applied after `--kafka-option` so that no option can undo them (see [`Publisher::new`]).
-pub fn producer_config(settings: &RunSettings) -> ClientConfig {
+pub fn producer_config<Tables>(settings: &RunSettings<Tables>) -> ClientConfig {
     let mut config = client_config(settings);
     enforce_delivery_guarantees(&mut config);
     config
@@ -332,8 +332,9 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     ///
     /// Either way the caller replaces the producer and re-sends every event it did not see acknowledged,
     /// in order, so what reached Kafka is an in-order prefix followed by the re-sent events.
-    pub fn new(
-        settings: &RunSettings,
+    /// `Tables`: the settings' tables, inspected or not (only the Kafka settings and the table style count).
+    pub fn new<Tables>(
+        settings: &RunSettings<Tables>,
         known_topics: KnownTopics,
         deliveries: UnboundedSender<Delivery<T>>,
     ) -> Result<Self> {

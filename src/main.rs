@@ -95,7 +95,7 @@ async fn migrate(options: &Options) -> outboxd::Result<ExitCode> {
     for table in &report.cdc_only {
         tracing::warn!(%table, "existing table left without the polling columns: outboxd will run CDC only (no backfill of older rows, no polling fallback, no retries or dead letters); add them with `outboxd migrate --add-polling-columns`");
     }
-    tracing::info!(applied = ?report.applied, publication_created = report.publication_created, tables = %outboxd::table::names(&settings.tables), publication = %settings.publication, "migrations done");
+    tracing::info!(applied = ?report.applied, publication_created = report.publication_created, tables = %outboxd::table::list(settings.tables.iter().map(|t| &t.name)), publication = %settings.publication, "migrations done");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -141,9 +141,7 @@ async fn replay(
     };
     let client = pg::connect(&settings.database_url).await?;
     let mut count = 0;
-    let mut tables = settings.tables.clone();
-    pg::slot::inspect_all(&client, &mut tables).await?;
-    for table in &tables {
+    for table in &pg::slot::inspect_all(&client, &settings.tables).await? {
         pg::slot::check_polling_columns(table)?;
         count += pg::outbox::replay_dead(&client, table, &filter).await?;
     }

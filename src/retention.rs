@@ -19,7 +19,7 @@ use crate::config::Retention;
 use crate::error::{Error, Result};
 use crate::pg::{self, slot};
 use crate::table::TableName;
-use crate::table::{OutboxTable, Role};
+use crate::table::{OutboxTable, Role, TableSpec};
 
 /// Rows per statement: small enough to hold locks only briefly.
 const BATCH: i64 = 1_000;
@@ -57,8 +57,7 @@ pub async fn run(sweeper: Sweeper) {
             failed = true;
         } else {
             for table in &sweeper.tables {
-                let mut table = table.clone();
-                match sweep_once(&sweeper.database_url, &mut table, retention).await {
+                match sweep_once(&sweeper.database_url, table.spec(), retention).await {
                     Ok(Removed {
                         rows: 0,
                         partitions,
@@ -92,8 +91,7 @@ pub async fn run(sweeper: Sweeper) {
 /// [`check`] on a connection of its own.
 async fn check_on_its_own(sweeper: &Sweeper) -> Result<()> {
     let client = pg::connect(&sweeper.database_url).await?;
-    let mut tables = sweeper.tables.clone();
-    slot::inspect_all(&client, &mut tables).await?;
+    let tables = slot::inspect_all(&client, sweeper.tables.iter().map(OutboxTable::spec)).await?;
     check(&client, &tables, &sweeper.retention, &sweeper.publication).await
 }
 
@@ -305,11 +303,11 @@ pub struct Removed {
 /// partitioned table (without an archive table), drops the partitions that are wholly old and published.
 pub async fn sweep_once(
     database_url: &crate::pg::PgUrl,
-    table: &mut OutboxTable,
+    table: &TableSpec,
     retention: &Retention,
 ) -> Result<Removed> {
     let client = pg::connect(database_url).await?;
-    slot::inspect(&client, table).await?;
+    let table = &slot::inspect(&client, table).await?;
     if !table.marks_published {
         tracing::warn!(table = %table.name, "--retention needs the published_at column to know what was published; nothing removed (run `outboxd migrate --add-polling-columns`)");
         return Ok(Removed::default());
@@ -672,7 +670,6 @@ mod tests {
     }
 
     fn outbox() -> (OutboxTable, Vec<Column>) {
-        let mut table = OutboxTable::standard_for_tests();
         let names = [
             "event_id",
             "aggregate_type",
@@ -696,7 +693,10 @@ mod tests {
                 (n.to_string(), t.to_string())
             })
             .collect();
-        table.resolve(&pairs, false).unwrap();
+        let table = OutboxTable::standard_for_tests()
+            .spec()
+            .resolve(&pairs, false)
+            .unwrap();
         let columns = pairs
             .iter()
             .map(|(name, type_name)| Column {

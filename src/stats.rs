@@ -12,6 +12,7 @@ use crate::kafka::{KnownTopics, Publisher};
 use crate::metrics as m;
 use crate::pg::{self, outbox, slot};
 use crate::sink::{Delivery, Sink};
+use crate::table::TableSpec;
 
 /// How often the gauges and readiness are refreshed.
 pub const INTERVAL: Duration = Duration::from_secs(5);
@@ -21,7 +22,7 @@ pub const INTERVAL: Duration = Duration::from_secs(5);
 const REFRESH_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Refreshes the gauges and readiness every [`INTERVAL`] until the process ends.
-pub async fn run(settings: std::sync::Arc<RunSettings>) {
+pub async fn run(settings: std::sync::Arc<RunSettings<TableSpec>>) {
     let (deliveries, _) = mpsc::unbounded_channel::<Delivery<()>>();
     let publisher = Publisher::new(&settings, KnownTopics::default(), deliveries).ok();
     let mut client: Option<tokio_postgres::Client> = None;
@@ -58,7 +59,10 @@ pub async fn run(settings: std::sync::Arc<RunSettings>) {
     }
 }
 
-async fn refresh(client: &tokio_postgres::Client, settings: &RunSettings) -> crate::Result<()> {
+async fn refresh(
+    client: &tokio_postgres::Client,
+    settings: &RunSettings<TableSpec>,
+) -> crate::Result<()> {
     let db = &settings.database;
     let state = slot::slot_state(client, &db.slot).await?;
     let bytes = |v: Option<i64>| v.unwrap_or(0) as f64;
@@ -74,8 +78,7 @@ async fn refresh(client: &tokio_postgres::Client, settings: &RunSettings) -> cra
         gauge!(m::OLDEST_UNPUBLISHED_AGE).set(0.0);
         return Ok(());
     }
-    let mut tables = db.tables.clone();
-    slot::inspect_all(client, &mut tables).await?;
+    let tables = slot::inspect_all(client, &db.tables).await?;
     let backlog = outbox::backlog(client, &tables).await?;
     gauge!(m::UNPUBLISHED_EVENTS).set(backlog.unpublished_events as f64);
     gauge!(m::OLDEST_UNPUBLISHED_AGE).set(backlog.oldest_unpublished_age_seconds.unwrap_or(0.0));

@@ -8,6 +8,7 @@ use crate::config::DatabaseSettings;
 use crate::error::Result;
 use crate::pg::{self, outbox, slot};
 use crate::pipeline::leader::{application_name, Role};
+use crate::table::TableSpec;
 
 /// What `outboxd status` reports: the slot, the backlog, the instances and retention (also as JSON).
 #[derive(Debug, Clone, Serialize)]
@@ -204,10 +205,12 @@ pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdi
 const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `mode`: the `--mode` outboxd runs with (the same options or file as `run`).
-pub async fn read(settings: &DatabaseSettings, mode: crate::config::Mode) -> Result<Status> {
+pub async fn read(
+    settings: &DatabaseSettings<TableSpec>,
+    mode: crate::config::Mode,
+) -> Result<Status> {
     let client = pg::connect_for_figures(&settings.database_url, STATEMENT_TIMEOUT).await?;
-    let mut tables = settings.tables.clone();
-    slot::inspect_all(&client, &mut tables).await?;
+    let tables = slot::inspect_all(&client, &settings.tables).await?;
     let state = slot::slot_state(&client, &settings.slot).await?;
     let backlog = outbox::backlog(&client, &tables).await?;
     let (active_instances, standby_instances) = instances(&client, &settings.slot).await?;

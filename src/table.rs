@@ -168,18 +168,34 @@ impl std::fmt::Display for TableName {
     }
 }
 
-/// One outbox table: its name, its column mapping and what the database says about it.
+/// An outbox table as configured: its name and column mapping (`--table`, `--table-style`, `--column`,
+/// `--header-column`). What the table supports is known only once the database was asked
+/// ([`TableSpec::resolve`], done by `pg::slot::inspect`), which makes an [`OutboxTable`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxTable {
+pub struct TableSpec {
     /// The table's schema-qualified name.
     pub name: TableName,
-    /// Column per role, in `Role::ALL` order; `None` once resolved means the table lacks that optional role.
+    /// Column per role, in `Role::ALL` order, as mapped.
     columns: [Option<String>; 6],
     /// Roles the user named with `--column` (a missing column is then an error, even for optional roles).
     explicit: [bool; 6],
     /// Columns copied to headers of the same name.
     pub header_columns: Vec<String>,
-    /// Facts read from the database by [`OutboxTable::resolve`].
+}
+
+/// One outbox table as the database has it: its mapping resolved against its columns, and what it supports.
+/// Made only by [`TableSpec::resolve`] (or [`TableSpec::as_created`], for the table `migrate` creates).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxTable {
+    /// The table's schema-qualified name.
+    pub name: TableName,
+    /// What it was resolved from (to inspect it again).
+    spec: TableSpec,
+    /// Column per role, in `Role::ALL` order; `None`: the table lacks that optional role.
+    columns: [Option<String>; 6],
+    /// Columns copied to headers of the same name.
+    pub header_columns: Vec<String>,
+    /// How the payload column is read.
     pub payload_type: PayloadType,
     /// The table has `published_at`: outboxd records what it published.
     pub marks_published: bool,
@@ -199,7 +215,7 @@ pub struct TableMismatch {
     pub fix: String,
 }
 
-impl OutboxTable {
+impl TableSpec {
     /// `overrides` are `--column ROLE=NAME` values; header columns are `--header-column` values.
     pub fn new(
         name: TableName,
@@ -214,16 +230,46 @@ impl OutboxTable {
             columns[at] = Some(column.clone());
             explicit[at] = true;
         }
-        OutboxTable {
+        TableSpec {
             name,
             columns,
             explicit,
             header_columns,
+        }
+    }
+
+    /// The table as `outboxd migrate` creates it: every mapped column, the polling columns, a `jsonb`
+    /// payload, not partitioned.
+    pub fn as_created(&self) -> OutboxTable {
+        OutboxTable {
+            name: self.name.clone(),
+            spec: self.clone(),
+            columns: self.columns.clone(),
+            header_columns: self.header_columns.clone(),
             payload_type: PayloadType::Text,
             marks_published: true,
             polling: true,
             partitioned: false,
         }
+    }
+
+    /// Checks the mapping against the table's columns (`(name, type)` pairs as `format_type` prints them)
+    /// and reads what the table supports. Optional roles whose default column is missing are dropped.
+    pub fn resolve(
+        &self,
+        columns: &[(String, String)],
+        partitioned: bool,
+    ) -> Result<OutboxTable, TableMismatch> {
+        let mut table = self.as_created();
+        table.resolve_against(columns, partitioned, &self.explicit)?;
+        Ok(table)
+    }
+}
+
+impl OutboxTable {
+    /// The configuration it was resolved from.
+    pub fn spec(&self) -> &TableSpec {
+        &self.spec
     }
 
     /// The column playing `role`; `None` for an optional role the table lacks.
@@ -270,12 +316,12 @@ impl OutboxTable {
         }
     }
 
-    /// Checks the mapping against the table's columns (`(name, type)` pairs as `format_type` prints them)
-    /// and records what the table supports. Optional roles whose default column is missing are dropped.
-    pub fn resolve(
+    /// See [`TableSpec::resolve`]; `explicit`: the roles named with `--column`.
+    fn resolve_against(
         &mut self,
         columns: &[(String, String)],
         partitioned: bool,
+        explicit: &[bool; 6],
     ) -> Result<(), TableMismatch> {
         let table = &self.name;
         if columns.is_empty() {
@@ -296,7 +342,7 @@ impl OutboxTable {
                 continue;
             };
             let Some(actual) = type_of(&column) else {
-                if role.optional() && !self.explicit[at] {
+                if role.optional() && !explicit[at] {
                     self.columns[at] = None;
                     continue;
                 }
@@ -364,9 +410,14 @@ fn split_table(value: &str) -> (Option<String>, &str) {
 
 /// `schema.a, schema.b`: the names of `tables`, for messages.
 pub fn names<'a>(tables: impl IntoIterator<Item = &'a OutboxTable>) -> String {
-    tables
+    list(tables.into_iter().map(|t| &t.name))
+}
+
+/// `schema.a, schema.b`, for messages.
+pub fn list<'a>(names: impl IntoIterator<Item = &'a TableName>) -> String {
+    names
         .into_iter()
-        .map(|t| t.name.to_string())
+        .map(|name| name.to_string())
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -412,7 +463,7 @@ pub fn parse_header_columns(values: &[String]) -> Vec<ForTable<String>> {
 impl OutboxTable {
     /// `public.outbox_event` in the standard style, as the unit tests of other modules need it.
     pub(crate) fn standard_for_tests() -> Self {
-        OutboxTable::new(
+        TableSpec::new(
             TableName {
                 schema: "public".into(),
                 name: "outbox_event".into(),
@@ -421,6 +472,7 @@ impl OutboxTable {
             &[],
             Vec::new(),
         )
+        .as_created()
     }
 }
 
@@ -428,8 +480,8 @@ impl OutboxTable {
 mod tests {
     use super::*;
 
-    fn table(style: TableStyle, overrides: &[(Role, String)]) -> OutboxTable {
-        OutboxTable::new(
+    fn table(style: TableStyle, overrides: &[(Role, String)]) -> TableSpec {
+        TableSpec::new(
             TableName {
                 schema: "public".into(),
                 name: "outbox".into(),
@@ -449,18 +501,18 @@ mod tests {
 
     #[test]
     fn debezium_style_maps_debezium_columns_and_drops_missing_created_at() {
-        let mut t = table(TableStyle::Debezium, &[]);
-        t.resolve(
-            &columns(&[
-                ("id", "uuid"),
-                ("aggregatetype", "character varying(255)"),
-                ("aggregateid", "character varying(255)"),
-                ("type", "character varying(255)"),
-                ("payload", "jsonb"),
-            ]),
-            false,
-        )
-        .unwrap();
+        let t = table(TableStyle::Debezium, &[])
+            .resolve(
+                &columns(&[
+                    ("id", "uuid"),
+                    ("aggregatetype", "character varying(255)"),
+                    ("aggregateid", "character varying(255)"),
+                    ("type", "character varying(255)"),
+                    ("payload", "jsonb"),
+                ]),
+                false,
+            )
+            .unwrap();
         assert_eq!(t.column(Role::EventId), Some("id"));
         assert_eq!(t.column(Role::EventType), Some("type"));
         assert_eq!(t.column(Role::CreatedAt), None);
@@ -469,7 +521,7 @@ mod tests {
 
     #[test]
     fn explicit_columns_must_exist_and_types_are_checked() {
-        let mut t = table(
+        let t = table(
             TableStyle::Standard,
             &[(Role::CreatedAt, "occurred_at".into())],
         );
@@ -482,13 +534,15 @@ mod tests {
         ]);
         let err = t.resolve(&standard, false).unwrap_err();
         assert!(err.problem.contains("no column occurred_at"), "{err:?}");
-        let mut t = table(TableStyle::Standard, &[]);
-        t.resolve(&standard, false).unwrap();
+        let t = table(TableStyle::Standard, &[])
+            .resolve(&standard, false)
+            .unwrap();
         assert_eq!(t.payload_type, PayloadType::Bytes);
         let mut with_precision = standard.clone();
         with_precision.push(("created_at".into(), "timestamp(3) with time zone".into()));
-        let mut t = table(TableStyle::Standard, &[]);
-        t.resolve(&with_precision, false).unwrap();
+        let t = table(TableStyle::Standard, &[])
+            .resolve(&with_precision, false)
+            .unwrap();
         assert_eq!(t.column(Role::CreatedAt), Some("created_at"));
         let mut bad = standard.clone();
         bad[0].1 = "bigint".into();
@@ -500,16 +554,16 @@ mod tests {
 
     #[test]
     fn only_event_id_aggregate_id_and_payload_are_required() {
-        let mut t = table(TableStyle::Standard, &[]);
-        t.resolve(
-            &columns(&[
-                ("event_id", "uuid"),
-                ("aggregate_id", "bigint"),
-                ("payload", "jsonb"),
-            ]),
-            false,
-        )
-        .unwrap();
+        let t = table(TableStyle::Standard, &[])
+            .resolve(
+                &columns(&[
+                    ("event_id", "uuid"),
+                    ("aggregate_id", "bigint"),
+                    ("payload", "jsonb"),
+                ]),
+                false,
+            )
+            .unwrap();
         assert_eq!(t.column(Role::AggregateType), None);
         assert_eq!(t.column(Role::EventType), None);
         assert_eq!(t.aggregate_key(), "\"aggregate_id\"");

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
-use crate::table::{OutboxTable, TableName, TableStyle};
+use crate::table::{OutboxTable, TableName, TableSpec, TableStyle};
 use crate::topic::TopicTemplate;
 
 /// Which path moves events: the slot (cdc), the table (poll), or the slot when the server allows it (auto).
@@ -49,15 +49,17 @@ pub enum PollOrder {
 /// `--max-in-flight-events` unless set.
 pub const DEFAULT_MAX_IN_FLIGHT_EVENTS: usize = 10_000;
 
-/// Settings every command needs.
+/// Settings every command needs. `T`: the outbox tables as configured ([`TableSpec`], what validation
+/// gives), or as the database has them ([`OutboxTable`], what a running pipeline uses; see
+/// [`DatabaseSettings::inspected`]).
 #[derive(Debug, Clone)]
-pub struct DatabaseSettings {
+pub struct DatabaseSettings<T = OutboxTable> {
     /// `--database-url`: connection for ordinary SQL (migrations, polling, status, the leadership lock).
     pub database_url: crate::pg::url::PgUrl,
     /// `--replication-url`: connection for the replication stream (`--database-url` unless given).
     pub replication_url: crate::pg::url::PgUrl,
     /// Every outbox table, in --table order; all share the slot and the publication.
-    pub tables: Vec<OutboxTable>,
+    pub tables: Vec<T>,
     /// `--table-style`: the preset column names and topic template.
     pub style: TableStyle,
     /// `--add-polling-columns`: migrate adds the polling columns to an existing table.
@@ -70,11 +72,11 @@ pub struct DatabaseSettings {
     pub publication: String,
 }
 
-/// Settings of `outboxd run`.
+/// Settings of `outboxd run`; `T` as for [`DatabaseSettings`].
 #[derive(Debug, Clone)]
-pub struct RunSettings {
+pub struct RunSettings<T = OutboxTable> {
     /// Connections, outbox tables, slot and publication.
-    pub database: DatabaseSettings,
+    pub database: DatabaseSettings<T>,
     /// `--topic`, parsed (the table style's default topic unless given).
     pub topic: TopicTemplate,
     /// The brokers and the producer.
@@ -95,6 +97,42 @@ pub struct RunSettings {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// `None`: no `--retention`, published rows are kept.
     pub retention: Option<Retention>,
+}
+
+impl DatabaseSettings<TableSpec> {
+    /// The same settings with the tables as the database has them (`tables` in the same order).
+    pub fn inspected(self, tables: Vec<OutboxTable>) -> DatabaseSettings {
+        DatabaseSettings {
+            database_url: self.database_url,
+            replication_url: self.replication_url,
+            tables,
+            style: self.style,
+            add_polling_columns: self.add_polling_columns,
+            existing_rows: self.existing_rows,
+            slot: self.slot,
+            publication: self.publication,
+        }
+    }
+}
+
+impl RunSettings<TableSpec> {
+    /// The settings a pipeline runs with: the tables as the database has them, and the mode start-up
+    /// chose (`auto` becomes `cdc` where the tables cannot be polled).
+    pub fn inspected(self, tables: Vec<OutboxTable>, mode: Mode) -> RunSettings {
+        RunSettings {
+            database: self.database.inspected(tables),
+            topic: self.topic,
+            kafka: self.kafka,
+            startup_timeout: self.startup_timeout,
+            reconnect_timeout: self.reconnect_timeout,
+            shutdown_timeout: self.shutdown_timeout,
+            cdc: self.cdc,
+            mode,
+            poll: self.poll,
+            metrics_addr: self.metrics_addr,
+            retention: self.retention,
+        }
+    }
 }
 
 /// Deleting (or archiving) published rows by age.

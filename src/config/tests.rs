@@ -324,13 +324,16 @@ fn table_mapping_options() {
     let tables = &run.database.tables;
     assert_eq!(tables.len(), 2);
     assert_eq!(tables[1].name.schema, "billing");
-    assert_eq!(tables[0].required(crate::table::Role::EventId), "id");
     assert_eq!(
-        tables[1].column(crate::table::Role::CreatedAt),
+        tables[0].as_created().required(crate::table::Role::EventId),
+        "id"
+    );
+    assert_eq!(
+        tables[1].as_created().column(crate::table::Role::CreatedAt),
         Some("occurred_at")
     );
     assert_eq!(
-        tables[0].column(crate::table::Role::CreatedAt),
+        tables[0].as_created().column(crate::table::Role::CreatedAt),
         Some("created_at"),
         "a TABLE: prefix maps that table only"
     );

@@ -13,12 +13,12 @@ use super::settings::{
     DEFAULT_MAX_IN_FLIGHT_EVENTS,
 };
 use super::{invalid, ConfigError};
-use crate::table::{OutboxTable, TableName};
+use crate::table::{TableName, TableSpec};
 use crate::topic::TopicTemplate;
 
 impl Options {
     /// The settings every command needs, validated; errors name the option at fault.
-    pub fn database(&self) -> Result<DatabaseSettings, ConfigError> {
+    pub fn database(&self) -> Result<DatabaseSettings<TableSpec>, ConfigError> {
         let url = self.database_url.as_deref().ok_or_else(|| {
             invalid("--database-url is required (or OUTBOXD_DATABASE_URL), e.g. postgres://user:pass@localhost:5432/app")
         })?;
@@ -60,7 +60,7 @@ impl Options {
                 )))
             }
         };
-        let mut tables: Vec<OutboxTable> = Vec::with_capacity(names.len());
+        let mut tables: Vec<TableSpec> = Vec::with_capacity(names.len());
         for name in &names {
             if tables.iter().any(|t| &t.name == name) {
                 return Err(invalid(format!("--table {name} is given twice")));
@@ -77,7 +77,7 @@ impl Options {
                     own_headers.push(h.value.clone());
                 }
             }
-            tables.push(OutboxTable::new(
+            tables.push(TableSpec::new(
                 name.clone(),
                 style,
                 &own_overrides,
@@ -101,7 +101,7 @@ impl Options {
 
     /// The settings of `outboxd run`, validated, with every default filled in.
     // Long: one validation per option of `run`, in the order of `Options`; each names its option.
-    pub fn run(&self) -> Result<RunSettings, ConfigError> {
+    pub fn run(&self) -> Result<RunSettings<TableSpec>, ConfigError> {
         let database = self.database()?;
         let brokers = self
             .brokers

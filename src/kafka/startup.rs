@@ -137,7 +137,10 @@ impl ProducerContext for RefusalContext {
 /// Fails unless a broker answers a metadata request within `timeout` (see [`super::Publisher::check_brokers`]),
 /// with the producer's own settings (so invalid `--kafka-option`s fail here too). No answer is transient; a
 /// broker that refused outboxd's credentials or TLS is a setup error naming the fix.
-pub async fn check_brokers(settings: &RunSettings, timeout: Duration) -> Result<()> {
+pub async fn check_brokers<Tables>(
+    settings: &RunSettings<Tables>,
+    timeout: Duration,
+) -> Result<()> {
     let producer: ThreadedProducer<RefusalContext> = client_config(settings)
         .create_with_context(RefusalContext::default())
         .map_err(config_error)?;

@@ -12,7 +12,7 @@ use crate::config::{DatabaseSettings, ExistingRows};
 use crate::error::{Error, Result};
 use crate::pg::slot;
 use crate::table::TableName;
-use crate::table::{OutboxTable, Role};
+use crate::table::{OutboxTable, Role, TableSpec};
 
 /// Embedded migrations, applied in order. Never edit one that has shipped: add a new one.
 const MIGRATIONS: &[(i32, &str, &str)] = &[
@@ -425,7 +425,10 @@ async fn claim_index_in_order(client: &Client, table: &OutboxTable) -> Result<bo
 
 /// Creates each outbox table that does not exist yet (with the polling columns), adds the polling columns
 /// to an existing table only when `--add-polling-columns` asks, then creates or extends the publication.
-pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result<MigrationReport> {
+pub async fn migrate(
+    client: &mut Client,
+    settings: &DatabaseSettings<TableSpec>,
+) -> Result<MigrationReport> {
     // Waits by polling, never inside a statement: a concurrent index build waits for every open transaction,
     // and one blocked in `pg_advisory_lock` behind the builder's own session would be a deadlock.
     let mut said = false;
@@ -453,7 +456,7 @@ pub async fn migrate(client: &mut Client, settings: &DatabaseSettings) -> Result
 
 async fn migrate_under_lock(
     client: &mut Client,
-    settings: &DatabaseSettings,
+    settings: &DatabaseSettings<TableSpec>,
 ) -> Result<MigrationReport> {
     client
         .batch_execute(
@@ -463,8 +466,10 @@ async fn migrate_under_lock(
         )
         .await?;
     let mut report = MigrationReport::default();
-    let mut tables = settings.tables.clone();
-    for table in &mut tables {
+    let mut tables = Vec::with_capacity(settings.tables.len());
+    for spec in &settings.tables {
+        // Until it is inspected: the table as migrate creates it (its first migration, when it is missing).
+        let mut table = spec.as_created();
         let target = table.name.to_string();
         let created_here = !table_exists(&*client, &table.name).await?;
         // An earlier migrate added the polling columns: keep upgrading them.
@@ -487,7 +492,7 @@ async fn migrate_under_lock(
             }
             let mut existing_rows = None;
             if *version > CREATE_TABLE_VERSION {
-                slot::inspect(&*client, table).await?;
+                table = slot::inspect(&*client, spec).await?;
                 if !created_here && !has_polling_migrations && !settings.add_polling_columns {
                     report.cdc_only.push(target.clone());
                     break;
@@ -496,13 +501,13 @@ async fn migrate_under_lock(
                     (!created_here && !table.marks_published).then_some(settings.existing_rows);
             }
             let skip =
-                *version == CLAIM_ORDER_VERSION && claim_index_in_order(client, table).await?;
+                *version == CLAIM_ORDER_VERSION && claim_index_in_order(client, &table).await?;
             if !skip {
-                let rendered = render_migration(sql, table, existing_rows);
-                apply(client, table, &rendered).await?;
+                let rendered = render_migration(sql, &table, existing_rows);
+                apply(client, &table, &rendered).await?;
             }
             if existing_rows == Some(ExistingRows::Published) {
-                mark_history(client, table).await?;
+                mark_history(client, &table).await?;
                 if let Some(owed) = history_owed_by_slot(client, &settings.slot).await? {
                     report
                         .history_awaiting_slot
@@ -518,7 +523,7 @@ async fn migrate_under_lock(
                 .await?;
             report.applied.push(format!("{target} {version:04}_{name}"));
         }
-        slot::inspect(&*client, table).await?;
+        tables.push(slot::inspect(&*client, spec).await?);
     }
     report.publication_created = ensure_publication(client, &settings.publication, &tables).await?;
     Ok(report)
@@ -713,7 +718,7 @@ mod tests {
 
     #[test]
     fn migrations_lock_briefly_and_build_indexes_concurrently() {
-        let table = OutboxTable::new(
+        let table = TableSpec::new(
             TableName {
                 schema: "public".into(),
                 name: "outbox_event".into(),
@@ -721,7 +726,8 @@ mod tests {
             TableStyle::Standard,
             &[],
             vec![],
-        );
+        )
+        .as_created();
         for (version, name, sql) in MIGRATIONS {
             for step in plan(&render_migration(
                 sql,
@@ -765,7 +771,7 @@ mod tests {
 
     #[test]
     fn every_placeholder_of_every_migration_is_filled() {
-        let table = OutboxTable::new(
+        let table = TableSpec::new(
             TableName {
                 schema: "app".into(),
                 name: "outbox".into(),
@@ -773,7 +779,8 @@ mod tests {
             TableStyle::Debezium,
             &[],
             vec![],
-        );
+        )
+        .as_created();
         for (version, name, sql) in MIGRATIONS {
             let rendered = render_migration(sql, &table, Some(ExistingRows::Published));
             assert!(

@@ -7,8 +7,8 @@ use tokio_postgres::{Client, GenericClient};
 use crate::config::DatabaseSettings;
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
-use crate::table::OutboxTable;
 use crate::table::TableName;
+use crate::table::{OutboxTable, TableSpec};
 
 /// `wal_level` must be `logical` for a logical slot.
 pub async fn check_wal_level(client: &Client) -> Result<()> {
@@ -23,8 +23,8 @@ pub async fn check_wal_level(client: &Client) -> Result<()> {
 }
 
 /// Reads the outbox table's columns and kind, and resolves its column mapping against them (see
-/// [`OutboxTable::resolve`]): the table exists, every role has a column of an accepted type.
-pub async fn inspect(client: &impl GenericClient, table: &mut OutboxTable) -> Result<()> {
+/// [`TableSpec::resolve`]): the table exists, every role has a column of an accepted type.
+pub async fn inspect(client: &impl GenericClient, table: &TableSpec) -> Result<OutboxTable> {
     let rows = client
         .query(
             "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), c.relkind = 'p'
@@ -41,12 +41,17 @@ pub async fn inspect(client: &impl GenericClient, table: &mut OutboxTable) -> Re
         .map_err(|mismatch| Error::setup(mismatch.problem, mismatch.fix))
 }
 
-/// [`inspect`] for every table.
-pub async fn inspect_all(client: &impl GenericClient, tables: &mut [OutboxTable]) -> Result<()> {
+/// [`inspect`] for every table, in order (a table inspected before is inspected again by its
+/// `OutboxTable::spec`).
+pub async fn inspect_all<'a>(
+    client: &impl GenericClient,
+    tables: impl IntoIterator<Item = &'a TableSpec>,
+) -> Result<Vec<OutboxTable>> {
+    let mut inspected = Vec::new();
     for table in tables {
-        inspect(client, table).await?;
+        inspected.push(inspect(client, table).await?);
     }
-    Ok(())
+    Ok(inspected)
 }
 
 /// The table has every polling column (`--mode poll` needs them).

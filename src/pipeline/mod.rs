@@ -27,7 +27,7 @@ use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::ReplicationConnection;
 use crate::pg::{self, slot};
 use crate::sink::Sinks;
-use crate::table::{OutboxTable, Role};
+use crate::table::{OutboxTable, Role, TableSpec};
 
 /// A running pipeline's patience with its database: after a failover, restore or switchover the server
 /// behind the URL may refuse connections for a while, lack the database, or still be a standby in recovery.
@@ -69,12 +69,11 @@ impl DatabaseOutage {
 }
 
 /// Database checks every mode needs: it answers, and every table has the columns its mapping names.
-/// Returns the tables resolved against their real columns.
-async fn preflight_database(settings: &RunSettings) -> Result<Vec<OutboxTable>> {
+/// Returns the tables as the database has them.
+async fn preflight_database(settings: &RunSettings<TableSpec>) -> Result<Vec<OutboxTable>> {
     let db = &settings.database;
     let sql = pg::connect(&db.database_url).await?;
-    let mut tables = db.tables.clone();
-    slot::inspect_all(&sql, &mut tables).await?;
+    let tables = slot::inspect_all(&sql, &db.tables).await?;
     if settings.mode == Mode::Poll {
         for table in &tables {
             slot::check_polling_columns(table)?;
@@ -153,9 +152,10 @@ fn has_polling_columns(settings: &RunSettings) -> bool {
     settings.database.tables.iter().all(|t| t.polling)
 }
 
-/// Runs `check` until it succeeds, retrying transient failures until `deadline`.
+/// Runs `check` until it succeeds, retrying transient failures until `deadline` (`--startup-timeout`
+/// from start).
 async fn retry_until<T, F, Fut>(
-    settings: &RunSettings,
+    startup_timeout: Duration,
     deadline: Instant,
     mut check: F,
 ) -> Result<T>
@@ -178,7 +178,7 @@ where
                 return Err(Error::setup(
                     format!(
                         "gave up after --startup-timeout {:?}: {error}",
-                        settings.startup_timeout
+                        startup_timeout
                     ),
                     "make PostgreSQL and the brokers reachable, or raise --startup-timeout",
                 ))
@@ -189,37 +189,40 @@ where
 }
 
 /// The start-up checks of `run`, each retried while transient for `--startup-timeout`: the tables against
-/// the database (their capabilities are read into `settings`), the mode the server allows (`auto` on
-/// tables without polling columns becomes `cdc`), retention, the brokers and the fleet's poll order; then
-/// retention starts. Returns the poll-order announcement, held for the process's lifetime.
+/// the database (what each supports), the mode the server allows (`auto` on tables without polling columns
+/// becomes `cdc`), retention, the brokers and the fleet's poll order; then retention starts. Returns the
+/// settings the pipeline runs with, and the poll-order announcement, held for the process's lifetime.
+// Long: one retried check after another, in the order they depend on each other.
 async fn start_up(
-    settings: &mut RunSettings,
+    configured: RunSettings<TableSpec>,
     sinks: &impl Sinks,
-) -> Result<Option<fleet::PollOrderAnnouncement>> {
-    let deadline = Instant::now() + settings.startup_timeout;
-    settings.database.tables =
-        retry_until(settings, deadline, || preflight_database(settings)).await?;
+) -> Result<(RunSettings, Option<fleet::PollOrderAnnouncement>)> {
+    let timeout = configured.startup_timeout;
+    let deadline = Instant::now() + timeout;
+    let tables = retry_until(timeout, deadline, || preflight_database(&configured)).await?;
+    let mut mode = configured.mode;
+    if mode != Mode::Poll && !tables.iter().all(|t| t.polling) {
+        tracing::warn!(
+            tables = %crate::table::names(tables.iter().filter(|t| !t.polling)),
+            "running CDC only: without the polling columns there is no backfill of rows older than the slot, no polling fallback, no retry queue or dead letters{}; add them with `outboxd migrate --add-polling-columns`",
+            if tables.iter().any(|t| !t.marks_published) { ", and no published_at (rows re-sent after a restart are published again)" } else { "" }
+        );
+        mode = Mode::Cdc;
+    }
+    let inspected = configured.inspected(tables, mode);
+    let settings = &inspected;
     check_topic_template(settings)?;
     let can_sweep = has_polling_columns(settings);
-    if settings.mode != Mode::Poll && !can_sweep {
-        let tables = crate::table::names(settings.database.tables.iter().filter(|t| !t.polling));
-        tracing::warn!(
-            %tables,
-            "running CDC only: without the polling columns there is no backfill of rows older than the slot, no polling fallback, no retry queue or dead letters{}; add them with `outboxd migrate --add-polling-columns`",
-            if settings.database.tables.iter().any(|t| !t.marks_published) { ", and no published_at (rows re-sent after a restart are published again)" } else { "" }
-        );
-        settings.mode = Mode::Cdc;
-    }
     match settings.mode {
         Mode::Cdc => {
-            retry_until(settings, deadline, || {
+            retry_until(timeout, deadline, || {
                 require_replication(settings, can_sweep)
             })
             .await?
         }
         // Configuration mistakes (missing publication, a slot of another plugin) stop `auto` too.
         Mode::Auto => {
-            retry_until(settings, deadline, || async {
+            retry_until(timeout, deadline, || async {
                 replication_availability(settings, can_sweep)
                     .await
                     .map(|_| ())
@@ -238,7 +241,7 @@ async fn start_up(
         ));
     }
     if let Some(retention) = &settings.retention {
-        retry_until(settings, deadline, || async {
+        retry_until(timeout, deadline, || async {
             let client = crate::pg::connect(&settings.database.database_url).await?;
             crate::retention::check(
                 &client,
@@ -250,10 +253,10 @@ async fn start_up(
         })
         .await?;
     }
-    retry_until(settings, deadline, || sinks.check_ready(settings)).await?;
+    retry_until(timeout, deadline, || sinks.check_ready(settings)).await?;
     // Every instance that may claim rows says in which order; a peer of another order is refused.
     let announcement =
-        retry_until(settings, deadline, || fleet::announce_poll_order(settings)).await?;
+        retry_until(timeout, deadline, || fleet::announce_poll_order(settings)).await?;
     if let Some(retention) = &settings.retention {
         tokio::spawn(crate::retention::run(crate::retention::Sweeper {
             database_url: settings.database.database_url.clone(),
@@ -263,22 +266,22 @@ async fn start_up(
             slot: settings.database.slot.clone(),
         }));
     }
-    Ok(announcement)
+    Ok((inspected, announcement))
 }
 
 /// `outboxd run`: retries transient start-up failures for `--startup-timeout`, then moves events into Kafka
 /// until shutdown in the configured mode.
-pub async fn run(settings: RunSettings, shutdown: watch::Receiver<bool>) -> Result<()> {
+pub async fn run(settings: RunSettings<TableSpec>, shutdown: watch::Receiver<bool>) -> Result<()> {
     run_with(settings, KafkaSinks::default(), shutdown).await
 }
 
 /// [`run`] into the sinks `sinks` makes (an in-memory broker in tests).
 pub async fn run_with(
-    mut settings: RunSettings,
+    configured: RunSettings<TableSpec>,
     sinks: impl Sinks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
-    let announcement = start_up(&mut settings, &sinks).await?;
+    let (settings, announcement) = start_up(configured, &sinks).await?;
     tracing::info!(
         tables = %crate::table::names(&settings.database.tables),
         mode = ?settings.mode,

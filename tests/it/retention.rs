@@ -10,7 +10,7 @@ use crate::support::*;
 use outboxd::config::Retention;
 use outboxd::retention::sweep_once;
 use outboxd::table::TableName;
-use outboxd::table::{OutboxTable, TableStyle};
+use outboxd::table::{TableSpec, TableStyle};
 
 /// The role README's grants describe: the outbox table's SELECT, UPDATE, DELETE, and nothing on the schema
 /// (PG 15's `public` grants CREATE to nobody but its owner).
@@ -29,8 +29,8 @@ fn url_of(pg: &Postgres, user: &str) -> outboxd::pg::PgUrl {
     outboxd::pg::PgUrl::parse("--database-url", &pg.url_for(user, None)).unwrap()
 }
 
-fn outbox(name: &str) -> OutboxTable {
-    OutboxTable::new(
+fn outbox(name: &str) -> TableSpec {
+    TableSpec::new(
         TableName {
             schema: "public".into(),
             name: name.into(),
@@ -84,7 +84,7 @@ async fn an_existing_archive_needs_no_create_on_the_schema() {
     insert_old_and_recent(&client).await;
     let removed = sweep_once(
         &url_of(&pg, ROLE),
-        &mut outbox("outbox_event"),
+        &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
     )
     .await
@@ -105,7 +105,7 @@ async fn a_missing_archive_that_cannot_be_created_names_the_grant() {
     insert_old_and_recent(&client).await;
     let error = sweep_once(
         &url_of(&pg, ROLE),
-        &mut outbox("outbox_event"),
+        &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
     )
     .await
@@ -141,7 +141,7 @@ async fn rows_are_archived_by_column_name() {
     insert_old_and_recent(&client).await;
     let removed = sweep_once(
         &pg_url(&pg),
-        &mut outbox("outbox_event"),
+        &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
     )
     .await
@@ -167,7 +167,7 @@ async fn rows_are_archived_by_column_name() {
         .unwrap();
     let removed = sweep_once(
         &pg_url(&pg),
-        &mut outbox("outbox_event"),
+        &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
     )
     .await
@@ -193,7 +193,7 @@ async fn an_archive_without_a_required_column_is_a_clear_error() {
     insert_old_and_recent(&client).await;
     let error = sweep_once(
         &pg_url(&pg),
-        &mut outbox("outbox_event"),
+        &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
     )
     .await
@@ -282,14 +282,10 @@ fn pg_url(pg: &Postgres) -> outboxd::pg::PgUrl {
 async fn partition_drops_without_ownership_name_the_fix() {
     let (pg, client) = partitioned().await;
     create_role(&client, "outbox_p").await;
-    let error = sweep_once(
-        &url_of(&pg, ROLE),
-        &mut outbox("outbox_p"),
-        &retention(None),
-    )
-    .await
-    .expect_err("the role does not own the partitions")
-    .to_string();
+    let error = sweep_once(&url_of(&pg, ROLE), &outbox("outbox_p"), &retention(None))
+        .await
+        .expect_err("the role does not own the partitions")
+        .to_string();
     assert!(
         error.contains("does not own") && error.contains("GRANT postgres TO keeper"),
         "the error names ownership and the fix: {error}"
@@ -326,7 +322,7 @@ async fn an_application_insert_with_lock_timeout_is_never_failed_by_retention() 
             let mut passes = 0u32;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 // A pass that gives way keeps the partition; errors end the test below.
-                sweep_once(&url, &mut outbox("outbox_p"), &retention(None))
+                sweep_once(&url, &outbox("outbox_p"), &retention(None))
                     .await
                     .map_err(|e| e.to_string())?;
                 passes += 1;

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use clap::Parser;
-use outboxd::config::{Cli, Command, RunSettings};
+use outboxd::config::{Cli, Command};
 use outboxd::sink::memory::{Fault, MemoryBroker, Release};
 use outboxd::sink::Rejection;
 use tokio::sync::watch;
@@ -40,7 +40,7 @@ impl InProcess {
         let Command::Run(options) = Cli::try_parse_from(argv).expect("arguments").command else {
             panic!("not a run command");
         };
-        let settings: RunSettings = options.run().expect("valid settings");
+        let settings = options.run().expect("valid settings");
         let (stop, shutdown) = watch::channel(false);
         let task = tokio::spawn(outboxd::pipeline::run_with(
             settings,

@@ -1002,7 +1002,7 @@ pub fn migrate_with(url: &str, args: &[&str]) -> String {
 
 /// The default table `public.outbox_event`, inspected, for tests that call the library's SQL directly.
 pub async fn outbox_event_table(client: &tokio_postgres::Client) -> outboxd::table::OutboxTable {
-    let mut table = outboxd::table::OutboxTable::new(
+    let spec = outboxd::table::TableSpec::new(
         outboxd::table::TableName {
             schema: "public".into(),
             name: "outbox_event".into(),
@@ -1011,10 +1011,9 @@ pub async fn outbox_event_table(client: &tokio_postgres::Client) -> outboxd::tab
         &[],
         vec![],
     );
-    outboxd::pg::slot::inspect(client, &mut table)
+    outboxd::pg::slot::inspect(client, &spec)
         .await
-        .expect("cannot inspect public.outbox_event");
-    table
+        .expect("cannot inspect public.outbox_event")
 }
 
 pub fn migrate(pg: &Postgres) {

@@ -616,7 +616,9 @@ pub fn scrape_label(every: Option<Duration>) -> String {
 }
 
 /// Settings outboxd would run with against this stack (for its producer configuration).
-pub fn outboxd_settings(stack: &Stack) -> BenchResult<outboxd::config::RunSettings> {
+pub fn outboxd_settings(
+    stack: &Stack,
+) -> BenchResult<outboxd::config::RunSettings<outboxd::table::TableSpec>> {
     use clap::Parser;
     let cli = outboxd::config::Cli::try_parse_from([
         "outboxd",
@@ -632,7 +634,10 @@ pub fn outboxd_settings(stack: &Stack) -> BenchResult<outboxd::config::RunSettin
     }
 }
 
-async fn create_topic(settings: &outboxd::config::RunSettings, topic: &str) -> BenchResult<()> {
+async fn create_topic(
+    settings: &outboxd::config::RunSettings<outboxd::table::TableSpec>,
+    topic: &str,
+) -> BenchResult<()> {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> =
         outboxd::kafka::client_config(settings).create()?;
