@@ -279,7 +279,6 @@ pub async fn acquire(
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<Option<Leadership>> {
     let key = lock_key(settings);
-    let slot = settings.database.slot.as_str();
     let url = with_dead_peer_detection(&settings.database.database_url);
     let mut standing_by = false;
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
@@ -303,7 +302,7 @@ pub async fn acquire(
                 }
             }
         };
-        let (lost_tx, mut lost) = watch::channel(None);
+        let (lost_tx, lost) = watch::channel(None);
         let closed = lost_tx.clone();
         tokio::spawn(async move {
             let why = match connection.await {
@@ -312,67 +311,103 @@ pub async fn acquire(
             };
             report(&closed, Lost::Ended(why));
         });
-        let settled = within(async {
-            client.batch_execute(&session_settings()).await?;
-            Ok(())
-        });
-        let trouble = match settled.await {
-            Err(error) => error,
-            Ok(()) => loop {
-                let held = match within(async {
-                    let row = client
-                        .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
-                        .await?;
-                    Ok(row.get::<_, bool>(0))
-                })
-                .await
-                {
-                    Ok(held) => held,
-                    Err(error) => break error,
-                };
-                if held {
-                    match take_over(&client, settings, &key).await {
-                        Ok(()) => {}
-                        Err(error @ Error::Setup { .. }) => return Err(error),
-                        Err(error) => break error, // the lock goes with the session
-                    }
-                    if standing_by {
-                        tracing::info!("took over as the active instance for this slot");
-                    }
-                    let health = tokio::spawn(watch_health(client, key, lost_tx)).abort_handle();
-                    return Ok(Some(Leadership { lost, health }));
-                }
-                if !standing_by {
-                    if let Err(error) = within(announce(&client, Role::Standby, slot)).await {
-                        break error;
-                    }
-                    tracing::info!(
-                        mode = "standby",
-                        "another outboxd instance is active for this slot; standing by"
-                    );
-                    READINESS.set_mode("standby");
-                    standing_by = true;
-                }
-                match within(end_silent_leader(&client, &key)).await {
-                    Ok(true) => continue, // its lock goes as its backend exits: ask again at once
-                    Ok(false) => {}
-                    Err(Error::Postgres(error)) if error.code().is_some() => {
-                        cannot_fence(&Error::Postgres(error))
-                    }
-                    Err(error) => break error,
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(STANDBY_POLL) => {}
-                    _ = lost.wait_for(Option::is_some) => break Error::SessionRestart("the leadership connection ended".into()),
-                    _ = crate::pipeline::stopped(shutdown) => return Ok(None),
-                }
-            },
+        let contention = contend(
+            client,
+            settings,
+            key.clone(),
+            (lost_tx, lost),
+            &mut standing_by,
+            shutdown,
+        );
+        let trouble = match contention.await? {
+            Contention::Leading(leadership) => return Ok(Some(leadership)),
+            Contention::Stopped => return Ok(None),
+            Contention::Trouble(error) => error,
         };
         tracing::debug!(error = %trouble, "leadership connection trouble; reconnecting");
-        drop(client);
         tokio::select! {
             _ = tokio::time::sleep(backoff.next_delay()) => {}
             _ = crate::pipeline::stopped(shutdown) => return Ok(None),
+        }
+    }
+}
+
+/// What one leadership connection came to.
+enum Contention {
+    Leading(Leadership),
+    /// Shutdown came first.
+    Stopped,
+    /// The connection failed (the lock, if held, went with it): reconnect.
+    Trouble(Error),
+}
+
+/// On one connection: asks for the lock until it is granted (then takes over), standing by meanwhile and
+/// ending a silent leader; or until the connection fails or shutdown. `lost`: the connection's end, as
+/// the task driving it reports it.
+async fn contend(
+    client: tokio_postgres::Client,
+    settings: &RunSettings,
+    key: String,
+    (lost_tx, mut lost): (watch::Sender<Option<Lost>>, watch::Receiver<Option<Lost>>),
+    standing_by: &mut bool,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<Contention> {
+    let slot = settings.database.slot.as_str();
+    let settled = within(async {
+        client.batch_execute(&session_settings()).await?;
+        Ok(())
+    });
+    if let Err(error) = settled.await {
+        return Ok(Contention::Trouble(error));
+    }
+    loop {
+        let held = within(async {
+            let row = client
+                .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
+                .await?;
+            Ok(row.get::<_, bool>(0))
+        });
+        let held = match held.await {
+            Ok(held) => held,
+            Err(error) => return Ok(Contention::Trouble(error)),
+        };
+        if held {
+            match take_over(&client, settings, &key).await {
+                Ok(()) => {}
+                Err(error @ Error::Setup { .. }) => return Err(error),
+                Err(error) => return Ok(Contention::Trouble(error)), // the lock goes with the session
+            }
+            if *standing_by {
+                tracing::info!("took over as the active instance for this slot");
+            }
+            let health = tokio::spawn(watch_health(client, key, lost_tx)).abort_handle();
+            return Ok(Contention::Leading(Leadership { lost, health }));
+        }
+        if !*standing_by {
+            if let Err(error) = within(announce(&client, Role::Standby, slot)).await {
+                return Ok(Contention::Trouble(error));
+            }
+            tracing::info!(
+                mode = "standby",
+                "another outboxd instance is active for this slot; standing by"
+            );
+            READINESS.set_mode("standby");
+            *standing_by = true;
+        }
+        match within(end_silent_leader(&client, &key)).await {
+            Ok(true) => continue, // its lock goes as its backend exits: ask again at once
+            Ok(false) => {}
+            Err(Error::Postgres(error)) if error.code().is_some() => {
+                cannot_fence(&Error::Postgres(error))
+            }
+            Err(error) => return Ok(Contention::Trouble(error)),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(STANDBY_POLL) => {}
+            _ = lost.wait_for(Option::is_some) => {
+                return Ok(Contention::Trouble(Error::SessionRestart("the leadership connection ended".into())));
+            }
+            _ = crate::pipeline::stopped(shutdown) => return Ok(Contention::Stopped),
         }
     }
 }

@@ -192,7 +192,6 @@ where
 /// the database (what each supports), the mode the server allows (`auto` on tables without polling columns
 /// becomes `cdc`), retention, the brokers and the fleet's poll order; then retention starts. Returns the
 /// settings the pipeline runs with, and the poll-order announcement, held for the process's lifetime.
-// Long: one retried check after another, in the order they depend on each other.
 async fn start_up(
     configured: RunSettings<TableSpec>,
     sinks: &impl Sinks,

@@ -129,6 +129,26 @@ pub async fn poll_all_tables(
     Ok(())
 }
 
+/// Waits `delay` (after a claim found nothing, while a CDC leader streams, or after the broker failed a whole
+/// batch), or until `wake` (the table's NOTIFY) fires; true when shutdown came first.
+async fn idle(
+    wake: Option<&tokio::sync::Notify>,
+    delay: Duration,
+    shutdown: &mut watch::Receiver<bool>,
+) -> bool {
+    let notified = async {
+        match wake {
+            Some(notify) => notify.notified().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::time::sleep(delay) => false,
+        _ = notified => false,
+        _ = crate::pipeline::stopped(shutdown) => true,
+    }
+}
+
 /// Renews the lease of the claimed rows every half lease, counted from the claim, for as long as their batch
 /// is being handled (topic creation, sends, delivery reports, the final marks): a batch may take longer
 /// than a lease, and a lapsed lease lets another worker publish the same rows, or later events of their
@@ -236,6 +256,9 @@ impl<K: Sinks> PollWorker<K> {
         Ok((client, sql))
     }
 
+    /// One connection's claim loop: defer to a streaming CDC leader, claim, idle when nothing came, publish
+    /// the batch under renewed leases, then do what its report asks (a new producer, a broker-down wait).
+    // Long: the loop's steps in their order; each is one call, the waits share `idle`.
     async fn session(
         &self,
         shutdown: &mut watch::Receiver<bool>,
@@ -263,10 +286,10 @@ impl<K: Sinks> PollWorker<K> {
             }
             if let Some(leader) = &mut leader {
                 if leader.defer(&client).await? {
-                    tokio::select! {
-                        _ = tokio::time::sleep(super::fleet::LEADER_CHECK) => continue,
-                        _ = crate::pipeline::stopped(shutdown) => return Ok(()),
+                    if idle(None, super::fleet::LEADER_CHECK, shutdown).await {
+                        return Ok(());
                     }
+                    continue;
                 }
             }
             let token = Uuid::new_v4();
@@ -281,16 +304,14 @@ impl<K: Sinks> PollWorker<K> {
                 crate::http::READINESS.set_mode("poll");
             }
             if rows.is_empty() {
-                let notified = async {
-                    match &wake {
-                        Some((_, notify)) => notify.notified().await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    _ = tokio::time::sleep(idle_delay) => {}
-                    _ = notified => {}
-                    _ = crate::pipeline::stopped(shutdown) => return Ok(()),
+                if idle(
+                    wake.as_ref().map(|(_, notify)| &**notify),
+                    idle_delay,
+                    shutdown,
+                )
+                .await
+                {
+                    return Ok(());
                 }
                 idle_delay = (idle_delay * 2).min(poll.interval * 16);
                 continue;
@@ -312,9 +333,8 @@ impl<K: Sinks> PollWorker<K> {
             if report.broker_down {
                 let delay = broker_down.next_delay();
                 tracing::warn!(rows = report.retried, retry_in = ?delay, "the broker failed every send of the batch; retrying the rows once it answers");
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = crate::pipeline::stopped(shutdown) => return Ok(()),
+                if idle(None, delay, shutdown).await {
+                    return Ok(());
                 }
             } else {
                 broker_down.reset();

@@ -105,30 +105,7 @@ async fn run(mut args: Args) -> BenchResult<()> {
         args.soak_events = args.soak_events.min(300_000);
     }
     std::fs::create_dir_all(&args.out)?;
-    let outboxd = stack::outboxd_binary()?;
-    // Under the temp dir, not the checkout: the server runs as `postgres`, which may not reach a home directory.
-    let stack_dir = std::env::temp_dir().join(format!("outboxd-bench-{}", std::process::id()));
-    eprintln!(
-        "PostgreSQL, broker and outboxd logs: {}",
-        stack_dir.display()
-    );
-    let stack = Stack::start(&stack_dir)?;
-    let migrate = std::process::Command::new(&outboxd)
-        .args(["migrate", "--database-url", &stack.pg_url()])
-        .output()?;
-    if !migrate.status.success() {
-        return Err(format!("migrate: {}", String::from_utf8_lossy(&migrate.stderr)).into());
-    }
-    let (sql, driver) = tokio_postgres::connect(&stack.pg_url(), tokio_postgres::NoTls).await?;
-    tokio::spawn(driver);
-    let machine = describe_machine(&sql).await?;
-    let bench = Bench {
-        stack,
-        outboxd,
-        sql,
-        outboxd_args: args.outboxd_arg.clone(),
-    };
-
+    let (bench, machine) = start_stack(&args).await?;
     if args.soak {
         return soak_runs(&bench, &args, &machine).await;
     }
@@ -154,6 +131,63 @@ async fn run(mut args: Args) -> BenchResult<()> {
         return Ok(());
     }
 
+    let steady = steady_runs(&bench, &args).await?;
+    eprintln!("big transaction: {} events ...", args.big);
+    let (big_seconds, big_usage) = bench.big_transaction(args.big).await?;
+    let results = Results {
+        drain,
+        limits,
+        poll_one,
+        poll_four,
+        big_events: args.big,
+        big_seconds,
+        big_usage,
+        steady,
+    };
+    let table = results.table(&machine)?;
+    println!("{table}");
+    std::fs::write(args.out.join("results.md"), &table)?;
+    std::fs::write(args.out.join("steady.csv"), results.steady_csv()?)?;
+    std::fs::write(args.out.join("drain.csv"), results.drain_csv())?;
+    eprintln!(
+        "wrote {}/results.md, steady.csv, drain.csv (chart: python3 examples/plot_bench.py {}/steady.csv examples/bench-latency.png)",
+        args.out.display(),
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// PostgreSQL and the broker started (the tests' scripts), the outbox table migrated; with the machine's
+/// description for the report.
+async fn start_stack(args: &Args) -> BenchResult<(Bench, String)> {
+    let outboxd = stack::outboxd_binary()?;
+    // Under the temp dir, not the checkout: the server runs as `postgres`, which may not reach a home directory.
+    let stack_dir = std::env::temp_dir().join(format!("outboxd-bench-{}", std::process::id()));
+    eprintln!(
+        "PostgreSQL, broker and outboxd logs: {}",
+        stack_dir.display()
+    );
+    let stack = Stack::start(&stack_dir)?;
+    let migrate = std::process::Command::new(&outboxd)
+        .args(["migrate", "--database-url", &stack.pg_url()])
+        .output()?;
+    if !migrate.status.success() {
+        return Err(format!("migrate: {}", String::from_utf8_lossy(&migrate.stderr)).into());
+    }
+    let (sql, driver) = tokio_postgres::connect(&stack.pg_url(), tokio_postgres::NoTls).await?;
+    tokio::spawn(driver);
+    let machine = describe_machine(&sql).await?;
+    let bench = Bench {
+        stack,
+        outboxd,
+        sql,
+        outboxd_args: args.outboxd_arg.clone(),
+    };
+    Ok((bench, machine))
+}
+
+/// The steady rates, both modes; beyond `--rates` (unless `--quick`), higher ones until outboxd falls behind.
+async fn steady_runs(bench: &Bench, args: &Args) -> BenchResult<Vec<Steady>> {
     let secs = Duration::from_secs(args.steady_secs);
     let mut steady: Vec<Steady> = Vec::new();
     for mode in ["cdc", "poll"] {
@@ -176,176 +210,196 @@ async fn run(mut args: Args) -> BenchResult<()> {
             }
         }
     }
-    eprintln!("big transaction: {} events ...", args.big);
-    let (big_seconds, big_usage) = bench.big_transaction(args.big).await?;
-
-    // Report.
-    let limit = limits.source.min(limits.sink).min(limits.backfill);
-    let mut table = String::new();
-    writeln!(table, "{machine}\n")?;
-    writeln!(
-        table,
-        "| scenario | events/s | events/s once streaming | CPU µs/event | peak RSS MiB | notes |"
-    )?;
-    writeln!(table, "| --- | ---: | ---: | ---: | ---: | --- |")?;
-    let mib = |kib: u64| kib as f64 / 1024.0;
-    writeln!(
-        table,
-        "| drain, CDC ({} events) | {:.0} | {:.0} | {:.1} | {:.1} | {:.2} × min(limits) ({:.2} once streaming); {:.1} × one poll instance |",
-        drain.events,
-        drain.rate(),
-        drain.streaming_rate(),
-        drain.cpu_micros_per_event(),
-        mib(drain.usage.peak_rss_kib),
-        drain.rate() / limit,
-        drain.streaming_rate() / limit,
-        drain.rate() / poll_one.rate()
-    )?;
-    writeln!(
-        table,
-        "| source limit (pg_recvlogical) | {:.0} | | | | |",
-        limits.source
-    )?;
-    writeln!(
-        table,
-        "| sink limit (rdkafka producer) | {:.0} | | | | |",
-        limits.sink
-    )?;
-    writeln!(
-        table,
-        "| backfill limit (UPDATE by event_id, 2,000 per batch) | {:.0} | | | | |",
-        limits.backfill
-    )?;
-    for (name, d) in [
-        ("drain, poll, 1 instance", poll_one),
-        ("drain, poll, 4 instances", poll_four),
-    ] {
-        writeln!(
-            table,
-            "| {name} | {:.0} | {:.0} | {:.1} | {:.1} | CPU of all instances |",
-            d.rate(),
-            d.streaming_rate(),
-            d.cpu_micros_per_event(),
-            mib(d.usage.peak_rss_kib)
-        )?;
-    }
-    writeln!(
-        table,
-        "| one transaction of {} events | {:.0} | | {:.1} | {:.1} | {:.1} s from commit to confirmed |",
-        args.big,
-        args.big as f64 / big_seconds,
-        big_usage.cpu_seconds * 1e6 / args.big as f64,
-        mib(big_usage.peak_rss_kib),
-        big_seconds
-    )?;
-    writeln!(table)?;
-    writeln!(table, "| mode | offered/s | inserted/s | published/s | commit → consumer p50 / p99 / p99.9 ms | commit → published_at written (histogram) | created_at → published_at (SQL) | commit → slot confirmed | backlog at end | peak RSS MiB |")?;
-    writeln!(
-        table,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-    )?;
-    let ms = |v: [f64; 3]| format!("{:.1} / {:.1} / {:.1}", v[0] * 1e3, v[1] * 1e3, v[2] * 1e3);
-    for s in &steady {
-        writeln!(
-            table,
-            "| {} | {} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {:.1} |",
-            s.mode,
-            s.offered,
-            s.inserted_per_second,
-            s.published_per_second,
-            ms(s.commit_to_consumer),
-            s.commit_to_published_at_written.map_or("-".into(), ms),
-            ms(s.created_to_published_at),
-            s.commit_to_confirmed.map_or("-".into(), ms),
-            s.backlog_at_end,
-            mib(s.peak_rss_kib)
-        )?;
-    }
-    println!("{table}");
-    std::fs::write(args.out.join("results.md"), &table)?;
-
-    let mut csv = String::from("mode,offered,inserted_per_second,published_per_second");
-    for figure in [
-        "commit_to_consumer",
-        "commit_to_published_at_written",
-        "created_to_published_at",
-        "commit_to_confirmed",
-    ] {
-        for quantile in ["p50", "p99", "p999"] {
-            write!(csv, ",{figure}_{quantile}")?;
-        }
-    }
-    csv.push_str(",backlog_at_end,peak_rss_kib\n");
-    for s in &steady {
-        write!(
-            csv,
-            "{},{},{:.1},{:.1}",
-            s.mode, s.offered, s.inserted_per_second, s.published_per_second
-        )?;
-        for figure in [
-            Some(s.commit_to_consumer),
-            s.commit_to_published_at_written,
-            Some(s.created_to_published_at),
-            s.commit_to_confirmed,
-        ] {
-            for value in figure.unwrap_or([f64::NAN; 3]) {
-                write!(csv, ",{value}")?;
-            }
-        }
-        writeln!(csv, ",{},{}", s.backlog_at_end, s.peak_rss_kib)?;
-    }
-    std::fs::write(args.out.join("steady.csv"), csv)?;
-    let drains = format!(
-        "scenario,events,seconds,events_per_second,cpu_us_per_event,peak_rss_kib\n\
-         drain_cdc,{},{:.3},{:.0},{:.2},{}\n\
-         drain_cdc_once_streaming,{},{:.3},{:.0},,\n\
-         source_limit,{},,{:.0},,\n\
-         sink_limit,{},,{:.0},,\n\
-         backfill_limit,{},,{:.0},,\n\
-         drain_poll_1,{},{:.3},{:.0},{:.2},{}\n\
-         drain_poll_4,{},{:.3},{:.0},{:.2},{}\n\
-         big_transaction,{},{:.3},{:.0},{:.2},{}\n",
-        drain.events,
-        drain.seconds,
-        drain.rate(),
-        drain.cpu_micros_per_event(),
-        drain.usage.peak_rss_kib,
-        drain.events,
-        drain.streaming_seconds,
-        drain.streaming_rate(),
-        drain.events,
-        limits.source,
-        drain.events,
-        limits.sink,
-        drain.events,
-        limits.backfill,
-        poll_one.events,
-        poll_one.seconds,
-        poll_one.rate(),
-        poll_one.cpu_micros_per_event(),
-        poll_one.usage.peak_rss_kib,
-        poll_four.events,
-        poll_four.seconds,
-        poll_four.rate(),
-        poll_four.cpu_micros_per_event(),
-        poll_four.usage.peak_rss_kib,
-        args.big,
-        big_seconds,
-        args.big as f64 / big_seconds,
-        big_usage.cpu_seconds * 1e6 / args.big as f64,
-        big_usage.peak_rss_kib,
-    );
-    std::fs::write(args.out.join("drain.csv"), drains)?;
-    eprintln!(
-        "wrote {}/results.md, steady.csv, drain.csv (chart: python3 examples/plot_bench.py {}/steady.csv examples/bench-latency.png)",
-        args.out.display(),
-        args.out.display()
-    );
-    Ok(())
+    Ok(steady)
 }
 
-/// Every soak run the arguments name; prints and writes the table, the charts and one CSV per run.
-async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()> {
+/// Every figure of a full run, for the report and the CSV files.
+struct Results {
+    drain: scenarios::Drain,
+    limits: scenarios::Limits,
+    poll_one: scenarios::Drain,
+    poll_four: scenarios::Drain,
+    big_events: usize,
+    big_seconds: f64,
+    big_usage: stack::Usage,
+    steady: Vec<Steady>,
+}
+
+impl Results {
+    /// The markdown report (`results.md`).
+    // Long: one `writeln!` per line of the report, in its order.
+    fn table(&self, machine: &str) -> BenchResult<String> {
+        let limit = self
+            .limits
+            .source
+            .min(self.limits.sink)
+            .min(self.limits.backfill);
+        let mut table = String::new();
+        writeln!(table, "{machine}\n")?;
+        writeln!(
+            table,
+            "| scenario | events/s | events/s once streaming | CPU µs/event | peak RSS MiB | notes |"
+        )?;
+        writeln!(table, "| --- | ---: | ---: | ---: | ---: | --- |")?;
+        let mib = |kib: u64| kib as f64 / 1024.0;
+        writeln!(
+            table,
+            "| self.drain, CDC ({} events) | {:.0} | {:.0} | {:.1} | {:.1} | {:.2} × min(self.limits) ({:.2} once streaming); {:.1} × one poll instance |",
+            self.drain.events,
+            self.drain.rate(),
+            self.drain.streaming_rate(),
+            self.drain.cpu_micros_per_event(),
+            mib(self.drain.usage.peak_rss_kib),
+            self.drain.rate() / limit,
+            self.drain.streaming_rate() / limit,
+            self.drain.rate() / self.poll_one.rate()
+        )?;
+        writeln!(
+            table,
+            "| source limit (pg_recvlogical) | {:.0} | | | | |",
+            self.limits.source
+        )?;
+        writeln!(
+            table,
+            "| sink limit (rdkafka producer) | {:.0} | | | | |",
+            self.limits.sink
+        )?;
+        writeln!(
+            table,
+            "| backfill limit (UPDATE by event_id, 2,000 per batch) | {:.0} | | | | |",
+            self.limits.backfill
+        )?;
+        for (name, d) in [
+            ("self.drain, poll, 1 instance", self.poll_one),
+            ("self.drain, poll, 4 instances", self.poll_four),
+        ] {
+            writeln!(
+                table,
+                "| {name} | {:.0} | {:.0} | {:.1} | {:.1} | CPU of all instances |",
+                d.rate(),
+                d.streaming_rate(),
+                d.cpu_micros_per_event(),
+                mib(d.usage.peak_rss_kib)
+            )?;
+        }
+        writeln!(
+            table,
+            "| one transaction of {} events | {:.0} | | {:.1} | {:.1} | {:.1} s from commit to confirmed |",
+            self.big_events,
+            self.big_events as f64 / self.big_seconds,
+            self.big_usage.cpu_seconds * 1e6 / self.big_events as f64,
+            mib(self.big_usage.peak_rss_kib),
+            self.big_seconds
+        )?;
+        writeln!(table)?;
+        writeln!(table, "| mode | offered/s | inserted/s | published/s | commit → consumer p50 / p99 / p99.9 ms | commit → published_at written (histogram) | created_at → published_at (SQL) | commit → slot confirmed | backlog at end | peak RSS MiB |")?;
+        writeln!(
+            table,
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        )?;
+        let ms = |v: [f64; 3]| format!("{:.1} / {:.1} / {:.1}", v[0] * 1e3, v[1] * 1e3, v[2] * 1e3);
+        for s in &self.steady {
+            writeln!(
+                table,
+                "| {} | {} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {:.1} |",
+                s.mode,
+                s.offered,
+                s.inserted_per_second,
+                s.published_per_second,
+                ms(s.commit_to_consumer),
+                s.commit_to_published_at_written.map_or("-".into(), ms),
+                ms(s.created_to_published_at),
+                s.commit_to_confirmed.map_or("-".into(), ms),
+                s.backlog_at_end,
+                mib(s.peak_rss_kib)
+            )?;
+        }
+        Ok(table)
+    }
+
+    /// One line per steady run (`steady.csv`).
+    fn steady_csv(&self) -> BenchResult<String> {
+        let mut csv = String::from("mode,offered,inserted_per_second,published_per_second");
+        for figure in [
+            "commit_to_consumer",
+            "commit_to_published_at_written",
+            "created_to_published_at",
+            "commit_to_confirmed",
+        ] {
+            for quantile in ["p50", "p99", "p999"] {
+                write!(csv, ",{figure}_{quantile}")?;
+            }
+        }
+        csv.push_str(",backlog_at_end,peak_rss_kib\n");
+        for s in &self.steady {
+            write!(
+                csv,
+                "{},{},{:.1},{:.1}",
+                s.mode, s.offered, s.inserted_per_second, s.published_per_second
+            )?;
+            for figure in [
+                Some(s.commit_to_consumer),
+                s.commit_to_published_at_written,
+                Some(s.created_to_published_at),
+                s.commit_to_confirmed,
+            ] {
+                for value in figure.unwrap_or([f64::NAN; 3]) {
+                    write!(csv, ",{value}")?;
+                }
+            }
+            writeln!(csv, ",{},{}", s.backlog_at_end, s.peak_rss_kib)?;
+        }
+        Ok(csv)
+    }
+
+    /// The drains, the limits and the big transaction (`drain.csv`).
+    fn drain_csv(&self) -> String {
+        let drains = format!(
+            "scenario,events,seconds,events_per_second,cpu_us_per_event,peak_rss_kib\n\
+             drain_cdc,{},{:.3},{:.0},{:.2},{}\n\
+             drain_cdc_once_streaming,{},{:.3},{:.0},,\n\
+             source_limit,{},,{:.0},,\n\
+             sink_limit,{},,{:.0},,\n\
+             backfill_limit,{},,{:.0},,\n\
+             drain_poll_1,{},{:.3},{:.0},{:.2},{}\n\
+             drain_poll_4,{},{:.3},{:.0},{:.2},{}\n\
+             big_transaction,{},{:.3},{:.0},{:.2},{}\n",
+            self.drain.events,
+            self.drain.seconds,
+            self.drain.rate(),
+            self.drain.cpu_micros_per_event(),
+            self.drain.usage.peak_rss_kib,
+            self.drain.events,
+            self.drain.streaming_seconds,
+            self.drain.streaming_rate(),
+            self.drain.events,
+            self.limits.source,
+            self.drain.events,
+            self.limits.sink,
+            self.drain.events,
+            self.limits.backfill,
+            self.poll_one.events,
+            self.poll_one.seconds,
+            self.poll_one.rate(),
+            self.poll_one.cpu_micros_per_event(),
+            self.poll_one.usage.peak_rss_kib,
+            self.poll_four.events,
+            self.poll_four.seconds,
+            self.poll_four.rate(),
+            self.poll_four.cpu_micros_per_event(),
+            self.poll_four.usage.peak_rss_kib,
+            self.big_events,
+            self.big_seconds,
+            self.big_events as f64 / self.big_seconds,
+            self.big_usage.cpu_seconds * 1e6 / self.big_events as f64,
+            self.big_usage.peak_rss_kib,
+        );
+        drains
+    }
+}
+
+/// What each soak run does (`--soak-*`), and how often each run scrapes `/metrics` (`None`: never).
+fn soak_plan(args: &Args) -> BenchResult<(Vec<Option<Duration>>, soak::Plan)> {
     let mut scrapes = Vec::new();
     for scrape in &args.soak_scrape {
         scrapes.push(match scrape.as_str() {
@@ -369,6 +423,12 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
             .max(100_000)
             .min(args.soak_events / 2),
     };
+    Ok((scrapes, plan))
+}
+
+/// Every soak run the arguments name; prints and writes the table, the charts and one CSV per run.
+async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()> {
+    let (scrapes, plan) = soak_plan(args)?;
     let mut report = format!(
         "{machine}\n\nSoak: {} events per run at {}/s offered, {} per transaction, {} aggregates at random; \
          warm-up {} events; growth is the least-squares slope after warm-up.\n\n\
@@ -406,29 +466,8 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
                 scraped
             };
             std::fs::write(args.out.join(format!("{name}.csv")), result.csv())?;
-            use soak::Measure::*;
-            let (rss_from, rss_to) = result.steady_range(RssMib);
-            let (fds_from, fds_to) = result.steady_range(Fds);
-            let (threads_from, threads_to) = result.steady_range(Threads);
-            let (pg_from, pg_to) = result.steady_range(BackendsMib);
-            let growth = result.growth_per_million(RssMib);
-            let anon_growth = result.growth_per_million(RssAnonMib);
-            writeln!(
-                report,
-                "| {mode} | {scraped} | {:.0} | {:.1} | {rss_from:.1} → {rss_to:.1} ({:.1}) | {growth:.2} | {:.2} | {fds_from} → {fds_to} | {threads_from} → {threads_to} | {pg_from:.1} → {pg_to:.1} | {:.2} | {:.1} | {:.0} |",
-                plan.events as f64 / result.seconds,
-                result.samples.first().map_or(f64::NAN, |s| RssMib.of(s)),
-                result.max_of(|s| RssMib.of(s)),
-                anon_growth,
-                result.growth_per_million(BackendsMib),
-                result.max_of(|s| s.slot_lag_bytes as f64) / 1048576.0,
-                result.max_of(|s| s.backlog as f64),
-            )?;
-            writeln!(
-                charts,
-                "\noutboxd RSS (MiB) against published events, {mode}, /metrics scraped {scraped}:\n```\n{}```",
-                result.chart(RssMib, 60, 12)
-            )?;
+            let (growth, anon_growth) =
+                soak_row(&mut report, &mut charts, mode, &scraped, &plan, &result)?;
             if args
                 .max_growth
                 .is_some_and(|bound| growth.max(anon_growth) > bound)
@@ -453,6 +492,42 @@ async fn soak_runs(bench: &Bench, args: &Args, machine: &str) -> BenchResult<()>
         }
     }
     Ok(())
+}
+
+/// One soak run's line of the report, and its chart; returns its RSS growth and anonymous RSS growth (MiB
+/// per million events).
+fn soak_row(
+    report: &mut String,
+    charts: &mut String,
+    mode: &str,
+    scraped: &str,
+    plan: &soak::Plan,
+    result: &soak::Soak,
+) -> BenchResult<(f64, f64)> {
+    use soak::Measure::*;
+    let (rss_from, rss_to) = result.steady_range(RssMib);
+    let (fds_from, fds_to) = result.steady_range(Fds);
+    let (threads_from, threads_to) = result.steady_range(Threads);
+    let (pg_from, pg_to) = result.steady_range(BackendsMib);
+    let growth = result.growth_per_million(RssMib);
+    let anon_growth = result.growth_per_million(RssAnonMib);
+    writeln!(
+        report,
+        "| {mode} | {scraped} | {:.0} | {:.1} | {rss_from:.1} → {rss_to:.1} ({:.1}) | {growth:.2} | {:.2} | {fds_from} → {fds_to} | {threads_from} → {threads_to} | {pg_from:.1} → {pg_to:.1} | {:.2} | {:.1} | {:.0} |",
+        plan.events as f64 / result.seconds,
+        result.samples.first().map_or(f64::NAN, |s| RssMib.of(s)),
+        result.max_of(|s| RssMib.of(s)),
+        anon_growth,
+        result.growth_per_million(BackendsMib),
+        result.max_of(|s| s.slot_lag_bytes as f64) / 1048576.0,
+        result.max_of(|s| s.backlog as f64),
+    )?;
+    writeln!(
+        charts,
+        "\noutboxd RSS (MiB) against published events, {mode}, /metrics scraped {scraped}:\n```\n{}```",
+        result.chart(RssMib, 60, 12)
+    )?;
+    Ok((growth, anon_growth))
 }
 
 /// Cores, CPU model, memory and versions, for the report's first line.

@@ -401,6 +401,7 @@ impl Bench {
     }
 
     /// `rate` events/s (transactions of 10 on several connections) for `duration`, with outboxd in `mode`.
+    // Long: one scenario in the order it runs (start, warm up, load and consume, drain, read the figures).
     pub async fn steady(
         &self,
         mode: &'static str,
