@@ -189,7 +189,8 @@ pub struct TableSpec {
 pub struct OutboxTable {
     /// The table's schema-qualified name.
     pub name: TableName,
-    /// What it was resolved from (to inspect it again).
+    /// Its mapping as resolved, to inspect it again: an optional role the table lacked stays dropped, so a
+    /// column added while outboxd runs does not change what a running outboxd reads.
     spec: TableSpec,
     /// Column per role, in `Role::ALL` order; `None`: the table lacks that optional role.
     columns: [Option<String>; 6],
@@ -239,7 +240,7 @@ impl TableSpec {
     }
 
     /// The table as `outboxd migrate` creates it: every mapped column, the polling columns, a `jsonb`
-    /// payload, not partitioned.
+    /// payload (read as text), not partitioned.
     pub fn as_created(&self) -> OutboxTable {
         OutboxTable {
             name: self.name.clone(),
@@ -262,12 +263,13 @@ impl TableSpec {
     ) -> Result<OutboxTable, TableMismatch> {
         let mut table = self.as_created();
         table.resolve_against(columns, partitioned, &self.explicit)?;
+        table.spec.columns = table.columns.clone();
         Ok(table)
     }
 }
 
 impl OutboxTable {
-    /// The configuration it was resolved from.
+    /// Its mapping as resolved (see the field), to inspect it again.
     pub fn spec(&self) -> &TableSpec {
         &self.spec
     }
@@ -575,6 +577,26 @@ mod tests {
             )
             .unwrap_err();
         assert!(err.problem.contains("no column aggregate_id"), "{err:?}");
+    }
+
+    #[test]
+    fn an_optional_role_the_table_lacked_stays_dropped_when_inspected_again() {
+        let without = columns(&[
+            ("event_id", "uuid"),
+            ("aggregate_id", "text"),
+            ("payload", "jsonb"),
+        ]);
+        let mut with = without.clone();
+        with.push(("created_at".into(), "timestamp with time zone".into()));
+        let first = table(TableStyle::Standard, &[])
+            .resolve(&without, false)
+            .unwrap();
+        let again = first.spec().resolve(&with, false).unwrap();
+        assert_eq!(again.column(Role::CreatedAt), None);
+        let fresh = table(TableStyle::Standard, &[])
+            .resolve(&with, false)
+            .unwrap();
+        assert_eq!(fresh.column(Role::CreatedAt), Some("created_at"));
     }
 
     #[test]

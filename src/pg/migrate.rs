@@ -492,7 +492,7 @@ async fn migrate_under_lock(
             }
             let mut existing_rows = None;
             if *version > CREATE_TABLE_VERSION {
-                table = slot::inspect(&*client, spec).await?;
+                table = slot::inspect(&*client, table.spec()).await?;
                 if !created_here && !has_polling_migrations && !settings.add_polling_columns {
                     report.cdc_only.push(target.clone());
                     break;
@@ -523,7 +523,7 @@ async fn migrate_under_lock(
                 .await?;
             report.applied.push(format!("{target} {version:04}_{name}"));
         }
-        tables.push(slot::inspect(&*client, spec).await?);
+        tables.push(slot::inspect(&*client, table.spec()).await?);
     }
     report.publication_created = ensure_publication(client, &settings.publication, &tables).await?;
     Ok(report)
