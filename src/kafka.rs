@@ -3,6 +3,7 @@
 //! transaction it belongs to. Owns the producer settings; what an ack means for the slot is the pipeline's.
 
 pub mod startup;
+mod transaction;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,6 +23,7 @@ use uuid::Uuid;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
+use crate::progress::{Progress, ProgressKey};
 use crate::sink::{Delivery, PublishError, Rejection, Sink, Sinks};
 
 /// What a librdkafka error means for the event it refused.
@@ -81,6 +83,9 @@ fn topic_gone(error: &KafkaError) -> bool {
 /// The producer's context: reports each delivery on the channel and watches librdkafka's log.
 pub struct DeliveryContext<T> {
     deliveries: UnboundedSender<Delivery<T>>,
+    /// Exactly-once: acknowledgements wait here until their Kafka transaction commits (see
+    /// `transaction`); failures are reported at once.
+    held: Option<Mutex<transaction::Held<T>>>,
     known_topics: KnownTopics,
     /// librdkafka took messages as delivered because a later batch of their partition was (see
     /// [`IMPLICIT_ACK`]): from then on this producer's acknowledgements are not trusted.
@@ -137,10 +142,12 @@ impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {
 }
 
 impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
-    type DeliveryOpaque = Box<Delivery<T>>;
+    type DeliveryOpaque = Box<Carried<T>>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
-        let mut delivery = *opaque;
+        let Carried::Event(mut delivery) = *opaque else {
+            return;
+        };
         if let Err((error, message)) = result {
             if topic_gone(error) {
                 if let Ok(mut known) = self.known_topics.lock() {
@@ -153,9 +160,20 @@ impl<T: Send + Sync + 'static> ProducerContext for DeliveryContext<T> {
             });
         }
         delivery.result = self.trusted(delivery.result);
+        let Some(delivery) = self.hold_until_committed(delivery) else {
+            return;
+        };
         // The receiver is gone only when the session ended; its events will be re-sent.
         let _ = self.deliveries.send(delivery);
     }
+}
+
+/// What travels with a record to its delivery report.
+pub enum Carried<T> {
+    /// An outbox event.
+    Event(Delivery<T>),
+    /// A progress record (its failure fails the commit, see `transaction`).
+    Progress,
 }
 
 /// The topic whose metadata [`Publisher::check_brokers`] asks for; never created.
@@ -174,6 +192,8 @@ pub struct Publisher<T: Send + Sync + 'static> {
     replication_factor: i32,
     /// Header carrying the event id: `event_id`, or `id` for Debezium-style tables.
     event_id_header: &'static str,
+    /// Exactly-once: the transactional producer's own settings.
+    transactions: Option<transaction::Transactions>,
 }
 
 /// Makes the pipelines' Kafka producers ([`Publisher`]); its clones share the topics known to exist.
@@ -191,6 +211,15 @@ impl Sinks for KafkaSinks {
         deliveries: UnboundedSender<Delivery<T>>,
     ) -> Result<Publisher<T>> {
         Publisher::new(settings, self.known_topics.clone(), deliveries)
+    }
+
+    fn exactly_once_sink<T: Send + Sync + 'static>(
+        &self,
+        settings: &RunSettings,
+        deliveries: UnboundedSender<Delivery<T>>,
+        key: &ProgressKey,
+    ) -> Result<Publisher<T>> {
+        Publisher::transactional(settings, self.known_topics.clone(), deliveries, key)
     }
 
     async fn check_ready(&self, settings: &RunSettings) -> Result<()> {
@@ -338,15 +367,34 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         known_topics: KnownTopics,
         deliveries: UnboundedSender<Delivery<T>>,
     ) -> Result<Self> {
+        Self::with_config(
+            settings,
+            producer_config(settings),
+            known_topics,
+            deliveries,
+            None,
+        )
+    }
+
+    /// A publisher whose producer is made from `config`; `transactions`: exactly-once.
+    fn with_config<Tables>(
+        settings: &RunSettings<Tables>,
+        config: ClientConfig,
+        known_topics: KnownTopics,
+        deliveries: UnboundedSender<Delivery<T>>,
+        transactions: Option<transaction::Transactions>,
+    ) -> Result<Self> {
         let admin = client_config(settings).create().map_err(config_error)?;
-        let producer = producer_config(settings)
+        let producer = config
             .create_with_context(DeliveryContext {
                 deliveries,
+                held: transactions.as_ref().map(|_| Mutex::default()),
                 known_topics: known_topics.clone(),
                 implicit_ack_seen: Arc::default(),
             })
             .map_err(config_error)?;
         Ok(Publisher {
+            transactions,
             producer,
             admin,
             known_topics,
@@ -423,6 +471,23 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         Ok(())
     }
 
+    /// Hands one record to librdkafka, waiting while its queue is full.
+    async fn send<'a>(
+        &self,
+        mut record: BaseRecord<'a, [u8], [u8], Box<Carried<T>>>,
+    ) -> Result<(), PublishError> {
+        loop {
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), returned)) => {
+                    record = returned;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((error, _)) => return Err(PublishError::Rejected(rejection_from(&error))),
+            }
+        }
+    }
+
     /// Whether the brokers' metadata lists `topic` with partitions.
     async fn topic_exists(&self, topic: &str) -> Result<bool> {
         let producer = self.producer.clone();
@@ -494,12 +559,12 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
                 value: Some(value),
             });
         }
-        let opaque = Box::new(Delivery {
+        let opaque = Box::new(Carried::Event(Delivery {
             tag,
             event_id,
             bytes: event.size_bytes(),
             result: Ok(()),
-        });
+        }));
         let mut record = BaseRecord::with_opaque_to(topic, opaque)
             .key(event.aggregate_id.as_bytes())
             .headers(headers);
@@ -507,16 +572,19 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
         if let Some(payload) = &event.payload {
             record = record.payload(&payload[..]);
         }
-        loop {
-            match self.producer.send(record) {
-                Ok(()) => return Ok(()),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), returned)) => {
-                    record = returned;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err((error, _)) => return Err(PublishError::Rejected(rejection_from(&error))),
-            }
-        }
+        self.send(record).await?;
+        self.producer.context().produced();
+        Ok(())
+    }
+
+    /// Exactly-once: see [`Sink::begin_transactions`].
+    async fn begin_transactions(&self, key: &ProgressKey) -> Result<Option<Progress>> {
+        self.start_transactions(key).await
+    }
+
+    /// Exactly-once: see [`Sink::commit`].
+    async fn commit(&self, progress: &Progress) -> Result<(), Rejection> {
+        self.commit_transaction(progress).await
     }
 
     /// A fatal producer error (e.g. the idempotent producer was fenced after an outage): the producer must be
@@ -535,10 +603,12 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
     }
 
     /// Fails every event the producer still holds (their delivery reports arrive at once, as failures):
-    /// the attempt is given up and the producer must not be used again (see [`Publisher::new`]).
+    /// the attempt is given up and the producer must not be used again (see [`Publisher::new`]). With
+    /// exactly-once the open Kafka transaction is aborted, and what it had delivered is reported failed.
     fn purge(&self) {
         self.producer
             .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+        self.abort_in_background();
     }
 
     /// Drops whatever the producer still holds; those events are re-sent from the slot.
@@ -600,6 +670,7 @@ mod tests {
         let (deliveries, _receiver) = tokio::sync::mpsc::unbounded_channel::<Delivery<()>>();
         let context = DeliveryContext {
             deliveries,
+            held: None,
             known_topics: KnownTopics::default(),
             implicit_ack_seen: Arc::default(),
         };

@@ -12,6 +12,7 @@ pub mod lsn;
 pub mod metrics;
 pub mod pg;
 pub mod pipeline;
+pub mod progress;
 pub mod retention;
 pub mod sink;
 pub mod stats;

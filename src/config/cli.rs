@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use super::settings::{ExistingRows, Mode, PollOrder};
+use super::settings::{DeliveryGuarantee, ExistingRows, Mode, PollOrder};
 use crate::table::TableStyle;
 
 /// Command line of the `outboxd` binary.
@@ -151,6 +151,18 @@ pub struct Options {
     /// Replication factor of topics outboxd creates [default: the broker's default].
     #[arg(long, env = "OUTBOXD_TOPIC_REPLICATION_FACTOR")]
     pub topic_replication_factor: Option<i32>,
+    /// at-least-once, or exactly-once: the CDC path writes whole transactions into Kafka transactions with
+    /// a progress record, so `read_committed` readers see each event once [default: at-least-once].
+    #[arg(long, env = "OUTBOXD_DELIVERY", value_enum)]
+    pub delivery: Option<DeliveryGuarantee>,
+    /// With --delivery exactly-once: the compacted topic holding each slot's progress (created if missing)
+    /// [default: outboxd.progress].
+    #[arg(long, env = "OUTBOXD_PROGRESS_TOPIC")]
+    pub progress_topic: Option<String>,
+    /// With --delivery exactly-once: how long a Kafka transaction collects events before it commits;
+    /// readers see events only after the commit [default: 100ms].
+    #[arg(long, env = "OUTBOXD_TRANSACTION_INTERVAL")]
+    pub transaction_interval: Option<String>,
     /// Never create topics; a missing topic is an error.
     #[arg(long, env = "OUTBOXD_NO_CREATE_TOPICS")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -20,8 +20,9 @@ pub use parse::{
     parse_duration, parse_identifier, parse_postgres_url, parse_slot_name, parse_table, redact_url,
 };
 pub use settings::{
-    CdcSettings, DatabaseSettings, ExistingRows, KafkaSettings, Mode, PollOrder, PollSettings,
-    Retention, RunSettings, DEFAULT_MAX_IN_FLIGHT_EVENTS,
+    CdcSettings, DatabaseSettings, DeliveryGuarantee, ExactlyOnceSettings, ExistingRows,
+    KafkaSettings, Mode, PollOrder, PollSettings, Retention, RunSettings,
+    DEFAULT_MAX_IN_FLIGHT_EVENTS,
 };
 
 use std::path::PathBuf;

@@ -23,6 +23,17 @@ pub enum Mode {
     Poll,
 }
 
+/// What a reader of the topics may count on (`--delivery`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeliveryGuarantee {
+    /// Every committed event at least once; a crash can repeat up to one in-flight window.
+    #[default]
+    AtLeastOnce,
+    /// CDC events in Kafka transactions with a progress record: `read_committed` readers see each once.
+    ExactlyOnce,
+}
+
 /// What `migrate --add-polling-columns` makes of the rows a table already holds when it gains `published_at`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
 #[serde(rename_all = "kebab-case")]
@@ -159,6 +170,18 @@ pub struct KafkaSettings {
     pub topic_replication_factor: Option<i32>,
     /// False with `--no-create-topics`: a missing topic is then an error.
     pub create_topics: bool,
+    /// `--delivery exactly-once`: how the CDC path's Kafka transactions are made; `None`: at least once.
+    pub exactly_once: Option<ExactlyOnceSettings>,
+}
+
+/// Settings of `--delivery exactly-once`.
+#[derive(Debug, Clone)]
+pub struct ExactlyOnceSettings {
+    /// `--progress-topic`: the compacted topic of progress records (created if missing).
+    pub progress_topic: String,
+    /// `--transaction-interval`: how long a Kafka transaction collects events before it commits (1ms to
+    /// 10s); readers see events only once it committed.
+    pub transaction_interval: Duration,
 }
 
 /// Settings of the CDC path.

@@ -9,8 +9,8 @@ use super::parse::{
     split_kafka_options,
 };
 use super::settings::{
-    CdcSettings, DatabaseSettings, KafkaSettings, PollSettings, Retention, RunSettings,
-    DEFAULT_MAX_IN_FLIGHT_EVENTS,
+    CdcSettings, DatabaseSettings, DeliveryGuarantee, ExactlyOnceSettings, KafkaSettings, Mode,
+    PollSettings, Retention, RunSettings, DEFAULT_MAX_IN_FLIGHT_EVENTS,
 };
 use super::{invalid, ConfigError};
 use crate::table::{TableName, TableSpec};
@@ -149,6 +149,7 @@ impl Options {
             ));
         }
         let poll = self.poll()?;
+        let exactly_once = self.exactly_once(&kafka_options)?;
         let metrics_addr = match self.metrics_addr.as_deref().unwrap_or("127.0.0.1:9187") {
             "off" => None,
             addr => Some(addr.parse().map_err(|_| {
@@ -196,6 +197,7 @@ impl Options {
                 topic_partitions,
                 topic_replication_factor: self.topic_replication_factor,
                 create_topics: !self.no_create_topics,
+                exactly_once,
             },
             startup_timeout: parse_duration(
                 "--startup-timeout",
@@ -219,6 +221,68 @@ impl Options {
 }
 
 impl Options {
+    fn exactly_once(
+        &self,
+        kafka_options: &[(String, String)],
+    ) -> Result<Option<ExactlyOnceSettings>, ConfigError> {
+        if self.delivery.unwrap_or_default() != DeliveryGuarantee::ExactlyOnce {
+            for (flag, given) in [
+                ("--progress-topic", self.progress_topic.is_some()),
+                (
+                    "--transaction-interval",
+                    self.transaction_interval.is_some(),
+                ),
+            ] {
+                if given {
+                    return Err(invalid(format!(
+                        "{flag} needs --delivery exactly-once (without it nothing uses it)"
+                    )));
+                }
+            }
+            return Ok(None);
+        }
+        if self.mode == Some(Mode::Poll) {
+            return Err(invalid(
+                "--delivery exactly-once covers the CDC path: use --mode cdc or auto (the polling path is at least once)",
+            ));
+        }
+        if let Some((key, _)) = kafka_options
+            .iter()
+            .find(|(key, _)| key == "transactional.id" || key == "enable.idempotence")
+        {
+            return Err(invalid(format!(
+                "--kafka-option {key} cannot be set with --delivery exactly-once: outboxd derives the transactional id from the slot (so that a new leader fences the old one) and needs idempotence; remove the option"
+            )));
+        }
+        let progress_topic = self
+            .progress_topic
+            .clone()
+            .unwrap_or_else(|| "outboxd.progress".into());
+        if progress_topic.is_empty()
+            || progress_topic.len() > 249
+            || !progress_topic
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        {
+            return Err(invalid(format!(
+                "--progress-topic {progress_topic:?} is not a valid Kafka topic name (letters, digits, '.', '_', '-'; at most 249)"
+            )));
+        }
+        let transaction_interval = parse_duration(
+            "--transaction-interval",
+            self.transaction_interval.as_deref().unwrap_or("100ms"),
+        )?;
+        if transaction_interval.is_zero() || transaction_interval > Duration::from_secs(10) {
+            return Err(invalid(
+                "--transaction-interval must be between 1ms and 10s (well under transaction.timeout.ms)",
+            ));
+        }
+        Ok(Some(ExactlyOnceSettings {
+            progress_topic,
+            transaction_interval,
+        }))
+    }
+
     fn poll(&self) -> Result<PollSettings, ConfigError> {
         let duration = |flag: &str, value: &Option<String>, default: &str| {
             parse_duration(flag, value.as_deref().unwrap_or(default))

@@ -293,6 +293,9 @@ pub async fn run_with(
         match settings.mode {
             Mode::Poll => {
                 tracing::info!(mode = "poll", "polling the outbox table");
+                if settings.kafka.exactly_once.is_some() {
+                    tracing::warn!("--delivery exactly-once covers the CDC path, and the server does not allow logical replication: polling delivers at least once");
+                }
                 crate::http::READINESS.set_mode("poll");
                 poll::poll_all_tables(settings.clone(), ClaimScope::All, sinks, shutdown).await
             }

@@ -362,6 +362,18 @@ fn broker_down() -> Error {
 impl Sinks for MemoryBroker {
     type Sink<T: Send + Sync + 'static> = MemorySink<T>;
 
+    fn exactly_once_sink<T: Send + Sync + 'static>(
+        &self,
+        _settings: &RunSettings,
+        _deliveries: UnboundedSender<Delivery<T>>,
+        _key: &crate::progress::ProgressKey,
+    ) -> Result<MemorySink<T>> {
+        Err(Error::setup(
+            "the in-memory broker has no transactions",
+            "test --delivery exactly-once against Apache Kafka",
+        ))
+    }
+
     fn sink<T: Send + Sync + 'static>(
         &self,
         _settings: &RunSettings,

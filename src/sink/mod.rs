@@ -17,6 +17,7 @@ use uuid::Uuid;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
+use crate::progress::{Progress, ProgressKey};
 
 /// Why the broker (or the producer) refused an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +110,24 @@ pub trait Sink<T>: Send + Sync {
 
     /// Drops whatever the producer still holds; its events are sent again by whoever owns them.
     fn abandon(self);
+
+    /// Exactly-once: fences every earlier producer of the slot `key` names, and reads what the last
+    /// committed broker transaction covered (`None`: nothing yet). At least once: nothing to do.
+    fn begin_transactions(
+        &self,
+        key: &ProgressKey,
+    ) -> impl Future<Output = Result<Option<Progress>>> + Send {
+        let _ = key;
+        async { Ok(None) }
+    }
+
+    /// Exactly-once: commits every event published since the last commit, together with `progress`;
+    /// their delivery reports arrive only after the commit. An `Err`: the transaction was aborted and its
+    /// events' reports arrive as failures. At least once: nothing to do.
+    fn commit(&self, progress: &Progress) -> impl Future<Output = Result<(), Rejection>> + Send {
+        let _ = progress;
+        async { Ok(()) }
+    }
 }
 
 /// Makes sinks: one per CDC session and per polling batch that spent its producer.
@@ -121,6 +140,15 @@ pub trait Sinks: Clone + Send + Sync + 'static {
         &self,
         settings: &RunSettings,
         deliveries: UnboundedSender<Delivery<T>>,
+    ) -> Result<Self::Sink<T>>;
+
+    /// A transactional producer for `--delivery exactly-once`, fencing earlier ones of the slot `key`
+    /// names (see [`Sink::begin_transactions`]).
+    fn exactly_once_sink<T: Send + Sync + 'static>(
+        &self,
+        settings: &RunSettings,
+        deliveries: UnboundedSender<Delivery<T>>,
+        key: &ProgressKey,
     ) -> Result<Self::Sink<T>>;
 
     /// The start-up check: a broker answers and accepts outboxd's settings (credentials, TLS, options).

@@ -10,6 +10,7 @@ mod cdc;
 mod chaos;
 mod docker;
 mod errors;
+mod exactly_once;
 mod failover;
 mod fit;
 mod fleet;

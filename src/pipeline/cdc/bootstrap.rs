@@ -28,6 +28,10 @@ pub(super) struct Bootstrapped {
     /// published by an earlier run (the replay region).
     pub replay_end: Lsn,
     pub gate: AggregateGate<Pending>,
+    /// The server history the session streams from.
+    pub history: ServerHistory,
+    /// Where the slot starts when this session created it.
+    pub slot_created_at: Option<Lsn>,
 }
 
 impl<K: Sinks> CdcPipeline<K> {
@@ -76,6 +80,7 @@ impl<K: Sinks> CdcPipeline<K> {
             None => self.create_slot(&mut sql, conn).await?,
         };
         let start = self.watermark.confirmed();
+        let slot_created_at = slot_position.is_none().then_some(start);
         let stream = conn
             .start_replication(&db.slot, start, &db.publication)
             .await
@@ -83,7 +88,7 @@ impl<K: Sinks> CdcPipeline<K> {
         tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
         // This history is the position's from now on (not before: a session that fails before streaming
         // must not make a slot it never streamed from look like one that vanished).
-        self.history = Some(here);
+        self.history = Some(here.clone());
         // Read only now that this session holds the slot: an instance that led before may have handed off
         // rows until it let go of it.
         let gate = blocked_aggregates(&settings, &sql).await?;
@@ -92,6 +97,8 @@ impl<K: Sinks> CdcPipeline<K> {
             outbox_sql,
             replay_end: identity.xlog_position,
             gate,
+            history: here,
+            slot_created_at,
         };
         Ok((stream, boot))
     }

@@ -16,6 +16,7 @@ use crate::lsn::Lsn;
 use crate::pg::pgoutput::{Begin, Insert, PgOutputMessage};
 use crate::pipeline::backfill::CdcTag;
 use crate::pipeline::watermark::{TxnId, Watermark};
+use crate::progress::StreamPosition;
 use crate::table::OutboxTable;
 
 /// An event decoded from the stream, with what the CDC path attaches to it.
@@ -23,6 +24,8 @@ pub struct Pending {
     pub tag: CdcTag,
     pub event: OutboxEvent,
     pub event_id: Uuid,
+    /// Where the stream carried it (for exactly-once progress).
+    pub position: StreamPosition,
 }
 
 /// What the session does with a decoded message.
@@ -65,6 +68,19 @@ struct Current {
     commit_micros: i64,
     /// Re-sent (see `Watermark::is_resent`).
     resent: bool,
+    /// Commit LSN (Begin's `final_lsn`).
+    final_lsn: Lsn,
+    /// Outbox rows decoded so far.
+    events: u64,
+}
+
+/// How far the stream has been decoded, as exactly-once progress records it: the last transaction begun
+/// (its commit LSN and time) and how many of its outbox rows were decoded, `None` once it committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodedUpto {
+    pub commit_lsn: Lsn,
+    pub commit_micros: i64,
+    pub events_decoded: Option<u64>,
 }
 
 pub struct TransactionDecoder {
@@ -78,6 +94,8 @@ pub struct TransactionDecoder {
     in_replay_region: bool,
     /// A diverged transaction was reported in this session.
     warned_divergence: bool,
+    /// The last transaction that committed in this session's stream.
+    last_committed: Option<DecodedUpto>,
 }
 
 impl TransactionDecoder {
@@ -91,7 +109,25 @@ impl TransactionDecoder {
             current: None,
             in_replay_region: false,
             warned_divergence: false,
+            last_committed: None,
         }
+    }
+
+    /// How far the stream has been decoded (see [`DecodedUpto`]); `None` before the first transaction.
+    pub fn decoded_upto(&self) -> Option<DecodedUpto> {
+        match self.current {
+            Some(current) => Some(DecodedUpto {
+                commit_lsn: current.final_lsn,
+                commit_micros: current.commit_micros,
+                events_decoded: Some(current.events),
+            }),
+            None => self.last_committed,
+        }
+    }
+
+    /// True between a Begin and its Commit.
+    pub fn in_transaction(&self) -> bool {
+        self.current.is_some()
     }
 
     pub fn decode(
@@ -105,6 +141,11 @@ impl TransactionDecoder {
                 if let Some(current) = self.current.take() {
                     tracing::trace!(end_lsn = %commit.end_lsn, "transaction decoded");
                     watermark.commit_at(current.txn, commit.end_lsn, current.commit_micros);
+                    self.last_committed = Some(DecodedUpto {
+                        commit_lsn: current.final_lsn,
+                        commit_micros: current.commit_micros,
+                        events_decoded: None,
+                    });
                 }
                 Ok(Decoded::Nothing)
             }
@@ -149,6 +190,8 @@ impl TransactionDecoder {
             xid: begin.xid,
             commit_micros: begin.commit_time_micros,
             resent,
+            final_lsn: begin.final_lsn,
+            events: 0,
         });
         Decoded::Begin {
             final_lsn: begin.final_lsn,
@@ -158,9 +201,10 @@ impl TransactionDecoder {
     }
 
     fn insert(&mut self, insert: &Insert) -> Result<Decoded> {
-        let (Some(current), Some(mapping)) =
-            (self.current, self.mappings.get_mut(&insert.relation_id))
-        else {
+        let (Some(current), Some(mapping)) = (
+            self.current.as_mut(),
+            self.mappings.get_mut(&insert.relation_id),
+        ) else {
             return Err(Error::bug(format!(
                 "the replication stream sent a row of relation {} outside a transaction or before its Relation message",
                 insert.relation_id
@@ -176,6 +220,14 @@ impl TransactionDecoder {
                 return Ok(Decoded::Nothing);
             }
         };
+        // Counted before anything is skipped, so that every session numbers a transaction's rows alike.
+        let position = StreamPosition {
+            commit_lsn: current.final_lsn,
+            commit_micros: current.commit_micros,
+            index: current.events,
+        };
+        current.events += 1;
+        let current = *current;
         // Without published_at nothing tells a re-sent row from a new one: it was published before.
         if current.resent && !self.tables[table].marks_published {
             return Ok(Decoded::Nothing);
@@ -200,6 +252,7 @@ impl TransactionDecoder {
                         tag,
                         event: placeholder_event(&event_id),
                         event_id: event_id.parse().unwrap_or_default(),
+                        position,
                     },
                     column,
                 });
@@ -218,6 +271,7 @@ impl TransactionDecoder {
                 tag,
                 event,
                 event_id,
+                position,
             },
         })
     }
@@ -338,6 +392,59 @@ mod tests {
         );
         watermark.event_finished(pending.tag.txn);
         assert_eq!(watermark.advance(), Lsn(216));
+    }
+
+    #[test]
+    fn rows_are_numbered_within_their_transaction_and_other_tables_do_not_count() {
+        let mut watermark = Watermark::new(Lsn(100));
+        let mut decoder = decoder(table(true, true), 0);
+        assert_eq!(decoder.decoded_upto(), None);
+        for message in [relation(OUTBOX, "outbox_event"), relation(OTHER, "orders")] {
+            decoder.decode(message, &mut watermark).unwrap();
+        }
+        decoder
+            .decode(begin(200, 5_000, 42), &mut watermark)
+            .unwrap();
+        let mut indexes = Vec::new();
+        for relation_id in [OUTBOX, OTHER, OUTBOX, OUTBOX] {
+            if let Decoded::Event { pending, .. } = decoder
+                .decode(
+                    insert(relation_id, Uuid::new_v4(), Some("a")),
+                    &mut watermark,
+                )
+                .unwrap()
+            {
+                assert_eq!(pending.position.commit_lsn, Lsn(200));
+                assert_eq!(pending.position.commit_micros, 5_000);
+                indexes.push(pending.position.index);
+            }
+        }
+        assert_eq!(indexes, [0, 1, 2]);
+        assert!(decoder.in_transaction());
+        assert_eq!(
+            decoder.decoded_upto(),
+            Some(DecodedUpto {
+                commit_lsn: Lsn(200),
+                commit_micros: 5_000,
+                events_decoded: Some(3),
+            })
+        );
+        decoder.decode(commit(216, 5_000), &mut watermark).unwrap();
+        assert!(!decoder.in_transaction());
+        assert_eq!(
+            decoder.decoded_upto().map(|upto| upto.events_decoded),
+            Some(None),
+            "a committed transaction is included whole"
+        );
+        decoder
+            .decode(begin(300, 6_000, 43), &mut watermark)
+            .unwrap();
+        let (pending, _) = event(
+            decoder
+                .decode(insert(OUTBOX, Uuid::new_v4(), Some("a")), &mut watermark)
+                .unwrap(),
+        );
+        assert_eq!(pending.position.index, 0, "numbering starts again");
     }
 
     #[test]

@@ -27,14 +27,15 @@ use crate::pipeline::history::ServerHistory;
 use crate::pipeline::leader;
 use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::Watermark;
-use crate::sink::Sinks;
+use crate::progress::ProgressKey;
+use crate::sink::{Sink, Sinks};
 
 mod bootstrap;
 mod decoder;
 mod gate;
 mod session;
 mod window;
-use session::Session;
+use session::{ExactlyOnce, Session};
 
 /// Most blocked aggregates tracked one by one. A table with more (a huge hand-off after a slot was
 /// recreated) is held whole: all its events go to the polling path, in order, until few enough remain.
@@ -236,7 +237,38 @@ impl<K: Sinks> CdcPipeline<K> {
 
         let (delivery_tx, delivery_rx) = mpsc::unbounded_channel();
         let (finished_tx, mut finished_rx) = mpsc::unbounded_channel();
-        let publisher = self.sinks.sink(&settings, delivery_tx.clone())?;
+        let (publisher, exactly_once) = match &settings.kafka.exactly_once {
+            None => (self.sinks.sink(&settings, delivery_tx.clone())?, None),
+            Some(eos) => {
+                let key = ProgressKey {
+                    system_id: boot.history.system_id.clone(),
+                    slot: settings.database.slot.clone(),
+                };
+                let publisher =
+                    self.sinks
+                        .exactly_once_sink(&settings, delivery_tx.clone(), &key)?;
+                let committed = publisher.begin_transactions(&key).await?;
+                let committed = committed.filter(|progress| {
+                    match progress.usable_on(boot.history.timeline, boot.replay_end, boot.slot_created_at) {
+                        Ok(()) => true,
+                        Err(why) => {
+                            tracing::warn!(%why, "the last progress record does not belong to this server history: events it covered are published again where their rows are unpublished");
+                            false
+                        }
+                    }
+                });
+                if let Some(progress) = &committed {
+                    tracing::info!(commit_lsn = %progress.commit_lsn, events_included = ?progress.events_included, "exactly-once: events up to the last committed Kafka transaction are not produced again");
+                }
+                let eos = ExactlyOnce::new(
+                    key,
+                    boot.history.timeline,
+                    committed,
+                    eos.transaction_interval,
+                );
+                (publisher, Some(eos))
+            }
+        };
         let backfill = tokio::spawn(backfill::run(
             settings.database.database_url.clone(),
             settings.database.tables.clone(),
@@ -250,6 +282,7 @@ impl<K: Sinks> CdcPipeline<K> {
             boot,
             publisher,
             delivery_tx,
+            exactly_once,
         );
         let result = session
             .stream(&mut stream, &mut finished_rx, shutdown)

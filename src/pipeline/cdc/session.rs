@@ -28,6 +28,7 @@ use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
 use crate::pipeline::backfill::{CdcTag, Finished};
 use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::{TxnId, Watermark};
+use crate::progress::{Progress, ProgressKey};
 use crate::sink::{Delivery, PublishError, Rejection, Sink};
 use crate::table::OutboxTable;
 
@@ -75,6 +76,41 @@ fn aggregate_of(event: &OutboxEvent) -> AggregateKey {
             .to_string(),
         event.aggregate_id.to_string(),
     )
+}
+
+/// `--delivery exactly-once`: the Kafka transaction being filled, and what the last one committed before
+/// this session covered.
+pub(super) struct ExactlyOnce {
+    key: ProgressKey,
+    timeline: u32,
+    /// What the last Kafka transaction committed before this session covered: those events are in Kafka
+    /// already, and are marked published without being produced again.
+    committed_before: Option<Progress>,
+    /// `--transaction-interval`.
+    interval: Duration,
+    /// When the open Kafka transaction took its first event; `None` while it holds none.
+    open_since: Option<tokio::time::Instant>,
+    /// A commit is due but waits for this session's hand-offs to be written (reading pauses meanwhile):
+    /// the progress record must not cover an event still on its way to the polling path.
+    waiting_for_hand_offs: bool,
+}
+
+impl ExactlyOnce {
+    pub(super) fn new(
+        key: ProgressKey,
+        timeline: u32,
+        committed_before: Option<Progress>,
+        interval: Duration,
+    ) -> Self {
+        ExactlyOnce {
+            key,
+            timeline,
+            committed_before,
+            interval,
+            open_since: None,
+            waiting_for_hand_offs: false,
+        }
+    }
 }
 
 /// What the server was last told, and when.
@@ -127,6 +163,8 @@ pub(super) struct Session<'a, S> {
     /// An event was refused for good where nothing can retry it (a table without polling columns): the
     /// session ends with a definite error, as when the producer refuses one at hand-over.
     refused_without_polling: Option<String>,
+    /// `--delivery exactly-once`; `None`: at least once.
+    exactly_once: Option<ExactlyOnce>,
 }
 
 impl<'a, S: Sink<CdcTag>> Session<'a, S> {
@@ -137,6 +175,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
         boot: Bootstrapped,
         publisher: S,
         hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
+        exactly_once: Option<ExactlyOnce>,
     ) -> Self {
         let tables = &settings.database.tables;
         let decoder = TransactionDecoder::new(
@@ -177,6 +216,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             ),
             failing: None,
             refused_without_polling: None,
+            exactly_once,
         }
     }
 
@@ -218,11 +258,15 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 biased;
                 _ = crate::pipeline::stopped(shutdown), if drain_deadline.is_none() => {
                     tracing::info!(in_flight = self.window.events(), "shutting down: draining in-flight events");
-                    self.drop_held_events();
+                    // With exactly-once they are handed on before the last commit instead: its progress
+                    // record covers everything decoded.
+                    if self.exactly_once.is_none() {
+                        self.drop_held_events();
+                    }
                     drain_deadline = Some(tokio::time::Instant::now() + self.settings.shutdown_timeout);
                 }
                 finished = finished_rx.recv() => self.finished(finished).await?,
-                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs && self.failing.is_none() => {
+                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs && self.failing.is_none() && !self.commit_waits_for_hand_offs() => {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
@@ -230,6 +274,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     let timeout = self.delivery_timeout;
                     self.give_up(format!("an event waited {timeout:?} (message.timeout.ms) for its delivery report; {} are outstanding", self.outstanding.len()));
                 }
+                _ = sleep_until_opt(self.commit_due_at()) => {}
                 _ = tokio::time::sleep_until(next_unblock_check), if self.gate.has_blocked() && drain_deadline.is_none() && self.failing.is_none() => {
                     let started = tokio::time::Instant::now();
                     self.unblock_drained_aggregates().await?;
@@ -245,6 +290,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 next_unblock_check = tokio::time::Instant::now();
             }
             self.unclog_window().await?;
+            self.commit_if_due(drain_deadline.is_some()).await?;
             self.confirm(stream, &mut status, reply_now).await?;
             if drain_deadline.is_some() && self.window.events() == 0 {
                 break;
@@ -265,6 +311,9 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 for (tag, bytes) in events {
                     if tag.hand_off {
                         self.hand_offs_in_flight = self.hand_offs_in_flight.saturating_sub(1);
+                    } else if tag.produced == 0 {
+                        // In Kafka before this session (see `mark_covered`): marked, not produced.
+                        self.skipped_already_published += 1;
                     } else {
                         self.delivery_reported(tag.produced);
                         published += 1;
@@ -407,8 +456,9 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             }
             Decoded::Event { pending, look_up } => {
                 self.start_event(pending.tag.txn, pending.event.size_bytes());
-                // Re-sent and replayed rows are checked first (see `flush_replay_buffer`).
-                if look_up {
+                // Re-sent and replayed rows are checked first (see `flush_replay_buffer`), and so are rows
+                // an earlier Kafka transaction covered.
+                if look_up || self.covered_before(&pending) {
                     self.replay_buffer.push(pending);
                 } else {
                     self.publish(pending).await?;
@@ -490,6 +540,9 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         };
         match published {
             Ok(()) => {
+                if let Some(eos) = self.exactly_once.as_mut() {
+                    eos.open_since.get_or_insert_with(tokio::time::Instant::now);
+                }
                 self.outstanding
                     .insert(self.next_produced, tokio::time::Instant::now());
                 self.next_produced += 1;
@@ -781,6 +834,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 states.extend(answer.into_iter().map(|(id, state)| ((table, id), state)));
             }
         }
+        let mut marked_covered = 0;
         for pending in std::mem::take(&mut self.replay_buffer) {
             // A row gone: a re-sent one was finished before (deleted after publishing, or by retention); a
             // replayed one may have been deleted by its own transaction and is published from the stream.
@@ -790,9 +844,13 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 .get(&(pending.tag.table, pending.event_id))
                 .copied()
                 .unwrap_or(pending.tag.resent);
-            if finished {
+            let exists = states.contains_key(&(pending.tag.table, pending.event_id));
+            if finished || (!exists && self.covered_before(&pending)) {
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
+            } else if self.covered_before(&pending) {
+                self.mark_covered(pending)?;
+                marked_covered += 1;
             } else if self
                 .gate
                 .is_blocked(pending.tag.table, || aggregate_of(&pending.event))
@@ -804,6 +862,111 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             } else {
                 self.publish(pending).await?;
             }
+        }
+        if marked_covered > 0 {
+            tracing::info!(
+                events = marked_covered,
+                "events already in Kafka (committed before this session) marked published without producing them again"
+            );
+        }
+        Ok(())
+    }
+
+    /// True when the last Kafka transaction committed before this session holds this event.
+    fn covered_before(&self, pending: &Pending) -> bool {
+        self.exactly_once
+            .as_ref()
+            .and_then(|eos| eos.committed_before.as_ref())
+            .is_some_and(|progress| progress.covers(&pending.position))
+    }
+
+    /// An event already in Kafka (committed before this session) whose row is not marked yet: it is
+    /// marked published as if acknowledged now, and never produced again. (`produced: 0` tells the
+    /// report from a producer's.)
+    fn mark_covered(&mut self, pending: Pending) -> Result<()> {
+        let delivery = Delivery {
+            tag: CdcTag {
+                produced: 0,
+                hand_off: false,
+                ..pending.tag
+            },
+            event_id: pending.event_id,
+            bytes: pending.event.size_bytes(),
+            result: Ok(()),
+        };
+        self.hand_offs.send(delivery).map_err(|_| Error::Kafka {
+            message: "the backfill task stopped".into(),
+            transient: true,
+        })
+    }
+
+    /// Reading waits while a due commit waits for hand-offs.
+    fn commit_waits_for_hand_offs(&self) -> bool {
+        self.exactly_once
+            .as_ref()
+            .is_some_and(|eos| eos.waiting_for_hand_offs)
+    }
+
+    /// When the open Kafka transaction should commit, if the loop has nothing else to wake it: between
+    /// PostgreSQL transactions, and not while waiting for hand-offs (their reports wake it).
+    fn commit_due_at(&self) -> Option<tokio::time::Instant> {
+        let eos = self.exactly_once.as_ref()?;
+        if self.failing.is_some() || eos.waiting_for_hand_offs || self.decoder.in_transaction() {
+            return None;
+        }
+        eos.open_since.map(|since| since + eos.interval)
+    }
+
+    /// Commits the open Kafka transaction when it is due: `--transaction-interval` after its first event,
+    /// at the end of a PostgreSQL transaction (mid-transaction only when the window is full, or at
+    /// shutdown). Its progress record covers everything decoded, so first every decoded event must be
+    /// produced into it or handed to the polling path and written: buffered replayed rows are looked up,
+    /// parked events handed off, and it waits for hand-offs to be written.
+    async fn commit_if_due(&mut self, draining: bool) -> Result<()> {
+        let Some(eos) = &self.exactly_once else {
+            return Ok(());
+        };
+        let Some(since) = eos.open_since else {
+            return Ok(());
+        };
+        let cannot_wait = draining || !self.window_open();
+        if self.failing.is_some()
+            || !(cannot_wait || since.elapsed() >= eos.interval)
+            || (self.decoder.in_transaction() && !cannot_wait)
+        {
+            return Ok(());
+        }
+        if !self.replay_buffer.is_empty() {
+            self.flush_replay_buffer().await?;
+        }
+        if self.gate.parked_len() > 0 {
+            self.hand_off_every_parked()?;
+        }
+        let hand_offs_pending =
+            self.hand_offs_in_flight > 0 || !self.hand_offs_unwritten.is_empty();
+        let Some(eos) = self.exactly_once.as_mut() else {
+            return Ok(());
+        };
+        eos.waiting_for_hand_offs = hand_offs_pending;
+        if hand_offs_pending || self.failing.is_some() {
+            return Ok(());
+        }
+        let Some(upto) = self.decoder.decoded_upto() else {
+            return Ok(());
+        };
+        let progress = Progress::new(
+            eos.key.clone(),
+            eos.timeline,
+            upto.commit_lsn,
+            upto.commit_micros,
+            upto.events_decoded,
+        );
+        eos.open_since = None;
+        if let Err(rejection) = self.publisher.commit(&progress).await {
+            self.give_up(format!(
+                "the Kafka transaction did not commit: {}",
+                rejection.reason
+            ));
         }
         Ok(())
     }

@@ -1,0 +1,421 @@
+//! Exactly-once delivery on the Kafka side: a transactional producer whose `transactional.id` is derived
+//! from the slot (a new leader fences a paused old one), Kafka transactions that each carry a progress record
+//! (see `progress`) to a compacted progress topic, and the read of the last committed record at start-up
+//! (`read_committed`).
+//!
+//! Acknowledgements are held back until their Kafka transaction commits: only then does the pipeline write
+//! `published_at` and confirm the slot. A failed delivery is reported at once (it will abort the
+//! transaction); when the transaction aborts, what it had delivered is reported failed too, and the events
+//! are sent again from the slot. Owns no rule about when to commit (the CDC session's).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::Message;
+use rdkafka::producer::{BaseRecord, Producer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::{config_error, producer_config, Carried, DeliveryContext, KnownTopics, Publisher};
+use crate::config::RunSettings;
+use crate::error::{Error, Result};
+use crate::progress::{Progress, ProgressKey};
+use crate::sink::{Delivery, PublishError, Rejection};
+
+/// How long `init_transactions` and the read of the progress topic may take at the start of a session.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a commit or an abort may take before the session gives the transaction up.
+const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long, after a commit or an abort, the delivery reports of its events may take to be served.
+const REPORTS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The transactional producer's own settings.
+pub(super) struct Transactions {
+    progress_topic: String,
+    replication_factor: i32,
+    /// The progress reader's configuration: the brokers and `--kafka-option` (credentials, TLS).
+    reader: ClientConfig,
+}
+
+/// Acknowledgements of the open Kafka transaction, held until it commits or aborts.
+pub(super) struct Held<T> {
+    /// Events handed to the producer in the open transaction.
+    produced: usize,
+    /// Of those, reports served so far (acknowledged ones wait in `acknowledged`).
+    reported: usize,
+    acknowledged: Vec<Delivery<T>>,
+}
+
+impl<T> Default for Held<T> {
+    fn default() -> Self {
+        Held {
+            produced: 0,
+            reported: 0,
+            acknowledged: Vec::new(),
+        }
+    }
+}
+
+impl<T> DeliveryContext<T> {
+    /// Exactly-once: an acknowledgement waits for its transaction's commit (`None`: held); a failure is
+    /// passed on at once. At least once: passed on.
+    pub(super) fn hold_until_committed(&self, delivery: Delivery<T>) -> Option<Delivery<T>> {
+        let Some(held) = &self.held else {
+            return Some(delivery);
+        };
+        let Ok(mut held) = held.lock() else {
+            return Some(delivery);
+        };
+        held.reported += 1;
+        if delivery.result.is_ok() {
+            held.acknowledged.push(delivery);
+            return None;
+        }
+        Some(delivery)
+    }
+
+    /// One more event handed to the producer (exactly-once only).
+    pub(super) fn produced(&self) {
+        if let Some(Ok(mut held)) = self.held.as_ref().map(Mutex::lock) {
+            held.produced += 1;
+        }
+    }
+
+    /// Once every report of the transaction is in (or [`REPORTS_TIMEOUT`] passed), passes its held
+    /// acknowledgements on: as they are when it committed, as failures when it aborted (`aborted`: why).
+    /// Blocks: call it off the runtime.
+    fn release_held(&self, aborted: Option<&str>) {
+        let Some(held) = &self.held else {
+            return;
+        };
+        let deadline = Instant::now() + REPORTS_TIMEOUT;
+        let acknowledged = loop {
+            let Ok(mut held) = held.lock() else {
+                return;
+            };
+            if held.reported >= held.produced || Instant::now() > deadline {
+                if held.reported < held.produced {
+                    tracing::warn!(
+                        missing = held.produced - held.reported,
+                        "delivery reports of a finished Kafka transaction did not arrive; their events are given up with the session"
+                    );
+                }
+                let acknowledged = std::mem::take(&mut held.acknowledged);
+                *held = Held::default();
+                break acknowledged;
+            }
+            drop(held);
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        for mut delivery in acknowledged {
+            if let Some(why) = aborted {
+                delivery.result = Err(Rejection::transient(format!(
+                    "the Kafka transaction was aborted: {why}"
+                )));
+            }
+            let _ = self.deliveries.send(delivery);
+        }
+    }
+}
+
+/// The producer configuration of exactly-once: outboxd's guarantees plus the transactional id. librdkafka
+/// derives the message timeout from `transaction.timeout.ms` (a message that times out aborts the whole
+/// transaction, so nothing after it becomes visible).
+fn transactional_config<Tables>(settings: &RunSettings<Tables>, key: &ProgressKey) -> ClientConfig {
+    let mut config = producer_config(settings);
+    config
+        .set("transactional.id", key.transactional_id())
+        .remove("message.timeout.ms");
+    config
+}
+
+/// The progress reader's configuration: the brokers and the user's options (credentials, TLS); producer
+/// properties among them are ignored by librdkafka (with a warning).
+fn reader_config(settings: &RunSettings) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &settings.kafka.brokers);
+    for (key, value) in &settings.kafka.options {
+        config.set(key, value);
+    }
+    config
+}
+
+/// What a failed transactional call means for the session.
+fn transaction_rejection(error: &KafkaError) -> Rejection {
+    let fenced = matches!(
+        error.rdkafka_error_code(),
+        Some(RDKafkaErrorCode::ProducerFenced | RDKafkaErrorCode::InvalidProducerEpoch)
+    );
+    let reason = if fenced {
+        format!("{error}: another outboxd instance took over this slot's Kafka transactions (this one was fenced); stepping down")
+    } else {
+        error.to_string()
+    };
+    Rejection {
+        producer_broken: true,
+        ..Rejection::transient(reason)
+    }
+}
+
+/// The start-up error of a transactional call, naming the fix where a person must act.
+fn start_error(what: &str, error: KafkaError, key: &ProgressKey) -> Error {
+    match error.rdkafka_error_code() {
+        Some(RDKafkaErrorCode::TransactionalIdAuthorizationFailed) => Error::setup(
+            format!("the broker does not let outboxd use transactional id {} ({error})", key.transactional_id()),
+            format!("grant the principal WRITE and DESCRIBE on TransactionalId {} (or a prefixed ACL on outboxd-), or drop --delivery exactly-once", key.transactional_id()),
+        ),
+        Some(RDKafkaErrorCode::InvalidTransactionTimeout) => Error::setup(
+            format!("the broker refuses the transaction timeout ({error})"),
+            "set --kafka-option transaction.timeout.ms to at most the broker's transaction.max.timeout.ms (15 minutes by default)",
+        ),
+        _ => Error::Kafka {
+            message: format!("{what}: {error}"),
+            transient: true,
+        },
+    }
+}
+
+impl<T: Send + Sync + 'static> Publisher<T> {
+    /// A transactional publisher for the slot `key` names (see the module doc).
+    pub(super) fn transactional(
+        settings: &RunSettings,
+        known_topics: KnownTopics,
+        deliveries: UnboundedSender<Delivery<T>>,
+        key: &ProgressKey,
+    ) -> Result<Self> {
+        let Some(exactly_once) = &settings.kafka.exactly_once else {
+            return Err(Error::bug(
+                "a transactional producer was asked for without --delivery exactly-once",
+            ));
+        };
+        Self::with_config(
+            settings,
+            transactional_config(settings, key),
+            known_topics,
+            deliveries,
+            Some(Transactions {
+                progress_topic: exactly_once.progress_topic.clone(),
+                replication_factor: settings.kafka.topic_replication_factor.unwrap_or(-1),
+                reader: reader_config(settings),
+            }),
+        )
+    }
+
+    /// Fences every earlier producer of the slot (their open transaction is aborted, or completed when
+    /// its commit had begun), reads what the last committed transaction covered, and begins one.
+    pub(super) async fn start_transactions(&self, key: &ProgressKey) -> Result<Option<Progress>> {
+        let Some(transactions) = &self.transactions else {
+            return Ok(None);
+        };
+        let producer = self.producer.clone();
+        blocking(move || producer.init_transactions(START_TIMEOUT))
+            .await?
+            .map_err(|e| start_error("cannot initialise Kafka transactions", e, key))?;
+        self.ensure_progress_topic(transactions).await?;
+        let config = transactions.reader.clone();
+        let (topic, record_key) = (transactions.progress_topic.clone(), key.record_key());
+        let value = blocking(move || read_last(config, &topic, &record_key)).await??;
+        let progress = match value {
+            None => None,
+            Some(value) => match Progress::decode(&value, key) {
+                Ok(progress) => Some(progress),
+                Err(why) => {
+                    tracing::warn!(%why, topic = %transactions.progress_topic, "ignoring the last progress record: events it covered may be published again");
+                    None
+                }
+            },
+        };
+        self.producer
+            .begin_transaction()
+            .map_err(|e| start_error("cannot begin a Kafka transaction", e, key))?;
+        Ok(progress)
+    }
+
+    /// Commits the open transaction with `progress` as its progress record, then begins the next one;
+    /// the transaction's acknowledgements are passed on once it committed. On failure it is aborted and
+    /// they are passed on as failures.
+    pub(super) async fn commit_transaction(&self, progress: &Progress) -> Result<(), Rejection> {
+        let Some(transactions) = &self.transactions else {
+            return Ok(());
+        };
+        let (key, value) = (progress.key.record_key(), progress.encode());
+        let record = BaseRecord::with_opaque_to(
+            transactions.progress_topic.as_str(),
+            Box::new(Carried::Progress),
+        )
+        .partition(0)
+        .key(key.as_bytes())
+        .payload(&value[..]);
+        if let Err(error) = self.send(record).await {
+            let rejection = match error {
+                PublishError::Rejected(rejection) => rejection,
+                PublishError::Failed(error) => Rejection::transient(error.to_string()),
+            };
+            self.abort(&rejection.reason).await;
+            return Err(rejection);
+        }
+        let producer = self.producer.clone();
+        let committed = blocking(move || producer.commit_transaction(COMMIT_TIMEOUT))
+            .await
+            .map_err(|e| Rejection::transient(e.to_string()))?;
+        match committed {
+            Ok(()) => {
+                let producer = self.producer.clone();
+                let _ = blocking(move || producer.context().release_held(None)).await;
+                self.producer
+                    .begin_transaction()
+                    .map_err(|e| transaction_rejection(&e))
+            }
+            Err(error) => {
+                let rejection = transaction_rejection(&error);
+                tracing::warn!(error = %rejection.reason, "a Kafka transaction did not commit; aborting it (its events are sent again from the slot)");
+                self.abort(&rejection.reason).await;
+                Err(rejection)
+            }
+        }
+    }
+
+    /// Aborts the open transaction and reports what it had delivered as failed.
+    async fn abort(&self, why: &str) {
+        let producer = self.producer.clone();
+        let why = why.to_string();
+        let _ = blocking(move || abort_and_release(&producer, &why)).await;
+    }
+
+    /// [`Publisher::abort`] from a synchronous caller (a purge): on a thread of its own.
+    pub(super) fn abort_in_background(&self) {
+        if self.transactions.is_none() {
+            return;
+        }
+        let producer = self.producer.clone();
+        std::thread::spawn(move || {
+            abort_and_release(&producer, "the session gave its deliveries up")
+        });
+    }
+
+    async fn ensure_progress_topic(&self, transactions: &Transactions) -> Result<()> {
+        let topic = NewTopic::new(
+            &transactions.progress_topic,
+            1,
+            TopicReplication::Fixed(transactions.replication_factor),
+        )
+        .set("cleanup.policy", "compact")
+        .set("segment.ms", "3600000")
+        .set("min.cleanable.dirty.ratio", "0.1");
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        let results = self
+            .admin
+            .create_topics([&topic], &options)
+            .await
+            .map_err(|e| Error::Kafka {
+                message: format!(
+                    "cannot create progress topic {}: {e}",
+                    transactions.progress_topic
+                ),
+                transient: true,
+            })?;
+        for result in results {
+            match result {
+                Ok(_) => {
+                    tracing::info!(topic = %transactions.progress_topic, "created progress topic")
+                }
+                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                // A principal that may not create topics: fine if it exists (the read below says so).
+                Err((_, RDKafkaErrorCode::TopicAuthorizationFailed))
+                | Err((_, RDKafkaErrorCode::ClusterAuthorizationFailed)) => {}
+                Err((_, code)) => {
+                    return Err(Error::Kafka {
+                        message: format!(
+                            "cannot create progress topic {}: {code}",
+                            transactions.progress_topic
+                        ),
+                        transient: true,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn abort_and_release<T: Send + Sync + 'static>(
+    producer: &rdkafka::producer::ThreadedProducer<DeliveryContext<T>>,
+    why: &str,
+) {
+    if let Err(error) = producer.abort_transaction(COMMIT_TIMEOUT) {
+        tracing::debug!(%error, "aborting the Kafka transaction failed (the next producer's init aborts it)");
+    }
+    producer.context().release_held(Some(why));
+}
+
+/// Runs `work` on the blocking pool.
+async fn blocking<R: Send + 'static>(work: impl FnOnce() -> R + Send + 'static) -> Result<R> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Error::Kafka {
+            message: e.to_string(),
+            transient: true,
+        })
+}
+
+/// The value of the last committed record with `key` in partition 0 of `topic`, read `read_committed`:
+/// from the end backwards in growing spans (compaction keeps the topic short, but not at once).
+fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<Vec<u8>>> {
+    let unreadable = |e: KafkaError| Error::Kafka {
+        message: format!("cannot read progress topic {topic}: {e}"),
+        transient: true,
+    };
+    let consumer: BaseConsumer = config
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .set("group.id", "outboxd-progress-reader")
+        .create()
+        .map_err(config_error)?;
+    let (low, high) = consumer
+        .fetch_watermarks(topic, 0, START_TIMEOUT)
+        .map_err(unreadable)?;
+    let mut span = 1_000;
+    loop {
+        let start = (high - span).max(low);
+        let mut assignment = TopicPartitionList::new();
+        assignment
+            .add_partition_offset(topic, 0, Offset::Offset(start))
+            .map_err(unreadable)?;
+        consumer.assign(&assignment).map_err(unreadable)?;
+        let deadline = Instant::now() + START_TIMEOUT;
+        let mut last = None;
+        loop {
+            let position = consumer
+                .position()
+                .ok()
+                .and_then(|list| match list.find_partition(topic, 0)?.offset() {
+                    Offset::Offset(offset) => Some(offset),
+                    _ => None,
+                })
+                .unwrap_or(start);
+            if position >= high {
+                break;
+            }
+            if Instant::now() > deadline {
+                tracing::warn!(topic, position, high, "the progress topic could not be read to its end (an open transaction of another writer?): events after the last record read may be published again");
+                break;
+            }
+            match consumer.poll(Duration::from_millis(200)) {
+                Some(Ok(message)) if message.key() == Some(key.as_bytes()) => {
+                    last = message.payload().map(<[u8]>::to_vec);
+                }
+                Some(Ok(_)) => {}
+                Some(Err(error)) => return Err(unreadable(error)),
+                None => {}
+            }
+        }
+        if last.is_some() || start == low {
+            return Ok(last);
+        }
+        span *= 8;
+    }
+}
