@@ -66,6 +66,9 @@ pub struct Progress {
     /// How many of that transaction's outbox rows were included: all (`None`), or the first n (a
     /// transaction larger than the in-flight window is committed in parts).
     pub events_included: Option<u64>,
+    /// The outbox tables streamed (`--table`, in order): rows are numbered among theirs, so a part
+    /// (`events_included`) means the same rows only to an instance streaming the same tables.
+    pub tables: String,
 }
 
 /// Why a progress record read at start-up cannot be used (its events are then published again if their
@@ -111,6 +114,7 @@ impl Progress {
         commit_lsn: Lsn,
         commit_micros: i64,
         events_included: Option<u64>,
+        tables: String,
     ) -> Self {
         Progress {
             version: 1,
@@ -119,7 +123,18 @@ impl Progress {
             commit_lsn: commit_lsn.to_string(),
             commit_micros,
             events_included,
+            tables,
         }
+    }
+
+    /// The record as an instance streaming `tables` may use it: a part of a transaction counted among
+    /// other tables' rows names other rows, so none of that transaction counts as covered (it is
+    /// published again: duplicates, never a row skipped).
+    pub fn for_tables(mut self, tables: &str) -> Progress {
+        if self.events_included.is_some() && self.tables != tables {
+            self.events_included = Some(0);
+        }
+        self
     }
 
     /// The record's value (JSON).
@@ -201,6 +216,8 @@ impl Progress {
 mod tests {
     use super::*;
 
+    const T: &str = "public.outbox_event";
+
     fn key() -> ProgressKey {
         ProgressKey {
             system_id: "7311".into(),
@@ -218,11 +235,11 @@ mod tests {
 
     #[test]
     fn covers_everything_up_to_the_recorded_point() {
-        let whole = Progress::new(key(), 1, Lsn(100), 5_000_000, None);
+        let whole = Progress::new(key(), 1, Lsn(100), 5_000_000, None, T.into());
         assert!(whole.covers(&at(50, 4_000_000, 7)));
         assert!(whole.covers(&at(100, 5_000_000, 999)));
         assert!(!whole.covers(&at(101, 5_000_001, 0)));
-        let part = Progress::new(key(), 1, Lsn(100), 5_000_000, Some(3));
+        let part = Progress::new(key(), 1, Lsn(100), 5_000_000, Some(3), T.into());
         assert!(part.covers(&at(100, 5_000_000, 2)));
         assert!(
             !part.covers(&at(100, 5_000_000, 3)),
@@ -232,8 +249,23 @@ mod tests {
     }
 
     #[test]
+    fn a_part_counted_among_other_tables_covers_none_of_its_transaction() {
+        let part = Progress::new(key(), 1, Lsn(100), 5_000_000, Some(3), T.into());
+        let same = part.clone().for_tables(T);
+        assert!(same.covers(&at(100, 5_000_000, 2)));
+        let other = part.for_tables("public.outbox_event,public.orders_outbox");
+        assert!(!other.covers(&at(100, 5_000_000, 0)));
+        assert!(
+            other.covers(&at(99, 4_000_000, 0)),
+            "whole earlier transactions do not depend on numbering"
+        );
+        let whole = Progress::new(key(), 1, Lsn(100), 5_000_000, None, T.into()).for_tables("x");
+        assert!(whole.covers(&at(100, 5_000_000, 7)));
+    }
+
+    #[test]
     fn a_transaction_committed_much_later_below_the_point_is_new_wal() {
-        let progress = Progress::new(key(), 1, Lsn(100), 5_000_000, None);
+        let progress = Progress::new(key(), 1, Lsn(100), 5_000_000, None, T.into());
         assert!(!progress.covers(&at(50, 5_000_000 + COMMIT_TIME_SLACK_MICROS + 1, 0)));
         assert!(
             progress.covers(&at(50, 5_000_000 + 10, 0)),
@@ -242,8 +274,14 @@ mod tests {
     }
 
     #[test]
+    fn the_transactional_id_is_the_same_for_every_instance_of_a_slot() {
+        assert_eq!(key().transactional_id(), "outboxd-7311-outboxd");
+        assert_eq!(key().record_key(), "7311/outboxd");
+    }
+
+    #[test]
     fn round_trips_and_refuses_another_key_or_version() {
-        let progress = Progress::new(key(), 2, Lsn(0x1_0000_0010), 42, Some(5));
+        let progress = Progress::new(key(), 2, Lsn(0x1_0000_0010), 42, Some(5), T.into());
         let value = progress.encode();
         assert_eq!(Progress::decode(&value, &key()), Ok(progress.clone()));
         let other = ProgressKey {
@@ -265,7 +303,7 @@ mod tests {
 
     #[test]
     fn unusable_on_another_history() {
-        let progress = Progress::new(key(), 1, Lsn(100), 0, None);
+        let progress = Progress::new(key(), 1, Lsn(100), 0, None, T.into());
         assert_eq!(progress.usable_on(1, Lsn(200), None), Ok(()));
         assert_eq!(
             progress.usable_on(1, Lsn(200), Some(Lsn(150))),

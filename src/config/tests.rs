@@ -361,3 +361,68 @@ fn table_mapping_options() {
         assert!(err.contains(expected), "{flag} {value}: {err}");
     }
 }
+
+#[test]
+fn exactly_once_is_off_by_default_and_its_options_need_it() {
+    let base = [
+        "--database-url",
+        "postgres://u:p@localhost/db",
+        "--brokers",
+        "b:9092",
+    ];
+    assert!(options(&base).run().unwrap().kafka.exactly_once.is_none());
+    let mut args = base.to_vec();
+    args.extend(["--delivery", "exactly-once"]);
+    let eos = options(&args).run().unwrap().kafka.exactly_once.unwrap();
+    assert_eq!(eos.progress_topic, "outboxd.progress");
+    assert_eq!(eos.transaction_interval, Duration::from_millis(100));
+    for (extra, expected) in [
+        (
+            &["--progress-topic", "p"][..],
+            "--progress-topic needs --delivery exactly-once",
+        ),
+        (
+            &["--transaction-interval", "1s"][..],
+            "--transaction-interval needs --delivery exactly-once",
+        ),
+    ] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        let err = options(&args).run().unwrap_err().to_string();
+        assert!(err.contains(expected), "{err}");
+    }
+}
+
+#[test]
+fn exactly_once_refuses_what_would_undo_it() {
+    let eos = [
+        "--database-url",
+        "postgres://u:p@localhost/db",
+        "--brokers",
+        "b:9092",
+        "--delivery",
+        "exactly-once",
+    ];
+    for (extra, expected) in [
+        (&["--mode", "poll"][..], "use --mode cdc or auto"),
+        (
+            &["--kafka-option", "transactional.id=mine"][..],
+            "transactional.id cannot be set",
+        ),
+        (
+            &["--kafka-option", "enable.idempotence=false"][..],
+            "enable.idempotence cannot be set",
+        ),
+        (&["--transaction-interval", "0s"][..], "between 1ms and 10s"),
+        (&["--transaction-interval", "1m"][..], "between 1ms and 10s"),
+        (
+            &["--progress-topic", "bad topic"][..],
+            "not a valid Kafka topic name",
+        ),
+    ] {
+        let mut args = eos.to_vec();
+        args.extend_from_slice(extra);
+        let err = options(&args).run().unwrap_err().to_string();
+        assert!(err.contains(expected), "{extra:?}: {err}");
+    }
+}

@@ -27,10 +27,12 @@ use crate::sink::{Delivery, PublishError, Rejection};
 
 /// How long `init_transactions` and the read of the progress topic may take at the start of a session.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a commit or an abort may take before the session gives the transaction up.
-const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a commit or an abort may take before the session gives the transaction up. The session
+/// sends no status update meanwhile: a commit, the wait for its reports, an abort and the wait for
+/// those stay well under `wal_sender_timeout` (60 s by default).
+const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long, after a commit or an abort, the delivery reports of its events may take to be served.
-const REPORTS_TIMEOUT: Duration = Duration::from_secs(10);
+const REPORTS_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The transactional producer's own settings.
 pub(super) struct Transactions {
@@ -67,7 +69,13 @@ impl<T> DeliveryContext<T> {
             return Some(delivery);
         };
         let Ok(mut held) = held.lock() else {
-            return Some(delivery);
+            // Never believed before its commit: a failure (the events are sent again).
+            return Some(Delivery {
+                result: Err(Rejection::transient(
+                    "the Kafka transaction's bookkeeping failed".into(),
+                )),
+                ..delivery
+            });
         };
         held.reported += 1;
         if delivery.result.is_ok() {
@@ -145,9 +153,28 @@ fn reader_config(settings: &RunSettings) -> ClientConfig {
 
 /// What a failed transactional call means for the session.
 fn transaction_rejection(error: &KafkaError) -> Rejection {
+    if matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::TransactionalIdAuthorizationFailed
+                | RDKafkaErrorCode::ClusterAuthorizationFailed
+        )
+    ) {
+        return Rejection {
+            permanent: true,
+            ..Rejection::transient(format!(
+                "the broker refuses outboxd's Kafka transaction ({error}): grant the principal WRITE on the progress topic (--progress-topic) and on the outbox topics, and WRITE and DESCRIBE on its TransactionalId (outboxd-<system id>-<slot>)"
+            ))
+        };
+    }
     let fenced = matches!(
         error.rdkafka_error_code(),
-        Some(RDKafkaErrorCode::ProducerFenced | RDKafkaErrorCode::InvalidProducerEpoch)
+        Some(
+            RDKafkaErrorCode::Fenced
+                | RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch
+        )
     );
     let reason = if fenced {
         format!("{error}: another outboxd instance took over this slot's Kafka transactions (this one was fenced); stepping down")
@@ -228,8 +255,9 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 }
             },
         };
-        self.producer
-            .begin_transaction()
+        let producer = self.producer.clone();
+        blocking(move || producer.begin_transaction())
+            .await?
             .map_err(|e| start_error("cannot begin a Kafka transaction", e, key))?;
         Ok(progress)
     }
@@ -264,10 +292,13 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         match committed {
             Ok(()) => {
                 let producer = self.producer.clone();
-                let _ = blocking(move || producer.context().release_held(None)).await;
-                self.producer
-                    .begin_transaction()
-                    .map_err(|e| transaction_rejection(&e))
+                blocking(move || {
+                    producer.context().release_held(None);
+                    producer.begin_transaction()
+                })
+                .await
+                .map_err(|e| Rejection::transient(e.to_string()))?
+                .map_err(|e| transaction_rejection(&e))
             }
             Err(error) => {
                 let rejection = transaction_rejection(&error);
@@ -375,9 +406,19 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
         .set("group.id", "outboxd-progress-reader")
         .create()
         .map_err(config_error)?;
-    let (low, high) = consumer
-        .fetch_watermarks(topic, 0, START_TIMEOUT)
-        .map_err(unreadable)?;
+    // A topic created a moment ago may have no leader yet: asked again until it answers.
+    let asked_until = Instant::now() + START_TIMEOUT;
+    let (low, high) = loop {
+        match consumer.fetch_watermarks(topic, 0, Duration::from_secs(2)) {
+            Ok(watermarks) => break watermarks,
+            Err(error) if Instant::now() > asked_until => return Err(unreadable(error)),
+            Err(error) => {
+                tracing::debug!(%error, topic, "progress topic not readable yet");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    let deadline = Instant::now() + START_TIMEOUT;
     let mut span = 1_000;
     loop {
         let start = (high - span).max(low);
@@ -386,7 +427,6 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
             .add_partition_offset(topic, 0, Offset::Offset(start))
             .map_err(unreadable)?;
         consumer.assign(&assignment).map_err(unreadable)?;
-        let deadline = Instant::now() + START_TIMEOUT;
         let mut last = None;
         loop {
             let position = consumer
@@ -401,8 +441,11 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
                 break;
             }
             if Instant::now() > deadline {
-                tracing::warn!(topic, position, high, "the progress topic could not be read to its end (an open transaction of another writer?): events after the last record read may be published again");
-                break;
+                // A record short of the end could be an older one: no answer rather than a wrong one.
+                return Err(Error::Kafka {
+                    message: format!("progress topic {topic} could not be read to its end within {START_TIMEOUT:?} (at offset {position} of {high}; an open transaction of another writer?)"),
+                    transient: true,
+                });
             }
             match consumer.poll(Duration::from_millis(200)) {
                 Some(Ok(message)) if message.key() == Some(key.as_bytes()) => {

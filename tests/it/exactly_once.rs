@@ -102,10 +102,9 @@ async fn a_crash_loop_duplicates_nothing_with_exactly_once_and_something_without
     assert_eq!(report.from_rolled_back, 0, "rolled-back events published");
     assert_eq!(report.order_violations, 0, "per-aggregate order violated");
     assert_eq!(report.duplicates, 0, "duplicates with exactly-once");
-    assert!(
-        marked > 0,
-        "no kill landed between a Kafka commit and its published_at writes: the progress record was never needed"
-    );
+    // Kills rarely land between a Kafka commit and its published_at writes (a few ms): that moment is
+    // made certain by the next test.
+    println!("{marked} rows marked from the progress record");
 
     // At least once, most rounds finish before the kill; the few kills that land mid-round duplicate.
     let (report, _, _) = crash_loop(false).await;
@@ -196,5 +195,109 @@ async fn events_in_kafka_but_unmarked_at_a_crash_are_marked_not_sent_again() {
         report.duplicates >= 100,
         "at least once, the events in Kafka but unmarked were not re-sent ({} duplicates): the test cannot tell the modes apart",
         report.duplicates
+    );
+}
+
+/// A leader frozen (SIGSTOP) with a Kafka transaction open, a standby that takes over (and so fences the
+/// frozen producer: the same transactional id), then the old leader woken (SIGCONT): whatever it still
+/// tries to commit fails, it steps down, and a `read_committed` reader sees every event once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_frozen_leader_is_fenced_by_the_standby_and_nothing_becomes_visible_twice() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    // The first leader commits rarely, so that it is frozen with a Kafka transaction full of events.
+    let mut slow = run_args(&url, &brokers);
+    slow.extend([
+        "--delivery",
+        "exactly-once",
+        "--transaction-interval",
+        "10s",
+        "--max-in-flight-events",
+        "100000",
+        "--metrics-addr",
+        "off",
+    ]);
+    let first = Outboxd::spawn(&slow);
+    wait_for(
+        "the leader's Kafka transactions",
+        Duration::from_secs(60),
+        || {
+            first
+                .log_text()
+                .contains("Kafka transactions ready")
+                .then_some(())
+        },
+    );
+    let second = Outboxd::spawn(&args(&url, &brokers, true));
+    wait_for(
+        "the second instance to stand by",
+        Duration::from_secs(30),
+        || second.log_text().contains("standing by").then_some(()),
+    );
+    let writer = Writer::start(url.clone(), 5, 20);
+    writer
+        .wait_more(100, "load into the leader's open transaction")
+        .await;
+    // Read by the leader (sent by its walsender; the window has room): in its open Kafka transaction.
+    let loaded = current_wal_lsn(&client).await;
+    wait_for_async(
+        "the leader to read the load",
+        Duration::from_secs(60),
+        || async {
+            let row = client
+                .query_one(
+                    "SELECT coalesce(max(sent_lsn)::text, '0/0') FROM pg_stat_replication",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let sent: outboxd::lsn::Lsn = row.get::<_, String>(0).parse().unwrap();
+            (sent >= loaded).then_some(())
+        },
+    )
+    .await;
+    first.signal("STOP");
+    // Streaming, its producer initialised: the frozen leader's is fenced from now on.
+    wait_for("the standby to take over", Duration::from_secs(90), || {
+        second
+            .log_text()
+            .contains("Kafka transactions ready")
+            .then_some(())
+    });
+    writer.wait_more(50, "load after the takeover").await;
+    first.signal("CONT");
+    // The woken leader finds its lock session and its walsender ended, and its producer fenced.
+    wait_for(
+        "the woken leader to step down",
+        Duration::from_secs(90),
+        || {
+            let log = first.log_text();
+            (log.contains("lost the leadership") || log.contains("fenced")).then_some(())
+        },
+    );
+    writer.wait_more(50, "load after the old leader woke").await;
+    writer.stop().await;
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let committed = events_in_table(&client, "(payload->>'seq')::int8").await;
+    let records = consume_all(
+        &brokers,
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(120),
+    );
+    let report = check_delivery(&records, &committed, &[]);
+    let fenced = first.log_text().contains("fenced");
+    println!(
+        "frozen leader: {} records for {} events, old leader's log names the fencing: {fenced}: {report:?}",
+        records.len(),
+        committed.len()
+    );
+    assert_eq!(report.missing, 0, "committed events missing: {report:?}");
+    assert_eq!(report.order_violations, 0, "per-aggregate order violated");
+    assert_eq!(report.duplicates, 0, "duplicates after the takeover");
+    assert!(
+        fenced,
+        "the woken leader did not try to commit what it held (the test did not test the fencing)"
     );
 }

@@ -247,7 +247,10 @@ impl<K: Sinks> CdcPipeline<K> {
                 let publisher =
                     self.sinks
                         .exactly_once_sink(&settings, delivery_tx.clone(), &key)?;
+                let asked = Instant::now();
                 let committed = publisher.begin_transactions(&key).await?;
+                let tables = crate::table::names(&settings.database.tables);
+                let committed = committed.map(|progress| progress.for_tables(&tables));
                 let committed = committed.filter(|progress| {
                     match progress.usable_on(boot.history.timeline, boot.replay_end, boot.slot_created_at) {
                         Ok(()) => true,
@@ -257,14 +260,23 @@ impl<K: Sinks> CdcPipeline<K> {
                         }
                     }
                 });
-                if let Some(progress) = &committed {
-                    tracing::info!(commit_lsn = %progress.commit_lsn, events_included = ?progress.events_included, "exactly-once: events up to the last committed Kafka transaction are not produced again");
+                let took = asked.elapsed();
+                let transactional_id = key.transactional_id();
+                match &committed {
+                    Some(progress) => {
+                        tracing::info!(%transactional_id, commit_lsn = %progress.commit_lsn, events_included = ?progress.events_included, ?took, "exactly-once: Kafka transactions ready; events up to the last committed one are not produced again")
+                    }
+                    None => {
+                        tracing::info!(%transactional_id, ?took, "exactly-once: Kafka transactions ready; no progress recorded for this slot yet")
+                    }
                 }
                 let eos = ExactlyOnce::new(
                     key,
                     boot.history.timeline,
+                    tables,
                     committed,
-                    eos.transaction_interval,
+                    eos,
+                    &settings.kafka.options,
                 );
                 (publisher, Some(eos))
             }

@@ -18,7 +18,7 @@ use super::decoder::{placeholder_event, Decoded, Pending, TransactionDecoder};
 use super::gate::{Admission, AggregateGate};
 use super::window::InFlightWindow;
 use super::MAX_TRACKED_BLOCKED;
-use crate::config::RunSettings;
+use crate::config::{ExactlyOnceSettings, RunSettings};
 use crate::error::{replication_error, Error, Result};
 use crate::event::OutboxEvent;
 use crate::lsn::Lsn;
@@ -32,6 +32,8 @@ use crate::progress::{Progress, ProgressKey};
 use crate::sink::{Delivery, PublishError, Rejection, Sink};
 use crate::table::OutboxTable;
 
+/// librdkafka's default `transaction.timeout.ms`.
+const DEFAULT_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(60);
 /// Rows of re-sent transactions are checked against `published_at` in batches of this size.
 const REPLAY_BATCH: usize = 1_000;
 /// Least time between two status updates sent because the watermark moved.
@@ -83,11 +85,17 @@ fn aggregate_of(event: &OutboxEvent) -> AggregateKey {
 pub(super) struct ExactlyOnce {
     key: ProgressKey,
     timeline: u32,
+    /// The tables streamed, as progress records name them.
+    tables: String,
     /// What the last Kafka transaction committed before this session covered: those events are in Kafka
     /// already, and are marked published without being produced again.
     committed_before: Option<Progress>,
     /// `--transaction-interval`.
     interval: Duration,
+    /// A Kafka transaction open this long commits even in the middle of a PostgreSQL transaction: a
+    /// third of `transaction.timeout.ms`, after which the broker would abort it (a transaction that
+    /// takes minutes to stream would otherwise never get through).
+    max_open: Duration,
     /// When the open Kafka transaction took its first event; `None` while it holds none.
     open_since: Option<tokio::time::Instant>,
     /// A commit is due but waits for this session's hand-offs to be written (reading pauses meanwhile):
@@ -99,14 +107,24 @@ impl ExactlyOnce {
     pub(super) fn new(
         key: ProgressKey,
         timeline: u32,
+        tables: String,
         committed_before: Option<Progress>,
-        interval: Duration,
+        settings: &ExactlyOnceSettings,
+        kafka_options: &[(String, String)],
     ) -> Self {
+        let transaction_timeout = kafka_options
+            .iter()
+            .rev()
+            .find(|(key, _)| key == "transaction.timeout.ms")
+            .and_then(|(_, value)| value.trim().parse::<u64>().ok())
+            .map_or(DEFAULT_TRANSACTION_TIMEOUT, Duration::from_millis);
         ExactlyOnce {
             key,
             timeline,
+            tables,
             committed_before,
-            interval,
+            interval: settings.transaction_interval,
+            max_open: transaction_timeout / 3,
             open_since: None,
             waiting_for_hand_offs: false,
         }
@@ -926,22 +944,26 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         let Some(eos) = &self.exactly_once else {
             return Ok(());
         };
+        if self.failing.is_some() {
+            return Ok(());
+        }
+        // At shutdown what waits is handed on even when nothing is open, so that the window empties.
+        if draining && eos.open_since.is_none() {
+            return self.hand_on_held_events().await;
+        }
         let Some(since) = eos.open_since else {
             return Ok(());
         };
-        let cannot_wait = draining || !self.window_open();
-        if self.failing.is_some()
-            || !(cannot_wait || since.elapsed() >= eos.interval)
-            || (self.decoder.in_transaction() && !cannot_wait)
-        {
+        // Once a commit waited for hand-offs it happens as soon as they are written, wherever the
+        // stream is (reading paused meanwhile, so the window may have room again).
+        let cannot_wait = draining
+            || !self.window_open()
+            || eos.waiting_for_hand_offs
+            || since.elapsed() >= eos.max_open;
+        if !cannot_wait && (since.elapsed() < eos.interval || self.decoder.in_transaction()) {
             return Ok(());
         }
-        if !self.replay_buffer.is_empty() {
-            self.flush_replay_buffer().await?;
-        }
-        if self.gate.parked_len() > 0 {
-            self.hand_off_every_parked()?;
-        }
+        self.hand_on_held_events().await?;
         let hand_offs_pending =
             self.hand_offs_in_flight > 0 || !self.hand_offs_unwritten.is_empty();
         let Some(eos) = self.exactly_once.as_mut() else {
@@ -960,13 +982,31 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             upto.commit_lsn,
             upto.commit_micros,
             upto.events_decoded,
+            eos.tables.clone(),
         );
         eos.open_since = None;
         if let Err(rejection) = self.publisher.commit(&progress).await {
+            if rejection.permanent {
+                // Every commit would fail alike (the progress topic refused): a person must act.
+                self.refused_without_polling
+                    .get_or_insert(rejection.reason.clone());
+            }
             self.give_up(format!(
                 "the Kafka transaction did not commit: {}",
                 rejection.reason
             ));
+        }
+        Ok(())
+    }
+
+    /// Before a commit (or at shutdown): buffered replayed rows are looked up and parked events handed
+    /// to the polling path, so that everything decoded is produced or handed off.
+    async fn hand_on_held_events(&mut self) -> Result<()> {
+        if !self.replay_buffer.is_empty() {
+            self.flush_replay_buffer().await?;
+        }
+        if self.gate.parked_len() > 0 {
+            self.hand_off_every_parked()?;
         }
         Ok(())
     }
