@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod event;
 pub mod http;
+pub mod inbox;
 pub mod kafka;
 pub mod lsn;
 pub mod metrics;

@@ -14,6 +14,7 @@ mod exactly_once;
 mod failover;
 mod fit;
 mod fleet;
+mod inbox;
 mod kafka_security;
 mod migrate;
 mod operate;
