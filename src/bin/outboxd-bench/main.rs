@@ -112,16 +112,22 @@ async fn run(mut args: Args) -> BenchResult<()> {
 
     eprintln!("drain: {} events ...", args.backlog);
     let (drain, limits) = bench.drain(args.backlog).await?;
+    eprintln!("drain, exactly-once: {} events ...", args.backlog);
+    let exactly_once_drain = bench.exactly_once_drain(args.backlog).await?;
     eprintln!("poll drain ...");
     let poll_one = bench.poll_drain(1).await?;
     let poll_four = bench.poll_drain(4).await?;
     if args.drain_only {
         println!(
-            "drain {:.0}/s ({:.0}/s once streaming, {:.1} µs CPU/event, {:.1} MiB); limits: source {:.0}/s, sink {:.0}/s, backfill {:.0}/s; poll 1: {:.0}/s, poll 4: {:.0}/s",
+            "drain {:.0}/s ({:.0}/s once streaming, {:.1} µs CPU/event, {:.1} MiB); exactly-once {:.0}/s ({:.0}/s once streaming, {:.1} µs CPU/event, {:.1} MiB); limits: source {:.0}/s, sink {:.0}/s, backfill {:.0}/s; poll 1: {:.0}/s, poll 4: {:.0}/s",
             drain.rate(),
             drain.streaming_rate(),
             drain.cpu_micros_per_event(),
             drain.usage.peak_rss_kib as f64 / 1024.0,
+            exactly_once_drain.rate(),
+            exactly_once_drain.streaming_rate(),
+            exactly_once_drain.cpu_micros_per_event(),
+            exactly_once_drain.usage.peak_rss_kib as f64 / 1024.0,
             limits.source,
             limits.sink,
             limits.backfill,
@@ -136,6 +142,7 @@ async fn run(mut args: Args) -> BenchResult<()> {
     let (big_seconds, big_usage) = bench.big_transaction(args.big).await?;
     let results = Results {
         drain,
+        exactly_once_drain,
         limits,
         poll_one,
         poll_four,
@@ -190,12 +197,13 @@ async fn start_stack(args: &Args) -> BenchResult<(Bench, String)> {
 async fn steady_runs(bench: &Bench, args: &Args) -> BenchResult<Vec<Steady>> {
     let secs = Duration::from_secs(args.steady_secs);
     let mut steady: Vec<Steady> = Vec::new();
-    for mode in ["cdc", "poll"] {
+    for mode in ["cdc", scenarios::EXACTLY_ONCE, "poll"] {
         for &rate in &args.rates {
             eprintln!("steady {mode} {rate}/s ...");
             steady.push(bench.steady(mode, rate, secs).await?);
         }
-        if !args.quick {
+        // Exactly-once is measured at the given rates only (its cost next to at least once).
+        if !args.quick && mode != scenarios::EXACTLY_ONCE {
             // The highest sustainable rate: climb until outboxd (or the load generator) falls behind.
             let mut rate = args.rates.iter().copied().max().unwrap_or(5_000);
             loop {
@@ -216,6 +224,7 @@ async fn steady_runs(bench: &Bench, args: &Args) -> BenchResult<Vec<Steady>> {
 /// Every figure of a full run, for the report and the CSV files.
 struct Results {
     drain: scenarios::Drain,
+    exactly_once_drain: scenarios::Drain,
     limits: scenarios::Limits,
     poll_one: scenarios::Drain,
     poll_four: scenarios::Drain,
@@ -244,7 +253,7 @@ impl Results {
         let mib = |kib: u64| kib as f64 / 1024.0;
         writeln!(
             table,
-            "| self.drain, CDC ({} events) | {:.0} | {:.0} | {:.1} | {:.1} | {:.2} × min(self.limits) ({:.2} once streaming); {:.1} × one poll instance |",
+            "| drain, CDC ({} events) | {:.0} | {:.0} | {:.1} | {:.1} | {:.2} × min(limits) ({:.2} once streaming); {:.1} × one poll instance |",
             self.drain.events,
             self.drain.rate(),
             self.drain.streaming_rate(),
@@ -253,6 +262,15 @@ impl Results {
             self.drain.rate() / limit,
             self.drain.streaming_rate() / limit,
             self.drain.rate() / self.poll_one.rate()
+        )?;
+        writeln!(
+            table,
+            "| drain, CDC with --delivery exactly-once | {:.0} | {:.0} | {:.1} | {:.1} | {:.2} × the at-least-once drain |",
+            self.exactly_once_drain.rate(),
+            self.exactly_once_drain.streaming_rate(),
+            self.exactly_once_drain.cpu_micros_per_event(),
+            mib(self.exactly_once_drain.usage.peak_rss_kib),
+            self.exactly_once_drain.rate() / self.drain.rate()
         )?;
         writeln!(
             table,
@@ -270,8 +288,8 @@ impl Results {
             self.limits.backfill
         )?;
         for (name, d) in [
-            ("self.drain, poll, 1 instance", self.poll_one),
-            ("self.drain, poll, 4 instances", self.poll_four),
+            ("drain, poll, 1 instance", self.poll_one),
+            ("drain, poll, 4 instances", self.poll_four),
         ] {
             writeln!(
                 table,
@@ -358,6 +376,7 @@ impl Results {
             "scenario,events,seconds,events_per_second,cpu_us_per_event,peak_rss_kib\n\
              drain_cdc,{},{:.3},{:.0},{:.2},{}\n\
              drain_cdc_once_streaming,{},{:.3},{:.0},,\n\
+             drain_cdc_exactly_once,{},{:.3},{:.0},{:.2},{}\n\
              source_limit,{},,{:.0},,\n\
              sink_limit,{},,{:.0},,\n\
              backfill_limit,{},,{:.0},,\n\
@@ -372,6 +391,11 @@ impl Results {
             self.drain.events,
             self.drain.streaming_seconds,
             self.drain.streaming_rate(),
+            self.exactly_once_drain.events,
+            self.exactly_once_drain.seconds,
+            self.exactly_once_drain.rate(),
+            self.exactly_once_drain.cpu_micros_per_event(),
+            self.exactly_once_drain.usage.peak_rss_kib,
             self.drain.events,
             self.limits.source,
             self.drain.events,

@@ -83,9 +83,17 @@ impl Steady {
     }
 }
 
+/// The CDC path with `--delivery exactly-once`, as a mode of the scenarios.
+pub const EXACTLY_ONCE: &str = "cdc-eos";
+
+/// Whether `mode` streams from the slot.
+fn is_cdc(mode: &str) -> bool {
+    mode == "cdc" || mode == EXACTLY_ONCE
+}
+
 impl Bench {
     fn run_args<'a>(&'a self, url: &'a str, brokers: &'a str, mode: &'a str) -> Vec<&'a str> {
-        vec![
+        let mut args = vec![
             "run",
             "--database-url",
             url,
@@ -94,8 +102,13 @@ impl Bench {
             "--topic-replication-factor",
             "1",
             "--mode",
-            mode,
-        ]
+        ];
+        if mode == EXACTLY_ONCE {
+            args.extend(["cdc", "--delivery", "exactly-once"]);
+        } else {
+            args.push(mode);
+        }
+        args
     }
 
     pub fn spawn(&self, mode: &str, extra: &[&str], log: &str) -> BenchResult<Outboxd> {
@@ -224,34 +237,11 @@ impl Bench {
         let end = self.wal_lsn().await?;
 
         let source = self.source_limit(&end).await?;
-        let in_kafka = self.records_in_kafka()?;
-        let started = Instant::now();
-        let outboxd = self.spawn("cdc", &[], "drain.log")?;
-        wait_until(
-            "the drain",
-            Duration::from_secs(1800),
-            Duration::from_millis(10),
-            || self.slot_reached("outboxd", &end),
-        )
-        .await?;
-        let seconds = started.elapsed().as_secs_f64();
-        let usage = outboxd.usage()?;
-        drop(outboxd);
-        let left = self.unpublished().await?;
-        if left != 0 {
-            return Err(format!("{left} rows without published_at after the drain").into());
-        }
-        self.kafka_received(in_kafka, events, "the CDC drain")?;
-        let streaming_seconds = self.publishing_seconds().await?;
+        let drain = self.measure_drain("cdc", events, &end).await?;
         let sink = self.sink_limit().await?;
         let backfill = self.backfill_limit().await?;
         Ok((
-            Drain {
-                events,
-                seconds,
-                streaming_seconds,
-                usage,
-            },
+            drain,
             Limits {
                 source: events as f64 / source,
                 sink: events as f64 / sink,
@@ -363,6 +353,50 @@ impl Bench {
         Ok(started.elapsed().as_secs_f64())
     }
 
+    /// The same drain with `--delivery exactly-once` (no limits: they are the same).
+    pub async fn exactly_once_drain(&self, events: usize) -> BenchResult<Drain> {
+        self.reset().await?;
+        {
+            let _first = self.spawn(EXACTLY_ONCE, &[], "drain-eos-slot.log")?;
+            self.wait_slot_streaming().await?;
+        }
+        self.insert_backlog(events).await?;
+        let end = self.wal_lsn().await?;
+        self.measure_drain(EXACTLY_ONCE, events, &end).await
+    }
+
+    /// Starts outboxd in `mode` on a backlog of `events` ending at `end`, and times it until the slot is
+    /// confirmed there, every row is marked and Kafka holds every event.
+    async fn measure_drain(&self, mode: &str, events: usize, end: &str) -> BenchResult<Drain> {
+        let in_kafka = self.records_in_kafka()?;
+        let started = Instant::now();
+        let outboxd = self.spawn(mode, &[], &format!("drain-{mode}.log"))?;
+        wait_until(
+            "the drain",
+            Duration::from_secs(1800),
+            Duration::from_millis(10),
+            || self.slot_reached("outboxd", end),
+        )
+        .await?;
+        let seconds = started.elapsed().as_secs_f64();
+        let usage = outboxd.usage()?;
+        drop(outboxd);
+        let left = self.unpublished().await?;
+        if left != 0 {
+            return Err(
+                format!("{left} rows without published_at after the drain ({mode})").into(),
+            );
+        }
+        self.kafka_received(in_kafka, events, &format!("the {mode} drain"))?;
+        let streaming_seconds = self.publishing_seconds().await?;
+        Ok(Drain {
+            events,
+            seconds,
+            streaming_seconds,
+            usage,
+        })
+    }
+
     /// The drain backlog again, through `instances` outboxd processes in `--mode poll`.
     pub async fn poll_drain(&self, instances: usize) -> BenchResult<Drain> {
         self.sql
@@ -415,7 +449,7 @@ impl Bench {
             &["--metrics-addr", &metrics_addr],
             &format!("steady-{mode}-{rate}.log"),
         )?;
-        if mode == "cdc" {
+        if is_cdc(mode) {
             self.wait_slot_streaming().await?;
         }
         // Warm up (producer connected, topic known, first batch through) and measure from here on.
@@ -428,9 +462,9 @@ impl Bench {
         )
         .await?;
         let consumer = observe::ArrivalConsumer::start(&self.stack.brokers(), EVENTS_TOPIC)?;
-        let confirmations = match mode {
-            "cdc" => Some(observe::ConfirmSampler::start(&self.stack.pg_url(), "outboxd").await?),
-            _ => None,
+        let confirmations = match is_cdc(mode) {
+            true => Some(observe::ConfirmSampler::start(&self.stack.pg_url(), "outboxd").await?),
+            false => None,
         };
         let measured_from: std::time::SystemTime =
             self.sql.query_one("SELECT now()", &[]).await?.get(0);
@@ -503,7 +537,7 @@ impl Bench {
             .await?;
         let created_to_published_at: Vec<f64> = row.get(0);
         let published_in_run: i64 = row.get(1);
-        let commit_to_published_at_written = (mode == "cdc").then(|| {
+        let commit_to_published_at_written = is_cdc(mode).then(|| {
             let delta: Vec<(f64, f64)> = after
                 .iter()
                 .zip(before.iter().chain(std::iter::repeat(&(0.0, 0.0))))
