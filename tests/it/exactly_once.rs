@@ -380,3 +380,73 @@ async fn published_count(client: &tokio_postgres::Client) -> i64 {
         .unwrap()
         .get(0)
 }
+
+/// A Kafka transaction that outlives `transaction.timeout.ms`: outboxd frozen (SIGSTOP) with one open, the
+/// broker aborts it; woken, outboxd's commit fails, the session re-sends from the slot, and nothing is
+/// lost or visible twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_the_broker_timed_out_is_sent_again_and_seen_once() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--delivery",
+        "exactly-once",
+        "--transaction-interval",
+        "10s",
+        "--max-in-flight-events",
+        "100000",
+        "--kafka-option",
+        "transaction.timeout.ms=5000",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_for("Kafka transactions", Duration::from_secs(60), || {
+        outboxd
+            .log_text()
+            .contains("Kafka transactions ready")
+            .then_some(())
+    });
+    // One transaction's worth, produced into the open Kafka transaction (a commit is 10 s away, and the
+    // open transaction commits early only after a third of the timeout).
+    let (mut committed, _) = insert_events(&mut client, 0, 10, 10, 5, None).await;
+    let loaded = current_wal_lsn(&client).await;
+    wait_for_async("outboxd to read it", Duration::from_secs(60), || async {
+        let row = client
+            .query_one(
+                "SELECT coalesce(max(sent_lsn)::text, '0/0') FROM pg_stat_replication",
+                &[],
+            )
+            .await
+            .unwrap();
+        let sent: outboxd::lsn::Lsn = row.get::<_, String>(0).parse().unwrap();
+        (sent >= loaded).then_some(())
+    })
+    .await;
+    outboxd.signal("STOP");
+    // Past the transaction timeout (the broker aborts it), well under the walsender's and the leader's.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    outboxd.signal("CONT");
+    let (more, _) = insert_events(&mut client, 10, 10, 10, 5, None).await;
+    committed.extend(more);
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &committed, &[]);
+    let log = outboxd.log_text();
+    let failed_commit = log.contains("did not commit") || log.contains("giving up this session");
+    println!(
+        "transaction timed out by the broker: {} records for {} events, a commit failed and was sent again: {failed_commit}: {report:?}",
+        records.len(),
+        committed.len()
+    );
+    assert_eq!(report.missing, 0, "committed events missing: {report:?}");
+    assert_eq!(report.order_violations, 0, "per-aggregate order violated");
+    assert_eq!(
+        report.duplicates, 0,
+        "duplicates after a timed-out transaction"
+    );
+    assert!(
+        failed_commit,
+        "the timed-out transaction did not fail its commit: the test did not test the timeout"
+    );
+}
