@@ -277,6 +277,7 @@ impl<K: Sinks> CdcPipeline<K> {
                     committed,
                     eos,
                     &settings.kafka.options,
+                    settings.cdc.max_in_flight_events,
                 );
                 (publisher, Some(eos))
             }

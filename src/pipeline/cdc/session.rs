@@ -98,6 +98,12 @@ pub(super) struct ExactlyOnce {
     max_open: Duration,
     /// When the open Kafka transaction took its first event; `None` while it holds none.
     open_since: Option<tokio::time::Instant>,
+    /// Events produced into the open Kafka transaction.
+    open_events: usize,
+    /// A transaction holding this many events commits at the next transaction boundary, before
+    /// `interval`: a quarter of the in-flight window, so that one transaction's marks are written while the
+    /// next fills (a full window would wait for both).
+    batch: usize,
     /// A commit is due but waits for this session's hand-offs to be written (reading pauses meanwhile):
     /// the progress record must not cover an event still on its way to the polling path.
     waiting_for_hand_offs: bool,
@@ -111,6 +117,7 @@ impl ExactlyOnce {
         committed_before: Option<Progress>,
         settings: &ExactlyOnceSettings,
         kafka_options: &[(String, String)],
+        max_in_flight_events: usize,
     ) -> Self {
         let transaction_timeout = kafka_options
             .iter()
@@ -126,6 +133,8 @@ impl ExactlyOnce {
             interval: settings.transaction_interval,
             max_open: transaction_timeout / 3,
             open_since: None,
+            open_events: 0,
+            batch: (max_in_flight_events / 4).max(1),
             waiting_for_hand_offs: false,
         }
     }
@@ -560,6 +569,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             Ok(()) => {
                 if let Some(eos) = self.exactly_once.as_mut() {
                     eos.open_since.get_or_insert_with(tokio::time::Instant::now);
+                    eos.open_events += 1;
                 }
                 self.outstanding
                     .insert(self.next_produced, tokio::time::Instant::now());
@@ -960,7 +970,8 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             || !self.window_open()
             || eos.waiting_for_hand_offs
             || since.elapsed() >= eos.max_open;
-        if !cannot_wait && (since.elapsed() < eos.interval || self.decoder.in_transaction()) {
+        let due = since.elapsed() >= eos.interval || eos.open_events >= eos.batch;
+        if !cannot_wait && (!due || self.decoder.in_transaction()) {
             return Ok(());
         }
         self.hand_on_held_events().await?;
@@ -985,6 +996,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             eos.tables.clone(),
         );
         eos.open_since = None;
+        eos.open_events = 0;
         if let Err(rejection) = self.publisher.commit(&progress).await {
             if rejection.permanent {
                 // Every commit would fail alike (the progress topic refused): a person must act.
