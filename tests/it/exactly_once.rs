@@ -219,16 +219,7 @@ async fn a_frozen_leader_is_fenced_by_the_standby_and_nothing_becomes_visible_tw
         "off",
     ]);
     let first = Outboxd::spawn(&slow);
-    wait_for(
-        "the leader's Kafka transactions",
-        Duration::from_secs(60),
-        || {
-            first
-                .log_text()
-                .contains("Kafka transactions ready")
-                .then_some(())
-        },
-    );
+    wait_transactions_ready(&first);
     let second = Outboxd::spawn(&args(&url, &brokers, true));
     wait_for(
         "the second instance to stand by",
@@ -239,32 +230,10 @@ async fn a_frozen_leader_is_fenced_by_the_standby_and_nothing_becomes_visible_tw
     writer
         .wait_more(100, "load into the leader's open transaction")
         .await;
-    // Read by the leader (sent by its walsender; the window has room): in its open Kafka transaction.
-    let loaded = current_wal_lsn(&client).await;
-    wait_for_async(
-        "the leader to read the load",
-        Duration::from_secs(60),
-        || async {
-            let row = client
-                .query_one(
-                    "SELECT coalesce(max(sent_lsn)::text, '0/0') FROM pg_stat_replication",
-                    &[],
-                )
-                .await
-                .unwrap();
-            let sent: outboxd::lsn::Lsn = row.get::<_, String>(0).parse().unwrap();
-            (sent >= loaded).then_some(())
-        },
-    )
-    .await;
+    wait_sent_up_to_now(&client).await;
     first.signal("STOP");
     // Streaming, its producer initialised: the frozen leader's is fenced from now on.
-    wait_for("the standby to take over", Duration::from_secs(90), || {
-        second
-            .log_text()
-            .contains("Kafka transactions ready")
-            .then_some(())
-    });
+    wait_transactions_ready(&second);
     writer.wait_more(50, "load after the takeover").await;
     first.signal("CONT");
     // The woken leader finds its lock session and its walsender ended, and its producer fenced.
@@ -278,20 +247,11 @@ async fn a_frozen_leader_is_fenced_by_the_standby_and_nothing_becomes_visible_tw
     );
     writer.wait_more(50, "load after the old leader woke").await;
     writer.stop().await;
-    wait_all_published(&client, Duration::from_secs(120)).await;
-    let committed = events_in_table(&client, "(payload->>'seq')::int8").await;
-    let records = consume_all(
-        &brokers,
-        &[TOPIC],
-        committed.len(),
-        Duration::from_secs(120),
-    );
-    let report = check_delivery(&records, &committed, &[]);
+    let (records, committed, report) = read_back_writer_events(&client, &brokers, 120).await;
     let fenced = first.log_text().contains("fenced");
     println!(
         "frozen leader: {} records for {} events, old leader's log names the fencing: {fenced}: {report:?}",
-        records.len(),
-        committed.len()
+        records, committed
     );
     assert_eq!(report.missing, 0, "committed events missing: {report:?}");
     assert_eq!(report.order_violations, 0, "per-aggregate order violated");
@@ -329,12 +289,7 @@ async fn broker_failovers_during_commits_keep_exactly_once() {
         "--delivery",
         "exactly-once",
     ]);
-    wait_for("Kafka transactions", Duration::from_secs(120), || {
-        outboxd
-            .log_text()
-            .contains("Kafka transactions ready")
-            .then_some(())
-    });
+    wait_transactions_ready(&outboxd);
     let writer = Writer::start(url.clone(), 5, 20);
     for node in Cluster::NODES {
         writer.wait_more(100, "load before the kill").await;
@@ -350,20 +305,11 @@ async fn broker_failovers_during_commits_keep_exactly_once() {
         .await;
     }
     writer.stop().await;
-    wait_all_published(&client, Duration::from_secs(180)).await;
-    let committed = events_in_table(&client, "(payload->>'seq')::int8").await;
-    let records = consume_all(
-        &brokers,
-        &[TOPIC],
-        committed.len(),
-        Duration::from_secs(180),
-    );
-    let report = check_delivery(&records, &committed, &[]);
+    let (records, committed, report) = read_back_writer_events(&client, &brokers, 180).await;
     let aborted = outboxd.log_text().matches("did not commit").count();
     println!(
         "3 broker SIGKILLs under load with exactly-once: {} records for {} events, {aborted} Kafka transactions aborted: {report:?}",
-        records.len(),
-        committed.len()
+        records, committed
     );
     assert_eq!(report.missing, 0, "committed events missing: {report:?}");
     assert_eq!(report.order_violations, 0, "per-aggregate order violated");
@@ -401,28 +347,11 @@ async fn a_transaction_the_broker_timed_out_is_sent_again_and_seen_once() {
         "transaction.timeout.ms=5000",
     ]);
     let outboxd = Outboxd::spawn(&args);
-    wait_for("Kafka transactions", Duration::from_secs(60), || {
-        outboxd
-            .log_text()
-            .contains("Kafka transactions ready")
-            .then_some(())
-    });
+    wait_transactions_ready(&outboxd);
     // One transaction's worth, produced into the open Kafka transaction (a commit is 10 s away, and the
     // open transaction commits early only after a third of the timeout).
     let (mut committed, _) = insert_events(&mut client, 0, 10, 10, 5, None).await;
-    let loaded = current_wal_lsn(&client).await;
-    wait_for_async("outboxd to read it", Duration::from_secs(60), || async {
-        let row = client
-            .query_one(
-                "SELECT coalesce(max(sent_lsn)::text, '0/0') FROM pg_stat_replication",
-                &[],
-            )
-            .await
-            .unwrap();
-        let sent: outboxd::lsn::Lsn = row.get::<_, String>(0).parse().unwrap();
-        (sent >= loaded).then_some(())
-    })
-    .await;
+    wait_sent_up_to_now(&client).await;
     outboxd.signal("STOP");
     // Past the transaction timeout (the broker aborts it), well under the walsender's and the leader's.
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -449,4 +378,54 @@ async fn a_transaction_the_broker_timed_out_is_sent_again_and_seen_once() {
         failed_commit,
         "the timed-out transaction did not fail its commit: the test did not test the timeout"
     );
+}
+
+/// Waits until the walsender has sent everything written so far: read by outboxd (its window has room),
+/// so in its open Kafka transaction.
+async fn wait_sent_up_to_now(client: &tokio_postgres::Client) {
+    let written = current_wal_lsn(client).await;
+    wait_for_async(
+        "outboxd to read the load",
+        Duration::from_secs(60),
+        || async {
+            let row = client
+                .query_one(
+                    "SELECT coalesce(max(sent_lsn)::text, '0/0') FROM pg_stat_replication",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let sent: outboxd::lsn::Lsn = row.get::<_, String>(0).parse().unwrap();
+            (sent >= written).then_some(())
+        },
+    )
+    .await;
+}
+
+/// Waits until `outboxd` streams with its transactional producer initialised (earlier ones fenced).
+fn wait_transactions_ready(outboxd: &Outboxd) {
+    wait_for("Kafka transactions ready", Duration::from_secs(120), || {
+        outboxd
+            .log_text()
+            .contains("Kafka transactions ready")
+            .then_some(())
+    });
+}
+
+/// Once every row of a `Writer`'s load is published: (records read back, events committed, the check).
+async fn read_back_writer_events(
+    client: &tokio_postgres::Client,
+    brokers: &str,
+    timeout_secs: u64,
+) -> (usize, usize, DeliveryReport) {
+    wait_all_published(client, Duration::from_secs(timeout_secs)).await;
+    let committed = events_in_table(client, "(payload->>'seq')::int8").await;
+    let records = consume_all(
+        brokers,
+        &[TOPIC],
+        committed.len(),
+        Duration::from_secs(timeout_secs),
+    );
+    let report = check_delivery(&records, &committed, &[]);
+    (records.len(), committed.len(), report)
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 use crate::backoff::Backoff;
-use crate::config::RunSettings;
+use crate::config::{ExactlyOnceSettings, RunSettings};
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 use crate::pg;
@@ -240,45 +240,9 @@ impl<K: Sinks> CdcPipeline<K> {
         let (publisher, exactly_once) = match &settings.kafka.exactly_once {
             None => (self.sinks.sink(&settings, delivery_tx.clone())?, None),
             Some(eos) => {
-                let key = ProgressKey {
-                    system_id: boot.history.system_id.clone(),
-                    slot: settings.database.slot.clone(),
-                };
-                let publisher =
-                    self.sinks
-                        .exactly_once_sink(&settings, delivery_tx.clone(), &key)?;
-                let asked = Instant::now();
-                let committed = publisher.begin_transactions(&key).await?;
-                let tables = crate::table::names(&settings.database.tables);
-                let committed = committed.map(|progress| progress.for_tables(&tables));
-                let committed = committed.filter(|progress| {
-                    match progress.usable_on(boot.history.timeline, boot.replay_end, boot.slot_created_at) {
-                        Ok(()) => true,
-                        Err(why) => {
-                            tracing::warn!(%why, "the last progress record does not belong to this server history: events it covered are published again where their rows are unpublished");
-                            false
-                        }
-                    }
-                });
-                let took = asked.elapsed();
-                let transactional_id = key.transactional_id();
-                match &committed {
-                    Some(progress) => {
-                        tracing::info!(%transactional_id, commit_lsn = %progress.commit_lsn, events_included = ?progress.events_included, ?took, "exactly-once: Kafka transactions ready; events up to the last committed one are not produced again")
-                    }
-                    None => {
-                        tracing::info!(%transactional_id, ?took, "exactly-once: Kafka transactions ready; no progress recorded for this slot yet")
-                    }
-                }
-                let eos = ExactlyOnce::new(
-                    key,
-                    boot.history.timeline,
-                    tables,
-                    committed,
-                    eos,
-                    &settings.kafka.options,
-                    settings.cdc.max_in_flight_events,
-                );
+                let (publisher, eos) = self
+                    .start_exactly_once(eos, &boot, delivery_tx.clone())
+                    .await?;
                 (publisher, Some(eos))
             }
         };
@@ -307,5 +271,54 @@ impl<K: Sinks> CdcPipeline<K> {
             stream.close().await;
         }
         result
+    }
+
+    /// `--delivery exactly-once`: the session's transactional producer, earlier ones fenced, and what the
+    /// last committed Kafka transaction covered (when it belongs to this server history and these tables).
+    async fn start_exactly_once(
+        &self,
+        eos: &ExactlyOnceSettings,
+        boot: &bootstrap::Bootstrapped,
+        delivery_tx: mpsc::UnboundedSender<crate::sink::Delivery<backfill::CdcTag>>,
+    ) -> Result<(K::Sink<backfill::CdcTag>, ExactlyOnce)> {
+        let settings = &self.settings;
+        let key = ProgressKey {
+            system_id: boot.history.system_id.clone(),
+            slot: settings.database.slot.clone(),
+        };
+        let publisher = self.sinks.exactly_once_sink(settings, delivery_tx, &key)?;
+        let asked = Instant::now();
+        let committed = publisher.begin_transactions(&key).await?;
+        let tables = crate::table::names(&settings.database.tables);
+        let committed = committed.map(|progress| progress.for_tables(&tables));
+        let committed = committed.filter(|progress| {
+            match progress.usable_on(boot.history.timeline, boot.replay_end, boot.slot_created_at) {
+                Ok(()) => true,
+                Err(why) => {
+                    tracing::warn!(%why, "the last progress record does not belong to this server history: events it covered are published again where their rows are unpublished");
+                    false
+                }
+            }
+        });
+        let took = asked.elapsed();
+        let transactional_id = key.transactional_id();
+        match &committed {
+            Some(progress) => {
+                tracing::info!(%transactional_id, commit_lsn = %progress.commit_lsn, events_included = ?progress.events_included, ?took, "exactly-once: Kafka transactions ready; events up to the last committed one are not produced again")
+            }
+            None => {
+                tracing::info!(%transactional_id, ?took, "exactly-once: Kafka transactions ready; no progress recorded for this slot yet")
+            }
+        }
+        let eos = ExactlyOnce::new(
+            key,
+            boot.history.timeline,
+            tables,
+            committed,
+            eos,
+            &settings.kafka.options,
+            settings.cdc.max_in_flight_events,
+        );
+        Ok((publisher, eos))
     }
 }
