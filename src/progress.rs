@@ -66,9 +66,10 @@ pub struct Progress {
     /// How many of that transaction's outbox rows were included: all (`None`), or the first n (a
     /// transaction larger than the in-flight window is committed in parts).
     pub events_included: Option<u64>,
-    /// The outbox tables streamed (`--table`, in order): rows are numbered among theirs, so a part
-    /// (`events_included`) means the same rows only to an instance streaming the same tables.
-    pub tables: String,
+    /// The outbox tables streamed (`--table`, in order). A record covers only their rows: a table added
+    /// since was not produced from. And rows are numbered among theirs, so a part (`events_included`)
+    /// means the same rows only to an instance streaming the same tables.
+    pub tables: Vec<String>,
 }
 
 /// Why a progress record read at start-up cannot be used (its events are then published again if their
@@ -114,7 +115,7 @@ impl Progress {
         commit_lsn: Lsn,
         commit_micros: i64,
         events_included: Option<u64>,
-        tables: String,
+        tables: Vec<String>,
     ) -> Self {
         Progress {
             version: 1,
@@ -130,7 +131,7 @@ impl Progress {
     /// The record as an instance streaming `tables` may use it: a part of a transaction counted among
     /// other tables' rows names other rows, so none of that transaction counts as covered (it is
     /// published again: duplicates, never a row skipped).
-    pub fn for_tables(mut self, tables: &str) -> Progress {
+    pub fn for_tables(mut self, tables: &[String]) -> Progress {
         if self.events_included.is_some() && self.tables != tables {
             self.events_included = Some(0);
         }
@@ -196,11 +197,15 @@ impl Progress {
         Ok(())
     }
 
-    /// True when the event decoded at `position` is in Kafka already (committed with this record).
-    pub fn covers(&self, position: &StreamPosition) -> bool {
+    /// True when the event of `table` decoded at `position` is in Kafka already (committed with this
+    /// record). A table the record does not name was not streamed then: none of its rows is covered.
+    pub fn covers(&self, table: &str, position: &StreamPosition) -> bool {
         let Ok(recorded) = self.position() else {
             return false;
         };
+        if !self.tables.iter().any(|t| t == table) {
+            return false;
+        }
         if position.commit_micros > self.commit_micros + COMMIT_TIME_SLACK_MICROS {
             return false;
         }
@@ -217,6 +222,10 @@ mod tests {
     use super::*;
 
     const T: &str = "public.outbox_event";
+
+    fn t() -> Vec<String> {
+        vec![T.to_string()]
+    }
 
     fn key() -> ProgressKey {
         ProgressKey {
@@ -235,40 +244,49 @@ mod tests {
 
     #[test]
     fn covers_everything_up_to_the_recorded_point() {
-        let whole = Progress::new(key(), 1, Lsn(100), 5_000_000, None, T.into());
-        assert!(whole.covers(&at(50, 4_000_000, 7)));
-        assert!(whole.covers(&at(100, 5_000_000, 999)));
-        assert!(!whole.covers(&at(101, 5_000_001, 0)));
-        let part = Progress::new(key(), 1, Lsn(100), 5_000_000, Some(3), T.into());
-        assert!(part.covers(&at(100, 5_000_000, 2)));
+        let whole = Progress::new(key(), 1, Lsn(100), 5_000_000, None, t());
+        assert!(whole.covers(T, &at(50, 4_000_000, 7)));
+        assert!(whole.covers(T, &at(100, 5_000_000, 999)));
+        assert!(!whole.covers(T, &at(101, 5_000_001, 0)));
+        let part = Progress::new(key(), 1, Lsn(100), 5_000_000, Some(3), t());
+        assert!(part.covers(T, &at(100, 5_000_000, 2)));
         assert!(
-            !part.covers(&at(100, 5_000_000, 3)),
+            !part.covers(T, &at(100, 5_000_000, 3)),
             "the 4th row was not included"
         );
-        assert!(part.covers(&at(99, 4_000_000, 10_000)));
+        assert!(part.covers(T, &at(99, 4_000_000, 10_000)));
     }
 
     #[test]
     fn a_part_counted_among_other_tables_covers_none_of_its_transaction() {
-        let part = Progress::new(key(), 1, Lsn(100), 5_000_000, Some(3), T.into());
-        let same = part.clone().for_tables(T);
-        assert!(same.covers(&at(100, 5_000_000, 2)));
-        let other = part.for_tables("public.outbox_event,public.orders_outbox");
-        assert!(!other.covers(&at(100, 5_000_000, 0)));
+        let part = Progress::new(key(), 1, Lsn(100), 5_000_000, Some(3), t());
+        let same = part.clone().for_tables(&t());
+        assert!(same.covers(T, &at(100, 5_000_000, 2)));
+        let other = part.for_tables(&[T.to_string(), "public.orders_outbox".to_string()]);
+        assert!(!other.covers(T, &at(100, 5_000_000, 0)));
         assert!(
-            other.covers(&at(99, 4_000_000, 0)),
+            other.covers(T, &at(99, 4_000_000, 0)),
             "whole earlier transactions do not depend on numbering"
         );
-        let whole = Progress::new(key(), 1, Lsn(100), 5_000_000, None, T.into()).for_tables("x");
-        assert!(whole.covers(&at(100, 5_000_000, 7)));
+        let whole =
+            Progress::new(key(), 1, Lsn(100), 5_000_000, None, t()).for_tables(&["x".to_string()]);
+        assert!(whole.covers(T, &at(100, 5_000_000, 7)));
+    }
+
+    #[test]
+    fn rows_of_a_table_the_record_does_not_name_are_not_covered() {
+        // Streamed since: its rows below the recorded position were never produced.
+        let whole = Progress::new(key(), 1, Lsn(100), 5_000_000, None, t());
+        assert!(whole.covers(T, &at(50, 4_000_000, 0)));
+        assert!(!whole.covers("public.orders_outbox", &at(50, 4_000_000, 0)));
     }
 
     #[test]
     fn a_transaction_committed_much_later_below_the_point_is_new_wal() {
-        let progress = Progress::new(key(), 1, Lsn(100), 5_000_000, None, T.into());
-        assert!(!progress.covers(&at(50, 5_000_000 + COMMIT_TIME_SLACK_MICROS + 1, 0)));
+        let progress = Progress::new(key(), 1, Lsn(100), 5_000_000, None, t());
+        assert!(!progress.covers(T, &at(50, 5_000_000 + COMMIT_TIME_SLACK_MICROS + 1, 0)));
         assert!(
-            progress.covers(&at(50, 5_000_000 + 10, 0)),
+            progress.covers(T, &at(50, 5_000_000 + 10, 0)),
             "concurrent commits may take their times slightly out of WAL order"
         );
     }
@@ -281,7 +299,7 @@ mod tests {
 
     #[test]
     fn round_trips_and_refuses_another_key_or_version() {
-        let progress = Progress::new(key(), 2, Lsn(0x1_0000_0010), 42, Some(5), T.into());
+        let progress = Progress::new(key(), 2, Lsn(0x1_0000_0010), 42, Some(5), t());
         let value = progress.encode();
         assert_eq!(Progress::decode(&value, &key()), Ok(progress.clone()));
         let other = ProgressKey {
@@ -303,7 +321,7 @@ mod tests {
 
     #[test]
     fn unusable_on_another_history() {
-        let progress = Progress::new(key(), 1, Lsn(100), 0, None, T.into());
+        let progress = Progress::new(key(), 1, Lsn(100), 0, None, t());
         assert_eq!(progress.usable_on(1, Lsn(200), None), Ok(()));
         assert_eq!(
             progress.usable_on(1, Lsn(200), Some(Lsn(150))),

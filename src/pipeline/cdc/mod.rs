@@ -289,7 +289,12 @@ impl<K: Sinks> CdcPipeline<K> {
         let publisher = self.sinks.exactly_once_sink(settings, delivery_tx, &key)?;
         let asked = Instant::now();
         let committed = publisher.begin_transactions(&key).await?;
-        let tables = crate::table::names(&settings.database.tables);
+        let tables: Vec<String> = settings
+            .database
+            .tables
+            .iter()
+            .map(|table| table.name.to_string())
+            .collect();
         let committed = committed.map(|progress| progress.for_tables(&tables));
         let committed = committed.filter(|progress| {
             match progress.usable_on(boot.history.timeline, boot.replay_end, boot.slot_created_at) {

@@ -86,7 +86,7 @@ pub(super) struct ExactlyOnce {
     key: ProgressKey,
     timeline: u32,
     /// The tables streamed, as progress records name them.
-    tables: String,
+    tables: Vec<String>,
     /// What the last Kafka transaction committed before this session covered: those events are in Kafka
     /// already, and are marked published without being produced again.
     committed_before: Option<Progress>,
@@ -113,7 +113,7 @@ impl ExactlyOnce {
     pub(super) fn new(
         key: ProgressKey,
         timeline: u32,
-        tables: String,
+        tables: Vec<String>,
         committed_before: Option<Progress>,
         settings: &ExactlyOnceSettings,
         kafka_options: &[(String, String)],
@@ -905,7 +905,12 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         self.exactly_once
             .as_ref()
             .and_then(|eos| eos.committed_before.as_ref())
-            .is_some_and(|progress| progress.covers(&pending.position))
+            .is_some_and(|progress| {
+                let table = self.settings.database.tables[pending.tag.table]
+                    .name
+                    .to_string();
+                progress.covers(&table, &pending.position)
+            })
     }
 
     /// An event already in Kafka (committed before this session) whose row is not marked yet: it is
