@@ -174,6 +174,22 @@ pub struct KafkaSettings {
     pub exactly_once: Option<ExactlyOnceSettings>,
 }
 
+/// librdkafka's default `transaction.timeout.ms`.
+const DEFAULT_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl KafkaSettings {
+    /// `transaction.timeout.ms` as given last by `--kafka-option`, else librdkafka's default: how long
+    /// the broker lets a Kafka transaction stay open before it aborts it.
+    pub fn transaction_timeout(&self) -> Duration {
+        self.options
+            .iter()
+            .rev()
+            .find(|(key, _)| key == "transaction.timeout.ms")
+            .and_then(|(_, value)| value.trim().parse::<u64>().ok())
+            .map_or(DEFAULT_TRANSACTION_TIMEOUT, Duration::from_millis)
+    }
+}
+
 /// Settings of `--delivery exactly-once`.
 #[derive(Debug, Clone)]
 pub struct ExactlyOnceSettings {

@@ -2,13 +2,22 @@
 //! Kafka partition could keep (each sink's accepted events in send order, nothing after a failure of the
 //! same sink; what several sinks hold at once is written sink by sink, oldest sink first, as two producers'
 //! requests may arrive in any order), and its faults are set by the test: refuse an event at hand-over, accept it and fail its
-//! delivery, hold delivery reports (a slow or unreachable broker) and release them in any order.
+//! delivery, hold delivery reports (a slow or unreachable broker) and release them in any order, slow every
+//! hand-over down.
 //!
-//! Not a Kafka emulation: no partitions, offsets or transactions; enough to drive the pipelines' rules
-//! without a broker. The integration tests against Apache Kafka stay for the real thing.
+//! Its exactly-once sinks keep Kafka's transactional contract in small: what a transaction delivered
+//! reaches the log, and its reports the pipeline, only when it commits (with its progress record, the
+//! last of which `begin_transactions` returns); a failed delivery is reported at once; a commit fails
+//! (and aborts) when the test says, when the transaction stayed open longer than
+//! `transaction.timeout.ms`, or when a later sink of the same slot fenced it.
+//!
+//! Not a Kafka emulation: no partitions or offsets; enough to drive the pipelines' rules without a
+//! broker. The integration tests against Apache Kafka stay for the real thing.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 use uuid::Uuid;
@@ -17,6 +26,7 @@ use super::{Delivery, PublishError, Rejection, Sink, Sinks};
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
+use crate::progress::{Progress, ProgressKey};
 
 /// A record the broker wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,6 +83,16 @@ struct BrokerState {
     sinks_made: usize,
     refused_at_hand_over: usize,
     failed_after_acceptance: usize,
+    /// How long every hand-over takes (a slow producer or broker).
+    publish_delay: Option<Duration>,
+    /// The last committed progress record of each slot, by record key.
+    progress: HashMap<String, Progress>,
+    /// Exactly-once sinks by slot: each one's fenced flag, set when a later one begins.
+    transactional: Vec<(String, Arc<AtomicBool>)>,
+    /// The next commits fail with these (how many more each).
+    commit_faults: Vec<(Rejection, usize)>,
+    commits: usize,
+    aborts: usize,
 }
 
 /// The broker every sink it makes writes to; clones share it.
@@ -138,6 +158,27 @@ impl MemoryBroker {
         }
     }
 
+    /// Every hand-over takes `delay` from now on (`None`: none).
+    pub fn set_publish_delay(&self, delay: Option<Duration>) {
+        self.lock().publish_delay = delay;
+    }
+
+    /// The next `times` commits of exactly-once sinks fail with `rejection` (their transactions abort).
+    pub fn fail_commits(&self, rejection: Rejection, times: usize) {
+        self.lock().commit_faults.push((rejection, times));
+    }
+
+    /// The last committed progress record (of any slot; tests use one).
+    pub fn last_progress(&self) -> Option<Progress> {
+        self.lock().progress.values().next().cloned()
+    }
+
+    /// Commits and aborts of exactly-once sinks so far.
+    pub fn transactions(&self) -> (usize, usize) {
+        let state = self.lock();
+        (state.commits, state.aborts)
+    }
+
     /// Every record written so far, in write order.
     pub fn records(&self) -> Vec<Record> {
         self.lock().log.clone()
@@ -192,6 +233,26 @@ struct SinkState<T> {
     accepted: Vec<Accepted<T>>,
     /// Why the sink is spent, once a delivery failed.
     spent: Option<String>,
+    /// An exactly-once sink's open transaction; `None`: at least once.
+    transaction: Option<OpenTransaction<T>>,
+}
+
+/// What an exactly-once sink's open transaction delivered: written and reported when it commits.
+struct OpenTransaction<T> {
+    /// `transaction.timeout.ms`: a commit after the transaction was open this long fails.
+    timeout: Duration,
+    /// When the open transaction took its first event.
+    opened_at: Option<Instant>,
+    written: Vec<Record>,
+    reports: Vec<Delivery<T>>,
+    /// Set when a later sink of the same slot began its transactions.
+    fenced: Arc<AtomicBool>,
+}
+
+impl<T> OpenTransaction<T> {
+    fn is_fenced(&self) -> bool {
+        self.fenced.load(Ordering::SeqCst)
+    }
 }
 
 impl<T: Send> Flush for Mutex<SinkState<T>> {
@@ -217,14 +278,21 @@ impl<T: Send> Flush for Mutex<SinkState<T>> {
                     Err(rejection)
                 }
                 (None, None) => {
-                    log.push(record.clone());
+                    match &mut state.transaction {
+                        Some(open) => open.written.push(record.clone()),
+                        None => log.push(record.clone()),
+                    }
                     Ok(())
                 }
             };
             if let Err(rejection) = &mut delivery.result {
                 rejection.topic = Some(record.topic);
             }
-            reports.push(delivery);
+            match &mut state.transaction {
+                // Held until the commit; failures are reported at once (they abort the transaction).
+                Some(open) if delivery.result.is_ok() => open.reports.push(delivery),
+                _ => reports.push(delivery),
+            }
         }
         let reports = match order {
             Release::InOrder => reports,
@@ -244,7 +312,9 @@ impl<T: Send> Flush for Mutex<SinkState<T>> {
     }
 
     fn held(&self) -> usize {
-        self.lock().map(|s| s.accepted.len()).unwrap_or(0)
+        self.lock()
+            .map(|s| s.accepted.len() + s.transaction.as_ref().map_or(0, |t| t.reports.len()))
+            .unwrap_or(0)
     }
 }
 
@@ -270,7 +340,23 @@ impl<T> MemorySink<T> {
             });
             let _ = state.deliveries.send(delivery);
         }
+        abort_open_transaction(&mut state, reason);
         state.spent.get_or_insert_with(|| reason.to_string());
+    }
+}
+
+/// Drops what the open transaction wrote and reports its deliveries failed.
+fn abort_open_transaction<T>(state: &mut SinkState<T>, reason: &str) {
+    let Some(open) = &mut state.transaction else {
+        return;
+    };
+    open.written.clear();
+    open.opened_at = None;
+    for mut delivery in std::mem::take(&mut open.reports) {
+        delivery.result = Err(Rejection::transient(format!(
+            "the transaction aborted: {reason}"
+        )));
+        let _ = state.deliveries.send(delivery);
     }
 }
 
@@ -283,6 +369,10 @@ impl<T: Send + Sync + 'static> Sink<T> for MemorySink<T> {
         tag: T,
         error: Option<&str>,
     ) -> Result<(), PublishError> {
+        let delay = self.broker.lock().publish_delay;
+        if let Some(delay) = delay {
+            tokio::time::sleep(delay).await;
+        }
         let mut broker = self.broker.lock();
         let mut fails = None;
         if let Some(rule) = broker
@@ -308,6 +398,12 @@ impl<T: Send + Sync + 'static> Sink<T> for MemorySink<T> {
                 return Err(PublishError::Rejected(Rejection::transient(format!(
                     "the producer stopped: {spent}"
                 ))));
+            }
+            if let Some(open) = &mut state.transaction {
+                if open.is_fenced() {
+                    return Err(PublishError::Rejected(fenced()));
+                }
+                open.opened_at.get_or_insert_with(Instant::now);
             }
             state.accepted.push(Accepted {
                 delivery: Delivery {
@@ -350,6 +446,80 @@ impl<T: Send + Sync + 'static> Sink<T> for MemorySink<T> {
     fn abandon(self) {
         self.fail_held("abandoned");
     }
+
+    async fn begin_transactions(&self, key: &ProgressKey) -> Result<Option<Progress>> {
+        let mut broker = self.broker.lock();
+        let record_key = key.record_key();
+        let Some(open) = &self.state().transaction else {
+            return Ok(None);
+        };
+        for (slot, fenced) in &broker.transactional {
+            if *slot == record_key && !Arc::ptr_eq(fenced, &open.fenced) {
+                fenced.store(true, Ordering::SeqCst);
+            }
+        }
+        broker
+            .transactional
+            .retain(|(_, fenced)| Arc::strong_count(fenced) > 1 && !fenced.load(Ordering::SeqCst));
+        broker
+            .transactional
+            .push((record_key.clone(), open.fenced.clone()));
+        Ok(broker.progress.get(&record_key).cloned())
+    }
+
+    async fn commit(&self, progress: &Progress) -> Result<(), Rejection> {
+        let mut broker = self.broker.lock();
+        // The commit flushes what the producer holds, as Kafka's does; unreachable, it fails.
+        if !broker.down {
+            self.state.flush(&mut broker.log, Release::InOrder, None);
+        }
+        let mut state = self.state();
+        let Some(open) = &mut state.transaction else {
+            return Ok(());
+        };
+        let failure = if open.is_fenced() {
+            Some(fenced())
+        } else if broker.down {
+            Some(Rejection::transient("the in-memory broker is down".into()))
+        } else if let Some((rejection, times)) = broker
+            .commit_faults
+            .iter_mut()
+            .find(|(_, times)| *times > 0)
+        {
+            *times -= 1;
+            Some(rejection.clone())
+        } else if open.opened_at.is_some_and(|at| at.elapsed() > open.timeout) {
+            Some(Rejection::transient(format!(
+                "the transaction was open longer than transaction.timeout.ms ({:?}) and the broker aborted it",
+                open.timeout
+            )))
+        } else {
+            None
+        };
+        if let Some(rejection) = failure {
+            broker.aborts += 1;
+            let reason = rejection.reason.clone();
+            abort_open_transaction(&mut state, &reason);
+            return Err(rejection);
+        }
+        broker.commits += 1;
+        broker.log.append(&mut open.written);
+        broker
+            .progress
+            .insert(progress.key.record_key(), progress.clone());
+        open.opened_at = None;
+        for report in std::mem::take(&mut open.reports) {
+            let _ = state.deliveries.send(report);
+        }
+        Ok(())
+    }
+}
+
+fn fenced() -> Rejection {
+    Rejection {
+        producer_broken: true,
+        ..Rejection::transient("fenced: a later producer of this slot took over".into())
+    }
 }
 
 fn broker_down() -> Error {
@@ -364,13 +534,19 @@ impl Sinks for MemoryBroker {
 
     fn exactly_once_sink<T: Send + Sync + 'static>(
         &self,
-        _settings: &RunSettings,
-        _deliveries: UnboundedSender<Delivery<T>>,
-        _key: &crate::progress::ProgressKey,
+        settings: &RunSettings,
+        deliveries: UnboundedSender<Delivery<T>>,
+        _key: &ProgressKey,
     ) -> Result<MemorySink<T>> {
-        Err(Error::setup(
-            "the in-memory broker has no transactions",
-            "test --delivery exactly-once against Apache Kafka",
+        Ok(self.new_sink(
+            deliveries,
+            Some(OpenTransaction {
+                timeout: settings.kafka.transaction_timeout(),
+                opened_at: None,
+                written: Vec::new(),
+                reports: Vec::new(),
+                fenced: Arc::new(AtomicBool::new(false)),
+            }),
         ))
     }
 
@@ -379,25 +555,36 @@ impl Sinks for MemoryBroker {
         _settings: &RunSettings,
         deliveries: UnboundedSender<Delivery<T>>,
     ) -> Result<MemorySink<T>> {
-        let state = Arc::new(Mutex::new(SinkState {
-            deliveries,
-            accepted: Vec::new(),
-            spent: None,
-        }));
-        let mut broker = self.lock();
-        broker.sinks_made += 1;
-        let flush: Arc<dyn Flush> = state.clone();
-        broker.sinks.push(Arc::downgrade(&flush));
-        Ok(MemorySink {
-            broker: self.clone(),
-            state,
-        })
+        Ok(self.new_sink(deliveries, None))
     }
 
     async fn check_ready(&self, _settings: &RunSettings) -> Result<()> {
         match self.lock().down {
             true => Err(broker_down()),
             false => Ok(()),
+        }
+    }
+}
+
+impl MemoryBroker {
+    fn new_sink<T: Send + Sync + 'static>(
+        &self,
+        deliveries: UnboundedSender<Delivery<T>>,
+        transaction: Option<OpenTransaction<T>>,
+    ) -> MemorySink<T> {
+        let state = Arc::new(Mutex::new(SinkState {
+            deliveries,
+            accepted: Vec::new(),
+            spent: None,
+            transaction,
+        }));
+        let mut broker = self.lock();
+        broker.sinks_made += 1;
+        let flush: Arc<dyn Flush> = state.clone();
+        broker.sinks.push(Arc::downgrade(&flush));
+        MemorySink {
+            broker: self.clone(),
+            state,
         }
     }
 }

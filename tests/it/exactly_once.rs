@@ -10,6 +10,9 @@ use crate::support::*;
 const KILLS: usize = 20;
 /// `--max-in-flight-events`: small, so that a round takes several Kafka transactions.
 const WINDOW: &str = "200";
+/// How long everything may take to be published and read back (a 3-broker cluster after failovers is
+/// the slowest).
+const READ_BACK_TIMEOUT: Duration = Duration::from_secs(180);
 
 fn args<'a>(url: &'a str, brokers: &'a str, exactly_once: bool) -> Vec<&'a str> {
     let mut args = run_args(url, brokers);
@@ -20,9 +23,16 @@ fn args<'a>(url: &'a str, brokers: &'a str, exactly_once: bool) -> Vec<&'a str> 
     args
 }
 
+/// Every this many rounds, the kill is made to land while events are in Kafka but not yet marked
+/// published (the moment at least once re-sends them), so that the loop's contrast does not hang on the
+/// few ms a random kill has to hit it.
+const HELD_EVERY: usize = 5;
+
 /// Rounds of committed events, each published by an outboxd that is SIGKILLed at a random moment once
-/// part of the round is marked published; then one more outboxd publishes the rest. Returns what a
-/// `read_committed` reader found, and how many kills landed mid-round.
+/// part of the round is marked published (every `HELD_EVERY`th round: once part of it is in Kafka while
+/// another session holds its first transaction's rows, so their marks wait); then one more outboxd
+/// publishes the rest. Returns what a `read_committed` reader found, how many kills landed mid-round,
+/// and how many rows were marked from a progress record.
 async fn crash_loop(exactly_once: bool) -> (DeliveryReport, usize, usize) {
     // Rows marked published from the progress record: in Kafka, but killed before their `published_at`.
     let mut marked_from_progress = 0;
@@ -36,19 +46,43 @@ async fn crash_loop(exactly_once: bool) -> (DeliveryReport, usize, usize) {
     for round in 0..KILLS {
         let (round_events, r) = insert_events(&mut client, round * 40, 40, 25, 50, Some(13)).await;
         rolled_back.extend(r);
+        let held = round % HELD_EVERY == HELD_EVERY - 1;
+        let mut locker = pg.client().await;
+        let lock = locker.transaction().await.unwrap();
+        if held {
+            let first_txn: Vec<uuid::Uuid> =
+                round_events[..25].iter().map(|e| e.event_id).collect();
+            lock.execute(
+                "SELECT 1 FROM outbox_event WHERE event_id = ANY($1) FOR UPDATE",
+                &[&first_txn],
+            )
+            .await
+            .unwrap();
+        }
         let mut outboxd =
             Outboxd::spawn_with_env(&args(&url, &brokers, exactly_once), &[("RUST_LOG", "info")]);
-        wait_for_async(
-            "part of the round to be published",
-            Duration::from_secs(60),
-            || async { (published_among(&client, &round_events).await > 0).then_some(()) },
-        )
-        .await;
-        // Somewhere in the round: before, during or after a commit and its `published_at` writes (spread
-        // over 0-147 ms, the same in every run).
-        let delay = (round as u64 * 37) % 150;
-        tokio::time::sleep(Duration::from_millis(delay)).await;
-        outboxd.kill();
+        if held {
+            wait_for(
+                "part of the round in Kafka",
+                Duration::from_secs(60),
+                || (in_kafka_among(&brokers, &round_events[..25]) > 0).then_some(()),
+            );
+            outboxd.kill();
+            end_backends_except(&client, &lock).await;
+        } else {
+            wait_for_async(
+                "part of the round to be published",
+                Duration::from_secs(60),
+                || async { (published_among(&client, &round_events).await > 0).then_some(()) },
+            )
+            .await;
+            // Somewhere in the round: before, during or after a commit and its `published_at` writes
+            // (spread over 0-147 ms, the same in every run).
+            let delay = (round as u64 * 37) % 150;
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            outboxd.kill();
+        }
+        lock.rollback().await.unwrap();
         marked_from_progress += marked_published(&outboxd.log_text());
         if published_among(&client, &round_events).await < round_events.len() as i64 {
             mid_round += 1;
@@ -56,22 +90,62 @@ async fn crash_loop(exactly_once: bool) -> (DeliveryReport, usize, usize) {
         committed.extend(round_events);
     }
     let mut last = Outboxd::spawn(&args(&url, &brokers, exactly_once));
-    wait_all_published(&client, Duration::from_secs(120)).await;
-    let records = consume_all(
-        &brokers,
-        &[TOPIC],
-        committed.len(),
-        Duration::from_secs(120),
-    );
-    let report = check_delivery(&records, &committed, &rolled_back);
+    let (records, report) = read_back(&client, &brokers, &committed, &rolled_back).await;
     last.kill();
     marked_from_progress += marked_published(&last.log_text());
     println!(
-        "exactly-once {exactly_once}: {KILLS} kills ({mid_round} mid-round), {} records for {} committed events, {marked_from_progress} rows marked from the progress record: {report:?}",
-        records.len(),
+        "exactly-once {exactly_once}: {KILLS} kills ({mid_round} mid-round, {} while marks were held), {records} records for {} committed events, {marked_from_progress} rows marked from the progress record: {report:?}",
+        KILLS / HELD_EVERY,
         committed.len()
     );
     (report, mid_round, marked_from_progress)
+}
+
+/// How many of `events` a `read_committed` reader finds in Kafka now.
+fn in_kafka_among(brokers: &str, events: &[Inserted]) -> usize {
+    let ids: std::collections::HashSet<String> =
+        events.iter().map(|e| e.event_id.to_string()).collect();
+    consume_all(brokers, &[TOPIC], 0, Duration::from_secs(30))
+        .iter()
+        .filter(|r| r.headers.get("event_id").is_some_and(|id| ids.contains(id)))
+        .count()
+}
+
+/// Ends the backends of a SIGKILLed outboxd, keeping this test's (`client` and `lock`'s). They live on
+/// waiting for the rows' locks (the server notices a vanished client only when it next talks to it) and
+/// would write their marks once the locks go.
+async fn end_backends_except(
+    client: &tokio_postgres::Client,
+    lock: &tokio_postgres::Transaction<'_>,
+) {
+    let locker_pid: i32 = lock
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    client
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE pid NOT IN (pg_backend_pid(), $1) AND backend_type IN ('client backend', 'walsender')",
+            &[&locker_pid],
+        )
+        .await
+        .unwrap();
+}
+
+/// Once every row is published: (records a `read_committed` reader finds, the check against `committed`).
+async fn read_back(
+    client: &tokio_postgres::Client,
+    brokers: &str,
+    committed: &[Inserted],
+    rolled_back: &[Inserted],
+) -> (usize, DeliveryReport) {
+    wait_all_published(client, READ_BACK_TIMEOUT).await;
+    let records = consume_all(brokers, &[TOPIC], committed.len(), READ_BACK_TIMEOUT);
+    (
+        records.len(),
+        check_delivery(&records, committed, rolled_back),
+    )
 }
 
 /// Events a log says were in Kafka already and only marked published.
@@ -102,11 +176,13 @@ async fn a_crash_loop_duplicates_nothing_with_exactly_once_and_something_without
     assert_eq!(report.from_rolled_back, 0, "rolled-back events published");
     assert_eq!(report.order_violations, 0, "per-aggregate order violated");
     assert_eq!(report.duplicates, 0, "duplicates with exactly-once");
-    // Kills rarely land between a Kafka commit and its published_at writes (a few ms): that moment is
-    // made certain by the next test.
-    println!("{marked} rows marked from the progress record");
+    assert!(
+        marked > 0,
+        "no row was marked from a progress record: the held rounds did not kill between commit and marks"
+    );
 
-    // At least once, most rounds finish before the kill; the few kills that land mid-round duplicate.
+    // At least once, the same run duplicates: certainly in the held rounds, and wherever a random kill
+    // lands between the broker's acknowledgement and the marks.
     let (report, _, _) = crash_loop(false).await;
     assert_eq!(report.missing, 0, "committed events missing: {report:?}");
     assert_eq!(report.order_violations, 0, "per-aggregate order violated");
@@ -143,36 +219,14 @@ async fn killed_between_commit_and_marks(exactly_once: bool) -> (DeliveryReport,
         "the rows' locks did not hold the marks back"
     );
     outboxd.kill();
-    // Its backends live on, waiting for the locks (the server notices a vanished client only when it
-    // next talks to it): end them, or they would write the marks once the locks go.
-    let locker_pid: i32 = lock
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    client
-        .execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE pid NOT IN (pg_backend_pid(), $1) AND backend_type IN ('client backend', 'walsender')",
-            &[&locker_pid],
-        )
-        .await
-        .unwrap();
+    end_backends_except(&client, &lock).await;
     lock.rollback().await.unwrap();
     let mut last = Outboxd::spawn(&args(&url, &brokers, exactly_once));
-    wait_all_published(&client, Duration::from_secs(120)).await;
-    let records = consume_all(
-        &brokers,
-        &[TOPIC],
-        committed.len(),
-        Duration::from_secs(120),
-    );
+    let (records, report) = read_back(&client, &brokers, &committed, &rolled_back).await;
     last.kill();
-    let report = check_delivery(&records, &committed, &rolled_back);
     let marked = marked_published(&last.log_text());
     println!(
-        "exactly-once {exactly_once}: {in_kafka} events in Kafka unmarked at the kill, {marked} marked from the progress record, {} records for {} events: {report:?}",
-        records.len(),
+        "exactly-once {exactly_once}: {in_kafka} events in Kafka unmarked at the kill, {marked} marked from the progress record, {records} records for {} events: {report:?}",
         committed.len()
     );
     (report, marked)
@@ -247,7 +301,7 @@ async fn a_frozen_leader_is_fenced_by_the_standby_and_nothing_becomes_visible_tw
     );
     writer.wait_more(50, "load after the old leader woke").await;
     writer.stop().await;
-    let (records, committed, report) = read_back_writer_events(&client, &brokers, 120).await;
+    let (records, committed, report) = read_back_writer_events(&client, &brokers).await;
     let fenced = first.log_text().contains("fenced");
     println!(
         "frozen leader: {} records for {} events, old leader's log names the fencing: {fenced}: {report:?}",
@@ -305,7 +359,7 @@ async fn broker_failovers_during_commits_keep_exactly_once() {
         .await;
     }
     writer.stop().await;
-    let (records, committed, report) = read_back_writer_events(&client, &brokers, 180).await;
+    let (records, committed, report) = read_back_writer_events(&client, &brokers).await;
     let aborted = outboxd.log_text().matches("did not commit").count();
     println!(
         "3 broker SIGKILLs under load with exactly-once: {} records for {} events, {aborted} Kafka transactions aborted: {report:?}",
@@ -358,14 +412,11 @@ async fn a_transaction_the_broker_timed_out_is_sent_again_and_seen_once() {
     outboxd.signal("CONT");
     let (more, _) = insert_events(&mut client, 10, 10, 10, 5, None).await;
     committed.extend(more);
-    wait_all_published(&client, Duration::from_secs(120)).await;
-    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
-    let report = check_delivery(&records, &committed, &[]);
+    let (records, report) = read_back(&client, &brokers, &committed, &[]).await;
     let log = outboxd.log_text();
     let failed_commit = log.contains("did not commit") || log.contains("giving up this session");
     println!(
-        "transaction timed out by the broker: {} records for {} events, a commit failed and was sent again: {failed_commit}: {report:?}",
-        records.len(),
+        "transaction timed out by the broker: {records} records for {} events, a commit failed and was sent again: {failed_commit}: {report:?}",
         committed.len()
     );
     assert_eq!(report.missing, 0, "committed events missing: {report:?}");
@@ -416,16 +467,9 @@ fn wait_transactions_ready(outboxd: &Outboxd) {
 async fn read_back_writer_events(
     client: &tokio_postgres::Client,
     brokers: &str,
-    timeout_secs: u64,
 ) -> (usize, usize, DeliveryReport) {
-    wait_all_published(client, Duration::from_secs(timeout_secs)).await;
+    wait_all_published(client, READ_BACK_TIMEOUT).await;
     let committed = events_in_table(client, "(payload->>'seq')::int8").await;
-    let records = consume_all(
-        brokers,
-        &[TOPIC],
-        committed.len(),
-        Duration::from_secs(timeout_secs),
-    );
-    let report = check_delivery(&records, &committed, &[]);
-    (records.len(), committed.len(), report)
+    let (records, report) = read_back(client, brokers, &committed, &[]).await;
+    (records, committed.len(), report)
 }

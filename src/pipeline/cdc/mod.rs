@@ -321,7 +321,7 @@ impl<K: Sinks> CdcPipeline<K> {
             tables,
             committed,
             eos,
-            &settings.kafka.options,
+            settings.kafka.transaction_timeout(),
             settings.cdc.max_in_flight_events,
         );
         Ok((publisher, eos))

@@ -32,8 +32,6 @@ use crate::progress::{Progress, ProgressKey};
 use crate::sink::{Delivery, PublishError, Rejection, Sink};
 use crate::table::OutboxTable;
 
-/// librdkafka's default `transaction.timeout.ms`.
-const DEFAULT_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(60);
 /// Rows of re-sent transactions are checked against `published_at` in batches of this size.
 const REPLAY_BATCH: usize = 1_000;
 /// Least time between two status updates sent because the watermark moved.
@@ -116,15 +114,9 @@ impl ExactlyOnce {
         tables: Vec<String>,
         committed_before: Option<Progress>,
         settings: &ExactlyOnceSettings,
-        kafka_options: &[(String, String)],
+        transaction_timeout: Duration,
         max_in_flight_events: usize,
     ) -> Self {
-        let transaction_timeout = kafka_options
-            .iter()
-            .rev()
-            .find(|(key, _)| key == "transaction.timeout.ms")
-            .and_then(|(_, value)| value.trim().parse::<u64>().ok())
-            .map_or(DEFAULT_TRANSACTION_TIMEOUT, Duration::from_millis);
         ExactlyOnce {
             key,
             timeline,
