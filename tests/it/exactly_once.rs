@@ -431,28 +431,6 @@ async fn a_transaction_the_broker_timed_out_is_sent_again_and_seen_once() {
     );
 }
 
-/// Waits until the walsender has sent everything written so far: read by outboxd (its window has room),
-/// so in its open Kafka transaction.
-async fn wait_sent_up_to_now(client: &tokio_postgres::Client) {
-    let written = current_wal_lsn(client).await;
-    wait_for_async(
-        "outboxd to read the load",
-        Duration::from_secs(60),
-        || async {
-            let row = client
-                .query_one(
-                    "SELECT coalesce(max(sent_lsn)::text, '0/0') FROM pg_stat_replication",
-                    &[],
-                )
-                .await
-                .unwrap();
-            let sent: outboxd::lsn::Lsn = row.get::<_, String>(0).parse().unwrap();
-            (sent >= written).then_some(())
-        },
-    )
-    .await;
-}
-
 /// Waits until `outboxd` streams with its transactional producer initialised (earlier ones fenced).
 fn wait_transactions_ready(outboxd: &Outboxd) {
     wait_for("Kafka transactions ready", Duration::from_secs(120), || {

@@ -24,3 +24,4 @@ mod retention;
 mod sink;
 mod soak;
 mod tls;
+mod transactions;

@@ -15,6 +15,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
+pub mod in_process;
+
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 fn support_script(name: &str) -> PathBuf {
@@ -1109,6 +1111,28 @@ pub async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str) {
         &format!("slot {slot} to be active"),
         Duration::from_secs(60),
         || slot_active(client, slot),
+    )
+    .await;
+}
+
+/// Waits until the walsender has sent everything written so far: read by outboxd (its window has room),
+/// so in its open Kafka transaction when exactly-once.
+pub async fn wait_sent_up_to_now(client: &tokio_postgres::Client) {
+    let written = current_wal_lsn(client).await;
+    wait_for_async(
+        "outboxd to read the load",
+        Duration::from_secs(60),
+        || async {
+            let row = client
+                .query_one(
+                    "SELECT coalesce(max(sent_lsn)::text, '0/0') FROM pg_stat_replication",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let sent: outboxd::lsn::Lsn = row.get::<_, String>(0).parse().unwrap();
+            (sent >= written).then_some(())
+        },
     )
     .await;
 }

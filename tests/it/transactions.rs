@@ -1,0 +1,206 @@
+//! The CDC session's exactly-once rules in-process, against a real PostgreSQL and the in-memory broker's
+//! Kafka-like transactions (`outboxd::sink::memory`): when a Kafka transaction must commit even in the
+//! middle of a PostgreSQL transaction, what a commit waits for, what shutdown hands on, and which commit
+//! refusals stop outboxd. Each test ends with what a `read_committed` reader would have seen: every
+//! committed event, once, in order per aggregate. (The Apache Kafka side is `exactly_once`.)
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outboxd::sink::memory::{Fault, MemoryBroker};
+use outboxd::sink::Rejection;
+
+use crate::support::in_process::*;
+use crate::support::*;
+
+/// How long a pipeline that must get through may take: far less than any timeout that would rescue a
+/// stalled one (the delivery timeout is 5 minutes).
+const GETS_THROUGH: Duration = Duration::from_secs(60);
+
+/// The aggregate the polling path holds (see [`hold_aggregate`]): `insert_events` names `order-0`.
+const HELD: &str = "order-0";
+
+/// While the returned flag is set, every event of [`HELD`] is refused at hand-over, in the CDC session
+/// and in the polling path: the aggregate waits in the polling path, and its later events with it.
+fn hold_aggregate(broker: &MemoryBroker) -> Arc<AtomicBool> {
+    let holding = Arc::new(AtomicBool::new(true));
+    let flag = holding.clone();
+    broker.add_fault(
+        Fault::RefuseAtHandOver(too_large()),
+        usize::MAX,
+        move |_, event| flag.load(Ordering::SeqCst) && &*event.aggregate_id == HELD,
+    );
+    holding
+}
+
+/// Polling options under which a held aggregate is retried quickly and never dead-lettered.
+const RETRY_QUICKLY: [&str; 6] = [
+    "--max-attempts",
+    "100000",
+    "--retry-base",
+    "100ms",
+    "--retry-cap",
+    "300ms",
+];
+
+/// The window fills in the middle of a PostgreSQL transaction whose events of a held aggregate wait
+/// parked: the Kafka transaction must commit there, so the parked events are handed off first and the
+/// commit waits for those hand-offs (reading paused). Once they are written the window has room again,
+/// but the commit must still happen: nothing else can resume reading.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_that_waited_for_hand_offs_happens_once_they_are_written() {
+    let broker = MemoryBroker::new();
+    let mut args = vec!["--delivery", "exactly-once", "--max-in-flight-events", "10"];
+    args.extend(RETRY_QUICKLY);
+    let (_pg, mut client, outboxd) = streaming(&broker, &args).await;
+    let holding = hold_aggregate(&broker);
+    let (mut committed, _) = insert_events(&mut client, 0, 1, 3, 4, None).await;
+    wait_for("the held aggregate refused", GETS_THROUGH, || {
+        (broker.faults_struck().0 > 0).then_some(())
+    });
+    // One transaction of 60 events, a quarter of them of the held aggregate, six windows long.
+    let (big, _) = insert_events(&mut client, 1, 1, 60, 4, None).await;
+    let others: Vec<Inserted> = big
+        .iter()
+        .filter(|e| e.aggregate_id != HELD)
+        .cloned()
+        .collect();
+    committed.extend(big);
+    wait_for_async(
+        "the other aggregates' events to be published while one is held",
+        GETS_THROUGH,
+        || async { (published_among(&client, &others).await == others.len() as i64).then_some(()) },
+    )
+    .await;
+    let handed_off = handed_off_count(&client).await;
+    holding.store(false, Ordering::SeqCst);
+    wait_all_published(&client, GETS_THROUGH).await;
+    let duplicates = assert_delivered(&broker, &committed, &[]);
+    let (commits, aborts) = broker.transactions();
+    println!(
+        "{} events, {handed_off} handed off, {commits} commits, {aborts} aborts, {duplicates} duplicates",
+        committed.len()
+    );
+    assert!(
+        handed_off > 3,
+        "only the first transaction's events were handed off: the test did not park any"
+    );
+    assert_eq!(duplicates, 0, "duplicates with exactly-once");
+    outboxd.stop().await.expect("clean stop");
+}
+
+/// A PostgreSQL transaction that takes longer to stream than `transaction.timeout.ms` (a slow broker,
+/// a huge transaction): waiting for its end to commit, the broker would abort every attempt and outboxd
+/// would re-send it forever. The Kafka transaction commits in the middle once open a third of the
+/// timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_longer_than_the_transaction_timeout_commits_in_parts() {
+    let broker = MemoryBroker::new();
+    let args = [
+        "--delivery",
+        "exactly-once",
+        "--kafka-option",
+        "transaction.timeout.ms=1500",
+        "--max-in-flight-events",
+        "100000",
+    ];
+    let (_pg, mut client, outboxd) = streaming(&broker, &args).await;
+    // 300 events at 10 ms each: 3 s to stream, twice the timeout.
+    broker.set_publish_delay(Some(Duration::from_millis(10)));
+    let (committed, _) = insert_events(&mut client, 0, 1, 300, 10, None).await;
+    wait_all_published(&client, GETS_THROUGH).await;
+    let duplicates = assert_delivered(&broker, &committed, &[]);
+    let (commits, aborts) = broker.transactions();
+    println!("{} events in one transaction: {commits} Kafka commits, {aborts} aborts, {duplicates} duplicates", committed.len());
+    assert!(commits >= 2, "the transaction was committed whole");
+    assert_eq!(aborts, 0, "a Kafka transaction outlived its timeout");
+    assert_eq!(duplicates, 0, "duplicates with exactly-once");
+    outboxd.stop().await.expect("clean stop");
+}
+
+/// Shutdown with no Kafka transaction open but events parked behind a held aggregate: they are handed
+/// to the polling path (the last progress record must not cover them unwritten), so the window empties
+/// and outboxd stops at once instead of waiting out --shutdown-timeout; the next run publishes them.
+#[tokio::test(flavor = "multi_thread")]
+async fn shutdown_hands_parked_events_on_and_does_not_wait_out_its_timeout() {
+    let broker = MemoryBroker::new();
+    let mut args = vec!["--delivery", "exactly-once", "--shutdown-timeout", "300s"];
+    args.extend(RETRY_QUICKLY);
+    let (pg, mut client, outboxd) = streaming(&broker, &args).await;
+    let holding = hold_aggregate(&broker);
+    let (mut committed, _) = insert_events(&mut client, 0, 1, 3, 4, None).await;
+    wait_for_async("the held aggregate handed off", GETS_THROUGH, || async {
+        (handed_off_count(&client).await == 3).then_some(())
+    })
+    .await;
+    outboxd.stop().await.expect("clean stop");
+    // The next session finds the aggregate waiting in the polling path: its later events park.
+    let outboxd = InProcess::start(&pg, &broker, &args);
+    wait_slot_active(&client, "outboxd").await;
+    // Events of the held aggregate only: parked, none produced, so no Kafka transaction opens.
+    let (parked, _) = insert_events(&mut client, 1, 1, 5, 1, None).await;
+    assert!(parked.iter().all(|e| e.aggregate_id == HELD));
+    committed.extend(parked);
+    wait_sent_up_to_now(&client).await;
+    let stopped = outboxd.stop_within(GETS_THROUGH).await;
+    stopped.expect("clean stop");
+    assert_eq!(
+        broker.transactions(),
+        (0, 0),
+        "a Kafka transaction was opened"
+    );
+    holding.store(false, Ordering::SeqCst);
+    let outboxd = InProcess::start(&pg, &broker, &args);
+    wait_all_published(&client, GETS_THROUGH).await;
+    let duplicates = assert_delivered(&broker, &committed, &[]);
+    assert_eq!(duplicates, 0, "duplicates with exactly-once");
+    outboxd.stop().await.expect("clean stop");
+}
+
+/// A commit the broker refuses for good (the principal may not write the progress topic): every commit
+/// would fail alike, so outboxd stops with the reason instead of re-sending the same events forever.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_refused_for_good_stops_outboxd_with_the_reason() {
+    let broker = MemoryBroker::new();
+    let refusal = Rejection {
+        permanent: true,
+        ..Rejection::transient("Broker: Topic authorization failed".into())
+    };
+    broker.fail_commits(refusal, usize::MAX);
+    let (_pg, mut client, outboxd) = streaming(&broker, &["--delivery", "exactly-once"]).await;
+    let (committed, _) = insert_events(&mut client, 0, 2, 5, 4, None).await;
+    let error = outboxd
+        .ended_within(GETS_THROUGH)
+        .await
+        .expect_err("outboxd went on with every commit refused");
+    println!("{error}");
+    assert!(
+        error.to_string().contains("Topic authorization failed"),
+        "the error does not name the refusal: {error}"
+    );
+    assert!(
+        !error.is_transient(),
+        "a refusal for good is reported as transient"
+    );
+    assert!(
+        broker.records().is_empty(),
+        "an aborted transaction's events reached the log"
+    );
+    assert_eq!(
+        published_among(&client, &committed).await,
+        0,
+        "events of aborted transactions were marked published"
+    );
+}
+
+async fn handed_off_count(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE handoff_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
