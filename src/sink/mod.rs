@@ -1,7 +1,7 @@
 //! The seam between the pipelines and the broker: what a pipeline hands an event to ([`Sink`]), what it
 //! hears back ([`Delivery`], [`Rejection`]), and how it gets a new sink after the old one was spent
 //! ([`Sinks`]). `kafka` implements it for Kafka; [`memory`] is an in-memory broker for tests, which can
-//! refuse, hold, fail after acceptance and reorder delivery reports.
+//! refuse, hold, fail after acceptance and reorder delivery reports, and keep transactions.
 //!
 //! Owns no rule about what a delivery means for the slot or a row (that is the pipelines'), and no Kafka
 //! detail (that is `kafka`'s).
