@@ -456,6 +456,15 @@ async fn read_back_writer_events(
 const ORDERS: &str = "orders.outbox_event";
 const BILLING: &str = "billing.outbox_event";
 
+/// PostgreSQL with [`ORDERS`] and [`BILLING`] migrated, a broker, and a client.
+async fn two_table_stack() -> (Postgres, Broker, tokio_postgres::Client) {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    migrate_with(&pg.url(), &["--table", ORDERS, "--table", BILLING]);
+    let client = pg.client().await;
+    (pg, broker, client)
+}
+
 /// `outboxd run` with exactly-once over `tables`, and `extra`.
 fn table_args<'a>(
     url: &'a str,
@@ -544,11 +553,8 @@ async fn wait_table_published(client: &tokio_postgres::Client, table: &str) {
 /// transaction counts as covered, and every row of it is in Kafka.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_part_counted_among_other_tables_covers_none_of_its_transaction() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    migrate_with(&pg.url(), &["--table", ORDERS, "--table", BILLING]);
+    let (pg, broker, mut client) = two_table_stack().await;
     let (url, brokers) = (pg.url(), broker.addr());
-    let mut client = pg.client().await;
     let both = table_args(
         &url,
         &brokers,
@@ -600,11 +606,8 @@ async fn a_part_counted_among_other_tables_covers_none_of_its_transaction() {
 /// the table streamed then are only marked.
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_of_a_table_added_since_the_last_commit_are_published() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
-    migrate_with(&pg.url(), &["--table", ORDERS, "--table", BILLING]);
+    let (pg, broker, mut client) = two_table_stack().await;
     let (url, brokers) = (pg.url(), broker.addr());
-    let mut client = pg.client().await;
     let orders_only = table_args(&url, &brokers, &[ORDERS], &[]);
     let mut outboxd = Outboxd::spawn(&orders_only);
     wait_slot_active(&client, "outboxd").await;

@@ -44,10 +44,10 @@ const RETRY_QUICKLY: [&str; 6] = [
     "300ms",
 ];
 
-/// The window fills in the middle of a PostgreSQL transaction whose events of a held aggregate wait
-/// parked: the Kafka transaction must commit there, so the parked events are handed off first and the
-/// commit waits for those hand-offs (reading paused). Once they are written the window has room again,
-/// but the commit must still happen: nothing else can resume reading.
+/// The window fills in the middle of a PostgreSQL transaction whose events of a held aggregate go to the
+/// polling path: the Kafka transaction must commit there, and first waits for those hand-offs to be
+/// written (reading paused: its progress record must not cover an event still on its way). Once they
+/// are written the window has room again, but the commit must still happen: nothing else resumes reading.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_commit_that_waited_for_hand_offs_happens_once_they_are_written() {
     let broker = MemoryBroker::new();
@@ -192,15 +192,4 @@ async fn a_commit_refused_for_good_stops_outboxd_with_the_reason() {
         0,
         "events of aborted transactions were marked published"
     );
-}
-
-async fn handed_off_count(client: &tokio_postgres::Client) -> i64 {
-    client
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE handoff_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0)
 }
