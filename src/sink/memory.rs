@@ -168,11 +168,6 @@ impl MemoryBroker {
         self.lock().commit_faults.push((rejection, times));
     }
 
-    /// The last committed progress record (of any slot; tests use one).
-    pub fn last_progress(&self) -> Option<Progress> {
-        self.lock().progress.values().next().cloned()
-    }
-
     /// Commits and aborts of exactly-once sinks so far.
     pub fn transactions(&self) -> (usize, usize) {
         let state = self.lock();
