@@ -406,31 +406,32 @@ async fn blocking<R: Send + 'static>(work: impl FnOnce() -> R + Send + 'static) 
 }
 
 /// The value of the last committed record with `key` in partition 0 of `topic`, read `read_committed`:
-/// from the end backwards in growing spans (compaction keeps the topic short, but not at once).
+/// from the end backwards in growing spans (compaction keeps the topic short, but not at once). `None`
+/// when there is none, or the last is a tombstone (the record deleted by hand: start over at least once).
+///
+/// The end is the partition's high watermark, asked for `read_uncommitted`: asked `read_committed`, Kafka
+/// answers the last stable offset instead, which stops at the first open transaction of any writer (the
+/// progress topic is shared by every slot), so a record committed after it would be missed and an older
+/// one taken for the last. A `read_committed` read reaches the high watermark once those transactions end.
 fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<Vec<u8>>> {
     let unreadable = |e: KafkaError| Error::Kafka {
         message: format!("cannot read progress topic {topic}: {e}"),
         transient: true,
     };
-    let consumer: BaseConsumer = config
-        .set("isolation.level", "read_committed")
+    config
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
-        .set("group.id", "outboxd-progress-reader")
+        .set("group.id", "outboxd-progress-reader");
+    let uncommitted: BaseConsumer = config
+        .clone()
+        .set("isolation.level", "read_uncommitted")
         .create()
         .map_err(config_error)?;
-    // A topic created a moment ago may have no leader yet: asked again until it answers.
-    let asked_until = Instant::now() + START_TIMEOUT;
-    let (low, high) = loop {
-        match consumer.fetch_watermarks(topic, 0, Duration::from_secs(2)) {
-            Ok(watermarks) => break watermarks,
-            Err(error) if Instant::now() > asked_until => return Err(unreadable(error)),
-            Err(error) => {
-                tracing::debug!(%error, topic, "progress topic not readable yet");
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        }
-    };
+    let (low, high) = watermarks(&uncommitted, topic).map_err(unreadable)?;
+    let consumer: BaseConsumer = config
+        .set("isolation.level", "read_committed")
+        .create()
+        .map_err(config_error)?;
     let deadline = Instant::now() + START_TIMEOUT;
     let mut span = 1_000;
     loop {
@@ -440,6 +441,7 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
             .add_partition_offset(topic, 0, Offset::Offset(start))
             .map_err(unreadable)?;
         consumer.assign(&assignment).map_err(unreadable)?;
+        // The last record of the key in the span: `Some(None)` for a tombstone (the record deleted).
         let mut last = None;
         loop {
             let position = consumer
@@ -462,16 +464,35 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
             }
             match consumer.poll(Duration::from_millis(200)) {
                 Some(Ok(message)) if message.key() == Some(key.as_bytes()) => {
-                    last = message.payload().map(<[u8]>::to_vec);
+                    last = Some(message.payload().map(<[u8]>::to_vec));
                 }
                 Some(Ok(_)) => {}
                 Some(Err(error)) => return Err(unreadable(error)),
                 None => {}
             }
         }
-        if last.is_some() || start == low {
-            return Ok(last);
+        if let Some(value) = last {
+            return Ok(value);
+        }
+        if start == low {
+            return Ok(None);
         }
         span *= 8;
+    }
+}
+
+/// Partition 0's low and high watermarks, as `consumer`'s isolation level counts them. A topic created a
+/// moment ago may have no leader yet: asked again until it answers.
+fn watermarks(consumer: &BaseConsumer, topic: &str) -> Result<(i64, i64), KafkaError> {
+    let asked_until = Instant::now() + START_TIMEOUT;
+    loop {
+        match consumer.fetch_watermarks(topic, 0, Duration::from_secs(2)) {
+            Ok(watermarks) => return Ok(watermarks),
+            Err(error) if Instant::now() > asked_until => return Err(error),
+            Err(error) => {
+                tracing::debug!(%error, topic, "progress topic not readable yet");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
     }
 }

@@ -23,7 +23,8 @@ impl PgUrl {
     }
 }
 
-/// Opens an ordinary SQL connection and drives it on a background task.
+/// Opens an ordinary SQL connection and drives it on a background task. Its commits are durable when
+/// they return (see [`DURABLE_COMMITS`]).
 pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
     let (client, connection) = url.connect_raw().await?;
     tokio::spawn(async move {
@@ -31,8 +32,16 @@ pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
             tracing::debug!(%error, "SQL connection closed");
         }
     });
+    client.batch_execute(DURABLE_COMMITS).await?;
     Ok(client)
 }
+
+/// Makes the session's commits wait for the local WAL flush where the server does not
+/// (`synchronous_commit = off`). outboxd confirms positions and commits Kafka transactions on the strength
+/// of its writes (`handoff_at`, `published_at`, the slot's hand-off): one lost in a crash after that would
+/// be a row nobody publishes. A stronger setting (`remote_write`, `on`, `remote_apply`) is kept.
+const DURABLE_COMMITS: &str = "SELECT set_config('synchronous_commit', 'local', false)
+     WHERE current_setting('synchronous_commit') = 'off'";
 
 /// A connection for periodic figures and `outboxd status`: each statement is bounded by `statement_timeout`,
 /// and `timestamp without time zone` columns are read as UTC (as the polling and replication sessions read

@@ -647,3 +647,100 @@ async fn rows_of_a_table_added_since_the_last_commit_are_published() {
         "the orders rows were not marked from the record"
     );
 }
+
+/// Another writer's Kafka transaction open on the progress topic (the default topic is shared by every
+/// slot: another outboxd frozen mid-transaction, say). Kafka's last stable offset stops at its first
+/// record, so a reader taking that for the end would miss every record committed after it and take an
+/// older one (here: none) for the last. The restarted outboxd waits for the end instead: the rows Kafka
+/// has are marked, not sent again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_open_transaction_of_another_writer_does_not_hide_the_last_progress_record() {
+    use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    // One Kafka transaction for the whole load, committed 10 s after its first event: time enough to
+    // lock the rows first, so that their marks wait.
+    let mut first_args = run_args(&url, &brokers);
+    first_args.extend([
+        "--delivery",
+        "exactly-once",
+        "--transaction-interval",
+        "10s",
+        "--max-in-flight-events",
+        "100000",
+        "--metrics-addr",
+        "off",
+    ]);
+    let mut outboxd = Outboxd::spawn(&first_args);
+    wait_transactions_ready(&outboxd);
+    let other: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("transactional.id", "another-writer")
+        .set("transaction.timeout.ms", "300000")
+        .create()
+        .unwrap();
+    other.init_transactions(Duration::from_secs(30)).unwrap();
+    other.begin_transaction().unwrap();
+    other
+        .send(
+            BaseRecord::to("outboxd.progress")
+                .key("another/slot")
+                .payload("{}"),
+        )
+        .map_err(|(error, _)| error)
+        .unwrap();
+    other.flush(Duration::from_secs(30)).unwrap();
+
+    let (committed, rolled_back) = insert_events(&mut client, 0, 40, 25, 50, Some(13)).await;
+    let mut locker = pg.client().await;
+    let lock = locker.transaction().await.unwrap();
+    lock.execute("SELECT 1 FROM outbox_event FOR UPDATE", &[])
+        .await
+        .unwrap();
+    let in_kafka = wait_for("events in Kafka", Duration::from_secs(60), || {
+        let records = consume_all(&brokers, &[TOPIC], 0, Duration::from_secs(30));
+        (records.len() >= 100).then_some(records.len())
+    });
+    assert_eq!(
+        published_among(&client, &committed).await,
+        0,
+        "the rows' locks did not hold the marks back"
+    );
+    outboxd.kill();
+    end_backends_except(&client, &lock).await;
+    lock.rollback().await.unwrap();
+    let mut last = Outboxd::spawn(&args(&url, &brokers, true));
+    // The read waits for the other transaction, and gives up after a while; taking the last stable offset
+    // for the end, it would answer at once, and every row would be sent again.
+    let waited = wait_for_async(
+        "the read to wait, or the rows sent again",
+        READ_BACK_TIMEOUT,
+        || async {
+            if last.log_text().contains("could not be read to its end") {
+                Some(true)
+            } else {
+                (unpublished(&client).await == 0).then_some(false)
+            }
+        },
+    )
+    .await;
+    other.abort_transaction(Duration::from_secs(30)).unwrap();
+    let (records, report) = read_back(&client, &brokers, &committed, &rolled_back).await;
+    last.kill();
+    let marked = marked_published(&last.log_text());
+    println!(
+        "{in_kafka} events in Kafka unmarked at the kill, the read waited for the other writer: {waited}, {marked} marked from the progress record, {records} records for {} events: {report:?}",
+        committed.len()
+    );
+    assert_eq!(report.missing, 0, "committed events missing: {report:?}");
+    assert_eq!(report.order_violations, 0, "per-aggregate order violated");
+    assert_eq!(
+        report.duplicates, 0,
+        "an older progress record was taken for the last"
+    );
+    assert!(
+        marked >= 100,
+        "only {marked} rows were marked from the progress record"
+    );
+}

@@ -193,3 +193,85 @@ async fn a_commit_refused_for_good_stops_outboxd_with_the_reason() {
         "events of aborted transactions were marked published"
     );
 }
+
+/// A server that does not wait for the WAL flush at commit (`synchronous_commit = off`) crashes right
+/// after outboxd handed an event to the polling path and committed the Kafka transaction whose progress
+/// record covers it. Had that `handoff_at` write been lost with the crash, the restarted session would
+/// take the re-sent event for one in Kafka (covered) and mark it published: never in Kafka, never swept.
+/// outboxd's own writes are durable before it relies on them, whatever the server's default.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hand_off_a_commit_relied_on_survives_a_database_crash() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let mut client = pg.client().await;
+    for statement in [
+        "ALTER SYSTEM SET synchronous_commit = off",
+        "SELECT pg_reload_conf()",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    // This test's own inserts are durable (and streamed at once): only outboxd's writes are at stake.
+    client
+        .batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
+    let broker = MemoryBroker::new();
+    let mut args = vec!["--delivery", "exactly-once"];
+    args.extend(RETRY_QUICKLY);
+    let outboxd = InProcess::start(&pg, &broker, &args);
+    wait_slot_active(&client, "outboxd").await;
+    let holding = hold_aggregate(&broker);
+    // The WAL writer paused: a commit that does not wait for the flush leaves its WAL in shared memory.
+    let wal_writer: i32 = client
+        .query_one(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    signal(wal_writer, "STOP");
+    // One transaction: the held aggregate's events are handed off, the others produced; the Kafka
+    // commit waits for the hand-offs' write, the others are marked after it.
+    let (committed, _) = insert_events(&mut client, 0, 1, 6, 4, None).await;
+    let (held, others): (Vec<Inserted>, Vec<Inserted>) = committed
+        .iter()
+        .cloned()
+        .partition(|e| e.aggregate_id == HELD);
+    assert!(!held.is_empty() && !others.is_empty());
+    wait_for_async(
+        "the transaction committed to Kafka",
+        GETS_THROUGH,
+        || async {
+            (published_among(&client, &others).await == others.len() as i64
+                && handed_off_count(&client).await == held.len() as i64)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(broker.transactions().0, 1, "not one Kafka commit");
+    // A crash: the server restarts every process and recovers from the WAL on disk.
+    signal(wal_writer, "KILL");
+    let client = wait_for_async("PostgreSQL recovered", GETS_THROUGH, || async {
+        let (client, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+            .await
+            .ok()?;
+        tokio::spawn(connection);
+        client.simple_query("SELECT 1").await.ok().map(|_| client)
+    })
+    .await;
+    holding.store(false, Ordering::SeqCst);
+    wait_all_published(&client, GETS_THROUGH).await;
+    let duplicates = assert_delivered(&broker, &committed, &[]);
+    assert_eq!(duplicates, 0, "duplicates with exactly-once");
+    outboxd.stop().await.expect("clean stop");
+}
+
+/// Sends `signal` to a PostgreSQL process of this test's cluster.
+fn signal(pid: i32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal} {pid} failed");
+}
