@@ -409,10 +409,12 @@ async fn blocking<R: Send + 'static>(work: impl FnOnce() -> R + Send + 'static) 
 /// from the end backwards in growing spans (compaction keeps the topic short, but not at once). `None`
 /// when there is none, or the last is a tombstone (the record deleted by hand: start over at least once).
 ///
-/// The end is the partition's high watermark, asked for `read_uncommitted`: asked `read_committed`, Kafka
-/// answers the last stable offset instead, which stops at the first open transaction of any writer (the
-/// progress topic is shared by every slot), so a record committed after it would be missed and an older
-/// one taken for the last. A `read_committed` read reaches the high watermark once those transactions end.
+/// Where the read ends: a `read_committed` reader sees records only up to the last stable offset, the
+/// first record of the oldest transaction still open on the topic (any writer's: the progress topic is
+/// shared by every slot). Records of `key` past it (read `read_uncommitted`, up to the high watermark) were
+/// written by this slot's own, now fenced, producers and may have been committed: then the read waits for
+/// the open transactions to end (up to [`START_TIMEOUT`]) rather than take an older record for the last.
+/// Without any, the last stable offset is the end.
 fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<Vec<u8>>> {
     let unreadable = |e: KafkaError| Error::Kafka {
         message: format!("cannot read progress topic {topic}: {e}"),
@@ -422,6 +424,7 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
         .set("group.id", "outboxd-progress-reader");
+    let deadline = Instant::now() + START_TIMEOUT;
     let uncommitted: BaseConsumer = config
         .clone()
         .set("isolation.level", "read_uncommitted")
@@ -432,45 +435,30 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
         .set("isolation.level", "read_committed")
         .create()
         .map_err(config_error)?;
-    let deadline = Instant::now() + START_TIMEOUT;
+    let (_, stable) = watermarks(&consumer, topic).map_err(unreadable)?;
+    let mut pending_own = false;
+    if stable < high {
+        scan(&uncommitted, topic, key, (stable, high), deadline, |_| {
+            pending_own = true
+        })?;
+    }
+    drop(uncommitted);
+    let end = if pending_own { high } else { stable };
     let mut span = 1_000;
     loop {
-        let start = (high - span).max(low);
-        let mut assignment = TopicPartitionList::new();
-        assignment
-            .add_partition_offset(topic, 0, Offset::Offset(start))
-            .map_err(unreadable)?;
-        consumer.assign(&assignment).map_err(unreadable)?;
+        let start = (end - span).max(low);
         // The last record of the key in the span: `Some(None)` for a tombstone (the record deleted).
         let mut last = None;
-        loop {
-            let position = consumer
-                .position()
-                .ok()
-                .and_then(|list| match list.find_partition(topic, 0)?.offset() {
-                    Offset::Offset(offset) => Some(offset),
-                    _ => None,
-                })
-                .unwrap_or(start);
-            if position >= high {
-                break;
-            }
-            if Instant::now() > deadline {
-                // A record short of the end could be an older one: no answer rather than a wrong one.
-                return Err(Error::Kafka {
-                    message: format!("progress topic {topic} could not be read to its end within {START_TIMEOUT:?} (at offset {position} of {high}; an open transaction of another writer?)"),
-                    transient: true,
-                });
-            }
-            match consumer.poll(Duration::from_millis(200)) {
-                Some(Ok(message)) if message.key() == Some(key.as_bytes()) => {
-                    last = Some(message.payload().map(<[u8]>::to_vec));
-                }
-                Some(Ok(_)) => {}
-                Some(Err(error)) => return Err(unreadable(error)),
-                None => {}
-            }
-        }
+        scan(&consumer, topic, key, (start, end), deadline, |value| {
+            last = Some(value.map(<[u8]>::to_vec))
+        })
+        .map_err(|error| match error {
+            Error::Kafka { message, transient } if stable < high => Error::Kafka {
+                message: format!("{message}; a transaction left open on the topic holds this slot's newest progress record back (last stable offset {stable}, high watermark {high}): it ends with its writer's transaction.timeout.ms; a hanging one is found and aborted with kafka-transactions.sh find-hanging / abort"),
+                transient,
+            },
+            other => other,
+        })?;
         if let Some(value) = last {
             return Ok(value);
         }
@@ -478,6 +466,53 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
             return Ok(None);
         }
         span *= 8;
+    }
+}
+
+/// Reads partition 0 of `topic` from `start` to `end` (exclusive) with `consumer`, passing the value of
+/// every record of `key` to `each` (`None`: a tombstone); fails at `deadline` short of `end` (a record
+/// short of the end could be an older one: no answer rather than a wrong one).
+fn scan(
+    consumer: &BaseConsumer,
+    topic: &str,
+    key: &str,
+    (start, end): (i64, i64),
+    deadline: Instant,
+    mut each: impl FnMut(Option<&[u8]>),
+) -> Result<()> {
+    let unreadable = |e: KafkaError| Error::Kafka {
+        message: format!("cannot read progress topic {topic}: {e}"),
+        transient: true,
+    };
+    let mut assignment = TopicPartitionList::new();
+    assignment
+        .add_partition_offset(topic, 0, Offset::Offset(start))
+        .map_err(unreadable)?;
+    consumer.assign(&assignment).map_err(unreadable)?;
+    loop {
+        let position = consumer
+            .position()
+            .ok()
+            .and_then(|list| match list.find_partition(topic, 0)?.offset() {
+                Offset::Offset(offset) => Some(offset),
+                _ => None,
+            })
+            .unwrap_or(start);
+        if position >= end {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Kafka {
+                message: format!("progress topic {topic} could not be read to its end within {START_TIMEOUT:?} (at offset {position} of {end})"),
+                transient: true,
+            });
+        }
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(message)) if message.key() == Some(key.as_bytes()) => each(message.payload()),
+            Some(Ok(_)) => {}
+            Some(Err(error)) => return Err(unreadable(error)),
+            None => {}
+        }
     }
 }
 

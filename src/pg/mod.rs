@@ -39,9 +39,12 @@ pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
 /// Makes the session's commits wait for the local WAL flush where the server does not
 /// (`synchronous_commit = off`). outboxd confirms positions and commits Kafka transactions on the strength
 /// of its writes (`handoff_at`, `published_at`, the slot's hand-off): one lost in a crash after that would
-/// be a row nobody publishes. A stronger setting (`remote_write`, `on`, `remote_apply`) is kept.
-const DURABLE_COMMITS: &str = "SELECT set_config('synchronous_commit', 'local', false)
-     WHERE current_setting('synchronous_commit') = 'off'";
+/// be a row nobody publishes. A stronger setting (`remote_write`, `on`, `remote_apply`) is kept. Always set
+/// for the session, even to the value it has: a value from the server's configuration would follow a
+/// reload (`ALTER SYSTEM SET synchronous_commit = off` while outboxd runs), a session's own does not.
+const DURABLE_COMMITS: &str = "SELECT set_config('synchronous_commit',
+     CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END,
+     false)";
 
 /// A connection for periodic figures and `outboxd status`: each statement is bounded by `statement_timeout`,
 /// and `timestamp without time zone` columns are read as UTC (as the polling and replication sessions read

@@ -649,31 +649,27 @@ async fn rows_of_a_table_added_since_the_last_commit_are_published() {
 }
 
 /// Another writer's Kafka transaction open on the progress topic (the default topic is shared by every
-/// slot: another outboxd frozen mid-transaction, say). Kafka's last stable offset stops at its first
-/// record, so a reader taking that for the end would miss every record committed after it and take an
-/// older one (here: none) for the last. The restarted outboxd waits for the end instead: the rows Kafka
-/// has are marked, not sent again.
+/// slot: another outboxd frozen mid-transaction, a hanging transaction). Kafka's last stable offset stops at
+/// its first record. outboxd starts anyway when none of its own records lie beyond (waiting would stall
+/// every slot on the topic); when its newest records do (committed after that transaction began), it waits
+/// for the end rather than take an older record (here: none) for the last, so the rows Kafka has are
+/// marked, not sent again.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_open_transaction_of_another_writer_does_not_hide_the_last_progress_record() {
     use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
     let mut client = pg.client().await;
-    // One Kafka transaction for the whole load, committed 10 s after its first event: time enough to
-    // lock the rows first, so that their marks wait.
-    let mut first_args = run_args(&url, &brokers);
-    first_args.extend([
-        "--delivery",
-        "exactly-once",
-        "--transaction-interval",
-        "10s",
-        "--max-in-flight-events",
-        "100000",
-        "--metrics-addr",
-        "off",
-    ]);
-    let mut outboxd = Outboxd::spawn(&first_args);
-    wait_transactions_ready(&outboxd);
+    create_topic(
+        &brokers,
+        rdkafka::admin::NewTopic::new(
+            "outboxd.progress",
+            1,
+            rdkafka::admin::TopicReplication::Fixed(1),
+        )
+        .set("cleanup.policy", "compact"),
+    )
+    .await;
     let other: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &brokers)
         .set("transactional.id", "another-writer")
@@ -691,6 +687,22 @@ async fn an_open_transaction_of_another_writer_does_not_hide_the_last_progress_r
         .map_err(|(error, _)| error)
         .unwrap();
     other.flush(Duration::from_secs(30)).unwrap();
+    // One Kafka transaction for the whole load, committed 10 s after its first event: time enough to
+    // lock the rows first, so that their marks wait.
+    let mut first_args = run_args(&url, &brokers);
+    first_args.extend([
+        "--delivery",
+        "exactly-once",
+        "--transaction-interval",
+        "10s",
+        "--max-in-flight-events",
+        "100000",
+        "--metrics-addr",
+        "off",
+    ]);
+    let mut outboxd = Outboxd::spawn(&first_args);
+    // Nothing of this slot's beyond the open transaction: no wait.
+    wait_transactions_ready(&outboxd);
 
     let (committed, rolled_back) = insert_events(&mut client, 0, 40, 25, 50, Some(13)).await;
     let mut locker = pg.client().await;

@@ -194,22 +194,17 @@ async fn a_commit_refused_for_good_stops_outboxd_with_the_reason() {
     );
 }
 
-/// A server that does not wait for the WAL flush at commit (`synchronous_commit = off`) crashes right
-/// after outboxd handed an event to the polling path and committed the Kafka transaction whose progress
-/// record covers it. Had that `handoff_at` write been lost with the crash, the restarted session would
-/// take the re-sent event for one in Kafka (covered) and mark it published: never in Kafka, never swept.
-/// outboxd's own writes are durable before it relies on them, whatever the server's default.
+/// A server switched to not waiting for the WAL flush at commit (`synchronous_commit = off`, by a reload
+/// while outboxd runs) crashes right after outboxd handed an event to the polling path and committed the
+/// Kafka transaction whose progress record covers it. Had that `handoff_at` write been lost with the
+/// crash, the restarted session would take the re-sent event for one in Kafka (covered) and mark it
+/// published: never in Kafka, never swept. outboxd's own writes are durable before it relies on them,
+/// whatever the server's setting and whenever it changed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hand_off_a_commit_relied_on_survives_a_database_crash() {
     let pg = Postgres::start();
     migrate(&pg);
     let mut client = pg.client().await;
-    for statement in [
-        "ALTER SYSTEM SET synchronous_commit = off",
-        "SELECT pg_reload_conf()",
-    ] {
-        client.batch_execute(statement).await.unwrap();
-    }
     // This test's own inserts are durable (and streamed at once): only outboxd's writes are at stake.
     client
         .batch_execute("SET synchronous_commit = on")
@@ -220,6 +215,21 @@ async fn a_hand_off_a_commit_relied_on_survives_a_database_crash() {
     args.extend(RETRY_QUICKLY);
     let outboxd = InProcess::start(&pg, &broker, &args);
     wait_slot_active(&client, "outboxd").await;
+    // One event through first, so that outboxd's connections exist before the reload.
+    let (mut committed, _) = insert_events(&mut client, 101, 1, 1, 4, None).await;
+    wait_all_published(&client, GETS_THROUGH).await;
+    for statement in [
+        "ALTER SYSTEM SET synchronous_commit = off",
+        "SELECT pg_reload_conf()",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    wait_for_async("the reload", GETS_THROUGH, || async {
+        let fresh = pg.client().await;
+        let row = fresh.query_one("SHOW synchronous_commit", &[]).await.ok()?;
+        (row.get::<_, String>(0) == "off").then_some(())
+    })
+    .await;
     let holding = hold_aggregate(&broker);
     // The WAL writer paused: a commit that does not wait for the flush leaves its WAL in shared memory.
     let wal_writer: i32 = client
@@ -233,11 +243,12 @@ async fn a_hand_off_a_commit_relied_on_survives_a_database_crash() {
     signal(wal_writer, "STOP");
     // One transaction: the held aggregate's events are handed off, the others produced; the Kafka
     // commit waits for the hand-offs' write, the others are marked after it.
-    let (committed, _) = insert_events(&mut client, 0, 1, 6, 4, None).await;
-    let (held, others): (Vec<Inserted>, Vec<Inserted>) = committed
+    let (transaction, _) = insert_events(&mut client, 0, 1, 6, 4, None).await;
+    let (held, others): (Vec<Inserted>, Vec<Inserted>) = transaction
         .iter()
         .cloned()
         .partition(|e| e.aggregate_id == HELD);
+    committed.extend(transaction);
     assert!(!held.is_empty() && !others.is_empty());
     wait_for_async(
         "the transaction committed to Kafka",
@@ -249,7 +260,11 @@ async fn a_hand_off_a_commit_relied_on_survives_a_database_crash() {
         },
     )
     .await;
-    assert_eq!(broker.transactions().0, 1, "not one Kafka commit");
+    assert_eq!(
+        broker.transactions().0,
+        2,
+        "not one Kafka commit after the first event's"
+    );
     // A crash: the server restarts every process and recovers from the WAL on disk.
     signal(wal_writer, "KILL");
     let client = wait_for_async("PostgreSQL recovered", GETS_THROUGH, || async {
