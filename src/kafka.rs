@@ -24,7 +24,9 @@ use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::progress::{Progress, ProgressKey};
+use crate::record::RecordFormat;
 use crate::sink::{Delivery, PublishError, Rejection, Sink, Sinks};
+use crate::table::OutboxTable;
 
 /// What a librdkafka error means for the event it refused.
 fn rejection_from(error: &KafkaError) -> Rejection {
@@ -192,6 +194,8 @@ pub struct Publisher<T: Send + Sync + 'static> {
     replication_factor: i32,
     /// Header carrying the event id: `event_id`, or `id` for Debezium-style tables.
     event_id_header: &'static str,
+    /// What a record's headers and value hold (`--format`).
+    format: RecordFormat,
     /// Exactly-once: the transactional producer's own settings.
     transactions: Option<transaction::Transactions>,
 }
@@ -402,6 +406,7 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             partitions: settings.kafka.topic_partitions,
             replication_factor: settings.kafka.topic_replication_factor.unwrap_or(-1),
             event_id_header: settings.database.style.event_id_header(),
+            format: settings.kafka.format.clone(),
         })
     }
 
@@ -526,6 +531,7 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
     /// with `tag`. `error` adds an `error` header (dead letters).
     async fn publish(
         &self,
+        table: &OutboxTable,
         topic: &str,
         event: &OutboxEvent,
         event_id: Uuid,
@@ -535,28 +541,12 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
         self.ensure_topic(topic)
             .await
             .map_err(PublishError::Failed)?;
-        let mut headers = OwnedHeaders::new_with_capacity(5 + event.headers.len());
-        for (key, value) in [(self.event_id_header, event.event_id.as_str())]
-            .into_iter()
-            .chain(event.event_type.as_deref().map(|t| ("event_type", t)))
-            .chain(
-                event
-                    .aggregate_type
-                    .as_deref()
-                    .map(|t| ("aggregate_type", t)),
-            )
-            .chain(
-                event
-                    .created_at
-                    .as_ref()
-                    .map(|c| ("created_at", c.as_str())),
-            )
-            .chain(event.headers.iter().map(|(k, v)| (&**k, v.as_str())))
-            .chain(error.map(|e| ("error", e)))
-        {
+        let parts = self.format.parts(table, event, self.event_id_header, error);
+        let mut headers = OwnedHeaders::new_with_capacity(parts.headers.len());
+        for (key, value) in &parts.headers {
             headers = headers.insert(Header {
                 key,
-                value: Some(value),
+                value: Some(&value[..]),
             });
         }
         let opaque = Box::new(Carried::Event(Delivery {
@@ -568,9 +558,9 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
         let mut record = BaseRecord::with_opaque_to(topic, opaque)
             .key(event.aggregate_id.as_bytes())
             .headers(headers);
-        // No payload: a tombstone (null value) for compacted topics.
-        if let Some(payload) = &event.payload {
-            record = record.payload(&payload[..]);
+        // No value: a tombstone (null value) for compacted topics.
+        if let Some(value) = &parts.value {
+            record = record.payload(&value[..]);
         }
         self.send(record).await?;
         self.producer.context().produced();

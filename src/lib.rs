@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod pg;
 pub mod pipeline;
 pub mod progress;
+pub mod record;
 pub mod retention;
 pub mod sink;
 pub mod stats;

@@ -33,7 +33,7 @@ pub const MODE: &str = "outboxd_mode";
 pub const HISTORY_CHANGES: &str = "outboxd_database_history_changes_total";
 /// Gauge: 1 while outboxd runs.
 pub const UP: &str = "outboxd_up";
-/// Counter: retention passes that failed, per table (the log says why).
+/// Counter: retention passes that failed (the log names the table and says why).
 pub const RETENTION_FAILURES: &str = "outboxd_retention_failures_total";
 /// Gauge: retention passes in a row that failed (0 after a successful one).
 pub const RETENTION_CONSECUTIVE_FAILURES: &str = "outboxd_retention_consecutive_failures";
@@ -130,7 +130,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
     describe_gauge!(UP, "1 while outboxd runs");
     describe_counter!(
         RETENTION_FAILURES,
-        "retention passes that failed, per table (the log says why)"
+        "retention passes that failed (the log names the table and says why)"
     );
     describe_gauge!(
         RETENTION_CONSECUTIVE_FAILURES,

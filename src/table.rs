@@ -105,9 +105,11 @@ impl TableStyle {
 /// How the payload column is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PayloadType {
-    /// jsonb, json or text: the text, as is.
+    /// text: the text, as is.
     #[default]
     Text,
+    /// jsonb or json: the JSON text, as is.
+    Json,
     /// bytea: the raw bytes.
     Bytes,
 }
@@ -240,14 +242,14 @@ impl TableSpec {
     }
 
     /// The table as `outboxd migrate` creates it: every mapped column, the polling columns, a `jsonb`
-    /// payload (read as text), not partitioned.
+    /// payload, not partitioned.
     pub fn as_created(&self) -> OutboxTable {
         OutboxTable {
             name: self.name.clone(),
             spec: self.clone(),
             columns: self.columns.clone(),
             header_columns: self.header_columns.clone(),
-            payload_type: PayloadType::Text,
+            payload_type: PayloadType::Json,
             marks_published: true,
             polling: true,
             partitioned: false,
@@ -374,10 +376,10 @@ impl OutboxTable {
                 });
             }
             if role == Role::Payload {
-                self.payload_type = if actual == "bytea" {
-                    PayloadType::Bytes
-                } else {
-                    PayloadType::Text
+                self.payload_type = match actual {
+                    "bytea" => PayloadType::Bytes,
+                    "jsonb" | "json" => PayloadType::Json,
+                    _ => PayloadType::Text,
                 };
             }
         }

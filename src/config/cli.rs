@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use super::settings::{DeliveryGuarantee, ExistingRows, Mode, PollOrder};
+use super::settings::{
+    CloudEventsMode, DeliveryGuarantee, ExistingRows, Mode, PollOrder, RecordFormatChoice,
+};
 use crate::table::TableStyle;
 
 /// Command line of the `outboxd` binary.
@@ -155,6 +157,18 @@ pub struct Options {
     /// a progress record, so `read_committed` readers see each event once [default: at-least-once].
     #[arg(long, env = "OUTBOXD_DELIVERY", value_enum)]
     pub delivery: Option<DeliveryGuarantee>,
+    /// Record format: outboxd (the payload as the value, the event's fields as headers) or cloudevents
+    /// (CloudEvents 1.0 in the Kafka protocol binding) [default: outboxd].
+    #[arg(long, env = "OUTBOXD_FORMAT", value_enum)]
+    pub format: Option<RecordFormatChoice>,
+    /// With --format cloudevents: binary (attributes as ce_ headers, the payload as the value) or
+    /// structured (the whole event as JSON in the value) [default: binary].
+    #[arg(long, env = "OUTBOXD_CLOUDEVENTS_MODE", value_enum)]
+    pub cloudevents_mode: Option<CloudEventsMode>,
+    /// With --format cloudevents: the events' source, a URI reference; placeholders {schema}, {table},
+    /// {aggregate_type} [default: /{schema}/{table}].
+    #[arg(long, env = "OUTBOXD_CLOUDEVENTS_SOURCE")]
+    pub cloudevents_source: Option<String>,
     /// With --delivery exactly-once: the compacted topic holding each slot's progress (created if missing)
     /// [default: outboxd.progress].
     #[arg(long, env = "OUTBOXD_PROGRESS_TOPIC")]

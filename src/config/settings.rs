@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
+use crate::record::RecordFormat;
 use crate::table::{OutboxTable, TableName, TableSpec, TableStyle};
 use crate::topic::TopicTemplate;
 
@@ -32,6 +33,28 @@ pub enum DeliveryGuarantee {
     AtLeastOnce,
     /// CDC events in Kafka transactions with a progress record: `read_committed` readers see each once.
     ExactlyOnce,
+}
+
+/// The record format (`--format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum RecordFormatChoice {
+    /// The payload as the value; event id, type, aggregate type, created_at and header columns as headers.
+    #[default]
+    Outboxd,
+    /// CloudEvents 1.0 in the Kafka protocol binding (see --cloudevents-mode).
+    Cloudevents,
+}
+
+/// The CloudEvents content mode (`--cloudevents-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum CloudEventsMode {
+    /// Attributes as `ce_` headers, the payload as the value with its `content-type`.
+    #[default]
+    Binary,
+    /// The whole event as one JSON object in the value (`application/cloudevents+json`).
+    Structured,
 }
 
 /// What `migrate --add-polling-columns` makes of the rows a table already holds when it gains `published_at`.
@@ -172,6 +195,8 @@ pub struct KafkaSettings {
     pub create_topics: bool,
     /// `--delivery exactly-once`: how the CDC path's Kafka transactions are made; `None`: at least once.
     pub exactly_once: Option<ExactlyOnceSettings>,
+    /// `--format` and its CloudEvents options: what a record's headers and value hold.
+    pub format: RecordFormat,
 }
 
 /// librdkafka's default `transaction.timeout.ms`.

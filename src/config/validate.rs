@@ -9,10 +9,12 @@ use super::parse::{
     split_kafka_options,
 };
 use super::settings::{
-    CdcSettings, DatabaseSettings, DeliveryGuarantee, ExactlyOnceSettings, KafkaSettings, Mode,
-    PollSettings, Retention, RunSettings, DEFAULT_MAX_IN_FLIGHT_EVENTS,
+    CdcSettings, CloudEventsMode, DatabaseSettings, DeliveryGuarantee, ExactlyOnceSettings,
+    KafkaSettings, Mode, PollSettings, RecordFormatChoice, Retention, RunSettings,
+    DEFAULT_MAX_IN_FLIGHT_EVENTS,
 };
 use super::{invalid, ConfigError};
+use crate::record::{self, CloudEventsFormat, ContentMode, RecordFormat, SourceTemplate};
 use crate::table::{TableName, TableSpec};
 use crate::topic::TopicTemplate;
 
@@ -150,6 +152,7 @@ impl Options {
         }
         let poll = self.poll()?;
         let exactly_once = self.exactly_once(&kafka_options)?;
+        let format = self.record_format(&database)?;
         let metrics_addr = match self.metrics_addr.as_deref().unwrap_or("127.0.0.1:9187") {
             "off" => None,
             addr => Some(addr.parse().map_err(|_| {
@@ -198,6 +201,7 @@ impl Options {
                 topic_replication_factor: self.topic_replication_factor,
                 create_topics: !self.no_create_topics,
                 exactly_once,
+                format,
             },
             startup_timeout: parse_duration(
                 "--startup-timeout",
@@ -221,6 +225,44 @@ impl Options {
 }
 
 impl Options {
+    fn record_format(
+        &self,
+        database: &DatabaseSettings<TableSpec>,
+    ) -> Result<RecordFormat, ConfigError> {
+        if self.format.unwrap_or_default() != RecordFormatChoice::Cloudevents {
+            for (flag, given) in [
+                ("--cloudevents-mode", self.cloudevents_mode.is_some()),
+                ("--cloudevents-source", self.cloudevents_source.is_some()),
+            ] {
+                if given {
+                    return Err(invalid(format!(
+                        "{flag} needs --format cloudevents (without it nothing uses it)"
+                    )));
+                }
+            }
+            return Ok(RecordFormat::Outboxd);
+        }
+        let source = match &self.cloudevents_source {
+            Some(template) => {
+                SourceTemplate::parse(template).map_err(|e| invalid(e.to_string()))?
+            }
+            None => SourceTemplate::default(),
+        };
+        let headers = database.tables.iter().flat_map(|t| &t.header_columns);
+        if let Some(column) = headers.into_iter().find(|c| !record::is_attribute_name(c)) {
+            return Err(invalid(format!(
+                "--header-column {column:?}: with --format cloudevents a header column becomes an extension attribute (ce_{column}), whose name must be lower-case letters and digits only; rename the column, or use --format outboxd"
+            )));
+        }
+        Ok(RecordFormat::CloudEvents(CloudEventsFormat {
+            mode: match self.cloudevents_mode.unwrap_or_default() {
+                CloudEventsMode::Binary => ContentMode::Binary,
+                CloudEventsMode::Structured => ContentMode::Structured,
+            },
+            source,
+        }))
+    }
+
     fn exactly_once(
         &self,
         kafka_options: &[(String, String)],

@@ -474,7 +474,9 @@ impl PollSql {
             ),
         };
         let payload = match outbox.payload_type {
-            PayloadType::Text => format!("e.{}::text", outbox.col(Role::Payload)),
+            PayloadType::Text | PayloadType::Json => {
+                format!("e.{}::text", outbox.col(Role::Payload))
+            }
             PayloadType::Bytes => format!("e.{}", outbox.col(Role::Payload)),
         };
         let created_at_text = created_at
@@ -589,7 +591,7 @@ impl PollSql {
                 });
                 // A NULL payload is a tombstone.
                 let payload = match self.payload_type {
-                    PayloadType::Text => text(4).map(bytes::Bytes::from),
+                    PayloadType::Text | PayloadType::Json => text(4).map(bytes::Bytes::from),
                     PayloadType::Bytes => row.get::<_, Option<Vec<u8>>>(4).map(bytes::Bytes::from),
                 };
                 let headers = self

@@ -383,7 +383,7 @@ impl<K: Sinks> PollWorker<K> {
             return Outcome::Failed(Rejection::transient("cannot create a producer".into()));
         };
         match publisher
-            .publish(topic, event, event_id, Some(0), error)
+            .publish(self.table(), topic, event, event_id, Some(0), error)
             .await
         {
             Ok(()) => {}
@@ -476,7 +476,14 @@ impl<K: Sinks> PollWorker<K> {
                 .topic
                 .render_event(&self.table().name, &row.event);
             let outcome = match publisher
-                .publish(&topic, &row.event, row.event_id, Some(index), None)
+                .publish(
+                    self.table(),
+                    &topic,
+                    &row.event,
+                    row.event_id,
+                    Some(index),
+                    None,
+                )
                 .await
             {
                 Ok(()) => {

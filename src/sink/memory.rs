@@ -27,6 +27,7 @@ use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::progress::{Progress, ProgressKey};
+use crate::table::OutboxTable;
 
 /// A record the broker wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -358,6 +359,7 @@ fn abort_open_transaction<T>(state: &mut SinkState<T>, reason: &str) {
 impl<T: Send + Sync + 'static> Sink<T> for MemorySink<T> {
     async fn publish(
         &self,
+        _table: &OutboxTable,
         topic: &str,
         event: &OutboxEvent,
         event_id: Uuid,

@@ -18,6 +18,7 @@ use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::progress::{Progress, ProgressKey};
+use crate::table::OutboxTable;
 
 /// Why the broker (or the producer) refused an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,10 +88,11 @@ pub struct Delivery<T> {
 /// made with (see [`Sinks::sink`]). Within a partition (an aggregate's key) it never lets an event fail and
 /// a later one through; once it failed that way it is spent and the caller makes a new one.
 pub trait Sink<T>: Send + Sync {
-    /// Hands one event to the producer; its report arrives later, tagged with `tag`. `error` adds an
-    /// `error` header (dead letters). An `Err` means the event was not taken (no report follows).
+    /// Hands one event of `table` to the producer; its report arrives later, tagged with `tag`. `error`
+    /// adds an `error` header (dead letters). An `Err` means the event was not taken (no report follows).
     fn publish(
         &self,
+        table: &OutboxTable,
         topic: &str,
         event: &OutboxEvent,
         event_id: Uuid,

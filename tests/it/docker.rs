@@ -5,6 +5,8 @@ use std::path::Path;
 
 use yaml_rust2::{Yaml, YamlLoader};
 
+use crate::support::metrics_in;
+
 fn docker_file(path: &str) -> String {
     let full = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("docker")
@@ -72,19 +74,7 @@ fn dashboard_queries_only_exported_metrics() {
     let mut used = std::collections::BTreeSet::new();
     for panel in dashboard["panels"].as_array().unwrap() {
         for target in panel["targets"].as_array().unwrap() {
-            let expr = target["expr"].as_str().unwrap();
-            let mut rest = expr;
-            while let Some(at) = rest.find("outboxd_") {
-                let name: String = rest[at..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                rest = &rest[at + name.len()..];
-                let base = ["_bucket", "_count", "_sum"]
-                    .iter()
-                    .fold(name.as_str(), |n, s| n.strip_suffix(s).unwrap_or(n));
-                used.insert(base.to_string());
-            }
+            used.extend(metrics_in(target["expr"].as_str().unwrap()));
         }
     }
     for name in &used {

@@ -8,4 +8,8 @@ TANSU_FEATURES=dynostore,libsql
 TANSU_ROOT="$OUTBOXD_CACHE/tansu-$TANSU_VERSION-${TANSU_FEATURES//,/-}"
 TANSU_BIN="${OUTBOXD_TANSU_BIN:-$TANSU_ROOT/bin/tansu}"
 PG_BIN="${OUTBOXD_PG_BIN:-/usr/lib/postgresql/15/bin}"
-export OUTBOXD_CACHE TANSU_BIN PG_BIN
+# Python tools the tests run (the Kubernetes manifests' validator, the CloudEvents SDK), in their own
+# virtual environment.
+PY_TOOLS_PACKAGES="kubernetes-validate==1.37.0 cloudevents==2.2.0"
+PY_TOOLS="$OUTBOXD_CACHE/python-tools"
+export OUTBOXD_CACHE TANSU_BIN PG_BIN PY_TOOLS

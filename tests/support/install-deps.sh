@@ -16,6 +16,8 @@ done
 # JDK, not only the runtime: kafka.sh compiles its small Admin API tool (users and ACLs of the secure broker).
 command -v javac >/dev/null || need_apt+=(openjdk-17-jdk-headless)
 command -v mvn >/dev/null || need_apt+=(maven)
+# Python 3 with venv: the Kubernetes manifests' validator is installed into a virtual environment.
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3 python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "missing packages: ${need_apt[*]} (run this script as root, or install them)" >&2
@@ -42,4 +44,15 @@ if [ "${OUTBOXD_TEST_BROKER:-kafka}" = tansu ] && [ ! -x "$TANSU_BIN" ]; then
     cargo install --locked tansu --version "$TANSU_VERSION" --features "$TANSU_FEATURES" --root "$TANSU_ROOT"
   rm -rf "$OUTBOXD_CACHE/tansu-build"
 fi
-echo "dependencies ready: Apache Kafka in $OUTBOXD_CACHE, PostgreSQL at $PG_BIN"
+# Python tools of the tests: the Kubernetes manifests' validator (tests/it/kubernetes.rs) and the CloudEvents
+# SDK that reads --format cloudevents records (tests/it/cloudevents.rs).
+if [ "$(cat "$PY_TOOLS/.installed" 2>/dev/null)" != "$PY_TOOLS_PACKAGES" ]; then
+  echo "installing $PY_TOOLS_PACKAGES into $PY_TOOLS (once)"
+  rm -rf "$PY_TOOLS"
+  mkdir -p "$OUTBOXD_CACHE"
+  python3 -m venv "$PY_TOOLS"
+  # shellcheck disable=SC2086 # a list of requirements
+  "$PY_TOOLS/bin/pip" install --quiet --disable-pip-version-check $PY_TOOLS_PACKAGES
+  echo "$PY_TOOLS_PACKAGES" >"$PY_TOOLS/.installed"
+fi
+echo "dependencies ready: Apache Kafka in $OUTBOXD_CACHE, PostgreSQL at $PG_BIN, Python tools in $PY_TOOLS"

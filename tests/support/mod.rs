@@ -1477,6 +1477,38 @@ pub fn metric_value(text: &str, metric: &str, labels: &str) -> Option<f64> {
         })
 }
 
+/// A program of the tests' Python tools (`install-deps.sh` installs them into a virtual environment under
+/// the cache): `kubernetes-validate`, `python` (with the CloudEvents SDK).
+pub fn python_tool(name: &str) -> PathBuf {
+    let cache = std::env::var("OUTBOXD_CACHE").unwrap_or_else(|_| "/var/cache/outboxd".into());
+    let tool = Path::new(&cache).join("python-tools/bin").join(name);
+    assert!(
+        tool.exists(),
+        "{} is missing: run `bash tests/support/install-deps.sh`",
+        tool.display()
+    );
+    tool
+}
+
+/// The outboxd metrics a PromQL expression reads, histograms by their base name (`_bucket`, `_count` and
+/// `_sum` cut off).
+pub fn metrics_in(expr: &str) -> std::collections::BTreeSet<String> {
+    let mut used = std::collections::BTreeSet::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("outboxd_") {
+        let name: String = rest[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        rest = &rest[at + name.len()..];
+        let base = ["_bucket", "_count", "_sum"]
+            .iter()
+            .fold(name.as_str(), |n, s| n.strip_suffix(s).unwrap_or(n));
+        used.insert(base.to_string());
+    }
+    used
+}
+
 /// outboxd's `outboxd_inflight_events` gauge, read from its `/metrics` at `metrics_addr` (None while it
 /// does not answer).
 pub fn in_flight_events(metrics_addr: &str) -> Option<f64> {

@@ -554,7 +554,14 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             }))
         } else {
             self.publisher
-                .publish(&topic, event, event_id, tag, None)
+                .publish(
+                    &self.settings.database.tables[tag.table],
+                    &topic,
+                    event,
+                    event_id,
+                    tag,
+                    None,
+                )
                 .await
         };
         match published {
