@@ -328,6 +328,21 @@ mod tests {
         })
     }
 
+    /// `format`'s record of `event` from a table whose payload column is `payload_type`.
+    fn record<'a>(
+        format: &RecordFormat,
+        payload_type: PayloadType,
+        event: &'a OutboxEvent,
+    ) -> RecordParts<'a> {
+        format.parts(&table(payload_type), event, "event_id", None)
+    }
+
+    fn pairs<const N: usize>(expected: [(&str, &str); N]) -> Vec<(String, String)> {
+        expected
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .to_vec()
+    }
+
     fn headers(parts: &RecordParts<'_>) -> Vec<(String, String)> {
         parts
             .headers
@@ -339,18 +354,16 @@ mod tests {
     #[test]
     fn outboxd_format_carries_the_fields_as_headers_and_the_payload_as_is() {
         let event = event();
-        let parts =
-            RecordFormat::Outboxd.parts(&table(PayloadType::Json), &event, "event_id", None);
+        let parts = record(&RecordFormat::Outboxd, PayloadType::Json, &event);
         assert_eq!(
             headers(&parts),
-            [
+            pairs([
                 ("event_id", "0b7e7a4e-8f43-4d0e-9a57-5b1f0c0b5e11"),
                 ("event_type", "OrderConfirmed"),
                 ("aggregate_type", "Order"),
                 ("created_at", "2026-12-03T07:00:00.123456Z"),
                 ("traceparent", "00-abc-def-01"),
-            ]
-            .map(|(k, v)| (k.to_string(), v.to_string()))
+            ])
         );
         assert_eq!(parts.value.as_deref(), Some(&br#"{"total": 12}"#[..]));
     }
@@ -366,7 +379,7 @@ mod tests {
         );
         assert_eq!(
             headers(&parts),
-            [
+            pairs([
                 ("ce_specversion", "1.0"),
                 ("ce_id", "0b7e7a4e-8f43-4d0e-9a57-5b1f0c0b5e11"),
                 ("ce_source", "/public/outbox_event"),
@@ -376,8 +389,7 @@ mod tests {
                 ("content-type", "application/json"),
                 ("ce_traceparent", "00-abc-def-01"),
                 ("error", "refused"),
-            ]
-            .map(|(k, v)| (k.to_string(), v.to_string()))
+            ])
         );
         assert_eq!(parts.value.as_deref(), Some(&br#"{"total": 12}"#[..]));
     }
@@ -385,11 +397,10 @@ mod tests {
     #[test]
     fn structured_mode_puts_the_event_in_the_value() {
         let event = event();
-        let parts = cloudevents(ContentMode::Structured).parts(
-            &table(PayloadType::Json),
+        let parts = record(
+            &cloudevents(ContentMode::Structured),
+            PayloadType::Json,
             &event,
-            "event_id",
-            None,
         );
         assert_eq!(
             headers(&parts),
@@ -420,11 +431,10 @@ mod tests {
     fn structured_mode_carries_text_as_a_string_and_bytes_as_base64() {
         let mut event = event();
         event.payload = Some(bytes::Bytes::from_static(b"\x00\xffhi"));
-        let parts = cloudevents(ContentMode::Structured).parts(
-            &table(PayloadType::Bytes),
+        let parts = record(
+            &cloudevents(ContentMode::Structured),
+            PayloadType::Bytes,
             &event,
-            "event_id",
-            None,
         );
         let value: serde_json::Value =
             serde_json::from_slice(parts.value.as_deref().unwrap()).unwrap();
@@ -432,11 +442,10 @@ mod tests {
         assert_eq!(value["datacontenttype"], "application/octet-stream");
         assert!(value.get("data").is_none());
         event.payload = Some(bytes::Bytes::from_static(b"plain words"));
-        let parts = cloudevents(ContentMode::Structured).parts(
-            &table(PayloadType::Text),
+        let parts = record(
+            &cloudevents(ContentMode::Structured),
+            PayloadType::Text,
             &event,
-            "event_id",
-            None,
         );
         let value: serde_json::Value =
             serde_json::from_slice(parts.value.as_deref().unwrap()).unwrap();
@@ -448,19 +457,13 @@ mod tests {
     fn a_null_payload_is_an_event_without_data() {
         let mut event = event();
         event.payload = None;
-        let binary = cloudevents(ContentMode::Binary).parts(
-            &table(PayloadType::Json),
-            &event,
-            "event_id",
-            None,
-        );
+        let binary = record(&cloudevents(ContentMode::Binary), PayloadType::Json, &event);
         assert_eq!(binary.value, None, "binary mode keeps the tombstone");
         assert!(!headers(&binary).iter().any(|(k, _)| k == "content-type"));
-        let structured = cloudevents(ContentMode::Structured).parts(
-            &table(PayloadType::Json),
+        let structured = record(
+            &cloudevents(ContentMode::Structured),
+            PayloadType::Json,
             &event,
-            "event_id",
-            None,
         );
         let value: serde_json::Value =
             serde_json::from_slice(structured.value.as_deref().unwrap()).unwrap();
@@ -471,20 +474,10 @@ mod tests {
     fn type_falls_back_to_the_aggregate_type() {
         let mut event = event();
         event.event_type = None;
-        let parts = cloudevents(ContentMode::Binary).parts(
-            &table(PayloadType::Json),
-            &event,
-            "event_id",
-            None,
-        );
+        let parts = record(&cloudevents(ContentMode::Binary), PayloadType::Json, &event);
         assert!(headers(&parts).contains(&("ce_type".into(), "Order".into())));
         event.aggregate_type = None;
-        let parts = cloudevents(ContentMode::Binary).parts(
-            &table(PayloadType::Json),
-            &event,
-            "event_id",
-            None,
-        );
+        let parts = record(&cloudevents(ContentMode::Binary), PayloadType::Json, &event);
         assert!(headers(&parts).contains(&("ce_type".into(), FALLBACK_TYPE.into())));
     }
 

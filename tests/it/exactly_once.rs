@@ -133,6 +133,31 @@ async fn end_backends_except(
         .unwrap();
 }
 
+/// Once a `read_committed` reader finds at least 100 records (what the broker acknowledged and, with
+/// exactly-once, committed), checks that `lock` (every row's) kept their marks back, SIGKILLs `outboxd`,
+/// ends its backends and releases the lock. Returns the records found.
+async fn kill_with_marks_held(
+    client: &tokio_postgres::Client,
+    lock: tokio_postgres::Transaction<'_>,
+    brokers: &str,
+    mut outboxd: Outboxd,
+    committed: &[Inserted],
+) -> usize {
+    let in_kafka = wait_for("events in Kafka", Duration::from_secs(60), || {
+        let records = consume_all(brokers, &[TOPIC], 0, Duration::from_secs(30));
+        (records.len() >= 100).then_some(records.len())
+    });
+    assert_eq!(
+        published_among(client, committed).await,
+        0,
+        "the rows' locks did not hold the marks back"
+    );
+    outboxd.kill();
+    end_backends_except(client, &lock).await;
+    lock.rollback().await.unwrap();
+    in_kafka
+}
+
 /// Once every row is published: (records a `read_committed` reader finds, the check against `committed`).
 async fn read_back(
     client: &tokio_postgres::Client,
@@ -207,20 +232,8 @@ async fn killed_between_commit_and_marks(exactly_once: bool) -> (DeliveryReport,
     lock.execute("SELECT 1 FROM outbox_event FOR UPDATE", &[])
         .await
         .unwrap();
-    let mut outboxd = Outboxd::spawn(&args(&url, &brokers, exactly_once));
-    // Only what the broker acknowledged (and, with exactly-once, committed) can be read back.
-    let in_kafka = wait_for("events in Kafka", Duration::from_secs(60), || {
-        let records = consume_all(&brokers, &[TOPIC], 0, Duration::from_secs(30));
-        (records.len() >= 100).then_some(records.len())
-    });
-    assert_eq!(
-        published_among(&client, &committed).await,
-        0,
-        "the rows' locks did not hold the marks back"
-    );
-    outboxd.kill();
-    end_backends_except(&client, &lock).await;
-    lock.rollback().await.unwrap();
+    let outboxd = Outboxd::spawn(&args(&url, &brokers, exactly_once));
+    let in_kafka = kill_with_marks_held(&client, lock, &brokers, outboxd, &committed).await;
     let mut last = Outboxd::spawn(&args(&url, &brokers, exactly_once));
     let (records, report) = read_back(&client, &brokers, &committed, &rolled_back).await;
     last.kill();
@@ -700,7 +713,7 @@ async fn an_open_transaction_of_another_writer_does_not_hide_the_last_progress_r
         "--metrics-addr",
         "off",
     ]);
-    let mut outboxd = Outboxd::spawn(&first_args);
+    let outboxd = Outboxd::spawn(&first_args);
     // Nothing of this slot's beyond the open transaction: no wait.
     wait_transactions_ready(&outboxd);
 
@@ -710,18 +723,7 @@ async fn an_open_transaction_of_another_writer_does_not_hide_the_last_progress_r
     lock.execute("SELECT 1 FROM outbox_event FOR UPDATE", &[])
         .await
         .unwrap();
-    let in_kafka = wait_for("events in Kafka", Duration::from_secs(60), || {
-        let records = consume_all(&brokers, &[TOPIC], 0, Duration::from_secs(30));
-        (records.len() >= 100).then_some(records.len())
-    });
-    assert_eq!(
-        published_among(&client, &committed).await,
-        0,
-        "the rows' locks did not hold the marks back"
-    );
-    outboxd.kill();
-    end_backends_except(&client, &lock).await;
-    lock.rollback().await.unwrap();
+    let in_kafka = kill_with_marks_held(&client, lock, &brokers, outboxd, &committed).await;
     let mut last = Outboxd::spawn(&args(&url, &brokers, true));
     // The read waits for the other transaction, and gives up after a while; taking the last stable offset
     // for the end, it would answer at once, and every row would be sent again.
