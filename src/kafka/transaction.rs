@@ -416,10 +416,7 @@ async fn blocking<R: Send + 'static>(work: impl FnOnce() -> R + Send + 'static) 
 /// the open transactions to end (up to [`START_TIMEOUT`]) rather than take an older record for the last.
 /// Without any, the last stable offset is the end.
 fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<Vec<u8>>> {
-    let unreadable = |e: KafkaError| Error::Kafka {
-        message: format!("cannot read progress topic {topic}: {e}"),
-        transient: true,
-    };
+    let unreadable = |error| unreadable(topic, error);
     config
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
@@ -453,7 +450,7 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
             last = Some(value.map(<[u8]>::to_vec))
         })
         .map_err(|error| match error {
-            Error::Kafka { message, transient } if stable < high => Error::Kafka {
+            Error::Kafka { message, transient } if end > stable => Error::Kafka {
                 message: format!("{message}; a transaction left open on the topic holds this slot's newest progress record back (last stable offset {stable}, high watermark {high}): it ends with its writer's transaction.timeout.ms; a hanging one is found and aborted with kafka-transactions.sh find-hanging / abort"),
                 transient,
             },
@@ -480,10 +477,7 @@ fn scan(
     deadline: Instant,
     mut each: impl FnMut(Option<&[u8]>),
 ) -> Result<()> {
-    let unreadable = |e: KafkaError| Error::Kafka {
-        message: format!("cannot read progress topic {topic}: {e}"),
-        transient: true,
-    };
+    let unreadable = |error| unreadable(topic, error);
     let mut assignment = TopicPartitionList::new();
     assignment
         .add_partition_offset(topic, 0, Offset::Offset(start))
@@ -513,6 +507,14 @@ fn scan(
             Some(Err(error)) => return Err(unreadable(error)),
             None => {}
         }
+    }
+}
+
+/// A failed read of the progress topic: transient (the session retries).
+fn unreadable(topic: &str, error: KafkaError) -> Error {
+    Error::Kafka {
+        message: format!("cannot read progress topic {topic}: {error}"),
+        transient: true,
     }
 }
 
