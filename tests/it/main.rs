@@ -16,6 +16,7 @@ mod failover;
 mod fit;
 mod fleet;
 mod inbox;
+mod java_order_service;
 mod kafka_security;
 mod kubernetes;
 mod migrate;

@@ -12,8 +12,9 @@ need_apt=()
 for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15 curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
-# Apache Kafka runs on Java 17; Maven fetches its jars (any Java 17+ and Maven already installed will do). The
-# JDK, not only the runtime: kafka.sh compiles its small Admin API tool (users and ACLs of the secure broker).
+# Apache Kafka runs on Java 17; Maven fetches its jars and builds examples/java-order-service (any Java 17+ and
+# Maven already installed will do). The JDK, not only the runtime: kafka.sh compiles its small Admin API tool
+# (users and ACLs of the secure broker).
 command -v javac >/dev/null || need_apt+=(openjdk-17-jdk-headless)
 command -v mvn >/dev/null || need_apt+=(maven)
 # Python 3 with venv: the Kubernetes manifests' validator is installed into a virtual environment.

@@ -1442,14 +1442,34 @@ pub async fn handed_off_count(client: &tokio_postgres::Client) -> i64 {
         .get(0)
 }
 
-/// A plain HTTP/1.1 GET: (status code, body), or `None` when nothing answers.
+/// A plain HTTP GET: (status code, body), or `None` when nothing answers.
 pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    http_request("GET", addr, path, None)
+}
+
+/// A plain HTTP/1.0 request (so the answer is never chunked), with a JSON body if given: (status code, body),
+/// or `None` when nothing answers.
+pub fn http_request(
+    method: &str,
+    addr: &str,
+    path: &str,
+    json_body: Option<&str>,
+) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .ok()?;
+    let body = json_body.unwrap_or("");
+    let content_type = if json_body.is_some() {
+        "Content-Type: application/json\r\n"
+    } else {
+        ""
+    };
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\n{content_type}Content-Length: {}\r\n\r\n{body}",
+        body.len()
     )
     .ok()?;
     let mut response = String::new();
