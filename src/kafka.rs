@@ -101,6 +101,8 @@ pub struct DeliveryContext<T> {
 /// (see [`enforce_delivery_guarantees`]); should it still, every acknowledgement the producer reports from
 /// then on is turned into a failure, so the events are sent again by a new producer: duplicates, not loss.
 const IMPLICIT_ACK: &str = "IMPLICITACK";
+/// Longest wait after creating a topic for its partitions' leaders (see `Publisher::wait_for_leaders`).
+const NEW_TOPIC_LEADERS_WAIT: Duration = Duration::from_secs(5);
 
 const IMPLICIT_ACK_REASON: &str = "librdkafka took events as delivered because a later batch of their partition was (\"implicitly acked\"): this producer's acknowledgements are no longer trusted; sending again with a new producer";
 
@@ -437,7 +439,10 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 })?;
             for result in results {
                 match result {
-                    Ok(_) => tracing::info!(topic, partitions = self.partitions, "created topic"),
+                    Ok(_) => {
+                        tracing::info!(topic, partitions = self.partitions, "created topic");
+                        self.wait_for_leaders(topic).await;
+                    }
                     Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
                     // A principal that may write the topic but not create topics: fine if it exists.
                     Err((_, code))
@@ -490,6 +495,45 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 }
                 Err((error, _)) => return Err(PublishError::Rejected(rejection_from(&error))),
             }
+        }
+    }
+
+    /// Waits (up to [`NEW_TOPIC_LEADERS_WAIT`]) until the metadata of a topic just created gives every
+    /// partition a leader. Asked through the producer's own client, the answer also updates the producer:
+    /// without it, the first records wait for librdkafka's next metadata refresh (up to a second) after
+    /// the answer that showed no leader yet. Past the wait the producer finds the leaders itself.
+    async fn wait_for_leaders(&self, topic: &str) {
+        let producer = self.producer.clone();
+        let name = topic.to_string();
+        let waited = tokio::task::spawn_blocking(move || {
+            let deadline = std::time::Instant::now() + NEW_TOPIC_LEADERS_WAIT;
+            while std::time::Instant::now() < deadline {
+                let led = producer
+                    .client()
+                    .fetch_metadata(Some(&name), Duration::from_secs(1))
+                    .is_ok_and(|metadata| {
+                        metadata.topics().iter().any(|t| {
+                            t.name() == name
+                                && t.error().is_none()
+                                && !t.partitions().is_empty()
+                                && t.partitions()
+                                    .iter()
+                                    .all(|p| p.error().is_none() && p.leader() >= 0)
+                        })
+                    });
+                if led {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            false
+        })
+        .await;
+        if !matches!(waited, Ok(true)) {
+            tracing::debug!(
+                topic,
+                "a new topic's partitions have no leader yet; producing anyway"
+            );
         }
     }
 

@@ -119,6 +119,18 @@ async fn run(mut args: Args) -> BenchResult<()> {
     let poll_four = bench.poll_drain(4).await?;
     if args.drain_only {
         println!(
+            "{}",
+            whole_system_table(
+                &[
+                    ("drain, CDC", &drain),
+                    ("drain, CDC exactly-once", &exactly_once_drain),
+                    ("drain, poll, 1 instance", &poll_one),
+                    ("drain, poll, 4 instances", &poll_four),
+                ],
+                &limits
+            )?
+        );
+        println!(
             "drain {:.0}/s ({:.0}/s once streaming, {:.1} µs CPU/event, {:.1} MiB); exactly-once {:.0}/s ({:.0}/s once streaming, {:.1} µs CPU/event, {:.1} MiB); limits: source {:.0}/s, sink {:.0}/s, backfill {:.0}/s; poll 1: {:.0}/s, poll 4: {:.0}/s",
             drain.rate(),
             drain.streaming_rate(),
@@ -164,6 +176,63 @@ async fn run(mut args: Args) -> BenchResult<()> {
     Ok(())
 }
 
+/// The whole system's cost per event of each drain, next to the limits' own: CPU µs of outboxd (the client),
+/// PostgreSQL and the broker, and WAL bytes; with the drain's start-up and end.
+fn whole_system_table(
+    drains: &[(&str, &scenarios::Drain)],
+    limits: &scenarios::Limits,
+) -> BenchResult<String> {
+    let mut table = String::new();
+    writeln!(table, "| whole system, per event | events/s | start-up s | end s | outboxd µs CPU | PostgreSQL µs CPU | broker µs CPU | total µs CPU | WAL bytes |")?;
+    writeln!(
+        table,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )?;
+    for (name, drain) in drains {
+        let cost = drain.per_event();
+        writeln!(
+            table,
+            "| {name} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
+            drain.rate(),
+            drain.first_published_after,
+            drain.tail_seconds(),
+            cost.client_cpu,
+            cost.postgres_cpu,
+            cost.broker_cpu,
+            cost.total_cpu(),
+            cost.wal_bytes
+        )?;
+    }
+    let events = drains.first().map_or(1, |(_, d)| d.events);
+    let source = scenarios::PerEvent::of(0.0, limits.source_cost, events);
+    let sink = scenarios::PerEvent::of(0.0, limits.sink_cost, events);
+    let backfill = scenarios::PerEvent::of(0.0, limits.backfill_cost, events);
+    writeln!(
+        table,
+        "| source limit (pg_recvlogical; its own CPU not counted) | {:.0} | | | | {:.1} | | | |",
+        limits.source, source.postgres_cpu
+    )?;
+    writeln!(
+        table,
+        "| sink limit (rdkafka producer; its own CPU not counted) | {:.0} | | | | | {:.1} | | |",
+        limits.sink, sink.broker_cpu
+    )?;
+    writeln!(
+        table,
+        "| backfill limit (UPDATE by event_id) | {:.0} | | | | {:.1} | | | {:.0} |",
+        limits.backfill, backfill.postgres_cpu, backfill.wal_bytes
+    )?;
+    writeln!(
+        table,
+        "| the three alone, added up | | | | | {:.1} | {:.1} | {:.1} | {:.0} |",
+        source.postgres_cpu + backfill.postgres_cpu,
+        sink.broker_cpu,
+        source.postgres_cpu + backfill.postgres_cpu + sink.broker_cpu,
+        backfill.wal_bytes
+    )?;
+    Ok(table)
+}
+
 /// PostgreSQL and the broker started (the tests' scripts), the outbox table migrated; with the machine's
 /// description for the report.
 async fn start_stack(args: &Args) -> BenchResult<(Bench, String)> {
@@ -190,6 +259,8 @@ async fn start_stack(args: &Args) -> BenchResult<(Bench, String)> {
         sql,
         outboxd_args: args.outboxd_arg.clone(),
     };
+    eprintln!("warming the broker up ...");
+    bench.warm_up_broker(args.backlog).await?;
     Ok((bench, machine))
 }
 
@@ -310,6 +381,19 @@ impl Results {
             self.big_seconds
         )?;
         writeln!(table)?;
+        writeln!(
+            table,
+            "{}",
+            whole_system_table(
+                &[
+                    ("drain, CDC", &self.drain),
+                    ("drain, CDC exactly-once", &self.exactly_once_drain),
+                    ("drain, poll, 1 instance", &self.poll_one),
+                    ("drain, poll, 4 instances", &self.poll_four),
+                ],
+                &self.limits
+            )?
+        )?;
         writeln!(table, "| mode | offered/s | inserted/s | published/s | commit → consumer p50 / p99 / p99.9 ms | commit → published_at written (histogram) | created_at → published_at (SQL) | commit → slot confirmed | backlog at end | peak RSS MiB |")?;
         writeln!(
             table,

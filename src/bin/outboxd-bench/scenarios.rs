@@ -9,7 +9,7 @@ use tokio_postgres::Client;
 
 use crate::observe;
 use crate::soak;
-use crate::stack::{free_port, wait_until, BenchResult, Outboxd, Stack, Usage};
+use crate::stack::{free_port, wait_until, BenchResult, Outboxd, Stack, SystemCpu, Usage};
 
 /// Rows per backlog transaction (over 1,000 aggregates, ~200-byte payloads).
 pub const EVENTS_PER_TXN: usize = 100;
@@ -29,7 +29,11 @@ pub struct Drain {
     pub seconds: f64,
     /// From the first to the last published_at: the rate once streaming, without start-up.
     pub streaming_seconds: f64,
+    /// From starting outboxd to the first published_at: start-up.
+    pub first_published_after: f64,
     pub usage: Usage,
+    /// What PostgreSQL and the broker spent meanwhile, and the WAL written.
+    pub system: SystemCost,
 }
 
 impl Drain {
@@ -42,6 +46,53 @@ impl Drain {
     pub fn cpu_micros_per_event(&self) -> f64 {
         self.usage.cpu_seconds * 1e6 / self.events as f64
     }
+    /// From the last published_at to the slot confirmed past the backlog: the end of the drain.
+    pub fn tail_seconds(&self) -> f64 {
+        self.seconds - self.first_published_after - self.streaming_seconds
+    }
+    /// CPU µs per event of outboxd, PostgreSQL and the broker, their sum, and WAL bytes per event.
+    pub fn per_event(&self) -> PerEvent {
+        PerEvent::of(self.usage.cpu_seconds, self.system, self.events)
+    }
+}
+
+/// CPU seconds PostgreSQL (every process of the server) and the broker spent on a stretch of work, and the
+/// WAL it wrote. The benchmark's own monitoring queries (a few per 10 ms) are included.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemCost {
+    pub postgres_cpu: f64,
+    pub broker_cpu: f64,
+    pub wal_bytes: f64,
+}
+
+/// A [`SystemCost`] (and the client's CPU) per event: CPU in µs, WAL in bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct PerEvent {
+    pub client_cpu: f64,
+    pub postgres_cpu: f64,
+    pub broker_cpu: f64,
+    pub wal_bytes: f64,
+}
+
+impl PerEvent {
+    pub fn of(client_cpu_seconds: f64, system: SystemCost, events: usize) -> Self {
+        let per = |seconds: f64| seconds * 1e6 / events as f64;
+        PerEvent {
+            client_cpu: per(client_cpu_seconds),
+            postgres_cpu: per(system.postgres_cpu),
+            broker_cpu: per(system.broker_cpu),
+            wal_bytes: system.wal_bytes / events as f64,
+        }
+    }
+    pub fn total_cpu(&self) -> f64 {
+        self.client_cpu + self.postgres_cpu + self.broker_cpu
+    }
+}
+
+/// Where a [`SystemCost`] measurement started.
+struct CostMeter {
+    cpu: SystemCpu,
+    wal: String,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -49,6 +100,11 @@ pub struct Limits {
     pub source: f64,
     pub sink: f64,
     pub backfill: f64,
+    /// PostgreSQL's CPU for the source (the walsender decoding for pg_recvlogical), the broker's for the sink,
+    /// PostgreSQL's and the WAL for the backfill.
+    pub source_cost: SystemCost,
+    pub sink_cost: SystemCost,
+    pub backfill_cost: SystemCost,
 }
 
 /// One steady run. Latencies are seconds, as p50 / p99 / p99.9.
@@ -123,6 +179,30 @@ impl Bench {
         Ok(self.sql.query_one(sql, &[]).await?.get(0))
     }
 
+    async fn cost_meter(&self) -> BenchResult<CostMeter> {
+        Ok(CostMeter {
+            cpu: self.stack.system_cpu()?,
+            wal: self.wal_lsn().await?,
+        })
+    }
+
+    async fn cost_since(&self, meter: CostMeter) -> BenchResult<SystemCost> {
+        let cpu = self.stack.system_cpu()? - meter.cpu;
+        let wal_bytes: f64 = self
+            .sql
+            .query_one(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8",
+                &[&meter.wal],
+            )
+            .await?
+            .get(0);
+        Ok(SystemCost {
+            postgres_cpu: cpu.postgres,
+            broker_cpu: cpu.broker,
+            wal_bytes,
+        })
+    }
+
     async fn wal_lsn(&self) -> BenchResult<String> {
         Ok(self
             .sql
@@ -175,6 +255,21 @@ impl Bench {
             )
             .await?
             .get(0))
+    }
+
+    /// The server's clock now.
+    async fn db_now(&self) -> BenchResult<std::time::SystemTime> {
+        Ok(self.sql.query_one("SELECT now()", &[]).await?.get(0))
+    }
+
+    /// Seconds from `start` to the first published_at.
+    async fn first_published_after(&self, start: std::time::SystemTime) -> BenchResult<f64> {
+        let first: std::time::SystemTime = self
+            .sql
+            .query_one("SELECT min(published_at) FROM outbox_event", &[])
+            .await?
+            .get(0);
+        Ok(first.duration_since(start).map_or(0.0, |d| d.as_secs_f64()))
     }
 
     /// Empties the table and drops every slot (once the last walsender let go of them).
@@ -236,16 +331,23 @@ impl Bench {
         self.insert_backlog(events).await?;
         let end = self.wal_lsn().await?;
 
+        let meter = self.cost_meter().await?;
         let source = self.source_limit(&end).await?;
+        let source_cost = self.cost_since(meter).await?;
         let drain = self.measure_drain("cdc", events, &end).await?;
+        let meter = self.cost_meter().await?;
         let sink = self.sink_limit().await?;
-        let backfill = self.backfill_limit().await?;
+        let sink_cost = self.cost_since(meter).await?;
+        let (backfill, backfill_cost) = self.backfill_limit().await?;
         Ok((
             drain,
             Limits {
                 source: events as f64 / source,
                 sink: events as f64 / sink,
                 backfill: events as f64 / backfill,
+                source_cost,
+                sink_cost,
+                backfill_cost,
             },
         ))
     }
@@ -277,7 +379,22 @@ impl Bench {
         if !status.success() {
             return Err("pg_recvlogical failed".into());
         }
-        Ok(started.elapsed().as_secs_f64())
+        let seconds = started.elapsed().as_secs_f64();
+        // Its walsender lets the slot go as it exits: from then on its CPU is the server's to report.
+        wait_until(
+            "pg_recvlogical's walsender to exit",
+            Duration::from_secs(30),
+            Duration::from_millis(5),
+            || async {
+                self.scalar_i64(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'bench_source' AND active",
+                )
+                .await
+                .is_ok_and(|n| n == 0)
+            },
+        )
+        .await?;
+        Ok(seconds)
     }
 
     /// The same records through a plain rdkafka producer with outboxd's producer settings.
@@ -289,15 +406,45 @@ impl Bench {
                 &[],
             )
             .await?;
+        let records = rows
+            .iter()
+            .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3)));
+        self.produce_all("bench.sink", records).await
+    }
+
+    /// Warms the broker up before anything is measured: a JVM compiles its hot paths under the first real
+    /// load, and that CPU would count against the first scenario (a broker in production has long been
+    /// warm). `events` records like the backlog's through a producer with outboxd's settings.
+    pub async fn warm_up_broker(&self, events: usize) -> BenchResult<()> {
+        let payload = format!("{{\"note\": \"{}\"}}", "x".repeat(180));
+        let ids: Vec<(String, String)> = (0..events)
+            .map(|n| {
+                (
+                    uuid::Uuid::new_v4().to_string(),
+                    format!("order-{}", n % 1000),
+                )
+            })
+            .collect();
+        let records = ids
+            .iter()
+            .map(|(id, key)| (id.as_str(), key.as_str(), "Warmup", payload.as_str()));
+        self.produce_all("bench.warmup", records).await?;
+        Ok(())
+    }
+
+    /// Sends (event id, key, event type, payload) records to `topic` (created first) through a producer with
+    /// outboxd's settings, as fast as it takes them; returns the seconds until every one was acknowledged.
+    async fn produce_all<'a>(
+        &self,
+        topic: &str,
+        records: impl Iterator<Item = (&'a str, &'a str, &'a str, &'a str)>,
+    ) -> BenchResult<f64> {
         let settings = outboxd_settings(&self.stack)?;
         let producer: ThreadedProducer<DefaultProducerContext> =
             outboxd::kafka::producer_config(&settings).create()?;
-        let topic = "bench.sink";
         create_topic(&settings, topic).await?;
         let started = Instant::now();
-        for row in &rows {
-            let (id, key, event_type, payload): (&str, &str, &str, &str) =
-                (row.get(0), row.get(1), row.get(2), row.get(3));
+        for (id, key, event_type, payload) in records {
             let headers = rdkafka::message::OwnedHeaders::new()
                 .insert(rdkafka::message::Header {
                     key: "event_id",
@@ -327,8 +474,9 @@ impl Bench {
         Ok(started.elapsed().as_secs_f64())
     }
 
-    /// published_at for the same rows by event_id, 2,000 per UPDATE (outboxd's backfill batch).
-    async fn backfill_limit(&self) -> BenchResult<f64> {
+    /// published_at for the same rows by event_id, 2,000 per UPDATE (outboxd's backfill batch); with what
+    /// the UPDATEs alone cost.
+    async fn backfill_limit(&self) -> BenchResult<(f64, SystemCost)> {
         self.sql
             .batch_execute("UPDATE outbox_event SET published_at = NULL")
             .await?;
@@ -346,11 +494,13 @@ impl Bench {
             .sql
             .prepare("UPDATE outbox_event SET published_at = now() WHERE event_id = ANY($1) AND published_at IS NULL")
             .await?;
+        let meter = self.cost_meter().await?;
         let started = Instant::now();
         for chunk in ids.chunks(2_000) {
             self.sql.execute(&update, &[&chunk]).await?;
         }
-        Ok(started.elapsed().as_secs_f64())
+        let seconds = started.elapsed().as_secs_f64();
+        Ok((seconds, self.cost_since(meter).await?))
     }
 
     /// The same drain with `--delivery exactly-once` (no limits: they are the same).
@@ -369,6 +519,8 @@ impl Bench {
     /// confirmed there, every row is marked and Kafka holds every event.
     async fn measure_drain(&self, mode: &str, events: usize, end: &str) -> BenchResult<Drain> {
         let in_kafka = self.records_in_kafka()?;
+        let meter = self.cost_meter().await?;
+        let start = self.db_now().await?;
         let started = Instant::now();
         let outboxd = self.spawn(mode, &[], &format!("drain-{mode}.log"))?;
         wait_until(
@@ -380,6 +532,7 @@ impl Bench {
         .await?;
         let seconds = started.elapsed().as_secs_f64();
         let usage = outboxd.usage()?;
+        let system = self.cost_since(meter).await?;
         drop(outboxd);
         let left = self.unpublished().await?;
         if left != 0 {
@@ -388,12 +541,13 @@ impl Bench {
             );
         }
         self.kafka_received(in_kafka, events, &format!("the {mode} drain"))?;
-        let streaming_seconds = self.publishing_seconds().await?;
         Ok(Drain {
             events,
             seconds,
-            streaming_seconds,
+            streaming_seconds: self.publishing_seconds().await?,
+            first_published_after: self.first_published_after(start).await?,
             usage,
+            system,
         })
     }
 
@@ -409,6 +563,8 @@ impl Bench {
             .await?;
         let events = self.scalar_i64("SELECT count(*) FROM outbox_event").await? as usize;
         let in_kafka = self.records_in_kafka()?;
+        let meter = self.cost_meter().await?;
+        let start = self.db_now().await?;
         let started = Instant::now();
         let workers: Vec<Outboxd> = (0..instances)
             .map(|i| self.spawn("poll", &[], &format!("poll-{instances}-{i}.log")))
@@ -425,12 +581,15 @@ impl Bench {
         for worker in &workers {
             usage = usage + worker.usage()?;
         }
+        let system = self.cost_since(meter).await?;
         self.kafka_received(in_kafka, events, "the polling drain")?;
         Ok(Drain {
             events,
             seconds,
             streaming_seconds: self.publishing_seconds().await?,
+            first_published_after: self.first_published_after(start).await?,
             usage,
+            system,
         })
     }
 

@@ -80,6 +80,110 @@ impl Stack {
     pub fn log_dir(&self) -> PathBuf {
         self.dir.clone()
     }
+
+    /// CPU seconds the PostgreSQL server and the broker have used so far (see [`SystemCpu`]). A server
+    /// process that has exited but was not reaped yet counts nowhere, nor does one reaped while the others
+    /// are read: this reads again (for up to a second) until neither happened.
+    pub fn system_cpu(&self) -> BenchResult<SystemCpu> {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        loop {
+            let (cpu, exiting) = self.system_cpu_once()?;
+            if !exiting || Instant::now() > deadline {
+                return Ok(cpu);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// [`Stack::system_cpu`], and whether a server process was exiting (a zombie) or reaped meanwhile.
+    fn system_cpu_once(&self) -> BenchResult<(SystemCpu, bool)> {
+        let postmaster_pid = std::fs::read_to_string(self.dir.join("pg/data/postmaster.pid"))?;
+        let postmaster: u32 = postmaster_pid
+            .lines()
+            .next()
+            .and_then(|line| line.trim().parse().ok())
+            .ok_or("no pid in postmaster.pid")?;
+        let reaped_before = proc_times(postmaster)?.with_reaped_children();
+        let mut postgres = reaped_before;
+        let mut exiting = false;
+        for entry in std::fs::read_dir("/proc")? {
+            let Some(pid) = entry?.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                continue;
+            };
+            // A process may exit between the listing and the read: it is counted as reaped, or not yet.
+            if let Ok(times) = proc_times(pid) {
+                if times.parent == postmaster {
+                    postgres += times.own;
+                    exiting |= times.zombie;
+                }
+            }
+        }
+        let broker_pid = ["broker/kafka.pid", "broker/tansu.pid"]
+            .iter()
+            .find_map(|file| std::fs::read_to_string(self.dir.join(file)).ok())
+            .and_then(|pid| pid.trim().parse().ok())
+            .ok_or("no broker pid file")?;
+        let cpu = SystemCpu {
+            postgres,
+            broker: proc_times(broker_pid)?.own,
+        };
+        // A child reaped while the others were read is in neither sum: read again.
+        let reaped_meanwhile = proc_times(postmaster)?.with_reaped_children() != reaped_before;
+        Ok((cpu, exiting || reaped_meanwhile))
+    }
+}
+
+/// CPU seconds used so far by the PostgreSQL server (the postmaster, every process under it, and those that
+/// exited: a reaped child's time is added to its parent's) and by the broker process (all threads).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemCpu {
+    pub postgres: f64,
+    pub broker: f64,
+}
+
+impl std::ops::Sub for SystemCpu {
+    type Output = SystemCpu;
+    fn sub(self, before: SystemCpu) -> SystemCpu {
+        SystemCpu {
+            postgres: self.postgres - before.postgres,
+            broker: self.broker - before.broker,
+        }
+    }
+}
+
+/// A process's parent and CPU seconds, its own (every thread) and its reaped children's.
+struct ProcTimes {
+    zombie: bool,
+    parent: u32,
+    own: f64,
+    children: f64,
+}
+
+impl ProcTimes {
+    fn with_reaped_children(&self) -> f64 {
+        self.own + self.children
+    }
+}
+
+/// Fields of /proc/PID/stat: state, ppid, utime + stime, cutime + cstime.
+fn proc_times(pid: u32) -> BenchResult<ProcTimes> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) start at field 3.
+    let rest = stat
+        .rsplit_once(") ")
+        .map(|(_, rest)| rest)
+        .ok_or("unexpected /proc stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| -> BenchResult<f64> {
+        Ok(fields.get(i).ok_or("short /proc stat")?.parse::<f64>()?)
+    };
+    let ticks = clock_ticks_per_second();
+    Ok(ProcTimes {
+        zombie: fields.first() == Some(&"Z"),
+        parent: field(1)? as u32,
+        own: (field(11)? + field(12)?) / ticks,
+        children: (field(13)? + field(14)?) / ticks,
+    })
 }
 
 impl Drop for Stack {
@@ -193,14 +297,7 @@ impl std::ops::Add for Usage {
 
 /// utime + stime of every thread (from /proc/PID/stat) and VmHWM (from /proc/PID/status).
 pub fn usage(pid: u32) -> BenchResult<Usage> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name (which may hold spaces) start at field 3.
-    let rest = stat
-        .rsplit_once(") ")
-        .map(|(_, rest)| rest)
-        .ok_or("unexpected /proc stat")?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    let cpu_seconds = proc_times(pid)?.own;
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let peak_rss_kib = status
         .lines()
@@ -208,19 +305,22 @@ pub fn usage(pid: u32) -> BenchResult<Usage> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .ok_or("no VmHWM")?;
     Ok(Usage {
-        cpu_seconds: ticks / clock_ticks_per_second(),
+        cpu_seconds,
         peak_rss_kib,
     })
 }
 
 fn clock_ticks_per_second() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(100.0)
+    })
 }
 
 /// Polls `check` every `every` until it returns true or `timeout` passes.

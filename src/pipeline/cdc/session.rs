@@ -138,6 +138,15 @@ struct StatusUpdates {
     last_sent_at: Instant,
 }
 
+impl StatusUpdates {
+    /// When a confirmation of `confirmed` that [`MIN_CONFIRM_GAP`] held back is due: once the gap has passed,
+    /// not at the next status tick (up to `--status-interval` later, at the end of a burst).
+    fn held_back_until(&self, confirmed: Lsn) -> Option<tokio::time::Instant> {
+        (confirmed > self.last_sent)
+            .then(|| tokio::time::Instant::from_std(self.last_sent_at + MIN_CONFIRM_GAP))
+    }
+}
+
 /// Per-session state of the stream loop, publishing into `S`.
 pub(super) struct Session<'a, S> {
     settings: &'a RunSettings,
@@ -289,6 +298,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
+                _ = sleep_until_opt(status.held_back_until(self.watermark.confirmed())) => {}
                 _ = sleep_until_opt(self.oldest_outstanding().map(|at| at + self.delivery_timeout)), if self.failing.is_none() => {
                     let timeout = self.delivery_timeout;
                     self.give_up(format!("an event waited {timeout:?} (message.timeout.ms) for its delivery report; {} are outstanding", self.outstanding.len()));
@@ -1044,5 +1054,34 @@ async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn told(at: Instant) -> StatusUpdates {
+        StatusUpdates {
+            last_sent: Lsn(100),
+            last_sent_at: at,
+        }
+    }
+
+    #[test]
+    fn a_confirmation_held_back_by_the_gap_is_due_once_the_gap_passed() {
+        let at = Instant::now();
+        let status = told(at);
+        assert_eq!(
+            status.held_back_until(Lsn(200)),
+            Some(tokio::time::Instant::from_std(at + MIN_CONFIRM_GAP))
+        );
+    }
+
+    #[test]
+    fn nothing_is_due_when_the_server_was_told_the_watermark() {
+        let status = told(Instant::now());
+        assert_eq!(status.held_back_until(Lsn(100)), None);
+        assert_eq!(status.held_back_until(Lsn(50)), None);
     }
 }
