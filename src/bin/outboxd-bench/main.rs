@@ -7,7 +7,9 @@
 //! Scenarios: drain of a backlog built while outboxd was stopped, against the source limit (pg_recvlogical),
 //! the sink limit (a plain rdkafka producer) and the backfill limit (batched UPDATEs by event_id); the same
 //! backlog through `--mode poll` with 1 and 4 instances; steady insert rates in both modes (latency
-//! percentiles); one big transaction (duration, peak RSS).
+//! percentiles); one big transaction (duration, peak RSS). Each drain also reports the whole system's cost
+//! per event (CPU of outboxd, PostgreSQL and the broker, WAL bytes) next to the limits' own, after the
+//! broker's JVM was warmed up.
 //!
 //!     cargo run --release --bin outboxd-bench -- --soak  # memory over 10 million events per run (`soak`)
 
