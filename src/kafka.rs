@@ -101,8 +101,9 @@ pub struct DeliveryContext<T> {
 /// (see [`enforce_delivery_guarantees`]); should it still, every acknowledgement the producer reports from
 /// then on is turned into a failure, so the events are sent again by a new producer: duplicates, not loss.
 const IMPLICIT_ACK: &str = "IMPLICITACK";
-/// Longest wait after creating a topic for its partitions' leaders (see `Publisher::wait_for_leaders`).
-const NEW_TOPIC_LEADERS_WAIT: Duration = Duration::from_secs(5);
+/// How long, after creating a topic, outboxd asks for its partitions' leaders (see
+/// `Publisher::learn_leaders_soon`).
+const NEW_TOPIC_LEADERS_WAIT: Duration = Duration::from_secs(2);
 
 const IMPLICIT_ACK_REASON: &str = "librdkafka took events as delivered because a later batch of their partition was (\"implicitly acked\"): this producer's acknowledgements are no longer trusted; sending again with a new producer";
 
@@ -441,7 +442,7 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 match result {
                     Ok(_) => {
                         tracing::info!(topic, partitions = self.partitions, "created topic");
-                        self.wait_for_leaders(topic).await;
+                        self.learn_leaders_soon(topic);
                     }
                     Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
                     // A principal that may write the topic but not create topics: fine if it exists.
@@ -498,19 +499,21 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         }
     }
 
-    /// Waits (up to [`NEW_TOPIC_LEADERS_WAIT`]) until the metadata of a topic just created gives every
-    /// partition a leader. Asked through the producer's own client, the answer also updates the producer:
-    /// without it, the first records wait for librdkafka's next metadata refresh (up to a second) after
-    /// the answer that showed no leader yet. Past the wait the producer finds the leaders itself.
-    async fn wait_for_leaders(&self, topic: &str) {
+    /// Asks, on a thread of its own, every 10 ms (for up to [`NEW_TOPIC_LEADERS_WAIT`]) for the metadata of a
+    /// topic just created until every partition has a leader. Asked through the producer's own client, the
+    /// answer also updates the producer: without it, the first records wait for librdkafka's next metadata
+    /// refresh (up to a second) after the answer that showed no leader yet. Nothing waits for it: records
+    /// are produced meanwhile, and past the wait the producer finds the leaders itself.
+    fn learn_leaders_soon(&self, topic: &str) {
         let producer = self.producer.clone();
         let name = topic.to_string();
-        let waited = tokio::task::spawn_blocking(move || {
+        tokio::task::spawn_blocking(move || {
             let deadline = std::time::Instant::now() + NEW_TOPIC_LEADERS_WAIT;
             while std::time::Instant::now() < deadline {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
                 let led = producer
                     .client()
-                    .fetch_metadata(Some(&name), Duration::from_secs(1))
+                    .fetch_metadata(Some(&name), left.min(Duration::from_millis(500)))
                     .is_ok_and(|metadata| {
                         metadata.topics().iter().any(|t| {
                             t.name() == name
@@ -522,19 +525,12 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                         })
                     });
                 if led {
-                    return true;
+                    return;
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
-            false
-        })
-        .await;
-        if !matches!(waited, Ok(true)) {
-            tracing::debug!(
-                topic,
-                "a new topic's partitions have no leader yet; producing anyway"
-            );
-        }
+            tracing::debug!(topic = %name, "a new topic's partitions have no leader yet; librdkafka will find them");
+        });
     }
 
     /// Whether the brokers' metadata lists `topic` with partitions.
