@@ -123,12 +123,7 @@ async fn run(mut args: Args) -> BenchResult<()> {
         println!(
             "{}",
             whole_system_table(
-                &[
-                    ("drain, CDC", &drain),
-                    ("drain, CDC exactly-once", &exactly_once_drain),
-                    ("drain, poll, 1 instance", &poll_one),
-                    ("drain, poll, 4 instances", &poll_four),
-                ],
+                [&drain, &exactly_once_drain, &poll_one, &poll_four],
                 &limits
             )?
         );
@@ -180,17 +175,24 @@ async fn run(mut args: Args) -> BenchResult<()> {
 
 /// The whole system's cost per event of each drain, next to the limits' own: CPU µs of outboxd (the client),
 /// PostgreSQL and the broker, and WAL bytes; with the drain's start-up and end.
+/// `drains`: CDC, CDC exactly-once, poll with 1 and with 4 instances.
 fn whole_system_table(
-    drains: &[(&str, &scenarios::Drain)],
+    drains: [&scenarios::Drain; 4],
     limits: &scenarios::Limits,
 ) -> BenchResult<String> {
+    const NAMES: [&str; 4] = [
+        "drain, CDC",
+        "drain, CDC exactly-once",
+        "drain, poll, 1 instance",
+        "drain, poll, 4 instances",
+    ];
     let mut table = String::new();
     writeln!(table, "| whole system, per event | events/s | start-up s | end s | outboxd µs CPU | PostgreSQL µs CPU | broker µs CPU | total µs CPU | WAL bytes |")?;
     writeln!(
         table,
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )?;
-    for (name, drain) in drains {
+    for (name, drain) in NAMES.iter().zip(drains) {
         let cost = drain.per_event();
         writeln!(
             table,
@@ -205,7 +207,7 @@ fn whole_system_table(
             cost.wal_bytes
         )?;
     }
-    let events = drains.first().map_or(1, |(_, d)| d.events);
+    let events = drains[0].events;
     let source = scenarios::PerEvent::of(0.0, limits.source_cost, events);
     let sink = scenarios::PerEvent::of(0.0, limits.sink_cost, events);
     let backfill = scenarios::PerEvent::of(0.0, limits.backfill_cost, events);
@@ -387,11 +389,11 @@ impl Results {
             table,
             "{}",
             whole_system_table(
-                &[
-                    ("drain, CDC", &self.drain),
-                    ("drain, CDC exactly-once", &self.exactly_once_drain),
-                    ("drain, poll, 1 instance", &self.poll_one),
-                    ("drain, poll, 4 instances", &self.poll_four),
+                [
+                    &self.drain,
+                    &self.exactly_once_drain,
+                    &self.poll_one,
+                    &self.poll_four
                 ],
                 &self.limits
             )?
