@@ -17,6 +17,7 @@ mod observe;
 mod scenarios;
 mod soak;
 mod stack;
+mod sweep;
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -40,14 +41,20 @@ struct Args {
     #[arg(long, default_value_t = 30)]
     steady_secs: u64,
     /// Steady insert rates (events/s); higher ones are tried after them to find the highest sustainable.
-    #[arg(long, value_delimiter = ',', default_value = "500,2000,5000")]
+    #[arg(long, value_delimiter = ',', default_value = "500,2000,5000,10000")]
     rates: Vec<u64>,
     /// A small, fast run (CI smoke test): small backlog and big transaction, short steady runs.
     #[arg(long)]
     quick: bool,
-    /// Only the drain scenarios (CDC with its limits, polling), e.g. while profiling.
+    /// Only the drain scenarios (CDC with its limits, polling), e.g. while profiling: `--only drain`.
     #[arg(long)]
     drain_only: bool,
+    /// Only these parts of the run, comma-separated [default: all].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Part>,
+    /// Events per point of the sweep (fewer for large payloads; the backlog axis sets its own).
+    #[arg(long, default_value_t = 100_000)]
+    sweep_events: usize,
     /// An extra argument for every outboxd run, repeatable (e.g. `--outboxd-arg=--kafka-option=linger.ms=20`).
     #[arg(long, allow_hyphen_values = true)]
     outboxd_arg: Vec<String>,
@@ -82,6 +89,19 @@ struct Args {
     out: PathBuf,
 }
 
+/// A part of the benchmark run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Part {
+    /// The drains, their limits and the whole system's cost per event.
+    Drain,
+    /// The steady rates in each mode.
+    Steady,
+    /// One big transaction.
+    Big,
+    /// How cost grows along each axis of a backlog's shape.
+    Sweep,
+}
+
 #[tokio::main]
 async fn main() {
     if let Err(error) = run(Args::parse()).await {
@@ -102,71 +122,57 @@ async fn run(mut args: Args) -> BenchResult<()> {
         args.big = args.big.min(50_000);
         args.steady_secs = args.steady_secs.min(3);
         args.rates = vec![500, 2_000];
+        args.sweep_events = args.sweep_events.min(5_000);
     }
     if args.quick && args.soak {
         args.soak_events = args.soak_events.min(300_000);
     }
+    if args.drain_only {
+        args.only = vec![Part::Drain];
+    }
+    let runs = |part: Part| args.only.is_empty() || args.only.contains(&part);
     std::fs::create_dir_all(&args.out)?;
     let (bench, machine) = start_stack(&args).await?;
     if args.soak {
         return soak_runs(&bench, &args, &machine).await;
     }
 
-    eprintln!("drain: {} events ...", args.backlog);
-    let (drain, limits) = bench.drain(args.backlog).await?;
-    eprintln!("drain, exactly-once: {} events ...", args.backlog);
-    let exactly_once_drain = bench.exactly_once_drain(args.backlog).await?;
-    eprintln!("poll drain ...");
-    let poll_one = bench.poll_drain(1).await?;
-    let poll_four = bench.poll_drain(4).await?;
-    if args.drain_only {
-        println!(
-            "{}",
-            whole_system_table(
-                [&drain, &exactly_once_drain, &poll_one, &poll_four],
-                &limits
-            )?
-        );
-        println!(
-            "drain {:.0}/s ({:.0}/s once streaming, {:.1} µs CPU/event, {:.1} MiB); exactly-once {:.0}/s ({:.0}/s once streaming, {:.1} µs CPU/event, {:.1} MiB); limits: source {:.0}/s, sink {:.0}/s, backfill {:.0}/s; poll 1: {:.0}/s, poll 4: {:.0}/s",
-            drain.rate(),
-            drain.streaming_rate(),
-            drain.cpu_micros_per_event(),
-            drain.usage.peak_rss_kib as f64 / 1024.0,
-            exactly_once_drain.rate(),
-            exactly_once_drain.streaming_rate(),
-            exactly_once_drain.cpu_micros_per_event(),
-            exactly_once_drain.usage.peak_rss_kib as f64 / 1024.0,
-            limits.source,
-            limits.sink,
-            limits.backfill,
-            poll_one.rate(),
-            poll_four.rate()
-        );
-        return Ok(());
+    let mut results = Results::default();
+    if runs(Part::Drain) {
+        eprintln!("drain: {} events ...", args.backlog);
+        let (drain, limits) = bench.drain(args.backlog).await?;
+        eprintln!("drain, exactly-once: {} events ...", args.backlog);
+        let exactly_once_drain = bench.exactly_once_drain(args.backlog).await?;
+        eprintln!("poll drain ...");
+        results.drains = Some(Drains {
+            drain,
+            exactly_once_drain,
+            limits,
+            poll_one: bench.poll_drain(1).await?,
+            poll_four: bench.poll_drain(4).await?,
+        });
     }
-
-    let steady = steady_runs(&bench, &args).await?;
-    eprintln!("big transaction: {} events ...", args.big);
-    let (big_seconds, big_usage) = bench.big_transaction(args.big).await?;
-    let results = Results {
-        drain,
-        exactly_once_drain,
-        limits,
-        poll_one,
-        poll_four,
-        big_events: args.big,
-        big_seconds,
-        big_usage,
-        steady,
-    };
+    if runs(Part::Steady) {
+        results.steady = steady_runs(&bench, &args).await?;
+    }
+    if runs(Part::Big) {
+        eprintln!("big transaction: {} events ...", args.big);
+        let (seconds, usage) = bench.big_transaction(args.big).await?;
+        results.big = Some((args.big, seconds, usage));
+    }
+    if runs(Part::Sweep) {
+        results.sweep = sweep::run(&bench, args.sweep_events, args.quick).await?;
+    }
     let table = results.table(&machine)?;
     println!("{table}");
     std::fs::write(args.out.join("results.md"), &table)?;
     std::fs::write(args.out.join("steady.csv"), results.steady_csv()?)?;
-    std::fs::write(args.out.join("drain.csv"), results.drain_csv())?;
+    if let Some(drains) = &results.drains {
+        std::fs::write(args.out.join("drain.csv"), drains.csv(results.big))?;
+    }
+    std::fs::write(args.out.join("sweep.csv"), sweep::csv(&results.sweep))?;
     eprintln!(
-        "wrote {}/results.md, steady.csv, drain.csv (chart: python3 examples/plot_bench.py {}/steady.csv examples/bench-latency.png)",
+        "wrote {}/results.md and its CSV files (chart: python3 examples/plot_bench.py {}/steady.csv examples/bench-latency.png)",
         args.out.display(),
         args.out.display()
     );
@@ -248,12 +254,7 @@ async fn start_stack(args: &Args) -> BenchResult<(Bench, String)> {
         stack_dir.display()
     );
     let stack = Stack::start(&stack_dir)?;
-    let migrate = std::process::Command::new(&outboxd)
-        .args(["migrate", "--database-url", &stack.pg_url()])
-        .output()?;
-    if !migrate.status.success() {
-        return Err(format!("migrate: {}", String::from_utf8_lossy(&migrate.stderr)).into());
-    }
+    scenarios::migrate(&outboxd, &stack.pg_url(), &["outbox_event"])?;
     let (sql, driver) = tokio_postgres::connect(&stack.pg_url(), tokio_postgres::NoTls).await?;
     tokio::spawn(driver);
     let machine = describe_machine(&sql).await?;
@@ -296,36 +297,151 @@ async fn steady_runs(bench: &Bench, args: &Args) -> BenchResult<Vec<Steady>> {
     Ok(steady)
 }
 
-/// Every figure of a full run, for the report and the CSV files.
+/// Every figure of a run, for the report and the CSV files; a part not run stays empty.
+#[derive(Default)]
 struct Results {
+    drains: Option<Drains>,
+    steady: Vec<Steady>,
+    /// Events, seconds from commit to confirmed, outboxd's usage.
+    big: Option<(usize, f64, stack::Usage)>,
+    sweep: Vec<(sweep::Axis, Vec<sweep::Point>)>,
+}
+
+/// The drain scenarios with the limits measured on their backlog.
+struct Drains {
     drain: scenarios::Drain,
     exactly_once_drain: scenarios::Drain,
     limits: scenarios::Limits,
     poll_one: scenarios::Drain,
     poll_four: scenarios::Drain,
-    big_events: usize,
-    big_seconds: f64,
-    big_usage: stack::Usage,
-    steady: Vec<Steady>,
 }
 
 impl Results {
     /// The markdown report (`results.md`).
-    // Long: one `writeln!` per line of the report, in its order.
     fn table(&self, machine: &str) -> BenchResult<String> {
+        let mut table = String::new();
+        writeln!(table, "{machine}\n")?;
+        if self.drains.is_some() || self.big.is_some() {
+            writeln!(
+                table,
+                "| scenario | events/s | events/s once streaming | CPU µs/event | peak RSS MiB | notes |"
+            )?;
+            writeln!(table, "| --- | ---: | ---: | ---: | ---: | --- |")?;
+        }
+        if let Some(drains) = &self.drains {
+            drains.rows(&mut table)?;
+        }
+        if let Some((events, seconds, usage)) = self.big {
+            writeln!(
+                table,
+                "| one transaction of {events} events | {:.0} | | {:.1} | {:.1} | {seconds:.1} s from commit to confirmed |",
+                events as f64 / seconds,
+                usage.cpu_seconds * 1e6 / events as f64,
+                mib(usage.peak_rss_kib),
+            )?;
+        }
+        if let Some(drains) = &self.drains {
+            writeln!(table)?;
+            let d = drains;
+            let drains = [&d.drain, &d.exactly_once_drain, &d.poll_one, &d.poll_four];
+            writeln!(table, "{}", whole_system_table(drains, &d.limits)?)?;
+        }
+        if !self.steady.is_empty() {
+            self.steady_rows(&mut table)?;
+        }
+        for (axis, points) in &self.sweep {
+            writeln!(table, "\n```\n{}```", sweep::chart(*axis, points))?;
+        }
+        Ok(table)
+    }
+
+    /// The steady runs' table.
+    fn steady_rows(&self, table: &mut String) -> BenchResult<()> {
+        writeln!(table, "| mode | offered/s | inserted/s | published/s | commit → consumer p50 / p99 / p99.9 ms | commit → published_at written (histogram) | created_at → published_at (SQL) | commit → slot confirmed | backlog at end | peak RSS MiB | CPU µs/event: outboxd / PostgreSQL / broker / load | cores busy |")?;
+        writeln!(
+            table,
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        )?;
+        let ms = |v: [f64; 3]| format!("{:.1} / {:.1} / {:.1}", v[0] * 1e3, v[1] * 1e3, v[2] * 1e3);
+        for s in &self.steady {
+            writeln!(
+                table,
+                "| {} | {} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {:.1} | {:.1} / {:.1} / {:.1} / {:.1} | {:.2} |",
+                s.mode,
+                s.offered,
+                s.inserted_per_second,
+                s.published_per_second,
+                ms(s.commit_to_consumer),
+                s.commit_to_published_at_written.map_or("-".into(), ms),
+                ms(s.created_to_published_at),
+                s.commit_to_confirmed.map_or("-".into(), ms),
+                s.backlog_at_end,
+                mib(s.peak_rss_kib),
+                s.cost.client_cpu,
+                s.cost.postgres_cpu,
+                s.cost.broker_cpu,
+                s.load_cpu,
+                s.busy_cores
+            )?;
+        }
+        Ok(())
+    }
+
+    /// One line per steady run (`steady.csv`).
+    fn steady_csv(&self) -> BenchResult<String> {
+        let mut csv = String::from("mode,offered,inserted_per_second,published_per_second");
+        for figure in [
+            "commit_to_consumer",
+            "commit_to_published_at_written",
+            "created_to_published_at",
+            "commit_to_confirmed",
+        ] {
+            for quantile in ["p50", "p99", "p999"] {
+                write!(csv, ",{figure}_{quantile}")?;
+            }
+        }
+        csv.push_str(",backlog_at_end,peak_rss_kib,outboxd_cpu_us,postgres_cpu_us,broker_cpu_us,load_cpu_us,wal_bytes,busy_cores\n");
+        for s in &self.steady {
+            write!(
+                csv,
+                "{},{},{:.1},{:.1}",
+                s.mode, s.offered, s.inserted_per_second, s.published_per_second
+            )?;
+            for figure in [
+                Some(s.commit_to_consumer),
+                s.commit_to_published_at_written,
+                Some(s.created_to_published_at),
+                s.commit_to_confirmed,
+            ] {
+                for value in figure.unwrap_or([f64::NAN; 3]) {
+                    write!(csv, ",{value}")?;
+                }
+            }
+            writeln!(
+                csv,
+                ",{},{},{:.2},{:.2},{:.2},{:.2},{:.0},{:.3}",
+                s.backlog_at_end,
+                s.peak_rss_kib,
+                s.cost.client_cpu,
+                s.cost.postgres_cpu,
+                s.cost.broker_cpu,
+                s.load_cpu,
+                s.cost.wal_bytes,
+                s.busy_cores
+            )?;
+        }
+        Ok(csv)
+    }
+}
+
+impl Drains {
+    /// The drains' and the limits' lines of the scenario table.
+    fn rows(&self, table: &mut String) -> BenchResult<()> {
         let limit = self
             .limits
             .source
             .min(self.limits.sink)
             .min(self.limits.backfill);
-        let mut table = String::new();
-        writeln!(table, "{machine}\n")?;
-        writeln!(
-            table,
-            "| scenario | events/s | events/s once streaming | CPU µs/event | peak RSS MiB | notes |"
-        )?;
-        writeln!(table, "| --- | ---: | ---: | ---: | ---: | --- |")?;
-        let mib = |kib: u64| kib as f64 / 1024.0;
         writeln!(
             table,
             "| drain, CDC ({} events) | {:.0} | {:.0} | {:.1} | {:.1} | {:.2} × min(limits) ({:.2} once streaming); {:.1} × one poll instance |",
@@ -347,21 +463,16 @@ impl Results {
             mib(self.exactly_once_drain.usage.peak_rss_kib),
             self.exactly_once_drain.rate() / self.drain.rate()
         )?;
-        writeln!(
-            table,
-            "| source limit (pg_recvlogical) | {:.0} | | | | |",
-            self.limits.source
-        )?;
-        writeln!(
-            table,
-            "| sink limit (rdkafka producer) | {:.0} | | | | |",
-            self.limits.sink
-        )?;
-        writeln!(
-            table,
-            "| backfill limit (UPDATE by event_id, 2,000 per batch) | {:.0} | | | | |",
-            self.limits.backfill
-        )?;
+        for (name, rate) in [
+            ("source limit (pg_recvlogical)", self.limits.source),
+            ("sink limit (rdkafka producer)", self.limits.sink),
+            (
+                "backfill limit (UPDATE by event_id, 2,000 per batch)",
+                self.limits.backfill,
+            ),
+        ] {
+            writeln!(table, "| {name} | {rate:.0} | | | | |")?;
+        }
         for (name, d) in [
             ("drain, poll, 1 instance", self.poll_one),
             ("drain, poll, 4 instances", self.poll_four),
@@ -375,139 +486,58 @@ impl Results {
                 mib(d.usage.peak_rss_kib)
             )?;
         }
-        writeln!(
-            table,
-            "| one transaction of {} events | {:.0} | | {:.1} | {:.1} | {:.1} s from commit to confirmed |",
-            self.big_events,
-            self.big_events as f64 / self.big_seconds,
-            self.big_usage.cpu_seconds * 1e6 / self.big_events as f64,
-            mib(self.big_usage.peak_rss_kib),
-            self.big_seconds
-        )?;
-        writeln!(table)?;
-        writeln!(
-            table,
-            "{}",
-            whole_system_table(
-                [
-                    &self.drain,
-                    &self.exactly_once_drain,
-                    &self.poll_one,
-                    &self.poll_four
-                ],
-                &self.limits
-            )?
-        )?;
-        writeln!(table, "| mode | offered/s | inserted/s | published/s | commit → consumer p50 / p99 / p99.9 ms | commit → published_at written (histogram) | created_at → published_at (SQL) | commit → slot confirmed | backlog at end | peak RSS MiB |")?;
-        writeln!(
-            table,
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-        )?;
-        let ms = |v: [f64; 3]| format!("{:.1} / {:.1} / {:.1}", v[0] * 1e3, v[1] * 1e3, v[2] * 1e3);
-        for s in &self.steady {
-            writeln!(
-                table,
-                "| {} | {} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {:.1} |",
-                s.mode,
-                s.offered,
-                s.inserted_per_second,
-                s.published_per_second,
-                ms(s.commit_to_consumer),
-                s.commit_to_published_at_written.map_or("-".into(), ms),
-                ms(s.created_to_published_at),
-                s.commit_to_confirmed.map_or("-".into(), ms),
-                s.backlog_at_end,
-                mib(s.peak_rss_kib)
-            )?;
-        }
-        Ok(table)
+        Ok(())
     }
 
-    /// One line per steady run (`steady.csv`).
-    fn steady_csv(&self) -> BenchResult<String> {
-        let mut csv = String::from("mode,offered,inserted_per_second,published_per_second");
-        for figure in [
-            "commit_to_consumer",
-            "commit_to_published_at_written",
-            "created_to_published_at",
-            "commit_to_confirmed",
-        ] {
-            for quantile in ["p50", "p99", "p999"] {
-                write!(csv, ",{figure}_{quantile}")?;
-            }
-        }
-        csv.push_str(",backlog_at_end,peak_rss_kib\n");
-        for s in &self.steady {
-            write!(
-                csv,
-                "{},{},{:.1},{:.1}",
-                s.mode, s.offered, s.inserted_per_second, s.published_per_second
-            )?;
-            for figure in [
-                Some(s.commit_to_consumer),
-                s.commit_to_published_at_written,
-                Some(s.created_to_published_at),
-                s.commit_to_confirmed,
-            ] {
-                for value in figure.unwrap_or([f64::NAN; 3]) {
-                    write!(csv, ",{value}")?;
-                }
-            }
-            writeln!(csv, ",{},{}", s.backlog_at_end, s.peak_rss_kib)?;
-        }
-        Ok(csv)
-    }
-
-    /// The drains, the limits and the big transaction (`drain.csv`).
-    fn drain_csv(&self) -> String {
-        let drains = format!(
-            "scenario,events,seconds,events_per_second,cpu_us_per_event,peak_rss_kib\n\
-             drain_cdc,{},{:.3},{:.0},{:.2},{}\n\
-             drain_cdc_once_streaming,{},{:.3},{:.0},,\n\
-             drain_cdc_exactly_once,{},{:.3},{:.0},{:.2},{}\n\
-             source_limit,{},,{:.0},,\n\
-             sink_limit,{},,{:.0},,\n\
-             backfill_limit,{},,{:.0},,\n\
-             drain_poll_1,{},{:.3},{:.0},{:.2},{}\n\
-             drain_poll_4,{},{:.3},{:.0},{:.2},{}\n\
-             big_transaction,{},{:.3},{:.0},{:.2},{}\n",
-            self.drain.events,
-            self.drain.seconds,
-            self.drain.rate(),
-            self.drain.cpu_micros_per_event(),
-            self.drain.usage.peak_rss_kib,
-            self.drain.events,
-            self.drain.streaming_seconds,
-            self.drain.streaming_rate(),
-            self.exactly_once_drain.events,
-            self.exactly_once_drain.seconds,
-            self.exactly_once_drain.rate(),
-            self.exactly_once_drain.cpu_micros_per_event(),
-            self.exactly_once_drain.usage.peak_rss_kib,
-            self.drain.events,
-            self.limits.source,
-            self.drain.events,
-            self.limits.sink,
-            self.drain.events,
-            self.limits.backfill,
-            self.poll_one.events,
-            self.poll_one.seconds,
-            self.poll_one.rate(),
-            self.poll_one.cpu_micros_per_event(),
-            self.poll_one.usage.peak_rss_kib,
-            self.poll_four.events,
-            self.poll_four.seconds,
-            self.poll_four.rate(),
-            self.poll_four.cpu_micros_per_event(),
-            self.poll_four.usage.peak_rss_kib,
-            self.big_events,
-            self.big_seconds,
-            self.big_events as f64 / self.big_seconds,
-            self.big_usage.cpu_seconds * 1e6 / self.big_events as f64,
-            self.big_usage.peak_rss_kib,
+    /// The drains, the limits and the big transaction if it ran (`drain.csv`).
+    fn csv(&self, big: Option<(usize, f64, stack::Usage)>) -> String {
+        let mut csv = String::from(
+            "scenario,events,seconds,events_per_second,cpu_us_per_event,peak_rss_kib\n",
         );
-        drains
+        let mut drain = |name: &str, d: &scenarios::Drain| {
+            let _ = writeln!(
+                csv,
+                "{name},{},{:.3},{:.0},{:.2},{}",
+                d.events,
+                d.seconds,
+                d.rate(),
+                d.cpu_micros_per_event(),
+                d.usage.peak_rss_kib
+            );
+        };
+        drain("drain_cdc", &self.drain);
+        drain("drain_cdc_exactly_once", &self.exactly_once_drain);
+        drain("drain_poll_1", &self.poll_one);
+        drain("drain_poll_4", &self.poll_four);
+        let events = self.drain.events;
+        let _ = writeln!(
+            csv,
+            "drain_cdc_once_streaming,{events},{:.3},{:.0},,",
+            self.drain.streaming_seconds,
+            self.drain.streaming_rate()
+        );
+        for (name, rate) in [
+            ("source_limit", self.limits.source),
+            ("sink_limit", self.limits.sink),
+            ("backfill_limit", self.limits.backfill),
+        ] {
+            let _ = writeln!(csv, "{name},{events},,{rate:.0},,");
+        }
+        if let Some((events, seconds, usage)) = big {
+            let _ = writeln!(
+                csv,
+                "big_transaction,{events},{seconds:.3},{:.0},{:.2},{}",
+                events as f64 / seconds,
+                usage.cpu_seconds * 1e6 / events as f64,
+                usage.peak_rss_kib
+            );
+        }
+        csv
     }
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
 }
 
 /// What each soak run does (`--soak-*`), and how often each run scrapes `/metrics` (`None`: never).

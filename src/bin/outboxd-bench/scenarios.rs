@@ -129,6 +129,13 @@ pub struct Steady {
     pub commit_to_confirmed: Option<[f64; 3]>,
     pub backlog_at_end: i64,
     pub peak_rss_kib: u64,
+    /// While the load ran, per event inserted: CPU of outboxd, PostgreSQL (the writers' sessions included)
+    /// and the broker, and WAL.
+    pub cost: PerEvent,
+    /// CPU µs per event of the benchmark process: the writers and the consumer.
+    pub load_cpu: f64,
+    /// Cores kept busy by all of them together while the load ran (of the machine's).
+    pub busy_cores: f64,
 }
 
 impl Steady {
@@ -241,16 +248,25 @@ impl Bench {
     }
 
     async fn unpublished(&self) -> BenchResult<i64> {
-        self.scalar_i64("SELECT count(*) FROM outbox_event WHERE published_at IS NULL")
-            .await
+        self.unpublished_in(ONE_TABLE).await
     }
 
-    /// Seconds from the first to the last published_at.
-    async fn publishing_seconds(&self) -> BenchResult<f64> {
+    /// Rows of `tables` without published_at.
+    async fn unpublished_in(&self, tables: &[&str]) -> BenchResult<i64> {
+        let rows = published_at_of(tables);
+        self.scalar_i64(&format!(
+            "SELECT count(*) FROM {rows} WHERE published_at IS NULL"
+        ))
+        .await
+    }
+
+    /// Seconds from the first to the last published_at in `tables`.
+    async fn publishing_seconds(&self, tables: &[&str]) -> BenchResult<f64> {
+        let rows = published_at_of(tables);
         Ok(self
             .sql
             .query_one(
-                "SELECT EXTRACT(EPOCH FROM max(published_at) - min(published_at))::float8 FROM outbox_event",
+                &format!("SELECT EXTRACT(EPOCH FROM max(published_at) - min(published_at))::float8 FROM {rows}"),
                 &[],
             )
             .await?
@@ -262,11 +278,16 @@ impl Bench {
         Ok(self.sql.query_one("SELECT now()", &[]).await?.get(0))
     }
 
-    /// Seconds from `start` to the first published_at.
-    async fn first_published_after(&self, start: std::time::SystemTime) -> BenchResult<f64> {
+    /// Seconds from `start` to the first published_at in `tables`.
+    async fn first_published_after(
+        &self,
+        start: std::time::SystemTime,
+        tables: &[&str],
+    ) -> BenchResult<f64> {
+        let rows = published_at_of(tables);
         let first: std::time::SystemTime = self
             .sql
-            .query_one("SELECT min(published_at) FROM outbox_event", &[])
+            .query_one(&format!("SELECT min(published_at) FROM {rows}"), &[])
             .await?
             .get(0);
         Ok(first.duration_since(start).map_or(0.0, |d| d.as_secs_f64()))
@@ -334,7 +355,9 @@ impl Bench {
         let meter = self.cost_meter().await?;
         let source = self.source_limit(&end).await?;
         let source_cost = self.cost_since(meter).await?;
-        let drain = self.measure_drain("cdc", events, &end).await?;
+        let drain = self
+            .measure_drain("cdc", events, &end, ONE_TABLE, &[])
+            .await?;
         let meter = self.cost_meter().await?;
         let sink = self.sink_limit().await?;
         let sink_cost = self.cost_since(meter).await?;
@@ -512,17 +535,92 @@ impl Bench {
         }
         self.insert_backlog(events).await?;
         let end = self.wal_lsn().await?;
-        self.measure_drain(EXACTLY_ONCE, events, &end).await
+        self.measure_drain(EXACTLY_ONCE, events, &end, ONE_TABLE, &[])
+            .await
     }
 
-    /// Starts outboxd in `mode` on a backlog of `events` ending at `end`, and times it until the slot is
-    /// confirmed there, every row is marked and Kafka holds every event.
-    async fn measure_drain(&self, mode: &str, events: usize, end: &str) -> BenchResult<Drain> {
+    /// A CDC drain of a backlog of `shape` (see [`Shape`]), built while outboxd was stopped: the sweep's point.
+    /// The outbox tables are (re)migrated so the publication holds exactly the shape's tables.
+    pub async fn shaped_drain(&self, shape: &Shape) -> BenchResult<Drain> {
+        let tables = shape.table_names();
+        let tables: Vec<&str> = tables.iter().map(String::as_str).collect();
+        self.reset().await?;
+        self.publish_tables(&tables).await?;
+        let table_list = tables.join(",");
+        let extra = ["--table", table_list.as_str()];
+        {
+            let _first = self.spawn("cdc", &extra, "sweep-slot.log")?;
+            self.wait_slot_streaming().await?;
+        }
+        self.insert_shaped(shape, &tables).await?;
+        let end = self.wal_lsn().await?;
+        self.measure_drain("cdc", shape.events, &end, &tables, &extra)
+            .await
+    }
+
+    /// Makes `tables` the outbox tables: migrated (created where missing), emptied, and the only ones in
+    /// outboxd's publication. A publication with other tables would be refused by outboxd run with these.
+    pub async fn publish_tables(&self, tables: &[&str]) -> BenchResult<()> {
+        self.sql
+            .batch_execute("DROP PUBLICATION IF EXISTS outboxd")
+            .await?;
+        migrate(&self.outboxd, &self.stack.pg_url(), tables)?;
+        self.sql
+            .batch_execute(&format!("TRUNCATE {}", tables.join(", ")))
+            .await?;
+        Ok(())
+    }
+
+    /// `shape.events` rows in transactions of `shape.events_per_txn`, each transaction in the next of
+    /// `tables` in turn; the aggregates taken in turn, the payload padded to `shape.payload_bytes`.
+    async fn insert_shaped(&self, shape: &Shape, tables: &[&str]) -> BenchResult<()> {
+        let mut statements = Vec::new();
+        for table in tables {
+            statements.push(
+                self.sql
+                    .prepare(&format!(
+                        "INSERT INTO {table} (event_id, aggregate_type, aggregate_id, event_type, payload)
+                         SELECT gen_random_uuid(), 'Order', 'order-' || (($1::bigint + n) % $3::bigint), 'OrderPlaced',
+                                jsonb_build_object('orderId', 'order-' || (($1::bigint + n) % $3::bigint),
+                                                   'total', 99.5, 'note', $4::text)
+                         FROM generate_series(1, $2::int) AS n"
+                    ))
+                    .await?,
+            );
+        }
+        let note = shape.padding();
+        let aggregates = shape.aggregates as i64;
+        let mut done = 0;
+        let mut txn = 0;
+        while done < shape.events {
+            let rows = shape.events_per_txn.min(shape.events - done);
+            self.sql
+                .execute(
+                    &statements[txn % statements.len()],
+                    &[&(done as i64), &(rows as i32), &aggregates, &note],
+                )
+                .await?;
+            done += rows;
+            txn += 1;
+        }
+        Ok(())
+    }
+
+    /// Starts outboxd in `mode` (with `extra` arguments) on a backlog of `events` in `tables` ending at
+    /// `end`, and times it until the slot is confirmed there, every row is marked and Kafka holds every event.
+    async fn measure_drain(
+        &self,
+        mode: &str,
+        events: usize,
+        end: &str,
+        tables: &[&str],
+        extra: &[&str],
+    ) -> BenchResult<Drain> {
         let in_kafka = self.records_in_kafka()?;
         let meter = self.cost_meter().await?;
         let start = self.db_now().await?;
         let started = Instant::now();
-        let outboxd = self.spawn(mode, &[], &format!("drain-{mode}.log"))?;
+        let outboxd = self.spawn(mode, extra, &format!("drain-{mode}.log"))?;
         wait_until(
             "the drain",
             Duration::from_secs(1800),
@@ -534,7 +632,7 @@ impl Bench {
         let usage = outboxd.usage()?;
         let system = self.cost_since(meter).await?;
         drop(outboxd);
-        let left = self.unpublished().await?;
+        let left = self.unpublished_in(tables).await?;
         if left != 0 {
             return Err(
                 format!("{left} rows without published_at after the drain ({mode})").into(),
@@ -544,8 +642,8 @@ impl Bench {
         Ok(Drain {
             events,
             seconds,
-            streaming_seconds: self.publishing_seconds().await?,
-            first_published_after: self.first_published_after(start).await?,
+            streaming_seconds: self.publishing_seconds(tables).await?,
+            first_published_after: self.first_published_after(start, tables).await?,
             usage,
             system,
         })
@@ -586,8 +684,8 @@ impl Bench {
         Ok(Drain {
             events,
             seconds,
-            streaming_seconds: self.publishing_seconds().await?,
-            first_published_after: self.first_published_after(start).await?,
+            streaming_seconds: self.publishing_seconds(ONE_TABLE).await?,
+            first_published_after: self.first_published_after(start, ONE_TABLE).await?,
             usage,
             system,
         })
@@ -628,6 +726,10 @@ impl Bench {
         let measured_from: std::time::SystemTime =
             self.sql.query_one("SELECT now()", &[]).await?.get(0);
         let before = scrape_histogram(&metrics_addr).await.unwrap_or_default();
+        let meter = self.cost_meter().await?;
+        let outboxd_before = outboxd.usage()?;
+        let load_before = crate::stack::usage(std::process::id())?;
+        let load_started = Instant::now();
         let connections = rate.div_ceil(2_500).max(1);
         let txns_per_second = rate as f64 / STEADY_EVENTS_PER_TXN as f64 / connections as f64;
         let stop_at = Instant::now() + duration;
@@ -643,6 +745,14 @@ impl Bench {
             commits.extend(writer.await??);
         }
         let inserted = commits.len() * STEADY_EVENTS_PER_TXN;
+        let load_seconds = load_started.elapsed().as_secs_f64();
+        let system = self.cost_since(meter).await?;
+        let outboxd_cpu = outboxd.usage()?.cpu_seconds - outboxd_before.cpu_seconds;
+        let load_cpu =
+            crate::stack::usage(std::process::id())?.cpu_seconds - load_before.cpu_seconds;
+        let cost = PerEvent::of(outboxd_cpu, system, inserted.max(1));
+        let busy_cores =
+            (outboxd_cpu + system.postgres_cpu + system.broker_cpu + load_cpu) / load_seconds;
         let backlog_at_end = self.unpublished().await?;
         wait_until(
             "the steady run to drain",
@@ -719,6 +829,9 @@ impl Bench {
             commit_to_confirmed,
             backlog_at_end,
             peak_rss_kib,
+            cost,
+            load_cpu: load_cpu * 1e6 / inserted.max(1) as f64,
+            busy_cores,
         })
     }
 
@@ -842,6 +955,83 @@ async fn create_topic(
     );
     let _ = admin.create_topics([&new], &AdminOptions::new()).await?;
     Ok(())
+}
+
+/// What a backlog is made of, for the sweep: each axis varies one of these from the baseline.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub events: usize,
+    /// The JSON payload's size in bytes (random text padding it; PostgreSQL cannot compress it).
+    pub payload_bytes: usize,
+    /// Aggregates the events go to in turn.
+    pub aggregates: usize,
+    pub events_per_txn: usize,
+    /// Outbox tables, every one in the publication, transactions going to each in turn.
+    pub tables: usize,
+}
+
+impl Shape {
+    /// The drain scenario's shape: ~200-byte payloads, 1,000 aggregates, 100 events per transaction, one
+    /// table.
+    pub fn baseline(events: usize) -> Shape {
+        Shape {
+            events,
+            payload_bytes: 200,
+            aggregates: 1_000,
+            events_per_txn: EVENTS_PER_TXN,
+            tables: 1,
+        }
+    }
+
+    /// `outbox_event`, then `outbox_event_2` ... for more tables.
+    pub fn table_names(&self) -> Vec<String> {
+        (1..=self.tables.max(1))
+            .map(|n| match n {
+                1 => "outbox_event".to_string(),
+                n => format!("outbox_event_{n}"),
+            })
+            .collect()
+    }
+
+    /// Random hexadecimal text making the payload `payload_bytes` long (the rest of it is ~45 bytes).
+    fn padding(&self) -> String {
+        let length = self.payload_bytes.saturating_sub(45);
+        let mut text = String::with_capacity(length + 32);
+        while text.len() < length {
+            text.push_str(&uuid::Uuid::new_v4().simple().to_string());
+        }
+        text.truncate(length);
+        text
+    }
+}
+
+/// `outboxd migrate` of `tables` (their publication created with them).
+pub fn migrate(outboxd: &std::path::Path, url: &str, tables: &[&str]) -> BenchResult<()> {
+    let output = std::process::Command::new(outboxd)
+        .args([
+            "migrate",
+            "--database-url",
+            url,
+            "--table",
+            &tables.join(","),
+        ])
+        .output()?;
+    if !output.status.success() {
+        return Err(format!("migrate: {}", String::from_utf8_lossy(&output.stderr)).into());
+    }
+    Ok(())
+}
+
+/// The outbox table of every scenario but the sweep's tables axis.
+const ONE_TABLE: &[&str] = &["outbox_event"];
+
+/// `published_at` of every row of `tables`, as a FROM item.
+fn published_at_of(tables: &[&str]) -> String {
+    let selects: Vec<String> = tables
+        .iter()
+        .map(|table| format!("SELECT published_at FROM {table}"))
+        .collect();
+    format!("({}) AS rows", selects.join(" UNION ALL "))
 }
 
 /// The topic of every scenario's events (outboxd's default template, aggregate type `Order`).
