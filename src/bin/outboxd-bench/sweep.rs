@@ -80,17 +80,13 @@ pub struct Point {
     pub drain: Drain,
 }
 
-/// Every axis in turn, `events` per point (the backlog axis excepted), after a warm-up drain; the outbox
-/// table alone in the publication again at the end.
+/// Every axis in turn, `events` per point (the backlog axis excepted); the outbox table alone in the
+/// publication again at the end.
 pub async fn run(
     bench: &Bench,
     events: usize,
     quick: bool,
 ) -> BenchResult<Vec<(Axis, Vec<Point>)>> {
-    // One unreported drain first: the topic created and every path warm, as in the points after it.
-    bench
-        .shaped_drain(&Shape::baseline((events / 10).max(1_000)))
-        .await?;
     let mut axes = Vec::new();
     for axis in Axis::ALL {
         let mut points = Vec::new();

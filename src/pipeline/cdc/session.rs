@@ -139,11 +139,16 @@ struct StatusUpdates {
 }
 
 impl StatusUpdates {
-    /// When a confirmation of `confirmed` that [`MIN_CONFIRM_GAP`] held back is due: once the gap has passed,
-    /// not at the next status tick (up to `--status-interval` later, at the end of a burst).
+    /// When the next confirmation may go out: [`MIN_CONFIRM_GAP`] after the last status update.
+    fn gap_ends_at(&self) -> Instant {
+        self.last_sent_at + MIN_CONFIRM_GAP
+    }
+
+    /// When a confirmation of `confirmed` that the gap held back is due: once the gap has passed, not at the
+    /// next status tick (up to `--status-interval` later, at the end of a burst). The loop then sends a status
+    /// update whatever the gap says, so a due time in the past cannot keep waking it.
     fn held_back_until(&self, confirmed: Lsn) -> Option<tokio::time::Instant> {
-        (confirmed > self.last_sent)
-            .then(|| tokio::time::Instant::from_std(self.last_sent_at + MIN_CONFIRM_GAP))
+        (confirmed > self.last_sent).then(|| tokio::time::Instant::from_std(self.gap_ends_at()))
     }
 }
 
@@ -298,7 +303,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
-                _ = sleep_until_opt(status.held_back_until(self.watermark.confirmed())) => {}
+                _ = sleep_until_opt(status.held_back_until(self.watermark.confirmed())) => reply_now = true,
                 _ = sleep_until_opt(self.oldest_outstanding().map(|at| at + self.delivery_timeout)), if self.failing.is_none() => {
                     let timeout = self.delivery_timeout;
                     self.give_up(format!("an event waited {timeout:?} (message.timeout.ms) for its delivery report; {} are outstanding", self.outstanding.len()));
@@ -434,7 +439,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         reply_now: bool,
     ) -> Result<()> {
         let confirmed = self.watermark.advance();
-        let tell_now = status.last_sent_at.elapsed() >= MIN_CONFIRM_GAP || !self.window_open();
+        let tell_now = Instant::now() >= status.gap_ends_at() || !self.window_open();
         if reply_now || (confirmed > status.last_sent && tell_now) {
             stream.send_status(confirmed).await?;
             self.watermark.reported();
