@@ -1,15 +1,17 @@
 //! `outboxd-bench`: measures outboxd against its limits on a local PostgreSQL and Kafka broker it starts
 //! itself (the tests' scripts), and prints a markdown table; CSV files go to `--out`.
 //!
-//!     cargo run --release --bin outboxd-bench            # the full run (~10 minutes)
+//!     cargo run --release --bin outboxd-bench            # the full run (~25 minutes)
 //!     cargo run --release --bin outboxd-bench -- --quick # a smoke run (CI)
+//!     cargo run --release --bin outboxd-bench -- --only drain,sweep
 //!
 //! Scenarios: drain of a backlog built while outboxd was stopped, against the source limit (pg_recvlogical),
 //! the sink limit (a plain rdkafka producer) and the backfill limit (batched UPDATEs by event_id); the same
-//! backlog through `--mode poll` with 1 and 4 instances; steady insert rates in both modes (latency
-//! percentiles); one big transaction (duration, peak RSS). Each drain also reports the whole system's cost
-//! per event (CPU of outboxd, PostgreSQL and the broker, WAL bytes) next to the limits' own, after the
-//! broker's JVM was warmed up.
+//! backlog through `--mode poll` with 1 and 4 instances; steady insert rates in each mode (latency
+//! percentiles, CPU per event of every component); one big transaction (duration, peak RSS); the sweep
+//! (`sweep`: how the cost per event grows with payload size, aggregates, events per transaction, backlog and
+//! outbox tables). Each drain reports the whole system's cost per event (CPU of outboxd, PostgreSQL and the
+//! broker, WAL bytes) next to the limits' own, after the stack was warmed up.
 //!
 //!     cargo run --release --bin outboxd-bench -- --soak  # memory over 10 million events per run (`soak`)
 

@@ -41,7 +41,7 @@ impl Axis {
     pub fn values(self, quick: bool) -> Vec<usize> {
         match (self, quick) {
             (Axis::PayloadBytes, false) => vec![100, 1_024, 8_192, 65_536],
-            (Axis::PayloadBytes, true) => vec![100, 65_536],
+            (Axis::PayloadBytes, true) => vec![100, 8_192],
             (Axis::Aggregates, false) => vec![10, 1_000, 100_000, 1_000_000],
             (Axis::Aggregates, true) => vec![10, 10_000],
             (Axis::EventsPerTransaction, false) => vec![1, 10, 100, 1_000, 10_000],
