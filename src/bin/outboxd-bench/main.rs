@@ -347,9 +347,8 @@ impl Results {
                 mib(usage.peak_rss_kib),
             )?;
         }
-        if let Some(drains) = &self.drains {
+        if let Some(d) = &self.drains {
             writeln!(table)?;
-            let d = drains;
             let drains = [&d.drain, &d.exactly_once_drain, &d.poll_one, &d.poll_four];
             writeln!(table, "{}", whole_system_table(drains, &d.limits)?)?;
         }
