@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::pg::pgoutput::{Insert, Relation};
+use crate::pg::pgoutput::{ColumnValue, Insert, Relation};
 use crate::table::{OutboxTable, Role};
 
 /// Type OID of bytea: its pgoutput text form is `\x` and hex digits.
@@ -157,12 +157,28 @@ pub enum MappingError {
     },
 }
 
+/// A row as the stream carried its insert: every published column's name and text value. An event keeps it
+/// on its way to the polling path, so that one whose row is gone (deleted by its own transaction) can be
+/// written back as a handed-off row. Shares the replication message's buffer (no column is copied).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowImage {
+    /// Column names, in the relation's order.
+    pub columns: Arc<[Arc<str>]>,
+    /// The values, one per column.
+    pub values: Vec<ColumnValue>,
+}
+
 /// Where each role's column and each header column sit in a relation's tuples.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowMapping {
     /// The outbox table, `schema.name` as the relation names it, for errors.
     pub table: String,
     column_count: usize,
+    /// The relation's column names, shared by the [`RowImage`]s of its rows.
+    column_names: Arc<[Arc<str>]>,
+    /// The `handoff_at` column of a table with the polling columns: a row inserted with it set was handed
+    /// to the polling path by outboxd (written back, or re-queued by `outboxd replay`).
+    handoff_at: Option<usize>,
     /// Index per role (`Role::ALL` order); `None` for an optional role the table lacks.
     columns: [Option<usize>; 6],
     payload_is_bytea: bool,
@@ -197,13 +213,51 @@ impl RowMapping {
             .map(|column| Ok((Arc::from(column.as_str()), position(column, "header")?)))
             .collect::<Result<_, _>>()?;
         let payload = columns[Role::Payload as usize].unwrap_or_default();
+        let handoff_at = outbox
+            .polling
+            .then(|| relation.columns.iter().position(|c| c.name == "handoff_at"))
+            .flatten();
         Ok(RowMapping {
             payload_is_bytea: relation.columns.get(payload).map(|c| c.type_oid) == Some(BYTEA_OID),
             table,
             column_count: relation.columns.len(),
+            column_names: relation
+                .columns
+                .iter()
+                .map(|c| Arc::from(c.name.as_str()))
+                .collect(),
+            handoff_at,
             columns,
             headers,
         })
+    }
+
+    /// The inserted row as it was written (see [`RowImage`]).
+    pub fn image(&self, insert: Insert) -> RowImage {
+        RowImage {
+            columns: self.column_names.clone(),
+            values: insert.values,
+        }
+    }
+
+    /// True when the row was inserted already handed to the polling path (`handoff_at` set): outboxd wrote
+    /// it back, or `outboxd replay` re-queued it. The polling path publishes it, never the stream.
+    pub fn inserted_handed_off(&self, insert: &Insert) -> bool {
+        self.handoff_at
+            .and_then(|at| insert.values.get(at))
+            .is_some_and(|value| value.as_text().is_some())
+    }
+
+    /// The row's aggregate as the polling path names it (a NULL reads as ''), without mapping the row.
+    pub fn aggregate_key(&self, insert: &Insert) -> (String, String) {
+        let text = |role: Role| {
+            self.columns[role as usize]
+                .and_then(|at| insert.values.get(at))
+                .and_then(ColumnValue::as_text)
+                .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
+                .unwrap_or_default()
+        };
+        (text(Role::AggregateType), text(Role::AggregateId))
     }
 
     /// Maps one inserted row of this relation to an event.

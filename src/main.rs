@@ -141,11 +141,11 @@ async fn replay(
             .into())
         }
     };
-    let client = pg::connect(&settings.database_url).await?;
+    let mut client = pg::connect(&settings.database_url).await?;
     let mut count = 0;
     for table in &pg::slot::inspect_all(&client, &settings.tables).await? {
         pg::slot::check_polling_columns(table)?;
-        count += pg::outbox::replay_dead(&client, table, &filter).await?;
+        count += pg::outbox::replay_dead(&mut client, table, &filter).await?;
     }
     println!("re-queued {count} dead event(s)");
     Ok(ExitCode::SUCCESS)

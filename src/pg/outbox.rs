@@ -36,19 +36,20 @@ impl OutboxSql {
         };
         if outbox.marks_published {
             sql.mark_published = Some(client.prepare(&stamp("published_at")).await?);
-            // Dead-lettered rows and rows handed to the polling path are finished too, as far as the
-            // stream is concerned: never produced again from it. A row marked '-infinity' ("published before
-            // outboxd", by `migrate --add-polling-columns`) may still be in the slot's stream: it is sent again.
+            // What became of each row, as far as the stream is concerned (see [`RowState`]). A row marked
+            // '-infinity' ("published before outboxd", by `migrate --add-polling-columns`) may still be in the
+            // slot's stream: it is sent again.
             let published = "(published_at IS NOT NULL AND published_at <> '-infinity')";
-            let finished = if outbox.polling {
-                format!("{published} OR dead_at IS NOT NULL OR handoff_at IS NOT NULL")
+            let (waiting, dead) = if outbox.polling {
+                ("handoff_at IS NOT NULL", "dead_at IS NOT NULL")
             } else {
-                published.to_string()
+                ("false", "false")
             };
             sql.row_states = Some(
                 client
                     .prepare(&format!(
-                        "SELECT {id}, {finished} FROM {table} WHERE {id} = ANY($1::uuid[])"
+                        "SELECT {id}, CASE WHEN {published} THEN 1 WHEN {dead} THEN 2 WHEN {waiting} THEN 3 ELSE 0 END
+                         FROM {table} WHERE {id} = ANY($1::uuid[])"
                     ))
                     .await?,
             );
@@ -100,20 +101,169 @@ impl OutboxSql {
         }
     }
 
-    /// The rows of the given events as they stand: event id -> finished (published, dead-lettered or handed
-    /// to the polling path). An id missing from the answer has no row (deleted), or the table does not
-    /// record `published_at` (then nothing is known).
+    /// The rows of the given events as they stand. An id missing from the answer has no row (deleted), or
+    /// the table does not record `published_at` (then nothing is known).
     pub async fn row_states(
         &self,
         client: &Client,
         event_ids: &[Uuid],
-    ) -> Result<std::collections::HashMap<Uuid, bool>> {
+    ) -> Result<std::collections::HashMap<Uuid, RowState>> {
         let Some(statement) = &self.row_states else {
             return Ok(Default::default());
         };
         let rows = client.query(statement, &[&event_ids]).await?;
-        Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
+        Ok(rows
+            .iter()
+            .map(|row| {
+                let state = match row.get::<_, i32>(1) {
+                    1 => RowState::Published,
+                    2 => RowState::Dead,
+                    3 => RowState::WaitingInPollingPath,
+                    _ => RowState::Unfinished,
+                };
+                (row.get(0), state)
+            })
+            .collect())
     }
+}
+
+/// What became of an event's row, as the stream sees it when the slot sends the event again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowState {
+    /// Nothing yet: the stream publishes it.
+    Unfinished,
+    /// Published (by the stream before, or by the polling path).
+    Published,
+    /// Dead-lettered by the polling path.
+    Dead,
+    /// Handed to the polling path and not published yet: its aggregate's later events wait behind it.
+    WaitingInPollingPath,
+}
+
+impl RowState {
+    /// Never produced from the stream again.
+    pub fn is_finished(self) -> bool {
+        self != RowState::Unfinished
+    }
+}
+
+/// Columns a written-back row never takes from the row as inserted: it starts unpublished, handed to the
+/// polling path, with no lease and not dead.
+const WRITE_BACK_RESETS: [&str; 5] = [
+    "published_at",
+    "handoff_at",
+    "dead_at",
+    "lease_token",
+    "lease_until",
+];
+
+/// Writes back, as rows handed to the polling path, events whose rows are gone (deleted by their own
+/// transaction) but which must go to the polling path (refused by the broker, or behind earlier events of
+/// their aggregate waiting there): each row as it was inserted (`RowImage`, every column the stream carried,
+/// its `position` included, so the polling path orders it among its aggregate's rows), with `handoff_at`
+/// set. The stream recognises such inserts by that column and leaves them to the polling path. Rows that
+/// exist again are handed off in place. One transaction; an error names what to fix (INSERT permission, a
+/// constraint, a trigger that deletes the row again).
+pub async fn write_back_handed_off(
+    client: &mut Client,
+    table: &OutboxTable,
+    sql: &OutboxSql,
+    rows: &[(Uuid, &crate::event::RowImage)],
+) -> Result<()> {
+    let name = table.name.quoted();
+    let id = table.col(Role::EventId);
+    let types: std::collections::HashMap<String, String> = client
+        .query(
+            "SELECT attname::text, format_type(atttypid, atttypmod) FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
+            &[&name],
+        )
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let cannot = |error: tokio_postgres::Error| {
+        let cause = crate::error::postgres_error_text(&error);
+        let fix = match error.code() {
+            Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => format!(
+                "GRANT INSERT ON {name} TO the role outboxd runs as (rows deleted by their own transaction are written back when the broker refuses them)"
+            ),
+            _ => format!(
+                "make {name} accept the row again as the application inserted it (the error names the constraint or trigger), then restart outboxd"
+            ),
+        };
+        crate::error::Error::setup(
+            format!("cannot write back to {name} an event the broker refused (or that must wait behind its aggregate) whose row its own transaction deleted: {cause}"),
+            fix,
+        )
+    };
+    let tx = client.transaction().await.map_err(cannot)?;
+    let mut conflicted = Vec::new();
+    for (event_id, row) in rows {
+        let mut columns = Vec::new();
+        let mut values = Vec::new();
+        let mut params: Vec<Option<&str>> = Vec::new();
+        for (column, value) in row.columns.iter().zip(&row.values) {
+            let Some(column_type) = types.get(&**column) else {
+                continue;
+            };
+            if WRITE_BACK_RESETS.contains(&&**column) {
+                continue;
+            }
+            let text = match value.as_text() {
+                Some(bytes) => Some(std::str::from_utf8(bytes).map_err(|_| {
+                    crate::error::Error::bug(format!(
+                        "column {column} of event {event_id} is not UTF-8 text"
+                    ))
+                })?),
+                None => None,
+            };
+            params.push(text);
+            columns.push(format!("\"{}\"", column.replace('"', "\"\"")));
+            values.push(format!("${}::text::{column_type}", params.len()));
+        }
+        let statement = format!(
+            "INSERT INTO {name} ({}, handoff_at) OVERRIDING SYSTEM VALUE VALUES ({}, now())
+             ON CONFLICT DO NOTHING RETURNING {id}",
+            columns.join(", "),
+            values.join(", ")
+        );
+        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
+            .iter()
+            .map(|p| p as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        if tx
+            .query_opt(&statement, &params)
+            .await
+            .map_err(cannot)?
+            .is_none()
+        {
+            conflicted.push(*event_id);
+        }
+    }
+    if !conflicted.is_empty() {
+        // The row exists again: hand it off where it is (nothing changes if it is published already).
+        if let Some(statement) = &sql.hand_off {
+            tx.query(statement, &[&conflicted]).await.map_err(cannot)?;
+        }
+    }
+    let ids: Vec<Uuid> = rows.iter().map(|(id, _)| *id).collect();
+    let present: i64 = tx
+        .query_one(
+            &format!("SELECT count(*) FROM {name} WHERE {id} = ANY($1::uuid[])"),
+            &[&ids],
+        )
+        .await
+        .map_err(cannot)?
+        .get(0);
+    if present != ids.len() as i64 {
+        return Err(crate::error::Error::setup(
+            format!("the rows outboxd wrote back to {name} (events the broker refused, or that must wait behind their aggregate, whose rows their own transactions deleted) were deleted again by the same statement: a trigger on the table deletes inserted rows"),
+            "let the trigger keep rows whose handoff_at is set (outboxd's written-back rows), then restart outboxd",
+        ));
+    }
+    tx.commit().await.map_err(cannot)?;
+    Ok(())
 }
 
 /// True when transaction `xid` (32-bit, as pgoutput's Begin reports it) is visible to a snapshot taken now.
@@ -706,13 +856,17 @@ pub fn renew_statement(outbox: &OutboxTable) -> String {
     )
 }
 
-/// Re-queues dead events: clears `dead_at`, `attempts` and `last_error`. Returns how many.
+/// Re-queues dead events: clears `dead_at`, `attempts` and `last_error`, and hands them to the polling path.
+/// Each row is written anew (deleted and inserted again, every column as it was, in `position` order, one
+/// transaction), so that a CDC leader meets the re-queued row in the stream with `handoff_at` set, at its
+/// place in WAL order: its aggregate's later events wait behind it from there. Returns how many.
 pub async fn replay_dead(
-    client: &Client,
+    client: &mut Client,
     table: &OutboxTable,
     filter: &ReplayFilter,
 ) -> Result<u64> {
     let t = table.name.quoted();
+    let id = table.col(Role::EventId);
     // Handed to the polling path: the slot streamed the row long ago, and next to the CDC path only handed-off
     // rows are swept (a row dead-lettered in poll mode never was). `--mode poll` claims every row regardless.
     let base = format!(
@@ -720,25 +874,50 @@ pub async fn replay_dead(
                         lease_token = NULL, lease_until = NULL, handoff_at = coalesce(handoff_at, now())
          WHERE dead_at IS NOT NULL AND published_at IS NULL"
     );
-    Ok(match filter {
-        ReplayFilter::EventId(id) => {
-            client
-                .execute(
-                    &format!("{base} AND {} = $1", table.col(Role::EventId)),
-                    &[id],
-                )
+    let tx = client.transaction().await?;
+    let rows = match filter {
+        ReplayFilter::EventId(event_id) => {
+            tx.query(&format!("{base} AND {id} = $1 RETURNING {id}"), &[event_id])
                 .await?
         }
         ReplayFilter::AggregateId(aggregate) => {
-            client
-                .execute(
-                    &format!("{base} AND {}::text = $1", table.col(Role::AggregateId)),
-                    &[aggregate],
-                )
-                .await?
+            tx.query(
+                &format!(
+                    "{base} AND {}::text = $1 RETURNING {id}",
+                    table.col(Role::AggregateId)
+                ),
+                &[aggregate],
+            )
+            .await?
         }
-        ReplayFilter::AllDead => client.execute(&base, &[]).await?,
-    })
+        ReplayFilter::AllDead => tx.query(&format!("{base} RETURNING {id}"), &[]).await?,
+    };
+    let ids: Vec<Uuid> = rows.iter().map(|row| row.get(0)).collect();
+    if !ids.is_empty() {
+        let columns: Vec<String> = tx
+            .query(
+                "SELECT quote_ident(attname) FROM pg_attribute
+                 WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
+                 ORDER BY attnum",
+                &[&t],
+            )
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        let columns = columns.join(", ");
+        tx.execute(
+            &format!(
+                "WITH gone AS (DELETE FROM {t} WHERE {id} = ANY($1::uuid[]) RETURNING *)
+                 INSERT INTO {t} ({columns}) OVERRIDING SYSTEM VALUE
+                 SELECT {columns} FROM gone ORDER BY position"
+            ),
+            &[&ids],
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(ids.len() as u64)
 }
 
 /// Which dead events `outboxd replay` re-queues.

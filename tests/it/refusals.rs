@@ -42,15 +42,23 @@ async fn insert(tx: &tokio_postgres::Transaction<'_>, aggregate: &str, pad: i32)
     id
 }
 
+/// When the event's row was dead-lettered; `None` while it is not (or has no row).
 async fn dead_at(client: &tokio_postgres::Client, id: uuid::Uuid) -> Option<SystemTime> {
     client
-        .query_one(
+        .query_opt(
             "SELECT dead_at FROM outbox_event WHERE event_id = $1",
             &[&id],
         )
         .await
         .unwrap()
-        .get(0)
+        .and_then(|row| row.get(0))
+}
+
+/// Deletes the rows of `ids` inside `tx`: the application keeps its outbox table empty (Debezium style).
+async fn delete_rows(tx: &tokio_postgres::Transaction<'_>, ids: &[uuid::Uuid]) {
+    tx.execute("DELETE FROM outbox_event WHERE event_id = ANY($1)", &[&ids])
+        .await
+        .unwrap();
 }
 
 /// Event ids of `aggregate` in partition order, first occurrences only.
@@ -96,8 +104,12 @@ fn assert_few_restarts(log: &str, what: &str) {
 
 /// The scenario of both paths: in one transaction A1, A2 (larger than the topic accepts), A3 and B1, all in
 /// one partition (so the broker refuses the batch they share whole); then A4 and B2. A2 is dead-lettered
-/// after its attempts; everything else is published, A's later events only after A2 died.
-async fn a_refused_event_dies_alone_and_its_aggregate_waits(mode: &[&str]) -> String {
+/// after its attempts; everything else is published, A's later events only after A2 died. `deleted`: each
+/// transaction deletes its own rows (the application keeps the table empty): the stream alone has them.
+async fn a_refused_event_dies_alone_and_its_aggregate_waits(
+    mode: &[&str],
+    deleted: bool,
+) -> String {
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
     create_small_topic(&brokers).await;
@@ -106,7 +118,7 @@ async fn a_refused_event_dies_alone_and_its_aggregate_waits(mode: &[&str]) -> St
     args.extend_from_slice(QUICK_DEAD_LETTERS);
     let outboxd = Outboxd::spawn(&args);
     let mut client = pg.client().await;
-    if mode.is_empty() {
+    if !mode.contains(&"poll") {
         wait_slot_active(&client, "outboxd").await;
     }
     let tx = client.transaction().await.unwrap();
@@ -114,12 +126,27 @@ async fn a_refused_event_dies_alone_and_its_aggregate_waits(mode: &[&str]) -> St
     let a2 = insert(&tx, "A", BIG_PAD).await;
     let a3 = insert(&tx, "A", 10).await;
     let b1 = insert(&tx, "B", 10).await;
+    if deleted {
+        delete_rows(&tx, &[a1, a2, a3, b1]).await;
+    }
     tx.commit().await.unwrap();
     let tx = client.transaction().await.unwrap();
     let a4 = insert(&tx, "A", 10).await;
     let b2 = insert(&tx, "B", 10).await;
+    if deleted {
+        delete_rows(&tx, &[a4, b2]).await;
+    }
     tx.commit().await.unwrap();
 
+    if deleted {
+        // Nothing is in the table until outboxd writes the refused events back for the polling path.
+        wait_for_async(
+            "A2 to be dead-lettered",
+            Duration::from_secs(120),
+            || async { dead_at(&client, a2).await.map(|_| ()) },
+        )
+        .await;
+    }
     wait_settled(&client, Duration::from_secs(120)).await;
     let log = outboxd.log_text();
     let died = dead_at(&client, a2)
@@ -156,13 +183,28 @@ async fn a_refused_event_dies_alone_and_its_aggregate_waits(mode: &[&str]) -> St
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_event_the_broker_refuses_after_hand_over_is_dead_lettered_in_order_by_the_stream() {
-    let log = a_refused_event_dies_alone_and_its_aggregate_waits(&[]).await;
+    let log = a_refused_event_dies_alone_and_its_aggregate_waits(&[], false).await;
     assert_few_restarts(&log, "one refused event");
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_refused_batch_whose_rows_their_own_transaction_deleted_is_delivered_but_the_event_too_large(
+) {
+    let log = a_refused_event_dies_alone_and_its_aggregate_waits(&[], true).await;
+    assert_few_restarts(&log, "one refused event, rows deleted");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_batch_whose_rows_are_gone_is_delivered_in_order_under_exactly_once() {
+    let log =
+        a_refused_event_dies_alone_and_its_aggregate_waits(&["--delivery", "exactly-once"], true)
+            .await;
+    assert_few_restarts(&log, "one refused event, rows deleted, exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_batch_refused_whole_for_one_event_dead_letters_only_that_event_when_polling() {
-    a_refused_event_dies_alone_and_its_aggregate_waits(&["--mode", "poll"]).await;
+    a_refused_event_dies_alone_and_its_aggregate_waits(&["--mode", "poll"], false).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -265,10 +307,36 @@ async fn a_topic_the_principal_may_not_write_is_retried_then_dead_lettered_while
     assert_few_restarts(&log, "a topic the principal may not write");
 }
 
+/// Inserts one event of `aggregate_type`/`aggregate` per id, each transaction deleting its own rows (the
+/// application keeps its outbox table empty).
+async fn insert_deleted(
+    client: &tokio_postgres::Client,
+    aggregate_type: &str,
+    ids: &[(uuid::Uuid, String)],
+) {
+    let values: Vec<String> = ids
+        .iter()
+        .map(|(id, aggregate)| format!("('{id}', '{aggregate_type}', '{aggregate}', 'E', '{{}}')"))
+        .collect();
+    let list: Vec<String> = ids.iter().map(|(id, _)| format!("'{id}'")).collect();
+    client
+        .batch_execute(&format!(
+            "BEGIN;
+             INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES {};
+             DELETE FROM outbox_event WHERE event_id IN ({});
+             COMMIT;",
+            values.join(", "),
+            list.join(", ")
+        ))
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn an_event_of_a_topic_the_principal_may_not_write_whose_row_is_gone_is_never_given_up() {
-    // The application deletes its outbox row in the inserting transaction: the polling path cannot retry it,
-    // so the stream must keep it unconfirmed until the broker lets its topic be written.
+async fn an_event_of_a_refused_topic_whose_row_is_gone_holds_only_its_topic() {
+    // The application deletes its outbox rows in the inserting transaction. Events of a topic the principal
+    // may not write are written back for the polling path, which retries them; the slot keeps moving, and
+    // every other topic keeps flowing.
     let pg = Postgres::start();
     migrate(&pg);
     let broker = SecureBroker::start();
@@ -280,46 +348,142 @@ async fn an_event_of_a_topic_the_principal_may_not_write_whose_row_is_gone_is_ne
     let options = SecureBroker::kafka_options("outboxd", password, &broker.ca);
     let mut args = run_args(&url, &brokers);
     args.extend(options.iter().map(String::as_str));
+    // Retried often and never dead-lettered within the test, so that the grant below is what delivers them.
+    args.extend_from_slice(&[
+        "--max-attempts",
+        "1000",
+        "--retry-base",
+        "200ms",
+        "--retry-cap",
+        "1s",
+    ]);
     let outboxd = Outboxd::spawn(&args);
     let client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
-    let mut gone = Vec::new();
-    for _ in 0..3 {
-        let id = uuid::Uuid::new_v4();
-        client
-            .batch_execute(&format!(
-                "BEGIN;
-                 INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
-                     VALUES ('{id}', 'Forbidden', 'f1', 'E', '{{}}');
-                 DELETE FROM outbox_event WHERE event_id = '{id}';
-                 COMMIT;"
-            ))
-            .await
-            .unwrap();
-        gone.push(id.to_string());
+    let forbidden: Vec<(uuid::Uuid, String)> = (0..3)
+        .map(|_| (uuid::Uuid::new_v4(), "f1".to_string()))
+        .collect();
+    for event in &forbidden {
+        insert_deleted(&client, "Forbidden", std::slice::from_ref(event)).await;
     }
-    wait_for(
-        "the broker to refuse the topic",
-        Duration::from_secs(60),
-        || {
-            outboxd
-                .log_text()
-                .contains("TopicAuthorizationFailed")
-                .then_some(())
-        },
+    // 10,000 events of another topic, 50 per transaction, rows deleted too.
+    let mut orders = Vec::new();
+    for txn in 0..200 {
+        let batch: Vec<(uuid::Uuid, String)> = (0..50)
+            .map(|n| (uuid::Uuid::new_v4(), format!("o{}", (txn * 50 + n) % 500)))
+            .collect();
+        insert_deleted(&client, "Order", &batch).await;
+        orders.extend(batch);
+    }
+    let records = consume_all(
+        &broker.plaintext_addr(),
+        &[TOPIC],
+        orders.len(),
+        Duration::from_secs(240),
     );
+    let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for record in &records {
+        *seen.entry(record.headers["event_id"].as_str()).or_default() += 1;
+    }
+    let log = outboxd.log_text();
+    let missing = orders
+        .iter()
+        .filter(|(id, _)| !seen.contains_key(id.to_string().as_str()))
+        .count();
+    assert_eq!(missing, 0, "events of the writable topic missing:\n{log}");
+    let most = seen.values().copied().max().unwrap_or(0);
+    assert!(
+        most <= 2,
+        "an event of the writable topic is in Kafka {most} times"
+    );
+    // The slot confirmed past the refused events: its lag is back under 1 MiB.
+    wait_for_async(
+        "the slot's lag to drop under 1 MiB",
+        Duration::from_secs(60),
+        || async {
+            let lag: i64 = client
+                .query_one(
+                    "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8
+                 FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (lag < 1 << 20).then_some(())
+        },
+    )
+    .await;
+    assert_few_restarts(&log, "a refused topic whose events have no rows");
+    // The refused events wait in the polling path; once the principal may write their topic, they arrive.
     broker.allow("outboxd", &["WRITE"], "TOPIC", "outbox.Forbidden");
     let records = consume_all(
         &broker.plaintext_addr(),
         &["outbox.Forbidden"],
-        gone.len(),
+        forbidden.len(),
         Duration::from_secs(180),
     );
     let log = outboxd.log_text();
-    for id in &gone {
+    let ids: Vec<String> = records
+        .iter()
+        .map(|r| r.headers["event_id"].clone())
+        .collect();
+    for (id, _) in &forbidden {
         assert!(
-            records.iter().any(|r| &r.headers["event_id"] == id),
+            ids.contains(&id.to_string()),
             "event {id} (row deleted by its own transaction) never reached Kafka:\n{log}"
         );
     }
+    assert_eq!(
+        first_occurrences(&records, "f1"),
+        forbidden
+            .iter()
+            .map(|(id, _)| id.to_string())
+            .collect::<Vec<_>>(),
+        "in order"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_aborted_transaction_never_lets_a_later_batch_mate_overtake_under_exactly_once() {
+    // Twenty rounds of: e1 of aggregate A_i, then (a batch apart) e2 of A_i in one transaction with an event
+    // of B_i too large for the topic, so that the broker refuses the batch {e2, B_i} whole and the Kafka
+    // transaction holding e1 aborts. A read_committed reader must see each A_i's e1 before its e2 (the
+    // review saw e2 first for 4 of 20 aggregates).
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    create_small_topic(&brokers).await;
+    let mut args = run_args(&url, &brokers);
+    args.extend_from_slice(&["--delivery", "exactly-once", "--poll-interval", "10ms"]);
+    args.extend_from_slice(QUICK_DEAD_LETTERS);
+    let outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let mut expected = Vec::new();
+    for round in 0..20 {
+        let aggregate = format!("A{round}");
+        let tx = client.transaction().await.unwrap();
+        let e1 = insert(&tx, &aggregate, 10).await;
+        tx.commit().await.unwrap();
+        // Longer than librdkafka's linger (5 ms), shorter than --transaction-interval (100 ms): e1 goes
+        // out in a batch of its own, in the same Kafka transaction as the next one.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let tx = client.transaction().await.unwrap();
+        let e2 = insert(&tx, &aggregate, 10).await;
+        insert(&tx, &format!("B{round}"), BIG_PAD).await;
+        tx.commit().await.unwrap();
+        expected.push((aggregate, vec![e1.to_string(), e2.to_string()]));
+    }
+    wait_settled(&client, Duration::from_secs(180)).await;
+    let records = consume_all(&brokers, &[TOPIC], 40, Duration::from_secs(60));
+    let log = outboxd.log_text();
+    let reordered: Vec<&String> = expected
+        .iter()
+        .filter(|(aggregate, ids)| first_occurrences(&records, aggregate) != *ids)
+        .map(|(aggregate, _)| aggregate)
+        .collect();
+    assert!(
+        reordered.is_empty(),
+        "aggregates whose e2 a read_committed reader saw before e1 (or missing): {reordered:?}\n{log}"
+    );
 }

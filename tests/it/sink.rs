@@ -248,3 +248,225 @@ async fn a_later_report_first_does_not_confirm_an_earlier_transaction() {
     assert!(published(earlier).await && before < after);
     outboxd.stop().await.expect("clean stop");
 }
+
+/// A hand-off that lands late: the leader's `handoff_at` write for event e1 (refused at hand-over) is held
+/// by a row lock when its session ends, and commits only after the next session read which aggregates wait
+/// in the polling path (so that snapshot misses e1). The next session meets e1 again in the slot and finds
+/// it handed off: its aggregate must wait behind it, or the stream would publish a later event e2 of the
+/// aggregate while e1 is still in the polling path (review finding #4).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hand_off_written_after_the_next_session_started_still_holds_its_aggregate() {
+    const GETS_THROUGH: Duration = Duration::from_secs(90);
+    let broker = MemoryBroker::new();
+    let retry = [
+        "--max-attempts",
+        "100000",
+        "--retry-base",
+        "1s",
+        "--retry-cap",
+        "1s",
+    ];
+    let (pg, client, outboxd) = streaming(&broker, &retry).await;
+    // e1 is refused while `refusing` is set: by the first session at hand-over, then by the polling path.
+    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let flag = refusing.clone();
+    broker.add_fault(
+        Fault::RefuseAtHandOver(too_large()),
+        usize::MAX,
+        move |_, event| flag.load(std::sync::atomic::Ordering::SeqCst) && seq_of(event) == Some(1),
+    );
+    // 1,000 events ahead of e1 stay unfinished in the first session (their reports held), so that the next
+    // session looks them up and publishes them (slowly) before it looks e1 up.
+    broker.hold_reports(true);
+    broker.set_publish_delay(Some(Duration::from_millis(3)));
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'z' || g % 50, 'E', jsonb_build_object('seq', 1000 + g)
+             FROM generate_series(1, 1000) g",
+        )
+        .await
+        .unwrap();
+    let e1 = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', 'A', 'E', '{\"seq\": 1}')",
+            &[&e1],
+        )
+        .await
+        .unwrap();
+    let mut locker = pg.client().await;
+    let lock = locker.transaction().await.unwrap();
+    lock.execute(
+        "SELECT 1 FROM outbox_event WHERE event_id = $1 FOR UPDATE",
+        &[&e1],
+    )
+    .await
+    .unwrap();
+    wait_for_async(
+        "e1's hand-off to wait for the row lock",
+        GETS_THROUGH,
+        || async {
+            let waiting: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%handoff_at = now()%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
+    // The first session ends with its hand-off still waiting on the server.
+    let first: i32 = client
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    client
+        .execute("SELECT pg_terminate_backend($1)", &[&first])
+        .await
+        .unwrap();
+    broker.hold_reports(false);
+    let before = broker.records().len();
+    wait_for_async("the next session to publish", GETS_THROUGH, || async {
+        let now: Option<i32> = client
+            .query_one(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (now.is_some_and(|pid| pid != first) && broker.records().len() > before).then_some(())
+    })
+    .await;
+    // Now, while the next session still publishes the events ahead of e1, the hand-off lands.
+    lock.rollback().await.unwrap();
+    drop(locker);
+    wait_for_async("the 1,000 events ahead of e1 to be published", GETS_THROUGH, || async {
+        let left: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE aggregate_id LIKE 'z%' AND published_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    })
+    .await;
+    broker.set_publish_delay(None);
+    let e2 = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', 'A', 'E', '{\"seq\": 2}')",
+            &[&e2],
+        )
+        .await
+        .unwrap();
+    // Streamed (held back in memory, or published ahead of e1), while the polling path still refuses e1.
+    wait_sent_up_to_now(&client).await;
+    refusing.store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_all_published(&client, GETS_THROUGH).await;
+    let order: Vec<uuid::Uuid> = broker
+        .records()
+        .iter()
+        .filter(|r| r.key == "A")
+        .map(|r| r.event_id)
+        .fold(Vec::new(), |mut first, id| {
+            if !first.contains(&id) {
+                first.push(id);
+            }
+            first
+        });
+    assert_eq!(order, [e1, e2], "A's events in order");
+    outboxd.stop().await.expect("clean stop");
+}
+
+/// `outboxd replay` of a dead event d of aggregate A while the CDC path streams: an event of A committed after
+/// the replay must not reach Kafka before d (review finding #8: the running session's gate did not know).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_event_is_not_overtaken_by_later_events_of_its_aggregate_under_cdc() {
+    const GETS_THROUGH: Duration = Duration::from_secs(90);
+    let broker = MemoryBroker::new();
+    let retry = [
+        "--max-attempts",
+        "2",
+        "--retry-base",
+        "2s",
+        "--retry-cap",
+        "2s",
+    ];
+    let (pg, client, outboxd) = streaming(&broker, &retry).await;
+    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let flag = refusing.clone();
+    broker.add_fault(
+        Fault::RefuseAtHandOver(too_large()),
+        usize::MAX,
+        move |_, event| flag.load(std::sync::atomic::Ordering::SeqCst) && seq_of(event) == Some(1),
+    );
+    let insert = |seq: i32| {
+        let client = &client;
+        async move {
+            let id = uuid::Uuid::new_v4();
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, 'Order', 'A', 'E', jsonb_build_object('seq', $2::int))",
+                    &[&id, &seq],
+                )
+                .await
+                .unwrap();
+            id
+        }
+    };
+    let dead = insert(1).await;
+    wait_for_async("the event to be dead-lettered", GETS_THROUGH, || async {
+        dead_count(&client).await.eq(&1).then_some(())
+    })
+    .await;
+    let table = outbox_event_table(&client).await;
+    let mut operator = pg.client().await;
+    let requeued = outboxd::pg::outbox::replay_dead(
+        &mut operator,
+        &table,
+        &outboxd::pg::outbox::ReplayFilter::EventId(dead),
+    )
+    .await
+    .unwrap();
+    assert_eq!(requeued, 1);
+    // The polling path tries it once more (refused: it waits 2 s for the next try) ...
+    wait_for_async(
+        "the replayed event to be tried again",
+        GETS_THROUGH,
+        || async { attempts_of(&client, dead).await.eq(&1).then_some(()) },
+    )
+    .await;
+    // ... meanwhile a later event of A is committed and streamed.
+    let later = insert(2).await;
+    wait_sent_up_to_now(&client).await;
+    refusing.store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_all_published(&client, GETS_THROUGH).await;
+    let order: Vec<uuid::Uuid> = broker
+        .records()
+        .iter()
+        .filter(|r| r.key == "A")
+        .map(|r| r.event_id)
+        .fold(Vec::new(), |mut first, id| {
+            if !first.contains(&id) {
+                first.push(id);
+            }
+            first
+        });
+    assert_eq!(order, [dead, later], "A's events in order");
+    outboxd.stop().await.expect("clean stop");
+}

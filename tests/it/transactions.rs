@@ -290,3 +290,85 @@ fn signal(pid: i32, signal: &str) {
         .unwrap();
     assert!(status.success(), "kill -{signal} {pid} failed");
 }
+
+/// One event of `aggregate` whose payload carries `seq` (for fault matchers), inside `client`'s session.
+async fn insert_seq(
+    client: &impl tokio_postgres::GenericClient,
+    aggregate: &str,
+    seq: i32,
+) -> String {
+    let id = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', $2, 'E', jsonb_build_object('seq', $3::int))",
+            &[&id, &aggregate, &seq],
+        )
+        .await
+        .unwrap();
+    id.to_string()
+}
+
+/// A Kafka transaction holds e1 of aggregate A, acknowledged; the broker then refuses for good the batch of
+/// e2 (A, later) and b. The transaction aborts, so e1 is no more in Kafka than e2: e1 must not come back
+/// from the slot after e2 went out through the polling path. A `read_committed` reader sees A's e1 before
+/// e2 (review finding: e2 first, as the abort sent e1 back to the stream and e2 to the sweeper).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_abort_after_a_refusal_keeps_the_acknowledged_earlier_event_ahead() {
+    let broker = MemoryBroker::new();
+    let mut args = vec![
+        "--delivery",
+        "exactly-once",
+        "--transaction-interval",
+        "10s",
+    ];
+    args.extend(RETRY_QUICKLY);
+    let (_pg, mut client, outboxd) = streaming(&broker, &args).await;
+    // e2 is refused once (with the batch it shared with b), b every time (too large).
+    broker.add_fault(Fault::FailAfterAcceptance(too_large()), 1, |_, event| {
+        seq_of(event) == Some(2)
+    });
+    broker.add_fault(
+        Fault::FailAfterAcceptance(too_large()),
+        usize::MAX,
+        |_, event| seq_of(event) == Some(3),
+    );
+    let e1 = insert_seq(&client, "A", 1).await;
+    wait_for(
+        "e1 to be in the open Kafka transaction",
+        GETS_THROUGH,
+        || (broker.held() > 0).then_some(()),
+    );
+    let tx = client.transaction().await.unwrap();
+    let e2 = insert_seq(&tx, "A", 2).await;
+    insert_seq(&tx, "B", 3).await;
+    tx.commit().await.unwrap();
+    wait_for_async("A's events to be published", GETS_THROUGH, || async {
+        let published: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE aggregate_id = 'A' AND published_at IS NOT NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (published == 2).then_some(())
+    })
+    .await;
+    let seen: Vec<String> = as_records(&broker, TOPIC)
+        .iter()
+        .filter(|r| r.key.as_deref() == Some("A"))
+        .map(|r| r.headers["event_id"].clone())
+        .fold(Vec::new(), |mut first, id| {
+            if !first.contains(&id) {
+                first.push(id);
+            }
+            first
+        });
+    assert_eq!(
+        seen,
+        [e1, e2],
+        "A's events as a read_committed reader sees them"
+    );
+    outboxd.stop().await.expect("clean stop");
+}

@@ -91,7 +91,12 @@ impl<K: Sinks> CdcPipeline<K> {
         self.history = Some(here.clone());
         // Read only now that this session holds the slot: an instance that led before may have handed off
         // rows until it let go of it.
-        let gate = blocked_aggregates(&settings, &sql).await?;
+        let mut gate = blocked_aggregates(&settings, &sql).await?;
+        // Aggregates of events a session gave up after the broker refused them for good hand off from the
+        // start: their events come again in the replay region, the refused one and earlier ones alike.
+        for aggregate in self.owed.aggregates() {
+            let _ = gate.refused(aggregate.clone());
+        }
         let boot = Bootstrapped {
             sql,
             outbox_sql,

@@ -11,8 +11,9 @@ use std::collections::HashMap;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::event::{MappingError, OutboxEvent, RowMapping};
+use crate::event::{MappingError, OutboxEvent, RowImage, RowMapping};
 use crate::lsn::Lsn;
+use crate::pg::outbox::AggregateKey;
 use crate::pg::pgoutput::{Begin, Insert, PgOutputMessage};
 use crate::pipeline::backfill::CdcTag;
 use crate::pipeline::watermark::{TxnId, Watermark};
@@ -26,6 +27,9 @@ pub struct Pending {
     pub event_id: Uuid,
     /// Where the stream carried it (for exactly-once progress).
     pub position: StreamPosition,
+    /// The row as inserted: written back as a handed-off row should the event go to the polling path after
+    /// its own transaction deleted it.
+    pub row: RowImage,
 }
 
 /// What the session does with a decoded message.
@@ -45,6 +49,12 @@ pub enum Decoded {
     Invalid {
         pending: Pending,
         column: &'static str,
+    },
+    /// A row inserted already handed to the polling path (written back by outboxd, or re-queued by `outboxd
+    /// replay`): the polling path publishes it, and its aggregate's later events wait behind it.
+    InsertedHandedOff {
+        table: usize,
+        aggregate: AggregateKey,
     },
     /// Nothing to do (a commit, a relation, a row of another table or of a skipped re-sent transaction).
     Nothing,
@@ -166,7 +176,7 @@ impl TransactionDecoder {
                 self.mappings.insert(relation.id, mapping);
                 Ok(Decoded::Nothing)
             }
-            PgOutputMessage::Insert(insert) => self.insert(&insert),
+            PgOutputMessage::Insert(insert) => self.insert(insert),
             PgOutputMessage::Skipped(_) => Ok(Decoded::Nothing),
         }
     }
@@ -200,7 +210,7 @@ impl TransactionDecoder {
         }
     }
 
-    fn insert(&mut self, insert: &Insert) -> Result<Decoded> {
+    fn insert(&mut self, insert: Insert) -> Result<Decoded> {
         let (Some(current), Some(mapping)) = (
             self.current.as_mut(),
             self.mappings.get_mut(&insert.relation_id),
@@ -232,6 +242,12 @@ impl TransactionDecoder {
         if current.resent && !self.tables[table].marks_published {
             return Ok(Decoded::Nothing);
         }
+        if mapping.inserted_handed_off(&insert) {
+            return Ok(Decoded::InsertedHandedOff {
+                table,
+                aggregate: mapping.aggregate_key(&insert),
+            });
+        }
         let tag = CdcTag {
             txn: current.txn,
             table,
@@ -241,7 +257,7 @@ impl TransactionDecoder {
             resent: current.resent,
             produced: 0,
         };
-        let event = match mapping.event(insert) {
+        let event = match mapping.event(&insert) {
             Ok(event) => event,
             // A user's table with a nullable column: the polling path dead-letters the row, in place.
             Err(MappingError::NullValue {
@@ -253,6 +269,7 @@ impl TransactionDecoder {
                         event: placeholder_event(&event_id),
                         event_id: event_id.parse().unwrap_or_default(),
                         position,
+                        row: mapping.image(insert),
                     },
                     column,
                 });
@@ -272,6 +289,7 @@ impl TransactionDecoder {
                 event,
                 event_id,
                 position,
+                row: mapping.image(insert),
             },
         })
     }

@@ -77,10 +77,12 @@ impl<T> AggregateGate<T> {
         }
     }
 
-    /// `aggregate` has rows waiting in the polling path (found at session start, or released from a held
-    /// table): its later events park.
+    /// `aggregate` has rows waiting in the polling path (found at session start or when the stream meets one,
+    /// or released from a held table): its later events park. One already blocked stays as it is.
     pub fn block(&mut self, aggregate: GateKey) {
-        self.blocked.insert(aggregate, Blocked::PARKING);
+        if !self.held_tables.contains(&aggregate.0) {
+            self.blocked.entry(aggregate).or_insert(Blocked::PARKING);
+        }
     }
 
     /// Every event of `table` goes to the polling path until [`Self::release_table`].

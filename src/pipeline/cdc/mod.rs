@@ -33,8 +33,10 @@ use crate::sink::{Sink, Sinks};
 mod bootstrap;
 mod decoder;
 mod gate;
+mod owed;
 mod session;
 mod window;
+use owed::OwedHandOffs;
 use session::{ExactlyOnce, Session};
 
 /// Most blocked aggregates tracked one by one. A table with more (a huge hand-off after a slot was
@@ -59,6 +61,8 @@ pub struct CdcPipeline<K> {
     last_streamed_at: Option<std::time::SystemTime>,
     /// Topics the broker refused outright: their events go to the polling path for a while.
     topic_holds: TopicHolds,
+    /// Events refused for good that the next session hands to the polling path.
+    owed: OwedHandOffs,
 }
 
 impl<K: Sinks> CdcPipeline<K> {
@@ -73,6 +77,7 @@ impl<K: Sinks> CdcPipeline<K> {
             history: None,
             last_streamed_at: None,
             topic_holds: TopicHolds::default(),
+            owed: OwedHandOffs::default(),
         }
     }
 
@@ -256,6 +261,7 @@ impl<K: Sinks> CdcPipeline<K> {
             &settings,
             &mut self.watermark,
             &mut self.topic_holds,
+            &mut self.owed,
             boot,
             publisher,
             delivery_tx,

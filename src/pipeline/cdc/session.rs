@@ -2,7 +2,8 @@
 //! (see `decoder`), asks the gate (see `gate`) whether each event goes to the producer, waits or goes to the
 //! polling path, carries delivery reports and written hand-offs back into the watermark, and confirms what
 //! it allows. A delivery that fails after the producer accepted it ends the session once every report is
-//! in (the next one re-sends from the slot).
+//! in (the next one re-sends from the slot, handing what the broker refused for good to the polling path,
+//! see `owed`).
 //!
 //! It owns no connection set-up (see `bootstrap`) and no reconnecting (see the module above).
 
@@ -14,15 +15,16 @@ use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
 
 use super::bootstrap::Bootstrapped;
-use super::decoder::{placeholder_event, Decoded, Pending, TransactionDecoder};
-use super::gate::{Admission, AggregateGate};
+use super::decoder::{Decoded, Pending, TransactionDecoder};
+use super::gate::{Admission, AggregateGate, GateKey};
+use super::owed::OwedHandOffs;
 use super::window::InFlightWindow;
 use super::MAX_TRACKED_BLOCKED;
 use crate::config::{ExactlyOnceSettings, RunSettings};
 use crate::error::{replication_error, Error, Result};
-use crate::event::OutboxEvent;
+use crate::event::{OutboxEvent, RowImage, Text};
 use crate::lsn::Lsn;
-use crate::pg::outbox::{self, AggregateKey, OutboxSql};
+use crate::pg::outbox::{self, AggregateKey, OutboxSql, RowState};
 use crate::pg::pgoutput;
 use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
 use crate::pipeline::backfill::{CdcTag, Finished};
@@ -50,20 +52,18 @@ enum HandOffReason {
     /// The producer refused it for good (e.g. too large): the polling path retries and dead-letters it.
     Refused,
     /// The broker refuses its topic outright (not authorised; see [`TopicHolds`]): the polling path retries
-    /// it. Unlike an event too large, one whose row is gone is not given up but re-sent from the slot.
+    /// it.
     TopicRefused,
     /// A required column is NULL: the polling path dead-letters it.
     Invalid,
 }
 
 /// An event handed to the polling path, kept until its `handoff_at` is written: if its row is gone (deleted
-/// by its own transaction) the polling path will never see it, and the stream must publish it itself.
+/// by its own transaction) the polling path would never see it, so it is written back as it was inserted.
 struct HandedOff {
     tag: CdcTag,
-    event: OutboxEvent,
+    row: RowImage,
     reason: HandOffReason,
-    /// What it counts against the in-flight window.
-    bytes: usize,
 }
 
 /// The aggregate an event belongs to, as the polling path names it.
@@ -76,6 +76,36 @@ fn aggregate_of(event: &OutboxEvent) -> AggregateKey {
             .to_string(),
         event.aggregate_id.to_string(),
     )
+}
+
+/// An event handed to the producer and not reported yet: when, and of which aggregate (cheap clones of the
+/// event's text, turned into a [`GateKey`] only when a refusal needs it).
+struct Outstanding {
+    since: tokio::time::Instant,
+    table: usize,
+    aggregate_type: Option<Text>,
+    aggregate_id: Text,
+}
+
+impl Outstanding {
+    fn of(&self, table: usize, event: &OutboxEvent) -> bool {
+        self.table == table
+            && self.aggregate_id == event.aggregate_id
+            && self.aggregate_type == event.aggregate_type
+    }
+
+    fn aggregate(&self) -> GateKey {
+        (
+            self.table,
+            (
+                self.aggregate_type
+                    .as_deref()
+                    .unwrap_or_default()
+                    .to_string(),
+                self.aggregate_id.to_string(),
+            ),
+        )
+    }
 }
 
 /// `--delivery exactly-once`: the Kafka transaction being filled, and what the last one committed before
@@ -182,9 +212,11 @@ pub(super) struct Session<'a, S> {
     hand_offs_unwritten: HashMap<Uuid, HandedOff>,
     handed_off: u64,
     topic_holds: &'a mut TopicHolds,
-    /// Events handed to the producer whose delivery report has not arrived: when each was handed over, by
-    /// its `CdcTag::produced`.
-    outstanding: BTreeMap<u64, tokio::time::Instant>,
+    /// Events refused for good that this session (or the next) hands to the polling path when the slot
+    /// sends them again.
+    owed: &'a mut OwedHandOffs,
+    /// Events handed to the producer whose delivery report has not arrived, by their `CdcTag::produced`.
+    outstanding: BTreeMap<u64, Outstanding>,
     next_produced: u64,
     /// How long an event may wait for its delivery report (from the producer, then its `published_at`
     /// write) before the session gives its deliveries up.
@@ -205,6 +237,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
         settings: &'a RunSettings,
         watermark: &'a mut Watermark,
         topic_holds: &'a mut TopicHolds,
+        owed: &'a mut OwedHandOffs,
         boot: Bootstrapped,
         publisher: S,
         hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
@@ -241,6 +274,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             hand_offs_unwritten: HashMap::new(),
             handed_off: 0,
             topic_holds,
+            owed,
             outstanding: BTreeMap::new(),
             next_produced: 1,
             delivery_timeout: crate::kafka::delivery_timeout(
@@ -363,7 +397,10 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             Some(Finished::HandOffs {
                 handed_off,
                 rowless,
-            }) => self.publish_rowless_hand_offs(&handed_off, &rowless).await,
+            }) => {
+                self.write_back_rowless_hand_offs(&handed_off, &rowless)
+                    .await
+            }
             Some(Finished::Undelivered(deliveries)) => self.undelivered(deliveries),
             Some(Finished::Failed(error)) => {
                 crate::metrics::publish_error(match error {
@@ -486,6 +523,11 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 }
                 if left_replay_region {
                     self.flush_replay_buffer().await?;
+                    // Whatever was sent again has passed: events owed to the polling path that did not come
+                    // with it never will (the slot was recreated, or the server's history changed).
+                    for event_id in self.owed.forget_unmet() {
+                        tracing::warn!(%event_id, "an event the broker refused was not sent again by the slot (recreated, or another server history): it is not handed to the polling path");
+                    }
                 }
             }
             Decoded::Event { pending, look_up } => {
@@ -501,12 +543,12 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             Decoded::Invalid { pending, column } => {
                 tracing::warn!(event_id = %pending.event_id, column, "row has a NULL required column; handing it to the polling path to dead-letter");
                 self.start_event(pending.tag.txn, pending.event.size_bytes());
-                self.hand_off(
-                    pending.tag,
-                    &pending.event,
-                    pending.event_id,
-                    HandOffReason::Invalid,
-                )?;
+                self.hand_off(pending, HandOffReason::Invalid)?;
+            }
+            Decoded::InsertedHandedOff { table, aggregate } => {
+                // Written back by outboxd or re-queued by `outboxd replay`: later events of its aggregate
+                // must not overtake it.
+                self.gate.block((table, aggregate));
             }
             Decoded::Nothing => {}
         }
@@ -532,34 +574,49 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     /// (see [`gate`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
     /// which retries and dead-letters it; its aggregate is blocked behind it, so order per aggregate holds.
     async fn publish(&mut self, pending: Pending) -> Result<()> {
+        if self.owed.is_owed(&pending.event_id) {
+            return self.hand_off_owed(pending);
+        }
         match self
             .gate
             .admit(pending.tag.table, pending, |p| aggregate_of(&p.event))
         {
-            Admission::Publish(p) => self.produce(p.tag, &p.event, p.event_id).await,
+            Admission::Publish(p) => self.produce(p).await,
             Admission::Parked => Ok(()),
-            Admission::HandOff(events) => self.hand_off_blocked(&events),
+            Admission::HandOff(events) => self.hand_off_blocked(events),
         }
+    }
+
+    /// An event the broker refused for good in an earlier session, sent again by the slot: it goes to the
+    /// polling path, and its aggregate with it (see `owed`).
+    fn hand_off_owed(&mut self, pending: Pending) -> Result<()> {
+        self.owed.met(&pending.event_id);
+        let parked = self
+            .gate
+            .refused((pending.tag.table, aggregate_of(&pending.event)));
+        self.hand_off_blocked(parked)?;
+        self.hand_off(pending, HandOffReason::Refused)
     }
 
     /// Hands one event to the producer; a permanent refusal (or a topic the broker refused outright, see
     /// [`TopicHolds`]) sends it to the polling path.
-    async fn produce(&mut self, tag: CdcTag, event: &OutboxEvent, event_id: Uuid) -> Result<()> {
+    async fn produce(&mut self, pending: Pending) -> Result<()> {
         if self.failing.is_some() {
             // Given up: the event stays unfinished and is re-sent by the next session.
             return Ok(());
         }
+        let table = pending.tag.table;
         let topic = self
             .settings
             .topic
-            .render_event(&self.settings.database.tables[tag.table].name, event);
-        let held = self.outbox_sql[tag.table].can_hand_off()
+            .render_event(&self.settings.database.tables[table].name, &pending.event);
+        let held = self.outbox_sql[table].can_hand_off()
             && self
                 .topic_holds
                 .is_held(&topic, tokio::time::Instant::now());
         let tag = CdcTag {
             produced: self.next_produced,
-            ..tag
+            ..pending.tag
         };
         let published = if held {
             Err(PublishError::Rejected(Rejection {
@@ -570,10 +627,10 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         } else {
             self.publisher
                 .publish(
-                    &self.settings.database.tables[tag.table],
+                    &self.settings.database.tables[table],
                     &topic,
-                    event,
-                    event_id,
+                    &pending.event,
+                    pending.event_id,
                     tag,
                     None,
                 )
@@ -585,27 +642,52 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     eos.open_since.get_or_insert_with(tokio::time::Instant::now);
                     eos.open_events += 1;
                 }
-                self.outstanding
-                    .insert(self.next_produced, tokio::time::Instant::now());
+                self.outstanding.insert(
+                    self.next_produced,
+                    Outstanding {
+                        since: tokio::time::Instant::now(),
+                        table,
+                        aggregate_type: pending.event.aggregate_type.clone(),
+                        aggregate_id: pending.event.aggregate_id.clone(),
+                    },
+                );
                 self.next_produced += 1;
                 self.published += 1;
                 Ok(())
             }
             Err(PublishError::Rejected(rejection))
-                if rejection.permanent && self.outbox_sql[tag.table].can_hand_off() =>
+                if rejection.permanent && self.outbox_sql[table].can_hand_off() =>
             {
+                let event_id = pending.event_id;
                 if !held {
-                    tracing::warn!(%event_id, aggregate_id = %event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
+                    tracing::warn!(%event_id, aggregate_id = %pending.event.aggregate_id, error = %rejection.reason, "event refused by the producer; handing it and its aggregate to the polling path");
                 }
-                let parked = self.gate.refused((tag.table, aggregate_of(event)));
+                let aggregate = (table, aggregate_of(&pending.event));
+                if rejection.topic_wide && !held {
+                    self.hold_topic(&topic, &rejection.reason);
+                }
+                if self
+                    .outstanding
+                    .values()
+                    .any(|o| o.of(table, &pending.event))
+                {
+                    // An earlier event of its aggregate is still on its way (with exactly-once: in the open
+                    // Kafka transaction). Should that one fail, it would be re-sent from the slot after this one
+                    // reached Kafka through the polling path: give the session up instead, and hand both (in
+                    // order) to the polling path when the slot sends them again.
+                    self.owed.owe(event_id, aggregate);
+                    self.give_up(format!("event {event_id} was refused for good while an earlier event of its aggregate was on its way"));
+                    return Ok(());
+                }
+                let parked = self.gate.refused(aggregate);
                 let reason = if rejection.topic_wide {
                     HandOffReason::TopicRefused
                 } else {
                     HandOffReason::Refused
                 };
-                self.hand_off(tag, event, event_id, reason)?;
-                self.hand_off_blocked(&parked)?;
-                if self.gate.blocked_in(tag.table) > MAX_TRACKED_BLOCKED {
+                self.hand_off(pending, reason)?;
+                self.hand_off_blocked(parked)?;
+                if self.gate.blocked_in(table) > MAX_TRACKED_BLOCKED {
                     // Events of these aggregates may still be in flight: holding the table in place could let
                     // a later one overtake them through the polling path. The next session holds it from
                     // its start, when nothing is in flight, once this hand-off is written (so that it
@@ -619,8 +701,8 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             // once the reports already on their way are in (a refused one is handed off first).
             Err(PublishError::Rejected(rejection)) if !rejection.permanent => {
                 self.give_up(format!(
-                    "the producer did not take event {event_id}: {}",
-                    rejection.reason
+                    "the producer did not take event {}: {}",
+                    pending.event_id, rejection.reason
                 ));
                 Ok(())
             }
@@ -628,14 +710,23 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         }
     }
 
+    /// Holds `topic` (see [`TopicHolds`]), once per refusal.
+    fn hold_topic(&mut self, topic: &str, reason: &str) {
+        let now = tokio::time::Instant::now();
+        if !self.topic_holds.is_held(topic, now) {
+            let hold = self.topic_holds.hold(topic, now);
+            tracing::warn!(%topic, ?hold, error = %reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
+        }
+    }
+
     /// A delivery report arrived for the event handed to the producer as `produced`.
-    fn delivery_reported(&mut self, produced: u64) {
-        self.outstanding.remove(&produced);
+    fn delivery_reported(&mut self, produced: u64) -> Option<Outstanding> {
+        self.outstanding.remove(&produced)
     }
 
     /// When the longest-waiting event still without a delivery report was handed to the producer.
     fn oldest_outstanding(&self) -> Option<tokio::time::Instant> {
-        self.outstanding.first_key_value().map(|(_, at)| *at)
+        self.outstanding.first_key_value().map(|(_, o)| o.since)
     }
 
     /// Gives this session's deliveries up: the producer fails at once whatever it still holds (so nothing
@@ -650,12 +741,13 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
 
     /// Deliveries that failed after the producer accepted them. Under the gap-less guarantee nothing after
     /// a failed event in its partition was written, so re-sending from the slot keeps every aggregate's
-    /// order; an event the broker refused for good (too large, not authorised, invalid) would only be
-    /// refused again, so it goes to the polling path first (its aggregate waits behind it there), and a
+    /// order. An event the broker refused for good (too large, not authorised, invalid, or refused with a
+    /// batch-mate that was) would only be refused again: it is owed to the polling path, which the next
+    /// session hands it to when the slot sends it again (with the rest of its aggregate, see `owed`); a
     /// topic refused outright is held (see [`TopicHolds`]).
     fn undelivered(&mut self, deliveries: Vec<Delivery<CdcTag>>) -> Result<()> {
         for delivery in deliveries {
-            self.delivery_reported(delivery.tag.produced);
+            let outstanding = self.delivery_reported(delivery.tag.produced);
             let Err(rejection) = delivery.result else {
                 continue;
             };
@@ -674,129 +766,95 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 ));
                 continue;
             }
-            tracing::warn!(event_id = %delivery.event_id, error = %rejection.reason, "event refused by the broker after the producer accepted it; handing it and its aggregate to the polling path");
+            tracing::warn!(event_id = %delivery.event_id, error = %rejection.reason, "event refused by the broker after the producer accepted it; the next session hands it and its aggregate to the polling path");
             if let (true, Some(topic)) = (rejection.topic_wide, &rejection.topic) {
-                let now = tokio::time::Instant::now();
-                // Once per refusal, not once per event refused with it (all were in flight already).
-                if !self.topic_holds.is_held(topic, now) {
-                    let hold = self.topic_holds.hold(topic, now);
-                    tracing::warn!(%topic, ?hold, error = %rejection.reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
+                self.hold_topic(&topic.clone(), &rejection.reason);
+            }
+            match outstanding {
+                Some(outstanding) => self.owed.owe(delivery.event_id, outstanding.aggregate()),
+                None => {
+                    return Err(Error::bug(format!(
+                        "a delivery report of event {} that was not on its way",
+                        delivery.event_id
+                    )))
                 }
             }
-            let placeholder = placeholder_event(&delivery.event_id.to_string());
-            let reason = if rejection.topic_wide {
-                HandOffReason::TopicRefused
-            } else {
-                HandOffReason::Refused
-            };
-            self.hand_off_sized(
-                delivery.tag,
-                &placeholder,
-                delivery.event_id,
-                delivery.bytes,
-                reason,
-            )?;
         }
         Ok(())
     }
 
-    fn hand_off(
-        &mut self,
-        tag: CdcTag,
-        event: &OutboxEvent,
-        event_id: Uuid,
-        reason: HandOffReason,
-    ) -> Result<()> {
-        self.hand_off_sized(tag, event, event_id, event.size_bytes(), reason)
-    }
-
-    /// `bytes`: what the event counts against the in-flight window.
-    fn hand_off_sized(
-        &mut self,
-        tag: CdcTag,
-        event: &OutboxEvent,
-        event_id: Uuid,
-        bytes: usize,
-        reason: HandOffReason,
-    ) -> Result<()> {
+    /// Hands one event to the polling path: its `handoff_at` is written by the backfill task (or the row
+    /// written back, should it be gone).
+    fn hand_off(&mut self, pending: Pending, reason: HandOffReason) -> Result<()> {
         let tag = CdcTag {
             hand_off: true,
-            ..tag
+            ..pending.tag
         };
         let item = Delivery {
             tag,
-            event_id,
-            bytes,
+            event_id: pending.event_id,
+            bytes: pending.event.size_bytes(),
             result: Ok(()),
         };
         self.hand_offs.send(item).map_err(|_| Error::Kafka {
             message: "the backfill task stopped".into(),
             transient: true,
         })?;
+        self.owed.met(&pending.event_id);
         self.hand_offs_in_flight += 1;
         self.handed_off += 1;
         self.hand_offs_unwritten.insert(
-            event_id,
+            pending.event_id,
             HandedOff {
                 tag,
-                event: event.clone(),
+                row: pending.row,
                 reason,
-                bytes,
             },
         );
         Ok(())
     }
 
-    /// The backfill wrote (or tried to write) `handoff_at` for `handed_off`; `rowless` had no row left. A
-    /// blocked aggregate's event without a row is published from the stream now (possibly ahead of its
-    /// aggregate's earlier events, which is better than never); a refused or invalid one cannot be retried
-    /// or dead-lettered without its row, and is reported.
-    async fn publish_rowless_hand_offs(
+    /// The backfill wrote (or tried to write) `handoff_at` for `handed_off`; `rowless` had no row left
+    /// (deleted by their own transaction). Those are written back as they were inserted, already handed
+    /// off, before the backfill's report finishes them: the polling path retries, dead-letters and orders
+    /// them like any other row. A write-back that cannot be done ends the session with the fix.
+    async fn write_back_rowless_hand_offs(
         &mut self,
         handed_off: &[Uuid],
         rowless: &[Uuid],
     ) -> Result<()> {
         let rowless: HashSet<&Uuid> = rowless.iter().collect();
-        let mut rowless_events = Vec::new();
+        let mut by_table: BTreeMap<usize, Vec<(Uuid, HandedOff)>> = BTreeMap::new();
         for event_id in handed_off {
             if let Some(handed) = self.hand_offs_unwritten.remove(event_id) {
                 if rowless.contains(event_id) {
-                    rowless_events.push((*event_id, handed));
+                    by_table
+                        .entry(handed.tag.table)
+                        .or_default()
+                        .push((*event_id, handed));
                 }
             }
         }
-        for (event_id, handed) in rowless_events {
-            if handed.reason == HandOffReason::TopicRefused {
-                // Nothing can retry it but the stream, once the broker lets its topic be written: kept
-                // unfinished (the hand-off's finish is balanced here), so the slot stays before it.
-                self.start_event(handed.tag.txn, handed.bytes);
-                self.give_up(format!("event {event_id} has no row (deleted by its own transaction) and the broker refuses its topic: it stays unconfirmed and is re-sent from the slot"));
-                continue;
+        for (table, events) in by_table {
+            let rows: Vec<(Uuid, &RowImage)> = events.iter().map(|(id, h)| (*id, &h.row)).collect();
+            outbox::write_back_handed_off(
+                &mut self.sql,
+                &self.settings.database.tables[table],
+                &self.outbox_sql[table],
+                &rows,
+            )
+            .await?;
+            for (event_id, handed) in &events {
+                tracing::info!(%event_id, reason = ?handed.reason, "the row of an event handed to the polling path was deleted by its own transaction: wrote it back, handed off");
             }
-            if handed.reason != HandOffReason::Blocked {
-                tracing::error!(%event_id, reason = ?handed.reason, "event could not be published and its row was deleted by its own transaction: it cannot be retried or dead-lettered");
-                continue;
-            }
-            tracing::warn!(%event_id, aggregate_id = %handed.event.aggregate_id, "handed-off event has no row (deleted by its own transaction): publishing it from the stream, possibly ahead of earlier events of its aggregate");
-            let tag = CdcTag {
-                hand_off: false,
-                ..handed.tag
-            };
-            self.start_event(tag.txn, handed.event.size_bytes());
-            self.produce(tag, &handed.event, event_id).await?;
         }
         Ok(())
     }
 
     /// Hands held events of blocked aggregates to the polling path, in order.
-    fn hand_off_blocked(&mut self, events: &[Pending]) -> Result<()> {
+    fn hand_off_blocked(&mut self, events: Vec<Pending>) -> Result<()> {
         for pending in events {
-            self.hand_off(
-                pending.tag,
-                &pending.event,
-                pending.event_id,
-                HandOffReason::Blocked,
-            )?;
+            self.hand_off(pending, HandOffReason::Blocked)?;
         }
         Ok(())
     }
@@ -808,7 +866,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             events = parked.len(),
             "the window is full behind parked events: handing them to the polling path"
         );
-        self.hand_off_blocked(&parked)
+        self.hand_off_blocked(parked)
     }
 
     /// Lets the CDC path publish an aggregate again once the polling path has nothing of it left, then
@@ -851,6 +909,8 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             }
             pending.extend(aggregates.into_iter().map(|aggregate| (table, aggregate)));
         }
+        // Aggregates with events owed to the polling path stay blocked until the slot sent those again.
+        pending.extend(self.owed.aggregates().cloned());
         // Unblocked (or blocked again by a refusal among them): publish decides.
         for unblocked in self.gate.drained(&pending, &cut, &released) {
             self.publish(unblocked).await?;
@@ -863,7 +923,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         if self.replay_buffer.is_empty() {
             return Ok(());
         }
-        let mut states: HashMap<(usize, Uuid), bool> = HashMap::new();
+        let mut states: HashMap<(usize, Uuid), RowState> = HashMap::new();
         for (table, sql) in self.outbox_sql.iter().enumerate() {
             let ids: Vec<Uuid> = self
                 .replay_buffer
@@ -878,21 +938,27 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         }
         let mut marked_covered = 0;
         for pending in std::mem::take(&mut self.replay_buffer) {
+            let state = states.get(&(pending.tag.table, pending.event_id)).copied();
             // A row gone: a re-sent one was finished before (deleted after publishing, or by retention); a
             // replayed one may have been deleted by its own transaction and is published from the stream.
             // A re-sent row that exists unfinished lost its marks (a server restored from a snapshot taken
             // before they were written): it is published again.
-            let finished = states
-                .get(&(pending.tag.table, pending.event_id))
-                .copied()
-                .unwrap_or(pending.tag.resent);
-            let exists = states.contains_key(&(pending.tag.table, pending.event_id));
-            if finished || (!exists && self.covered_before(&pending)) {
+            let finished = state.map_or(pending.tag.resent, RowState::is_finished);
+            if state == Some(RowState::WaitingInPollingPath) {
+                // Handed off by an earlier session or leader, possibly after this session read the
+                // aggregates waiting in the polling path: its aggregate's later events wait behind it.
+                self.gate
+                    .block((pending.tag.table, aggregate_of(&pending.event)));
+            }
+            if finished || (state.is_none() && self.covered_before(&pending)) {
+                self.owed.met(&pending.event_id);
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
             } else if self.covered_before(&pending) {
                 self.mark_covered(pending)?;
                 marked_covered += 1;
+            } else if self.owed.is_owed(&pending.event_id) {
+                self.hand_off_owed(pending)?;
             } else if self
                 .gate
                 .is_blocked(pending.tag.table, || aggregate_of(&pending.event))
@@ -900,7 +966,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 // What waits in the polling path for this aggregate may be *later* than this replayed event
                 // (handed off by the session that failed to deliver it): parking it would publish it after
                 // them. The polling path orders it among them by position.
-                self.hand_off_blocked(std::slice::from_ref(&pending))?;
+                self.hand_off_blocked(vec![pending])?;
             } else {
                 self.publish(pending).await?;
             }
