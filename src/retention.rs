@@ -2,7 +2,9 @@
 //! loses them 1,000 rows per short transaction (or moves them to `--archive-table`, column by column name);
 //! a partitioned table loses whole range partitions whose upper bound is older than the window and that
 //! hold no unpublished row (DETACH, then DROP), which leaves no dead tuples behind. Never touches
-//! unpublished rows. With `publish = 'insert'` none of this is streamed by the slot.
+//! unpublished rows, nor rows the slot may still send (see [`SlotHorizon`]): a row the stream meets again
+//! without its row would be taken for one deleted by its own transaction and published again. With
+//! `publish = 'insert'` none of this is streamed by the slot.
 //!
 //! Every pass's outcome is counted in `/metrics` and written where `outboxd status` (another process) can
 //! read it from SQL: the `application_name` of one idle connection the sweeper keeps open,
@@ -17,6 +19,7 @@ use tokio_postgres::Client;
 
 use crate::config::Retention;
 use crate::error::{Error, Result};
+use crate::lsn::Lsn;
 use crate::pg::{self, slot};
 use crate::table::TableName;
 use crate::table::{OutboxTable, Role, TableSpec};
@@ -48,16 +51,22 @@ pub struct Sweeper {
 pub async fn run(sweeper: Sweeper) {
     let mut health = Health::default();
     let mut marker: Option<Client> = None;
+    let mut slot_horizon = SlotHorizon::default();
     let retention = &sweeper.retention;
     loop {
         let mut failed = false;
-        if let Err(error) = check_on_its_own(&sweeper).await {
+        let checked = match check_on_its_own(&sweeper).await {
+            Ok(()) => slot_horizon.judge(&sweeper).await,
+            Err(error) => Err(error),
+        };
+        if let Err(error) = &checked {
             tracing::error!(%error, "retention refused; nothing removed");
             crate::metrics::retention_failed();
             failed = true;
-        } else {
+        }
+        if let Ok(horizon) = checked {
             for table in &sweeper.tables {
-                match sweep_once(&sweeper.database_url, table.spec(), retention).await {
+                match sweep_once(&sweeper.database_url, table.spec(), retention, &horizon).await {
                     Ok(Removed {
                         rows: 0,
                         partitions,
@@ -93,6 +102,105 @@ async fn check_on_its_own(sweeper: &Sweeper) -> Result<()> {
     let client = pg::connect(&sweeper.database_url).await?;
     let tables = slot::inspect_all(&client, sweeper.tables.iter().map(OutboxTable::spec)).await?;
     check(&client, &tables, &sweeper.retention, &sweeper.publication).await
+}
+
+/// What the slot may still send, which retention keeps. Every pass samples the server's clock and WAL end;
+/// once the slot has confirmed past a sample's position, every row published before that sample's time was
+/// committed before it, and the slot never sends it again. Rows published since the newest such sample are
+/// kept (however old, should the slot lag: a polling fallback with the slot left behind, a stopped leader).
+/// Without a slot (or with a lost one, which is replaced by a slot that only hands off unpublished rows)
+/// nothing is kept back.
+#[derive(Debug, Default)]
+pub struct SlotHorizon {
+    /// (server time in seconds since the epoch, WAL end then), oldest first.
+    samples: std::collections::VecDeque<(f64, Lsn)>,
+    /// The time of the newest sample the slot passed.
+    passed: Option<f64>,
+}
+
+/// Most samples kept (a pass a minute: over a day); a slot lagging longer keeps the oldest bound.
+const MOST_SAMPLES: usize = 2_000;
+
+impl SlotHorizon {
+    /// Samples and reads the slot (see [`SlotHorizon`]).
+    async fn judge(&mut self, sweeper: &Sweeper) -> Result<Horizon> {
+        let client = pg::connect(&sweeper.database_url).await?;
+        let row = client
+            .query_one(
+                "SELECT EXTRACT(EPOCH FROM now())::float8, pg_current_wal_lsn()::text",
+                &[],
+            )
+            .await?;
+        let (now, wal_end): (f64, String) = (row.get(0), row.get(1));
+        let wal_end: Lsn = wal_end.parse().map_err(|_| {
+            Error::bug(format!(
+                "PostgreSQL answered an unexpected WAL position {wal_end:?}"
+            ))
+        })?;
+        let slot = slot::slot_state(&client, &sweeper.slot).await?;
+        let confirmed = match &slot {
+            Some(state) if state.wal_status.as_deref() != Some("lost") => {
+                Some(state.confirmed_flush().unwrap_or(Lsn::ZERO))
+            }
+            _ => None,
+        };
+        let horizon = self.horizon(now, wal_end, confirmed);
+        if let Some(confirmed) = confirmed {
+            for table in sweeper.tables.iter().filter(|t| t.polling) {
+                crate::pg::outbox::record_history_streamed(&client, table, confirmed).await?;
+            }
+        }
+        Ok(horizon)
+    }
+
+    /// The pure rule: `now` and `wal_end` sampled, `confirmed` the slot's position (`None`: no slot).
+    fn horizon(&mut self, now: f64, wal_end: Lsn, confirmed: Option<Lsn>) -> Horizon {
+        let Some(confirmed) = confirmed else {
+            self.samples.clear();
+            self.passed = None;
+            return Horizon::NO_SLOT;
+        };
+        self.samples.push_back((now, wal_end));
+        if self.samples.len() > MOST_SAMPLES {
+            self.samples.pop_back();
+        }
+        while let Some(&(at, position)) = self.samples.front() {
+            if position > confirmed {
+                break;
+            }
+            self.passed = Some(at);
+            self.samples.pop_front();
+        }
+        Horizon {
+            published_before: self.passed.unwrap_or(f64::NEG_INFINITY),
+            slot_confirmed: Some(confirmed),
+        }
+    }
+}
+
+/// What one retention pass may remove, by what the slot may still send.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Horizon {
+    /// Rows published before this (seconds since the epoch, on the server's clock) will not be sent again:
+    /// infinite without a slot, minus infinity while the slot has passed no sample yet.
+    pub published_before: f64,
+    /// The slot's confirmed position; `None` without a slot.
+    pub slot_confirmed: Option<Lsn>,
+}
+
+impl Horizon {
+    /// No slot: nothing is sent again.
+    pub const NO_SLOT: Horizon = Horizon {
+        published_before: f64::INFINITY,
+        slot_confirmed: None,
+    };
+
+    /// Whether rows marked published before outboxd ('-infinity') may go: no slot owes them (see
+    /// [`crate::pg::outbox::HistoryMark`]). Without a slot, a pending mark keeps them: the next slot hands
+    /// them to the polling path.
+    pub fn history_may_go(&self, mark: Option<crate::pg::outbox::HistoryMark>) -> bool {
+        mark.is_none_or(|mark| mark.streamed || mark.owed_by_none(self.slot_confirmed))
+    }
 }
 
 fn unix_now() -> u64 {
@@ -305,6 +413,7 @@ pub async fn sweep_once(
     database_url: &crate::pg::PgUrl,
     table: &TableSpec,
     retention: &Retention,
+    horizon: &Horizon,
 ) -> Result<Removed> {
     let client = pg::connect(database_url).await?;
     let table = &slot::inspect(&client, table).await?;
@@ -312,8 +421,9 @@ pub async fn sweep_once(
         tracing::warn!(table = %table.name, "--retention needs the published_at column to know what was published; nothing removed (run `outboxd migrate --add-polling-columns`)");
         return Ok(Removed::default());
     }
+    let history = horizon.history_may_go(crate::pg::outbox::history_mark(&client, table).await?);
     if table.partitioned && retention.archive_table.is_none() {
-        let partitions = drop_old_partitions(&client, table, retention).await?;
+        let partitions = drop_old_partitions(&client, table, retention, horizon, history).await?;
         return Ok(Removed {
             partitions,
             ..Removed::default()
@@ -324,7 +434,9 @@ pub async fn sweep_once(
     let pick = format!(
         "SELECT {id} FROM {t} WHERE published_at IS NOT NULL
            AND published_at < now() - make_interval(secs => $1::float8)
-         LIMIT $2 FOR UPDATE SKIP LOCKED"
+           AND {}
+         LIMIT $2 FOR UPDATE SKIP LOCKED",
+        may_go("$3", "$4")
     );
     let mut not_archived = Vec::new();
     let statement = match &retention.archive_table {
@@ -344,7 +456,12 @@ pub async fn sweep_once(
     let keep = retention.keep.as_secs_f64();
     let mut total = 0;
     loop {
-        let removed = client.execute(&statement, &[&keep, &BATCH]).await?;
+        let removed = client
+            .execute(
+                &statement,
+                &[&keep, &BATCH, &horizon.published_before, &history],
+            )
+            .await?;
         total += removed;
         if removed < BATCH as u64 {
             return Ok(Removed {
@@ -354,6 +471,16 @@ pub async fn sweep_once(
             });
         }
     }
+}
+
+/// SQL true for a published row the slot will not send again (see [`Horizon`]): published before
+/// `published_before` (a float8 parameter), or marked published before outboxd when `history` (a bool
+/// parameter) says those may go.
+fn may_go(published_before: &str, history: &str) -> String {
+    format!(
+        "CASE WHEN published_at = '-infinity' THEN {history}::bool
+              ELSE published_at < to_timestamp({published_before}::float8) END"
+    )
 }
 
 /// How rows are copied into the archive: by name, the archive's columns that the outbox table has too.
@@ -516,6 +643,8 @@ async fn drop_old_partitions(
     client: &Client,
     outbox: &OutboxTable,
     retention: &Retention,
+    horizon: &Horizon,
+    history: bool,
 ) -> Result<Vec<String>> {
     let table = &outbox.name;
     check_owner(client, table, table).await?;
@@ -552,16 +681,16 @@ async fn drop_old_partitions(
         }
         let unpublished: bool = client
             .query_one(
-                &format!("SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL)"),
-                &[],
+                &kept_rows(&partition),
+                &[&horizon.published_before, &history],
             )
             .await?
             .get(0);
         if unpublished {
-            tracing::warn!(%partition, "partition is past --retention but still holds unpublished rows; kept");
+            tracing::warn!(%partition, "partition is past --retention but still holds unpublished rows (or rows the slot may still send); kept");
             continue;
         }
-        match detach_and_drop_if_published(client, outbox, &partition).await {
+        match detach_and_drop_if_published(client, outbox, &partition, horizon, history).await {
             Ok(true) => dropped.push(partition),
             Ok(false) => {}
             // Checked above, so only when ownership changed in between.
@@ -596,6 +725,8 @@ async fn detach_and_drop_if_published(
     client: &Client,
     table: &OutboxTable,
     partition: &str,
+    horizon: &Horizon,
+    history: bool,
 ) -> Result<bool> {
     let parent = table.name.quoted();
     client
@@ -609,8 +740,8 @@ async fn detach_and_drop_if_published(
     }
     let written_since: bool = client
         .query_one(
-            &format!("SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL)"),
-            &[],
+            &kept_rows(&partition),
+            &[&horizon.published_before, &history],
         )
         .await?
         .get(0);
@@ -631,6 +762,14 @@ async fn detach_and_drop_if_published(
         ))
         .await?;
     Ok(true)
+}
+
+/// SQL: whether `partition` holds a row retention keeps: unpublished, or one the slot may still send.
+fn kept_rows(partition: &str) -> String {
+    format!(
+        "SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL OR NOT ({}))",
+        may_go("$1", "$2")
+    )
 }
 
 /// True when a LOCK TABLE succeeded; a lock timeout rolls back and says so (next pass), other errors
@@ -820,5 +959,50 @@ mod tests {
                 last_success: Some(30)
             }
         );
+    }
+
+    #[test]
+    fn rows_published_after_the_newest_sample_the_slot_passed_are_kept() {
+        let mut horizon = SlotHorizon::default();
+        // No slot: nothing is sent again.
+        assert_eq!(horizon.horizon(100.0, Lsn(1_000), None), Horizon::NO_SLOT);
+        // The slot has passed no sample yet: nothing published may go.
+        let first = horizon.horizon(200.0, Lsn(2_000), Some(Lsn(1_500)));
+        assert_eq!(first.published_before, f64::NEG_INFINITY);
+        // It passed the sample taken at 200 (WAL end 2,000) but not the one at 300.
+        let second = horizon.horizon(300.0, Lsn(3_000), Some(Lsn(2_500)));
+        assert_eq!(second.published_before, 200.0);
+        // A slot that stops confirming keeps the bound where it was.
+        assert_eq!(horizon.horizon(400.0, Lsn(4_000), Some(Lsn(2_500))).published_before, 200.0);
+        assert_eq!(horizon.horizon(500.0, Lsn(5_000), Some(Lsn(9_000))).published_before, 500.0);
+    }
+
+    #[test]
+    fn history_goes_once_no_slot_owes_it() {
+        use crate::pg::outbox::HistoryMark;
+        let pending = HistoryMark {
+            position: Lsn(1_000),
+            streamed: false,
+        };
+        let behind = Horizon {
+            published_before: 0.0,
+            slot_confirmed: Some(Lsn(900)),
+        };
+        let past = Horizon {
+            slot_confirmed: Some(Lsn(1_000)),
+            ..behind
+        };
+        assert!(Horizon::NO_SLOT.history_may_go(None));
+        assert!(!behind.history_may_go(Some(pending)));
+        assert!(past.history_may_go(Some(pending)));
+        // Without a slot a pending mark keeps them: the next slot hands them to the polling path.
+        assert!(!Horizon::NO_SLOT.history_may_go(Some(pending)));
+        let streamed = HistoryMark {
+            streamed: true,
+            ..pending
+        };
+        assert!(behind.history_may_go(Some(streamed)));
+        assert_eq!(HistoryMark::parse(&streamed.comment()), Some(streamed));
+        assert_eq!(HistoryMark::parse(&pending.comment()), Some(pending));
     }
 }

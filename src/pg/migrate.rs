@@ -10,6 +10,7 @@ use tokio_postgres::{Client, GenericClient};
 
 use crate::config::{DatabaseSettings, ExistingRows};
 use crate::error::{Error, Result};
+use crate::pg::outbox::HistoryMark;
 use crate::pg::slot;
 use crate::table::TableName;
 use crate::table::{OutboxTable, Role, TableSpec};
@@ -276,10 +277,11 @@ async fn run_concurrent(
 }
 
 /// Records, in the comment of `published_at`, the WAL position up to which rows were marked published before
-/// outboxd ('-infinity'): every such row committed before it. A slot lost before it had confirmed that
-/// position may not have streamed them all; the CDC path then hands them all to the polling path
-/// ([`crate::pg::outbox::republish_history_a_lost_slot_owed`]). A comment needs no grant to read.
-async fn mark_history(client: &mut Client, table: &OutboxTable) -> Result<()> {
+/// outboxd ('-infinity'): every such row committed before it. A slot lost or replaced before it had confirmed
+/// that position may not have streamed them all; the CDC path then hands them all to the polling path
+/// ([`crate::pg::outbox::republish_history_a_lost_slot_owed`]), and retention keeps them. Returns the mark,
+/// pending until [`record_history_streamed`] says no slot owes them. A comment needs no grant to read.
+async fn mark_history(client: &mut Client, table: &OutboxTable) -> Result<HistoryMark> {
     let position: String = client
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
         .await?
@@ -289,16 +291,63 @@ async fn mark_history(client: &mut Client, table: &OutboxTable) -> Result<()> {
             "PostgreSQL answered an unexpected WAL position {position:?}"
         ))
     })?;
+    let mark = HistoryMark {
+        position,
+        streamed: false,
+    };
+    write_history_mark(client, table, &mark).await?;
+    Ok(mark)
+}
+
+async fn write_history_mark(
+    client: &mut Client,
+    table: &OutboxTable,
+    mark: &HistoryMark,
+) -> Result<()> {
     run_locked(
         client,
         &table.name,
         &format!(
-            "COMMENT ON COLUMN {}.published_at IS '{}{position}'",
+            "COMMENT ON COLUMN {}.published_at IS '{}'",
             table.name.quoted(),
-            crate::pg::outbox::HISTORY_MARK
+            mark.comment()
         ),
     )
     .await
+}
+
+/// A pending history mark of `table` whose slot has confirmed past it (or that has no slot at all: nothing
+/// streams those rows, nothing owes them) is recorded as owed by none.
+async fn record_history_streamed(
+    client: &mut Client,
+    table: &OutboxTable,
+    slot: &str,
+) -> Result<()> {
+    let Some(mark) = crate::pg::outbox::history_mark(&*client, table).await? else {
+        return Ok(());
+    };
+    if mark.streamed {
+        return Ok(());
+    }
+    let owed = match slot::slot_state(client, slot).await? {
+        None => false,
+        Some(state) => {
+            state.wal_status.as_deref() == Some("lost")
+                || !mark.owed_by_none(state.confirmed_flush())
+        }
+    };
+    if !owed {
+        write_history_mark(
+            client,
+            table,
+            &HistoryMark {
+                streamed: true,
+                ..mark
+            },
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// Right after rows were marked published before outboxd: rows committed before that whose slot has not
@@ -507,11 +556,20 @@ async fn migrate_under_lock(
                 apply(client, &table, &rendered).await?;
             }
             if existing_rows == Some(ExistingRows::Published) {
-                mark_history(client, &table).await?;
-                if let Some(owed) = history_owed_by_slot(client, &settings.slot).await? {
-                    report
-                        .history_awaiting_slot
-                        .push((target.clone(), owed.0, owed.1));
+                let mark = mark_history(client, &table).await?;
+                match history_owed_by_slot(client, &settings.slot).await? {
+                    Some(owed) => {
+                        report
+                            .history_awaiting_slot
+                            .push((target.clone(), owed.0, owed.1))
+                    }
+                    None => {
+                        let streamed = HistoryMark {
+                            streamed: true,
+                            ..mark
+                        };
+                        write_history_mark(client, &table, &streamed).await?;
+                    }
                 }
             }
             client
@@ -523,7 +581,11 @@ async fn migrate_under_lock(
                 .await?;
             report.applied.push(format!("{target} {version:04}_{name}"));
         }
-        tables.push(slot::inspect(&*client, table.spec()).await?);
+        let table = slot::inspect(&*client, table.spec()).await?;
+        if table.polling {
+            record_history_streamed(client, &table, &settings.slot).await?;
+        }
+        tables.push(table);
     }
     report.publication_created = ensure_publication(client, &settings.publication, &tables).await?;
     Ok(report)

@@ -312,6 +312,15 @@ pub async fn hand_off_rows_older_than_slot(
         .await?;
     let mut marked = 0;
     for table in tables.iter().filter(|t| t.polling) {
+        // A slot created while an earlier one still owed the rows marked published before outboxd (replaced
+        // after a failover, or dropped) will never send them: they go to the polling path with the rest.
+        if history_mark(&tx, table)
+            .await?
+            .is_some_and(|mark| !mark.streamed)
+        {
+            let rows = republish_history(&tx, table).await?;
+            tracing::warn!(table = %table.name, rows, "a new slot: the rows marked published before outboxd may not all have been streamed by the slot it replaces; handed them all to the polling path (some are published again)");
+        }
         number_rows_without_position(&tx, table).await?;
         marked += tx
             .execute(
@@ -331,6 +340,112 @@ pub async fn hand_off_rows_older_than_slot(
 /// The start of `published_at`'s comment that records up to which WAL position rows were marked published
 /// before outboxd (`migrate --existing-rows published`), followed by that position.
 pub const HISTORY_MARK: &str = "outboxd: rows with published_at -infinity were marked published before outboxd, all committed before WAL ";
+/// Follows the position once no slot owes those rows any longer (the slot streamed past it, or there was
+/// none when they were marked).
+pub const HISTORY_STREAMED: &str = "; no slot owes them";
+
+/// The history mark of a table (see [`HISTORY_MARK`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryMark {
+    /// Every row marked '-infinity' committed before this WAL position.
+    pub position: crate::lsn::Lsn,
+    /// No slot owes them any longer: they are history for good.
+    pub streamed: bool,
+}
+
+impl HistoryMark {
+    /// Reads a `published_at` comment; `None` for any other comment.
+    pub fn parse(comment: &str) -> Option<Self> {
+        let rest = comment.strip_prefix(HISTORY_MARK)?;
+        let (position, streamed) = match rest.strip_suffix(HISTORY_STREAMED) {
+            Some(position) => (position, true),
+            None => (rest, false),
+        };
+        Some(HistoryMark {
+            position: position.parse().ok()?,
+            streamed,
+        })
+    }
+
+    /// The comment that records this mark.
+    pub fn comment(&self) -> String {
+        let streamed = if self.streamed { HISTORY_STREAMED } else { "" };
+        format!("{HISTORY_MARK}{}{streamed}", self.position)
+    }
+
+    /// Rows marked '-infinity' are owed to no slot whose confirmed position is `confirmed` (or none at all).
+    pub fn owed_by_none(&self, confirmed: Option<crate::lsn::Lsn>) -> bool {
+        self.streamed || confirmed.is_some_and(|confirmed| confirmed >= self.position)
+    }
+}
+
+/// The history mark of `table`, if it has one.
+pub async fn history_mark(
+    client: &impl GenericClient,
+    table: &OutboxTable,
+) -> Result<Option<HistoryMark>> {
+    let comment: Option<String> = client
+        .query_opt(
+            "SELECT col_description(to_regclass($1), a.attnum) FROM pg_attribute a
+             WHERE a.attrelid = to_regclass($1) AND a.attname = 'published_at'",
+            &[&table.name.quoted()],
+        )
+        .await?
+        .and_then(|row| row.get(0));
+    Ok(comment.as_deref().and_then(HistoryMark::parse))
+}
+
+/// Records that no slot owes `table`'s history any longer, once the slot's `confirmed` position passed it. A
+/// comment needs the table's owner: a role that is not is told once at debug level, and the mark stays
+/// pending (a slot created later then hands the history to the polling path again: duplicates, never a
+/// loss; `outboxd migrate` records it too).
+pub async fn record_history_streamed(
+    client: &Client,
+    table: &OutboxTable,
+    confirmed: crate::lsn::Lsn,
+) -> Result<()> {
+    let Some(mark) = history_mark(client, table).await? else {
+        return Ok(());
+    };
+    if mark.streamed || confirmed < mark.position {
+        return Ok(());
+    }
+    let streamed = HistoryMark {
+        streamed: true,
+        ..mark
+    };
+    let comment = format!(
+        "COMMENT ON COLUMN {}.published_at IS '{}'",
+        table.name.quoted(),
+        streamed.comment()
+    );
+    match client.batch_execute(&comment).await {
+        Ok(()) => {
+            tracing::info!(table = %table.name, position = %mark.position, "the slot streamed past the rows marked published before outboxd: recorded");
+            Ok(())
+        }
+        Err(error)
+            if error.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
+        {
+            tracing::debug!(table = %table.name, "cannot record that the slot streamed past the history (not the table's owner); `outboxd migrate` records it");
+            Ok(())
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Hands every '-infinity' row of `table` to the polling path (`published_at` NULL, `handoff_at` set).
+async fn republish_history(client: &impl GenericClient, table: &OutboxTable) -> Result<u64> {
+    Ok(client
+        .execute(
+            &format!(
+                "UPDATE {} SET published_at = NULL, handoff_at = now() WHERE published_at = '-infinity'",
+                table.name.quoted()
+            ),
+            &[],
+        )
+        .await?)
+}
 
 /// Called before a lost slot (`confirmed`: its last confirmed position) is replaced. Rows marked published
 /// before outboxd after that position may never have been streamed: every '-infinity' row of such a table is
@@ -343,30 +458,13 @@ pub async fn republish_history_a_lost_slot_owed(
 ) -> Result<u64> {
     let mut handed_off = 0;
     for table in tables.iter().filter(|t| t.polling) {
-        let comment: Option<String> = client
-            .query_one(
-                "SELECT col_description(to_regclass($1), a.attnum) FROM pg_attribute a
-                 WHERE a.attrelid = to_regclass($1) AND a.attname = 'published_at'",
-                &[&table.name.quoted()],
-            )
-            .await?
-            .get(0);
-        let marked_up_to = comment
-            .as_deref()
-            .and_then(|c| c.strip_prefix(HISTORY_MARK))
-            .and_then(|position| position.parse::<crate::lsn::Lsn>().ok());
-        if marked_up_to.is_none_or(|marked| marked <= confirmed) {
+        let Some(mark) = history_mark(client, table).await? else {
+            continue;
+        };
+        if mark.owed_by_none(Some(confirmed)) {
             continue;
         }
-        let rows = client
-            .execute(
-                &format!(
-                    "UPDATE {} SET published_at = NULL, handoff_at = now() WHERE published_at = '-infinity'",
-                    table.name.quoted()
-                ),
-                &[],
-            )
-            .await?;
+        let rows = republish_history(client, table).await?;
         tracing::warn!(table = %table.name, rows, "the lost slot had not streamed every row marked published before outboxd: handed them all to the polling path (some are published again)");
         handed_off += rows;
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::support::*;
 use outboxd::config::Retention;
-use outboxd::retention::sweep_once;
+use outboxd::retention::{sweep_once, Horizon};
 use outboxd::table::TableName;
 use outboxd::table::{TableSpec, TableStyle};
 
@@ -86,6 +86,7 @@ async fn an_existing_archive_needs_no_create_on_the_schema() {
         &url_of(&pg, ROLE),
         &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
+        &Horizon::NO_SLOT,
     )
     .await
     .unwrap_or_else(|error| panic!("one pass with README's grants: {error}"));
@@ -107,6 +108,7 @@ async fn a_missing_archive_that_cannot_be_created_names_the_grant() {
         &url_of(&pg, ROLE),
         &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
+        &Horizon::NO_SLOT,
     )
     .await
     .expect_err("the role may not create the archive")
@@ -143,6 +145,7 @@ async fn rows_are_archived_by_column_name() {
         &pg_url(&pg),
         &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
+        &Horizon::NO_SLOT,
     )
     .await
     .unwrap_or_else(|error| panic!("archive with reordered columns: {error}"));
@@ -169,6 +172,7 @@ async fn rows_are_archived_by_column_name() {
         &pg_url(&pg),
         &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
+        &Horizon::NO_SLOT,
     )
     .await
     .unwrap_or_else(|error| panic!("outbox table with a new column: {error}"));
@@ -195,6 +199,7 @@ async fn an_archive_without_a_required_column_is_a_clear_error() {
         &pg_url(&pg),
         &outbox("outbox_event"),
         &retention(Some("outbox_archive")),
+        &Horizon::NO_SLOT,
     )
     .await
     .expect_err("an archive without event_id")
@@ -282,10 +287,15 @@ fn pg_url(pg: &Postgres) -> outboxd::pg::PgUrl {
 async fn partition_drops_without_ownership_name_the_fix() {
     let (pg, client) = partitioned().await;
     create_role(&client, "outbox_p").await;
-    let error = sweep_once(&url_of(&pg, ROLE), &outbox("outbox_p"), &retention(None))
-        .await
-        .expect_err("the role does not own the partitions")
-        .to_string();
+    let error = sweep_once(
+        &url_of(&pg, ROLE),
+        &outbox("outbox_p"),
+        &retention(None),
+        &Horizon::NO_SLOT,
+    )
+    .await
+    .expect_err("the role does not own the partitions")
+    .to_string();
     assert!(
         error.contains("does not own") && error.contains("GRANT postgres TO keeper"),
         "the error names ownership and the fix: {error}"
@@ -322,9 +332,14 @@ async fn an_application_insert_with_lock_timeout_is_never_failed_by_retention() 
             let mut passes = 0u32;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 // A pass that gives way keeps the partition; errors end the test below.
-                sweep_once(&url, &outbox("outbox_p"), &retention(None))
-                    .await
-                    .map_err(|e| e.to_string())?;
+                sweep_once(
+                    &url,
+                    &outbox("outbox_p"),
+                    &retention(None),
+                    &Horizon::NO_SLOT,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
                 passes += 1;
             }
             Ok::<u32, String>(passes)
@@ -450,5 +465,59 @@ async fn retention_failures_show_in_metrics_and_status() {
     assert!(
         stdout.contains("retention") && !stdout.contains("retention failed"),
         "{stdout}"
+    );
+}
+
+/// Rows the polling path published while the slot stood still (its CDC leader down, or `auto` polling without
+/// replication) are still in the slot's stream: retention must not delete them before the slot confirmed past
+/// them, or the stream, meeting them without their rows, takes them for rows deleted by their own
+/// transaction and publishes them again (review finding #5: every one of them twice).
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_keeps_published_rows_a_lagging_slot_would_send_again() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    create_slot_then_stop(&url, &brokers, &client).await;
+    let (committed, _) = insert_events(&mut client, 0, 20, 5, 7, None).await;
+    let mut args = run_args(&url, &brokers);
+    args.extend_from_slice(&[
+        "--mode",
+        "poll",
+        "--retention",
+        "1s",
+        "--retention-interval",
+        "1s",
+    ]);
+    let mut poller = Outboxd::spawn(&args);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let published = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    wait_for_async(
+        "two retention passes with the rows past the window",
+        Duration::from_secs(60),
+        || async {
+            outboxd::retention::read_states(&client, "outboxd")
+                .await
+                .unwrap()
+                .iter()
+                .any(|h| h.last_success.is_some_and(|at| at >= published + 3))
+                .then_some(())
+        },
+    )
+    .await;
+    poller.kill();
+    let kept = count(&client, "SELECT count(*) FROM outbox_event").await;
+    let _cdc = Outboxd::spawn(&run_args(&url, &brokers));
+    let now = current_wal_lsn(&client).await;
+    wait_confirmed_past(&client, "outboxd", now, "the slot to catch up").await;
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &committed, &[]);
+    println!("{kept} rows kept by retention; {} duplicates", report.duplicates);
+    assert_eq!(report.missing, 0);
+    assert_eq!(
+        report.duplicates, 0,
+        "rows retention removed were published again by the slot"
     );
 }

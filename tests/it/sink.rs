@@ -434,6 +434,10 @@ async fn a_replayed_event_is_not_overtaken_by_later_events_of_its_aggregate_unde
         dead_count(&client).await.eq(&1).then_some(())
     })
     .await;
+    // Days later, a restarted outboxd streams: nothing of A waits in the polling path.
+    outboxd.stop().await.expect("clean stop");
+    let outboxd = InProcess::start(&pg, &broker, &retry);
+    wait_slot_active(&client, "outboxd").await;
     let table = outbox_event_table(&client).await;
     let mut operator = pg.client().await;
     let requeued = outboxd::pg::outbox::replay_dead(
