@@ -69,6 +69,38 @@ fn rejection_from(error: &KafkaError) -> Rejection {
     }
 }
 
+/// What a CreateTopics refusal of `topic` means. A refusal of this topic alone (InvalidTopic: a name Kafka
+/// does not allow, or one that collides with an existing topic's once '.' and '_' are taken for one;
+/// PolicyViolation: the broker's topic policy) is refused alike for every event bound there and for no
+/// other: a topic-wide, permanent [`Rejection`], which the pipelines retry and dead-letter like a topic the
+/// producer refuses. What every new topic would meet (partitions, replication factor, missing rights) stops
+/// outboxd for a person to fix; anything else (timeouts, a controller moving) is retried.
+fn creation_refused(topic: &str, code: RDKafkaErrorCode) -> PublishError {
+    match code {
+        RDKafkaErrorCode::InvalidTopic | RDKafkaErrorCode::PolicyViolation => {
+            PublishError::Rejected(Rejection {
+                reason: format!(
+                    "Kafka refuses to create topic {topic}: {code}; a name Kafka does not allow, or one that collides with an existing topic's ('.' and '_' count as one), or one the broker's topic policy refuses: fix the topic template (--topic), the aggregate type, or the topic it collides with"
+                ),
+                permanent: true,
+                producer_broken: false,
+                topic_wide: true,
+                topic: Some(topic.to_string()),
+            })
+        }
+        _ => PublishError::Failed(Error::Kafka {
+            message: format!("cannot create topic {topic}: {code}"),
+            transient: !matches!(
+                code,
+                RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::ClusterAuthorizationFailed
+                    | RDKafkaErrorCode::InvalidReplicationFactor
+                    | RDKafkaErrorCode::InvalidPartitions
+            ),
+        }),
+    }
+}
+
 /// The topic no longer exists (deleted while outboxd runs): it is forgotten, so that the next event bound for
 /// it creates it again (or, with --no-create-topics, stops outboxd naming it).
 fn topic_gone(error: &KafkaError) -> bool {
@@ -413,8 +445,9 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         })
     }
 
-    /// Makes sure `topic` exists: created on first use, or checked when topic creation is off.
-    async fn ensure_topic(&self, topic: &str) -> Result<()> {
+    /// Makes sure `topic` exists: created on first use, or checked when topic creation is off. A creation
+    /// refused for this topic alone is a [`PublishError::Rejected`] (see [`creation_refused`]).
+    async fn ensure_topic(&self, topic: &str) -> Result<(), PublishError> {
         if self
             .known_topics
             .lock()
@@ -434,9 +467,11 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 .admin
                 .create_topics([&new_topic], &options)
                 .await
-                .map_err(|e| Error::Kafka {
-                    message: format!("cannot create topic {topic}: {e}"),
-                    transient: true,
+                .map_err(|e| {
+                    PublishError::Failed(Error::Kafka {
+                        message: format!("cannot create topic {topic}: {e}"),
+                        transient: true,
+                    })
                 })?;
             for result in results {
                 match result {
@@ -451,30 +486,22 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                             code,
                             RDKafkaErrorCode::TopicAuthorizationFailed
                                 | RDKafkaErrorCode::ClusterAuthorizationFailed
-                        ) && self.topic_exists(topic).await? => {}
-                    Err((_, code)) => {
-                        return Err(Error::Kafka {
-                            message: format!("cannot create topic {topic}: {code}"),
-                            // Only what a person must fix is permanent; anything else (timeouts, a
-                            // controller moving, a concurrent creation) is retried.
-                            transient: !matches!(
-                                code,
-                                RDKafkaErrorCode::InvalidTopic
-                                    | RDKafkaErrorCode::TopicAuthorizationFailed
-                                    | RDKafkaErrorCode::ClusterAuthorizationFailed
-                                    | RDKafkaErrorCode::PolicyViolation
-                                    | RDKafkaErrorCode::InvalidReplicationFactor
-                                    | RDKafkaErrorCode::InvalidPartitions
-                            ),
-                        });
-                    }
+                        ) && self
+                            .topic_exists(topic)
+                            .await
+                            .map_err(PublishError::Failed)? => {}
+                    Err((_, code)) => return Err(creation_refused(topic, code)),
                 }
             }
-        } else if !self.topic_exists(topic).await? {
-            return Err(Error::setup(
+        } else if !self
+            .topic_exists(topic)
+            .await
+            .map_err(PublishError::Failed)?
+        {
+            return Err(PublishError::Failed(Error::setup(
                 format!("Kafka topic {topic} does not exist and --no-create-topics is set"),
                 format!("create topic {topic}, or drop --no-create-topics so outboxd creates it"),
-            ));
+            )));
         }
         if let Ok(mut known) = self.known_topics.lock() {
             known.insert(topic.to_string());
@@ -580,7 +607,14 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
     ) -> Result<(), PublishError> {
         self.ensure_topic(topic)
             .await
-            .map_err(PublishError::Failed)?;
+            .map_err(|error| match error {
+                // Named for the log line and the error that stops outboxd on a table without polling columns.
+                PublishError::Rejected(rejection) => PublishError::Rejected(Rejection {
+                    reason: format!("event {event_id}: {}", rejection.reason),
+                    ..rejection
+                }),
+                failed => failed,
+            })?;
         let parts = self.format.parts(table, event, self.event_id_header, error);
         let mut headers = OwnedHeaders::new_with_capacity(parts.headers.len());
         for (key, value) in &parts.headers {
@@ -692,6 +726,45 @@ mod tests {
             config.set("debug", user);
             enforce_delivery_guarantees(&mut config);
             assert_eq!(config.get("debug"), Some(expected), "debug={user}");
+        }
+    }
+
+    #[test]
+    fn a_creation_refused_for_the_topic_alone_is_a_topic_wide_refusal() {
+        for code in [
+            RDKafkaErrorCode::InvalidTopic,
+            RDKafkaErrorCode::PolicyViolation,
+        ] {
+            let PublishError::Rejected(rejection) = creation_refused("outbox.Order.Line", code)
+            else {
+                panic!("{code:?} stops outboxd instead of refusing the topic's events");
+            };
+            assert!(
+                rejection.permanent && rejection.topic_wide && !rejection.producer_broken,
+                "{rejection:?}"
+            );
+            assert_eq!(rejection.topic.as_deref(), Some("outbox.Order.Line"));
+            assert!(
+                rejection.reason.contains("outbox.Order.Line"),
+                "{rejection:?}"
+            );
+        }
+        for (code, transient) in [
+            (RDKafkaErrorCode::TopicAuthorizationFailed, false),
+            (RDKafkaErrorCode::ClusterAuthorizationFailed, false),
+            (RDKafkaErrorCode::InvalidReplicationFactor, false),
+            (RDKafkaErrorCode::InvalidPartitions, false),
+            (RDKafkaErrorCode::RequestTimedOut, true),
+            (RDKafkaErrorCode::NotController, true),
+        ] {
+            match creation_refused("outbox.Order", code) {
+                PublishError::Failed(error) => {
+                    assert_eq!(error.is_transient(), transient, "{code:?}: {error}")
+                }
+                PublishError::Rejected(rejection) => {
+                    panic!("{code:?} is not the topic's alone: {rejection:?}")
+                }
+            }
         }
     }
 

@@ -16,6 +16,9 @@ use crate::lsn::Lsn;
 /// far less than this.
 const COMMIT_TIME_SLACK_MICROS: i64 = 1_000_000;
 
+/// `--progress-topic` when it is not given.
+pub const DEFAULT_PROGRESS_TOPIC: &str = "outboxd.progress";
+
 /// Where in the stream an event was decoded: its transaction and its place among that transaction's
 /// outbox rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,9 +46,20 @@ impl ProgressKey {
         format!("{}/{}", self.system_id, self.slot)
     }
 
-    /// The producer's `transactional.id`: stable per slot, so that a new leader fences a paused old one.
-    pub fn transactional_id(&self) -> String {
-        format!("outboxd-{}-{}", self.system_id, self.slot)
+    /// The producer's `transactional.id` for progress records written to `progress_topic`: stable per slot
+    /// and progress topic, so that a new leader fences a paused old one, while a clone of the database
+    /// (the same system identifier and slot name) given a progress topic of its own does not fence this
+    /// one's producer, nor this one its.
+    ///
+    /// On the default topic it is `outboxd-<system id>-<slot>`, the id of earlier versions (a rolling
+    /// upgrade still fences the previous leader); on another topic `outboxd-<system id>-<slot>-<topic>`.
+    /// A slot name has no `-` and a system identifier is digits, so no two (slot, topic) pairs share an id.
+    pub fn transactional_id(&self, progress_topic: &str) -> String {
+        if progress_topic == DEFAULT_PROGRESS_TOPIC {
+            format!("outboxd-{}-{}", self.system_id, self.slot)
+        } else {
+            format!("outboxd-{}-{}-{progress_topic}", self.system_id, self.slot)
+        }
     }
 }
 
@@ -293,8 +307,24 @@ mod tests {
 
     #[test]
     fn the_transactional_id_is_the_same_for_every_instance_of_a_slot() {
-        assert_eq!(key().transactional_id(), "outboxd-7311-outboxd");
+        assert_eq!(
+            key().transactional_id(DEFAULT_PROGRESS_TOPIC),
+            "outboxd-7311-outboxd",
+            "on the default progress topic: the id of earlier versions (a rolling upgrade fences the old leader)"
+        );
         assert_eq!(key().record_key(), "7311/outboxd");
+    }
+
+    #[test]
+    fn a_progress_topic_of_its_own_gives_a_transactional_id_of_its_own() {
+        let on_own_topic = key().transactional_id("clone.progress");
+        assert_eq!(on_own_topic, "outboxd-7311-outboxd-clone.progress");
+        assert_ne!(on_own_topic, key().transactional_id(DEFAULT_PROGRESS_TOPIC));
+        assert_ne!(on_own_topic, key().transactional_id("other-progress"));
+        assert_ne!(
+            key().transactional_id("outboxd.progress-x"),
+            key().transactional_id(DEFAULT_PROGRESS_TOPIC)
+        );
     }
 
     #[test]

@@ -293,13 +293,13 @@ impl Options {
             .find(|(key, _)| key == "transactional.id" || key == "enable.idempotence")
         {
             return Err(invalid(format!(
-                "--kafka-option {key} cannot be set with --delivery exactly-once: outboxd derives the transactional id from the slot (so that a new leader fences the old one) and needs idempotence; remove the option"
+                "--kafka-option {key} cannot be set with --delivery exactly-once: outboxd derives the transactional id from the slot and the progress topic (so that a new leader fences the old one) and needs idempotence; remove the option"
             )));
         }
         let progress_topic = self
             .progress_topic
             .clone()
-            .unwrap_or_else(|| "outboxd.progress".into());
+            .unwrap_or_else(|| crate::progress::DEFAULT_PROGRESS_TOPIC.into());
         if progress_topic.is_empty()
             || progress_topic.len() > 249
             || !progress_topic

@@ -1,7 +1,7 @@
 //! Exactly-once delivery on the Kafka side: a transactional producer whose `transactional.id` is derived
-//! from the slot (a new leader fences a paused old one), Kafka transactions that each carry a progress record
-//! (see `progress`) to a compacted progress topic, and the read of the last committed record at start-up
-//! (`read_committed`).
+//! from the slot and the progress topic (a new leader fences a paused old one), Kafka transactions that
+//! each carry a progress record (see `progress`) to a compacted progress topic, and the read of the last
+//! committed record at start-up (`read_committed`).
 //!
 //! Acknowledgements are held back until their Kafka transaction commits: only then does the pipeline write
 //! `published_at` and confirm the slot. A failed delivery is reported at once (it will abort the
@@ -37,6 +37,8 @@ const REPORTS_TIMEOUT: Duration = Duration::from_secs(5);
 /// The transactional producer's own settings.
 pub(super) struct Transactions {
     progress_topic: String,
+    /// The producer's `transactional.id` (see `ProgressKey::transactional_id`).
+    transactional_id: String,
     replication_factor: i32,
     /// The progress reader's configuration: the brokers and `--kafka-option` (credentials, TLS).
     reader: ClientConfig,
@@ -132,10 +134,13 @@ impl<T> DeliveryContext<T> {
 /// The producer configuration of exactly-once: outboxd's guarantees plus the transactional id. librdkafka
 /// derives the message timeout from `transaction.timeout.ms` (a message that times out aborts the whole
 /// transaction, so nothing after it becomes visible).
-fn transactional_config<Tables>(settings: &RunSettings<Tables>, key: &ProgressKey) -> ClientConfig {
+fn transactional_config<Tables>(
+    settings: &RunSettings<Tables>,
+    transactional_id: &str,
+) -> ClientConfig {
     let mut config = producer_config(settings);
     config
-        .set("transactional.id", key.transactional_id())
+        .set("transactional.id", transactional_id)
         .remove("message.timeout.ms");
     config
 }
@@ -164,7 +169,7 @@ fn transaction_rejection(error: &KafkaError) -> Rejection {
         return Rejection {
             permanent: true,
             ..Rejection::transient(format!(
-                "the broker refuses outboxd's Kafka transaction ({error}): grant the principal WRITE on the progress topic (--progress-topic) and on the outbox topics, and WRITE and DESCRIBE on its TransactionalId (outboxd-<system id>-<slot>)"
+                "the broker refuses outboxd's Kafka transaction ({error}): grant the principal WRITE on the progress topic (--progress-topic) and on the outbox topics, and WRITE and DESCRIBE on its TransactionalId (outboxd-<system id>-<slot>, with -<progress topic> when --progress-topic is not the default)"
             ))
         };
     }
@@ -188,11 +193,11 @@ fn transaction_rejection(error: &KafkaError) -> Rejection {
 }
 
 /// The start-up error of a transactional call, naming the fix where a person must act.
-fn start_error(what: &str, error: KafkaError, key: &ProgressKey) -> Error {
+fn start_error(what: &str, error: KafkaError, transactional_id: &str) -> Error {
     match error.rdkafka_error_code() {
         Some(RDKafkaErrorCode::TransactionalIdAuthorizationFailed) => Error::setup(
-            format!("the broker does not let outboxd use transactional id {} ({error})", key.transactional_id()),
-            format!("grant the principal WRITE and DESCRIBE on TransactionalId {} (or a prefixed ACL on outboxd-), or drop --delivery exactly-once", key.transactional_id()),
+            format!("the broker does not let outboxd use transactional id {transactional_id} ({error})"),
+            format!("grant the principal WRITE and DESCRIBE on TransactionalId {transactional_id} (or a prefixed ACL on outboxd-), or drop --delivery exactly-once"),
         ),
         Some(RDKafkaErrorCode::InvalidTransactionTimeout) => Error::setup(
             format!("the broker refuses the transaction timeout ({error})"),
@@ -218,13 +223,15 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 "a transactional producer was asked for without --delivery exactly-once",
             ));
         };
+        let transactional_id = key.transactional_id(&exactly_once.progress_topic);
         Self::with_config(
             settings,
-            transactional_config(settings, key),
+            transactional_config(settings, &transactional_id),
             known_topics,
             deliveries,
             Some(Transactions {
                 progress_topic: exactly_once.progress_topic.clone(),
+                transactional_id,
                 replication_factor: settings.kafka.topic_replication_factor.unwrap_or(-1),
                 reader: reader_config(settings),
             }),
@@ -240,7 +247,13 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         let producer = self.producer.clone();
         blocking(move || producer.init_transactions(START_TIMEOUT))
             .await?
-            .map_err(|e| start_error("cannot initialise Kafka transactions", e, key))?;
+            .map_err(|e| {
+                start_error(
+                    "cannot initialise Kafka transactions",
+                    e,
+                    &transactions.transactional_id,
+                )
+            })?;
         self.ensure_progress_topic(transactions).await?;
         let config = transactions.reader.clone();
         let (topic, record_key) = (transactions.progress_topic.clone(), key.record_key());
@@ -258,7 +271,13 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         let producer = self.producer.clone();
         blocking(move || producer.begin_transaction())
             .await?
-            .map_err(|e| start_error("cannot begin a Kafka transaction", e, key))?;
+            .map_err(|e| {
+                start_error(
+                    "cannot begin a Kafka transaction",
+                    e,
+                    &transactions.transactional_id,
+                )
+            })?;
         Ok(progress)
     }
 

@@ -1,6 +1,7 @@
 //! `--delivery exactly-once` on Apache Kafka: a `read_committed` reader sees every committed event once,
 //! through SIGKILLs at random moments, where the same run at least once shows duplicates (so the test can
-//! tell the two apart); and a frozen leader cannot make anything visible twice after a standby took over.
+//! tell the two apart); a frozen leader cannot make anything visible twice after a standby took over; and a
+//! clone of the database with a progress topic of its own neither fences nor is fenced.
 
 use std::time::Duration;
 
@@ -327,6 +328,76 @@ async fn a_frozen_leader_is_fenced_by_the_standby_and_nothing_becomes_visible_tw
         fenced,
         "the woken leader did not try to commit what it held (the test did not test the fencing)"
     );
+}
+
+/// A clone of the database (a cold copy: the same system identifier) streamed through a slot of the same name
+/// by an outboxd of its own, given its own `--progress-topic` as README advises: the two use Kafka
+/// transactions of their own, so neither fences the other (with one transactional id for both, each
+/// session's start fenced the other's producer, whose next commit failed, and so on), and each publishes
+/// its database's events once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clone_with_its_own_progress_topic_is_not_fenced_and_fences_nothing() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    pg.stop();
+    let clone = pg.cold_copy();
+    pg.start_again();
+    clone.start_again();
+    let (url, clone_url) = (pg.url(), clone.url());
+    let original = Outboxd::spawn(&args(&url, &brokers, true));
+    let mut clone_args = args(&clone_url, &brokers, true);
+    clone_args.extend(["--progress-topic", "clone.progress"]);
+    let cloned = Outboxd::spawn(&clone_args);
+    wait_transactions_ready(&original);
+    wait_transactions_ready(&cloned);
+    let (mut client, mut clone_client) = (pg.client().await, clone.client().await);
+    let (mut committed, mut clone_committed) = (Vec::new(), Vec::new());
+    for round in 0..4 {
+        committed.extend(
+            insert_events(&mut client, round * 10, 10, 5, 5, None)
+                .await
+                .0,
+        );
+        clone_committed.extend(
+            insert_events(&mut clone_client, round * 10, 10, 5, 5, None)
+                .await
+                .0,
+        );
+        wait_all_published(&client, READ_BACK_TIMEOUT).await;
+        wait_all_published(&clone_client, READ_BACK_TIMEOUT).await;
+    }
+    let records = consume_all(
+        &brokers,
+        &[TOPIC],
+        committed.len() + clone_committed.len(),
+        Duration::from_secs(60),
+    );
+    for (who, outboxd, events) in [
+        ("original", &original, &committed),
+        ("clone", &cloned, &clone_committed),
+    ] {
+        let log = outboxd.log_text();
+        assert!(
+            !log.contains("fenced"),
+            "the {who}'s producer was fenced by the other instance:\n{log}"
+        );
+        assert_eq!(
+            log.matches("replication session ended; reconnecting")
+                .count(),
+            0,
+            "the {who}'s session restarted:\n{log}"
+        );
+        let report = check_delivery(&records, events, &[]);
+        assert_eq!(
+            report.missing, 0,
+            "{who}: committed events missing: {report:?}"
+        );
+        assert_eq!(
+            report.order_violations, 0,
+            "{who}: per-aggregate order violated"
+        );
+        assert_eq!(report.duplicates, 0, "duplicates: {report:?}");
+    }
 }
 
 /// Broker failovers during commits: a 3-node cluster (replication factor 3, `min.insync.replicas=2`, the

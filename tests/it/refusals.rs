@@ -2,7 +2,9 @@
 //! topic's `max.message.bytes` (refused by the broker, not by librdkafka), a batch refused whole because of
 //! one such record, and a topic deleted while outboxd runs. Each must take the road of a refusal at
 //! hand-over (retried, dead-lettered after --max-attempts, later events of its aggregate after it, other
-//! aggregates flowing) without restarting the stream more than a few times.
+//! aggregates flowing) without restarting the stream more than a few times. And a topic Kafka refuses to
+//! create (its name collides with an existing one's), refused before the producer takes the event: the same
+//! road, not a stop.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -486,4 +488,177 @@ async fn an_aborted_transaction_never_lets_a_later_batch_mate_overtake_under_exa
         reordered.is_empty(),
         "aggregates whose e2 a read_committed reader saw before e1 (or missing): {reordered:?}\n{log}"
     );
+}
+
+/// One event of `aggregate_type` and `aggregate`, committed on its own.
+async fn insert_typed(
+    client: &tokio_postgres::Client,
+    aggregate_type: &str,
+    aggregate: &str,
+) -> uuid::Uuid {
+    let id = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, $2, $3, 'E', '{}')",
+            &[&id, &aggregate_type, &aggregate],
+        )
+        .await
+        .unwrap();
+    id
+}
+
+/// Waits until every row is published or dead-lettered, failing at once when outboxd exits meanwhile.
+async fn wait_settled_while_running(client: &tokio_postgres::Client, outboxd: &mut Outboxd) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(status) = outboxd.try_wait() {
+            panic!(
+                "outboxd exited ({status}) instead of dead-lettering:\n{}",
+                outboxd.log_text()
+            );
+        }
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND dead_at IS NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting == 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rows still waiting after 120 s:\n{}",
+            outboxd.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Aggregate types `Order Line` and `Order.Line` give topics `outbox.Order_Line` and `outbox.Order.Line`, which
+/// Kafka takes for one name ('.' and '_' collide): once the first exists, the second cannot be created.
+/// Its events are retried and dead-lettered (into the dead-letter topic too), while outboxd keeps running and
+/// every other topic flows, `outbox.Order_Line` included.
+async fn a_topic_kafka_refuses_to_create_is_dead_lettered_while_others_flow(
+    mode: &[&str],
+) -> String {
+    const DEAD_LETTERS: &str = "outbox.dead";
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = run_args(&url, &brokers);
+    args.extend_from_slice(mode);
+    args.extend_from_slice(QUICK_DEAD_LETTERS);
+    args.extend(["--dead-letter-topic", DEAD_LETTERS]);
+    let mut outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    if mode.is_empty() {
+        wait_slot_active(&client, "outboxd").await;
+    }
+    let line = insert_typed(&client, "Order Line", "l1").await;
+    wait_for_async(
+        "the first Order Line event to be published (its topic created)",
+        Duration::from_secs(60),
+        || async { (unpublished(&client).await == 0).then_some(()) },
+    )
+    .await;
+
+    let colliding = [
+        insert_typed(&client, "Order.Line", "c1").await,
+        insert_typed(&client, "Order.Line", "c1").await,
+        insert_typed(&client, "Order.Line", "c2").await,
+    ];
+    let (committed, rolled_back) = insert_events(&mut client, 0, 10, 4, 5, Some(7)).await;
+    let line_after = insert_typed(&client, "Order Line", "l1").await;
+    wait_settled_while_running(&client, &mut outboxd).await;
+    let log = outboxd.log_text();
+
+    for id in colliding {
+        assert!(
+            dead_at(&client, id).await.is_some(),
+            "an event of the topic Kafka refuses to create was not dead-lettered:\n{log}"
+        );
+        assert_eq!(
+            attempts_of(&client, id).await,
+            2,
+            "tried --max-attempts times before it died"
+        );
+    }
+    assert_eq!(dead_count(&client).await, colliding.len() as i64, "{log}");
+    verify_delivery(&brokers, &committed, &rolled_back, 60, "the other topic");
+    let lines = consume_all(&brokers, &["outbox.Order_Line"], 2, Duration::from_secs(60));
+    assert_eq!(
+        first_occurrences(&lines, "l1"),
+        [line.to_string(), line_after.to_string()],
+        "the topic it collides with flows"
+    );
+    let dead_letters = consume_all(
+        &brokers,
+        &[DEAD_LETTERS],
+        colliding.len(),
+        Duration::from_secs(60),
+    );
+    for id in colliding {
+        let record = dead_letters
+            .iter()
+            .find(|r| r.headers["event_id"] == id.to_string())
+            .unwrap_or_else(|| panic!("event {id} is not in the dead-letter topic:\n{log}"));
+        assert!(
+            record.headers["error"].contains("outbox.Order.Line"),
+            "{:?}",
+            record.headers
+        );
+    }
+    assert!(outboxd.try_wait().is_none(), "outboxd stopped:\n{log}");
+    log
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_kafka_refuses_to_create_is_dead_lettered_by_the_stream_while_others_flow() {
+    let log = a_topic_kafka_refuses_to_create_is_dead_lettered_while_others_flow(&[]).await;
+    println!("{log}");
+    assert_few_restarts(&log, "a topic Kafka refuses to create");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_kafka_refuses_to_create_is_dead_lettered_when_polling_while_others_flow() {
+    a_topic_kafka_refuses_to_create_is_dead_lettered_while_others_flow(&["--mode", "poll"]).await;
+}
+
+/// On a table without polling columns nothing can retry or dead-letter such an event: outboxd stops, naming
+/// the event, the topic and what to fix.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_kafka_refuses_to_create_stops_outboxd_on_a_table_without_polling_columns() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let client = pg.client().await;
+    client.batch_execute(CDC_ONLY_TABLE).await.unwrap();
+    let (url, brokers) = (pg.url(), broker.addr());
+    migrate_with(&url, &[]);
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    insert_typed(&client, "Order Line", "l1").await;
+    wait_for(
+        "topic outbox.Order_Line to be created",
+        Duration::from_secs(60),
+        || {
+            outboxd
+                .log_text()
+                .contains("outbox.Order_Line")
+                .then_some(())
+        },
+    );
+    let colliding = insert_typed(&client, "Order.Line", "c1").await;
+    let status = outboxd.wait_exit();
+    let log = outboxd.log_text();
+    assert!(!status.success(), "{log}");
+    for expected in [
+        colliding.to_string().as_str(),
+        "outbox.Order.Line",
+        "--topic",
+    ] {
+        assert!(log.contains(expected), "{expected:?} in:\n{log}");
+    }
 }

@@ -312,7 +312,7 @@ impl<K: Sinks> CdcPipeline<K> {
             }
         });
         let took = asked.elapsed();
-        let transactional_id = key.transactional_id();
+        let transactional_id = key.transactional_id(&eos.progress_topic);
         match &committed {
             Some(progress) => {
                 tracing::info!(%transactional_id, commit_lsn = %progress.commit_lsn, events_included = ?progress.events_included, ?took, "exactly-once: Kafka transactions ready; events up to the last committed one are not produced again")
