@@ -740,7 +740,7 @@ async fn detach_and_drop_if_published(
     }
     let written_since: bool = client
         .query_one(
-            &kept_rows(&partition),
+            &kept_rows(partition),
             &[&horizon.published_before, &history],
         )
         .await?
@@ -973,8 +973,18 @@ mod tests {
         let second = horizon.horizon(300.0, Lsn(3_000), Some(Lsn(2_500)));
         assert_eq!(second.published_before, 200.0);
         // A slot that stops confirming keeps the bound where it was.
-        assert_eq!(horizon.horizon(400.0, Lsn(4_000), Some(Lsn(2_500))).published_before, 200.0);
-        assert_eq!(horizon.horizon(500.0, Lsn(5_000), Some(Lsn(9_000))).published_before, 500.0);
+        assert_eq!(
+            horizon
+                .horizon(400.0, Lsn(4_000), Some(Lsn(2_500)))
+                .published_before,
+            200.0
+        );
+        assert_eq!(
+            horizon
+                .horizon(500.0, Lsn(5_000), Some(Lsn(9_000)))
+                .published_before,
+            500.0
+        );
     }
 
     #[test]

@@ -191,6 +191,10 @@ pub struct Options {
     /// How long to drain in-flight events on SIGINT/SIGTERM [default: 30s].
     #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT")]
     pub shutdown_timeout: Option<String>,
+    /// `--mode auto`: how long to poll (replication unavailable) before dropping the slot nothing consumes,
+    /// which keeps WAL on the server; `never` keeps it [default: 10m].
+    #[arg(long, env = "OUTBOXD_AUTO_DROP_SLOT_AFTER")]
+    pub auto_drop_slot_after: Option<String>,
     /// Most events handed to the broker but not yet finished [default: 10000].
     #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT_EVENTS")]
     pub max_in_flight_events: Option<usize>,

@@ -121,6 +121,9 @@ pub struct RunSettings<T = OutboxTable> {
     pub reconnect_timeout: Duration,
     /// `--shutdown-timeout`: how long to drain in-flight events on SIGINT/SIGTERM.
     pub shutdown_timeout: Duration,
+    /// `--auto-drop-slot-after`: how long `auto` polls before it drops the slot nothing consumes; `None`:
+    /// never.
+    pub auto_drop_slot_after: Option<Duration>,
     /// Settings of the CDC path.
     pub cdc: CdcSettings,
     /// `--mode`: which path moves events.
@@ -160,6 +163,7 @@ impl RunSettings<TableSpec> {
             startup_timeout: self.startup_timeout,
             reconnect_timeout: self.reconnect_timeout,
             shutdown_timeout: self.shutdown_timeout,
+            auto_drop_slot_after: self.auto_drop_slot_after,
             cdc: self.cdc,
             mode,
             poll: self.poll,

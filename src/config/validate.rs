@@ -215,6 +215,10 @@ impl Options {
                 "--shutdown-timeout",
                 self.shutdown_timeout.as_deref().unwrap_or("30s"),
             )?,
+            auto_drop_slot_after: match self.auto_drop_slot_after.as_deref().unwrap_or("10m") {
+                "never" => None,
+                after => Some(parse_duration("--auto-drop-slot-after", after)?),
+            },
             cdc: CdcSettings {
                 max_in_flight_events,
                 max_in_flight_bytes,

@@ -65,6 +65,8 @@ impl Error {
             },
             Error::Kafka { transient, .. } => *transient,
             Error::SessionRestart(_) => true,
+            // Not retried by a session: the whole pipeline starts over (see `pipeline::run_with`).
+            Error::TablesChanged(_) => false,
         }
     }
 

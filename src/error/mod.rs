@@ -54,6 +54,10 @@ pub enum Error {
     /// The replication session must start over (its state would be unsafe to change in place).
     #[error("restarting the replication session: {0}")]
     SessionRestart(String),
+    /// An outbox table gained columns that change what outboxd does with it (the polling columns, or
+    /// `published_at`): the pipeline starts over from its start-up checks, in this process.
+    #[error("{0}")]
+    TablesChanged(String),
     /// Reaching the brokers, creating or checking topics, or delivering to Kafka failed.
     #[error("Kafka: {message}")]
     Kafka {

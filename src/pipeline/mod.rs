@@ -191,11 +191,15 @@ where
 /// The start-up checks of `run`, each retried while transient for `--startup-timeout`: the tables against
 /// the database (what each supports), the mode the server allows (`auto` on tables without polling columns
 /// becomes `cdc`), retention, the brokers and the fleet's poll order; then retention starts. Returns the
-/// settings the pipeline runs with, and the poll-order announcement, held for the process's lifetime.
+/// settings the pipeline runs with, the poll-order announcement (held while it runs) and the retention task.
 async fn start_up(
     configured: RunSettings<TableSpec>,
     sinks: &impl Sinks,
-) -> Result<(RunSettings, Option<fleet::PollOrderAnnouncement>)> {
+) -> Result<(
+    RunSettings,
+    Option<fleet::PollOrderAnnouncement>,
+    Option<tokio::task::JoinHandle<()>>,
+)> {
     let timeout = configured.startup_timeout;
     let deadline = Instant::now() + timeout;
     let tables = retry_until(timeout, deadline, || preflight_database(&configured)).await?;
@@ -256,16 +260,25 @@ async fn start_up(
     // Every instance that may claim rows says in which order; a peer of another order is refused.
     let announcement =
         retry_until(timeout, deadline, || fleet::announce_poll_order(settings)).await?;
-    if let Some(retention) = &settings.retention {
+    let retention = settings.retention.as_ref().map(|retention| {
         tokio::spawn(crate::retention::run(crate::retention::Sweeper {
             database_url: settings.database.database_url.clone(),
             tables: settings.database.tables.clone(),
             retention: Arc::new(retention.clone()),
             publication: settings.database.publication.clone(),
             slot: settings.database.slot.clone(),
-        }));
+        }))
+    });
+    Ok((inspected, announcement, retention))
+}
+
+/// A task that ends with its owner (the retention sweeper of one pipeline run).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
-    Ok((inspected, announcement))
 }
 
 /// `outboxd run`: retries transient start-up failures for `--startup-timeout`, then moves events into Kafka
@@ -274,13 +287,30 @@ pub async fn run(settings: RunSettings<TableSpec>, shutdown: watch::Receiver<boo
     run_with(settings, KafkaSinks::default(), shutdown).await
 }
 
-/// [`run`] into the sinks `sinks` makes (an in-memory broker in tests).
+/// [`run`] into the sinks `sinks` makes (an in-memory broker in tests). A table that gains columns while it
+/// runs (see [`Error::TablesChanged`]) starts it over from the start-up checks.
 pub async fn run_with(
     configured: RunSettings<TableSpec>,
     sinks: impl Sinks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
-    let (settings, announcement) = start_up(configured, &sinks).await?;
+    loop {
+        match run_once(configured.clone(), sinks.clone(), shutdown.clone()).await {
+            Err(Error::TablesChanged(why)) => {
+                tracing::warn!(%why, "an outbox table changed: inspecting the tables again")
+            }
+            ended => return ended,
+        }
+    }
+}
+
+async fn run_once(
+    configured: RunSettings<TableSpec>,
+    sinks: impl Sinks,
+    shutdown: watch::Receiver<bool>,
+) -> Result<()> {
+    let (settings, announcement, retention) = start_up(configured, &sinks).await?;
+    let _retention = retention.map(AbortOnDrop);
     tracing::info!(
         tables = %crate::table::names(&settings.database.tables),
         mode = ?settings.mode,
@@ -366,6 +396,7 @@ async fn run_auto(
             sinks.clone(),
             poll_shutdown,
         ));
+        let mut unconsumed_slot = UnconsumedSlot::new(settings.auto_drop_slot_after);
         let stop_for_good = loop {
             tokio::select! {
                 result = &mut polling => {
@@ -376,6 +407,7 @@ async fn run_auto(
                     if matches!(replication_availability(&settings, true).await, Ok(Availability::Available)) {
                         break false;
                     }
+                    unconsumed_slot.drop_when_due(&settings).await;
                 }
             }
         };
@@ -385,6 +417,60 @@ async fn run_auto(
             .map_err(|e| Error::bug(format!("polling task failed: {e}")))??;
         if stop_for_good {
             return Ok(());
+        }
+    }
+}
+
+/// The slot `auto` leaves behind while it polls: nothing consumes it, and it keeps WAL on the server for as
+/// long as it exists (bounded only by `max_slot_wal_keep_size`, if set). After `--auto-drop-slot-after` it
+/// is dropped, unless a client streams from it; when replication works again, a new slot is created, whose
+/// snapshot hands what it will not send (rows committed meanwhile, which the polling path publishes anyway)
+/// to the polling path. A drop that fails (the role may no longer replicate) is said once, with the fix.
+struct UnconsumedSlot {
+    drop_after: Option<Duration>,
+    polling_since: Instant,
+    dropped: bool,
+    told: bool,
+}
+
+impl UnconsumedSlot {
+    fn new(drop_after: Option<Duration>) -> Self {
+        UnconsumedSlot {
+            drop_after,
+            polling_since: Instant::now(),
+            dropped: false,
+            told: false,
+        }
+    }
+
+    async fn drop_when_due(&mut self, settings: &RunSettings) {
+        let Some(after) = self.drop_after else {
+            return;
+        };
+        if self.dropped || self.polling_since.elapsed() < after {
+            return;
+        }
+        let slot = &settings.database.slot;
+        let dropped = async {
+            let sql = pg::connect(&settings.database.database_url).await?;
+            match slot::slot_state(&sql, slot).await? {
+                None => Ok(true),
+                Some(state) if state.active => Ok(false),
+                Some(_) => {
+                    sql.execute("SELECT pg_drop_replication_slot($1)", &[slot])
+                        .await?;
+                    tracing::warn!(%slot, polling_for = ?after, "dropped the replication slot nothing consumed while polling (it kept WAL on the server); a new one is created when replication is available again");
+                    Ok::<_, Error>(true)
+                }
+            }
+        };
+        match dropped.await {
+            Ok(dropped) => self.dropped = dropped,
+            Err(error) if !self.told => {
+                self.told = true;
+                tracing::warn!(%slot, %error, "cannot drop the replication slot nothing consumes while polling: it keeps WAL on the server until replication works again; drop it yourself (SELECT pg_drop_replication_slot('{slot}')) or set max_slot_wal_keep_size");
+            }
+            Err(_) => {}
         }
     }
 }

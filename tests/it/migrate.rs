@@ -366,3 +366,46 @@ async fn rows_a_lost_slot_owed_when_history_was_marked_are_still_published() {
     let report = check_delivery(&records, &committed, &[]);
     assert_eq!(report.missing, 0, "rows the lost slot owed: {report:?}");
 }
+
+/// `outboxd migrate --add-polling-columns` while a CDC-only outboxd streams the table (review finding F5):
+/// the rows inserted from then on must get `published_at` (the running outboxd had no statement to write
+/// it, so they stayed unpublished forever: a backlog that never drains, republished by any later hand-off).
+#[tokio::test(flavor = "multi_thread")]
+async fn polling_columns_added_while_outboxd_streams_are_used_from_the_next_row_on() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client.batch_execute(USER_TABLE).await.unwrap();
+    migrate_with(&url, &[]);
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (mut committed, _) = insert_events(&mut client, 0, 4, 5, 5, None).await;
+    let now = current_wal_lsn(&client).await;
+    wait_confirmed_past(&client, "outboxd", now, "the CDC-only rows to be streamed").await;
+    migrate_with(&url, &["--add-polling-columns"]);
+    let (after, _) = insert_events(&mut client, 4, 20, 5, 5, None).await;
+    committed.extend(after);
+    wait_for_async(
+        "every row inserted after the migration to be marked published",
+        Duration::from_secs(90),
+        || async {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM public.outbox_event WHERE published_at IS NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (n == 0).then_some(())
+        },
+    )
+    .await;
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(report.missing, 0);
+    assert_eq!(report.order_violations, 0);
+    let log = outboxd.log_text();
+    assert!(log.contains("gained the polling columns"), "{log}");
+}

@@ -1632,3 +1632,72 @@ async fn poll_order_none_publishes_every_event_exactly_once() {
     assert_eq!((report.missing, report.duplicates), (0, 0), "{report:?}");
     assert_shared(&metrics, committed.len());
 }
+
+/// `auto` polling because replication became unavailable leaves a slot nothing consumes, which keeps WAL on
+/// the server without limit (review finding F10): after `--auto-drop-slot-after` it is dropped, and a new
+/// slot is created once replication works again; nothing is lost in between.
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_drops_the_slot_it_cannot_consume_while_polling() {
+    const REJECT: &str = "host all repl all reject";
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client
+        .batch_execute("CREATE ROLE repl LOGIN REPLICATION")
+        .await
+        .unwrap();
+    let replication_url = pg.url_for("repl", None);
+    let mut args = run_args(&url, &brokers);
+    args.extend_from_slice(&[
+        "--replication-url",
+        &replication_url,
+        "--auto-drop-slot-after",
+        "1s",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    // The replication role is refused from now on (pg_hba): the session ends, auto polls.
+    pg.prepend_hba(REJECT).await;
+    client
+        .execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (mut committed, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;
+    wait_for_async(
+        "the unconsumed slot to be dropped",
+        Duration::from_secs(90),
+        || async {
+            let slots: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (slots == 0).then_some(())
+        },
+    )
+    .await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    pg.remove_hba(REJECT).await;
+    wait_slot_active(&client, "outboxd").await;
+    let (more, _) = insert_events(&mut client, 10, 10, 5, 5, None).await;
+    committed.extend(more);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        60,
+        "polling, slot dropped, streaming again",
+    );
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("dropped the replication slot nothing consumed"),
+        "{log}"
+    );
+}

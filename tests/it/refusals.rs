@@ -461,6 +461,12 @@ async fn an_aborted_transaction_never_lets_a_later_batch_mate_overtake_under_exa
     let outboxd = Outboxd::spawn(&args);
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
+    // A first transaction registers the topic with the producer's transactions (until then librdkafka
+    // holds every event back, and the rounds below would go out in one batch).
+    let tx = client.transaction().await.unwrap();
+    insert(&tx, "warm-up", 10).await;
+    tx.commit().await.unwrap();
+    wait_all_published(&client, Duration::from_secs(60)).await;
     let mut expected = Vec::new();
     for round in 0..20 {
         let aggregate = format!("A{round}");
@@ -474,10 +480,24 @@ async fn an_aborted_transaction_never_lets_a_later_batch_mate_overtake_under_exa
         let e2 = insert(&tx, &aggregate, 10).await;
         insert(&tx, &format!("B{round}"), BIG_PAD).await;
         tx.commit().await.unwrap();
+        // Each round meets a streaming session (not a backlog re-sent after the last round's refusal,
+        // which would go out in one batch with e1).
+        wait_for_async("the round's events to be published", Duration::from_secs(120), || async {
+            let published: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1) AND published_at IS NOT NULL",
+                    &[&vec![e1, e2]],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (published == 2).then_some(())
+        })
+        .await;
         expected.push((aggregate, vec![e1.to_string(), e2.to_string()]));
     }
     wait_settled(&client, Duration::from_secs(180)).await;
-    let records = consume_all(&brokers, &[TOPIC], 40, Duration::from_secs(60));
+    let records = consume_all(&brokers, &[TOPIC], 41, Duration::from_secs(60));
     let log = outboxd.log_text();
     let reordered: Vec<&String> = expected
         .iter()

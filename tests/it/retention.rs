@@ -514,7 +514,10 @@ async fn retention_keeps_published_rows_a_lagging_slot_would_send_again() {
     wait_confirmed_past(&client, "outboxd", now, "the slot to catch up").await;
     let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
     let report = check_delivery(&records, &committed, &[]);
-    println!("{kept} rows kept by retention; {} duplicates", report.duplicates);
+    println!(
+        "{kept} rows kept by retention; {} duplicates",
+        report.duplicates
+    );
     assert_eq!(report.missing, 0);
     assert_eq!(
         report.duplicates, 0,

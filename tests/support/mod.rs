@@ -151,6 +151,19 @@ impl Postgres {
         client
     }
 
+    /// Removes a pg_hba.conf line added by [`Postgres::prepend_hba`] and reloads.
+    pub async fn remove_hba(&self, line: &str) {
+        let path = self.dir.join("data/pg_hba.conf");
+        let current = std::fs::read_to_string(&path).unwrap();
+        let kept: Vec<&str> = current.lines().filter(|l| *l != line).collect();
+        std::fs::write(&path, kept.join("\n") + "\n").unwrap();
+        self.client()
+            .await
+            .execute("SELECT pg_reload_conf()", &[])
+            .await
+            .unwrap();
+    }
+
     /// Appends a pg_hba.conf line before the default trust lines and reloads.
     pub async fn prepend_hba(&self, line: &str) {
         let path = self.dir.join("data/pg_hba.conf");

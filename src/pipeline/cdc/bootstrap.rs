@@ -94,7 +94,7 @@ impl<K: Sinks> CdcPipeline<K> {
         let mut gate = blocked_aggregates(&settings, &sql).await?;
         // Aggregates of events a session gave up after the broker refused them for good hand off from the
         // start: their events come again in the replay region, the refused one and earlier ones alike.
-        for aggregate in self.owed.aggregates() {
+        for aggregate in self.memory.owed.aggregates() {
             let _ = gate.refused(aggregate.clone());
         }
         let boot = Bootstrapped {

@@ -164,10 +164,13 @@ impl TransactionDecoder {
                     relation.namespace == t.name.schema && relation.name == t.name.name
                 });
                 let mapping = match table {
-                    Some(index) => Mapped::Outbox(
-                        index,
-                        RowMapping::from_relation(&self.tables[index], &relation)?,
-                    ),
+                    Some(index) => {
+                        changed_capabilities(&self.tables[index], &relation)?;
+                        Mapped::Outbox(
+                            index,
+                            RowMapping::from_relation(&self.tables[index], &relation)?,
+                        )
+                    }
                     None => Mapped::Other {
                         name: format!("{}.{}", relation.namespace, relation.name),
                         warned: false,
@@ -292,6 +295,31 @@ impl TransactionDecoder {
                 row: mapping.image(insert),
             },
         })
+    }
+}
+
+/// A relation of an outbox table that now has columns it lacked when outboxd inspected it at start-up:
+/// `published_at`, or every polling column (`outboxd migrate --add-polling-columns` while outboxd runs). The
+/// stream sends the new Relation before the first row inserted since: every row from there on must be marked
+/// (and may be handed off), which the statements prepared at start-up cannot do. The pipeline starts over.
+fn changed_capabilities(
+    table: &OutboxTable,
+    relation: &crate::pg::pgoutput::Relation,
+) -> Result<()> {
+    let has = |column: &str| relation.columns.iter().any(|c| c.name == column);
+    let gained = if !table.polling && crate::table::POLLING_COLUMNS.iter().all(|c| has(c)) {
+        Some("the polling columns")
+    } else if !table.marks_published && has("published_at") {
+        Some("published_at")
+    } else {
+        None
+    };
+    match gained {
+        Some(what) => Err(Error::TablesChanged(format!(
+            "{}.{} gained {what} while outboxd streamed it (outboxd migrate --add-polling-columns): starting the pipeline over to use them",
+            relation.namespace, relation.name
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -59,6 +59,13 @@ pub struct CdcPipeline<K> {
     history: Option<ServerHistory>,
     /// When a session last stopped streaming: where a history change may have left a gap.
     last_streamed_at: Option<std::time::SystemTime>,
+    /// What a session leaves the next one (refused topics, refused events).
+    memory: SessionMemory,
+}
+
+/// What sessions remember of the ones before them.
+#[derive(Default)]
+struct SessionMemory {
     /// Topics the broker refused outright: their events go to the polling path for a while.
     topic_holds: TopicHolds,
     /// Events refused for good that the next session hands to the polling path.
@@ -76,8 +83,7 @@ impl<K: Sinks> CdcPipeline<K> {
             reached_streaming: false,
             history: None,
             last_streamed_at: None,
-            topic_holds: TopicHolds::default(),
-            owed: OwedHandOffs::default(),
+            memory: SessionMemory::default(),
         }
     }
 
@@ -260,8 +266,7 @@ impl<K: Sinks> CdcPipeline<K> {
         let mut session = Session::new(
             &settings,
             &mut self.watermark,
-            &mut self.topic_holds,
-            &mut self.owed,
+            &mut self.memory,
             boot,
             publisher,
             delivery_tx,

@@ -17,9 +17,8 @@ use uuid::Uuid;
 use super::bootstrap::Bootstrapped;
 use super::decoder::{Decoded, Pending, TransactionDecoder};
 use super::gate::{Admission, AggregateGate, GateKey};
-use super::owed::OwedHandOffs;
 use super::window::InFlightWindow;
-use super::MAX_TRACKED_BLOCKED;
+use super::{SessionMemory, MAX_TRACKED_BLOCKED};
 use crate::config::{ExactlyOnceSettings, RunSettings};
 use crate::error::{replication_error, Error, Result};
 use crate::event::{OutboxEvent, RowImage, Text};
@@ -28,7 +27,6 @@ use crate::pg::outbox::{self, AggregateKey, OutboxSql, RowState};
 use crate::pg::pgoutput;
 use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
 use crate::pipeline::backfill::{CdcTag, Finished};
-use crate::pipeline::topic_holds::TopicHolds;
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::progress::{Progress, ProgressKey};
 use crate::sink::{Delivery, PublishError, Rejection, Sink};
@@ -51,7 +49,7 @@ enum HandOffReason {
     Blocked,
     /// The producer refused it for good (e.g. too large): the polling path retries and dead-letters it.
     Refused,
-    /// The broker refuses its topic outright (not authorised; see [`TopicHolds`]): the polling path retries
+    /// The broker refuses its topic outright (not authorised; see [`TopicHolds`](crate::pipeline::topic_holds::TopicHolds)): the polling path retries
     /// it.
     TopicRefused,
     /// A required column is NULL: the polling path dead-letters it.
@@ -211,10 +209,8 @@ pub(super) struct Session<'a, S> {
     /// Hand-offs whose `handoff_at` is not written yet, by event id.
     hand_offs_unwritten: HashMap<Uuid, HandedOff>,
     handed_off: u64,
-    topic_holds: &'a mut TopicHolds,
-    /// Events refused for good that this session (or the next) hands to the polling path when the slot
-    /// sends them again.
-    owed: &'a mut OwedHandOffs,
+    /// Topics held and refused events owed to the polling path, kept across sessions.
+    memory: &'a mut SessionMemory,
     /// Events handed to the producer whose delivery report has not arrived, by their `CdcTag::produced`.
     outstanding: BTreeMap<u64, Outstanding>,
     next_produced: u64,
@@ -236,8 +232,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
     pub(super) fn new(
         settings: &'a RunSettings,
         watermark: &'a mut Watermark,
-        topic_holds: &'a mut TopicHolds,
-        owed: &'a mut OwedHandOffs,
+        memory: &'a mut SessionMemory,
         boot: Bootstrapped,
         publisher: S,
         hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
@@ -273,8 +268,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             hand_offs_in_flight: 0,
             hand_offs_unwritten: HashMap::new(),
             handed_off: 0,
-            topic_holds,
-            owed,
+            memory,
             outstanding: BTreeMap::new(),
             next_produced: 1,
             delivery_timeout: crate::kafka::delivery_timeout(
@@ -525,7 +519,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     self.flush_replay_buffer().await?;
                     // Whatever was sent again has passed: events owed to the polling path that did not come
                     // with it never will (the slot was recreated, or the server's history changed).
-                    for event_id in self.owed.forget_unmet() {
+                    for event_id in self.memory.owed.forget_unmet() {
                         tracing::warn!(%event_id, "an event the broker refused was not sent again by the slot (recreated, or another server history): it is not handed to the polling path");
                     }
                 }
@@ -574,7 +568,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     /// (see [`gate`]). An event the producer refuses for good (e.g. too large) goes to the polling path,
     /// which retries and dead-letters it; its aggregate is blocked behind it, so order per aggregate holds.
     async fn publish(&mut self, pending: Pending) -> Result<()> {
-        if self.owed.is_owed(&pending.event_id) {
+        if self.memory.owed.is_owed(&pending.event_id) {
             return self.hand_off_owed(pending);
         }
         match self
@@ -590,7 +584,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     /// An event the broker refused for good in an earlier session, sent again by the slot: it goes to the
     /// polling path, and its aggregate with it (see `owed`).
     fn hand_off_owed(&mut self, pending: Pending) -> Result<()> {
-        self.owed.met(&pending.event_id);
+        self.memory.owed.met(&pending.event_id);
         let parked = self
             .gate
             .refused((pending.tag.table, aggregate_of(&pending.event)));
@@ -599,7 +593,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     }
 
     /// Hands one event to the producer; a permanent refusal (or a topic the broker refused outright, see
-    /// [`TopicHolds`]) sends it to the polling path.
+    /// [`TopicHolds`](crate::pipeline::topic_holds::TopicHolds)) sends it to the polling path.
     async fn produce(&mut self, pending: Pending) -> Result<()> {
         if self.failing.is_some() {
             // Given up: the event stays unfinished and is re-sent by the next session.
@@ -612,6 +606,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             .render_event(&self.settings.database.tables[table].name, &pending.event);
         let held = self.outbox_sql[table].can_hand_off()
             && self
+                .memory
                 .topic_holds
                 .is_held(&topic, tokio::time::Instant::now());
         let tag = CdcTag {
@@ -675,7 +670,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     // Kafka transaction). Should that one fail, it would be re-sent from the slot after this one
                     // reached Kafka through the polling path: give the session up instead, and hand both (in
                     // order) to the polling path when the slot sends them again.
-                    self.owed.owe(event_id, aggregate);
+                    self.memory.owed.owe(event_id, aggregate);
                     self.give_up(format!("event {event_id} was refused for good while an earlier event of its aggregate was on its way"));
                     return Ok(());
                 }
@@ -710,11 +705,11 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         }
     }
 
-    /// Holds `topic` (see [`TopicHolds`]), once per refusal.
+    /// Holds `topic` (see [`TopicHolds`](crate::pipeline::topic_holds::TopicHolds)), once per refusal.
     fn hold_topic(&mut self, topic: &str, reason: &str) {
         let now = tokio::time::Instant::now();
-        if !self.topic_holds.is_held(topic, now) {
-            let hold = self.topic_holds.hold(topic, now);
+        if !self.memory.topic_holds.is_held(topic, now) {
+            let hold = self.memory.topic_holds.hold(topic, now);
             tracing::warn!(%topic, ?hold, error = %reason, "the broker refuses this topic: its events go to the polling path (retried with backoff) for a while");
         }
     }
@@ -744,7 +739,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     /// order. An event the broker refused for good (too large, not authorised, invalid, or refused with a
     /// batch-mate that was) would only be refused again: it is owed to the polling path, which the next
     /// session hands it to when the slot sends it again (with the rest of its aggregate, see `owed`); a
-    /// topic refused outright is held (see [`TopicHolds`]).
+    /// topic refused outright is held (see [`TopicHolds`](crate::pipeline::topic_holds::TopicHolds)).
     fn undelivered(&mut self, deliveries: Vec<Delivery<CdcTag>>) -> Result<()> {
         for delivery in deliveries {
             let outstanding = self.delivery_reported(delivery.tag.produced);
@@ -771,7 +766,10 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 self.hold_topic(&topic.clone(), &rejection.reason);
             }
             match outstanding {
-                Some(outstanding) => self.owed.owe(delivery.event_id, outstanding.aggregate()),
+                Some(outstanding) => self
+                    .memory
+                    .owed
+                    .owe(delivery.event_id, outstanding.aggregate()),
                 None => {
                     return Err(Error::bug(format!(
                         "a delivery report of event {} that was not on its way",
@@ -800,7 +798,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             message: "the backfill task stopped".into(),
             transient: true,
         })?;
-        self.owed.met(&pending.event_id);
+        self.memory.owed.met(&pending.event_id);
         self.hand_offs_in_flight += 1;
         self.handed_off += 1;
         self.hand_offs_unwritten.insert(
@@ -910,7 +908,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             pending.extend(aggregates.into_iter().map(|aggregate| (table, aggregate)));
         }
         // Aggregates with events owed to the polling path stay blocked until the slot sent those again.
-        pending.extend(self.owed.aggregates().cloned());
+        pending.extend(self.memory.owed.aggregates().cloned());
         // Unblocked (or blocked again by a refusal among them): publish decides.
         for unblocked in self.gate.drained(&pending, &cut, &released) {
             self.publish(unblocked).await?;
@@ -951,13 +949,13 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     .block((pending.tag.table, aggregate_of(&pending.event)));
             }
             if finished || (state.is_none() && self.covered_before(&pending)) {
-                self.owed.met(&pending.event_id);
+                self.memory.owed.met(&pending.event_id);
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
             } else if self.covered_before(&pending) {
                 self.mark_covered(pending)?;
                 marked_covered += 1;
-            } else if self.owed.is_owed(&pending.event_id) {
+            } else if self.memory.owed.is_owed(&pending.event_id) {
                 self.hand_off_owed(pending)?;
             } else if self
                 .gate
