@@ -638,6 +638,29 @@ pub struct ClaimedRow {
     pub invalid: Option<String>,
 }
 
+/// What one claim took, and which aggregates it found blocked.
+#[derive(Debug, Default)]
+pub struct Claim {
+    /// The claimed rows, in publishing order.
+    pub rows: Vec<ClaimedRow>,
+    /// Aggregates of the claim's prefix whose first unpublished event is not claimable (waiting for a retry,
+    /// or leased by another worker): none of their events can be claimed before `ready_in` has passed.
+    pub blocked: Vec<BlockedAggregate>,
+}
+
+/// An aggregate a claim found blocked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockedAggregate {
+    /// The aggregate as the claim SQL names it (`ROW(aggregate key)::text`); give it back in
+    /// [`PollSql::claim_skipping`]'s `skip`.
+    pub key: String,
+    /// How long until its first event may be claimable (its retry is due, or the lease on it ends), at most
+    /// an hour.
+    pub ready_in: std::time::Duration,
+    /// Another worker's lease holds it (usually only for that worker's batch).
+    pub leased: bool,
+}
+
 /// Statements of the lease-based polling path for one outbox table.
 pub struct PollSql {
     claim: String,
@@ -679,6 +702,14 @@ impl PollSql {
             // without its predecessors. Claims are serialised (advisory lock) so two workers never split one
             // aggregate between them.
             //
+            // The prefix leaves out whole aggregates (`$5`, their `ROW(aggregate key)::text`): those earlier
+            // claims found blocked. Every event of such an aggregate is left out, so for any other aggregate
+            // the prefix still holds every earlier event of each event in it, and the decision stays exact;
+            // the aggregates left out are simply not claimed by this claim. Without it, blocked aggregates
+            // with enough rows at the head of the order fill the prefix and no claim gets past them. Each claim
+            // reports the aggregates of its prefix whose first event is not claimable, with how long until it
+            // may be (`blocked`); the worker leaves them out until then (`pipeline::poll::BlockedAggregates`).
+            //
             // Row locks are taken last, and an aggregate is claimed only up to its first event that could not
             // be locked: SKIP LOCKED passes over a row another session holds (a worker's retry UPDATE after its
             // lease lapsed, an operator's UPDATE, a `FOR UPDATE`), and claiming that aggregate's later events
@@ -687,14 +718,18 @@ impl PollSql {
             crate::config::PollOrder::PerAggregate => format!(
                 "prefix AS (
                      SELECT {id}, {aggregate_key}, position{created_at_column},
-                            (available_at <= now() AND (lease_until IS NULL OR lease_until < clock_timestamp())) AS ready
+                            (available_at <= now() AND (lease_until IS NULL OR lease_until < clock_timestamp())) AS ready,
+                            coalesce(lease_until >= now(), false) AS leased, greatest(available_at, lease_until) AS ready_at
                      FROM {t} WHERE published_at IS NULL AND dead_at IS NULL {scope_filter}
+                       AND ROW({aggregate_key})::text NOT IN (SELECT unnest($5::text[]))
                      ORDER BY {order_by} LIMIT $4),
                  ranked AS (
-                     SELECT {id}, {aggregate_key}, position{created_at_column},
-                            bool_and(ready) OVER (PARTITION BY {aggregate_key} ORDER BY {order_by}
-                                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS ready_prefix
-                     FROM prefix),
+                     SELECT {id}, {aggregate_key}, position{created_at_column}, ready, leased, ready_at,
+                            bool_and(ready) OVER in_aggregate AS ready_prefix,
+                            first_value(ready) OVER in_aggregate AS first_ready
+                     FROM prefix
+                     WINDOW in_aggregate AS (PARTITION BY {aggregate_key} ORDER BY {order_by}
+                                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)),
                  candidates AS (
                      SELECT {id}, {aggregate_key}, position{created_at_column} FROM ranked WHERE ready_prefix
                      ORDER BY {order_by} LIMIT $3),
@@ -710,15 +745,26 @@ impl PollSql {
                                     PARTITION BY {aggregate_key} ORDER BY {order_by}
                                     ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS locked_prefix
                          FROM candidates LEFT JOIN locked ON locked_id = {id}) AS claimable
-                     WHERE locked_prefix)",
+                     WHERE locked_prefix),
+                 blocked AS (
+                     SELECT ROW({aggregate_key})::text AS blocked_key,
+                            extract(epoch FROM least(min(ready_at), now() + interval '1 hour') - now())::float8
+                                AS blocked_for,
+                            bool_or(leased) AS blocked_by_lease
+                     FROM ranked WHERE NOT first_ready AND NOT ready
+                     GROUP BY {aggregate_key})",
                 created_at_column = created_at.as_ref().map(|c| format!(", {c}")).unwrap_or_default()
             ),
+            // No exclusions: `$5` is only there so both rules take the same parameters.
             crate::config::PollOrder::None => format!(
                 "picked AS (
                      SELECT {id} AS picked_id FROM {t}
                      WHERE published_at IS NULL AND dead_at IS NULL {scope_filter} AND available_at <= now()
                        AND (lease_until IS NULL OR lease_until < clock_timestamp()) AND $4::int8 > 0
-                     ORDER BY {order_by} LIMIT $3 FOR UPDATE SKIP LOCKED)"
+                       AND cardinality($5::text[]) >= 0
+                     ORDER BY {order_by} LIMIT $3 FOR UPDATE SKIP LOCKED),
+                 blocked AS (SELECT NULL::text AS blocked_key, NULL::float8 AS blocked_for,
+                                    NULL::bool AS blocked_by_lease WHERE false)"
             ),
         };
         let payload = match outbox.payload_type {
@@ -735,13 +781,21 @@ impl PollSql {
             .iter()
             .map(|c| format!(", e.\"{c}\"::text"))
             .collect();
+        // The claimed rows, then one row per blocked aggregate: its key, seconds until it may be claimable and
+        // whether a lease holds it, every other column NULL (the first one, the event id, is never NULL in a
+        // claimed row).
+        let claimed_nulls = "NULL, ".repeat(8 + outbox.header_columns.len());
         let claim = format!(
-            "WITH {picked}
-             UPDATE {t} e SET lease_token = $1, lease_until = clock_timestamp() + make_interval(secs => $2::float8),
-                              attempts = e.attempts + 1
-             FROM picked WHERE e.{id} = picked.picked_id
-             RETURNING e.{id}, {aggregate_type}, e.{aggregate_id}::text, {event_type}, {payload},
-                       {created_at_text}, e.attempts, e.position{headers}",
+            "WITH {picked},
+             claimed AS (
+                 UPDATE {t} e SET lease_token = $1, lease_until = clock_timestamp() + make_interval(secs => $2::float8),
+                                  attempts = e.attempts + 1
+                 FROM picked WHERE e.{id} = picked.picked_id
+                 RETURNING e.{id}, {aggregate_type}, e.{aggregate_id}::text, {event_type}, {payload},
+                           {created_at_text}, e.attempts, e.position{headers})
+             SELECT *, NULL::text, NULL::float8, NULL::bool FROM claimed
+             UNION ALL
+             SELECT {claimed_nulls}blocked_key, blocked_for, blocked_by_lease FROM blocked",
             aggregate_type = outbox.text_expr(Role::AggregateType, "NULL::text"),
             aggregate_id = outbox.col(Role::AggregateId),
             event_type = outbox.text_expr(Role::EventType, "NULL::text"),
@@ -785,8 +839,7 @@ impl PollSql {
     }
 
     /// Claims up to `batch` rows under `token` in one short transaction, committed before any Kafka call.
-    /// Rows come back in publishing order.
-    // Long: one claim transaction, its SQL and the rows it returns, read in one place.
+    /// Rows come back in publishing order. Leaves out no aggregate: see [`PollSql::claim_skipping`].
     pub async fn claim(
         &self,
         client: &mut Client,
@@ -794,6 +847,24 @@ impl PollSql {
         lease: std::time::Duration,
         batch: i64,
     ) -> Result<Vec<ClaimedRow>> {
+        Ok(self
+            .claim_skipping(client, token, lease, batch, &[])
+            .await?
+            .rows)
+    }
+
+    /// [`PollSql::claim`], leaving out every event of the aggregates in `skip` (keys an earlier claim reported
+    /// in [`Claim::blocked`]): none of them is claimed, and their rows take no room in the claim's prefix.
+    /// Also reports the aggregates this claim found blocked (per-aggregate order only).
+    // Long: one claim transaction, its SQL and the rows it returns, read in one place.
+    pub async fn claim_skipping(
+        &self,
+        client: &mut Client,
+        token: Uuid,
+        lease: std::time::Duration,
+        batch: i64,
+        skip: &[String],
+    ) -> Result<Claim> {
         // Leases are measured on the clock (`clock_timestamp()`), not from the transaction's start, so that
         // waiting for the claim lock never shortens them. A claimer that goes silent inside the transaction
         // (holding the claim lock every per-aggregate claimer waits for) is ended by the server.
@@ -807,15 +878,39 @@ impl PollSql {
             )
             .await?;
         }
-        // Wide enough that blocked aggregates rarely starve the batch; each row of it costs every claim.
+        // Wide enough that blocked aggregates not yet in `skip` rarely starve the batch; each row of it costs
+        // every claim.
         let prefix = (batch * 4).max(2_000);
         let rows = tx
             .query(
                 &self.claim,
-                &[&token, &lease.as_secs_f64(), &batch, &prefix],
+                &[&token, &lease.as_secs_f64(), &batch, &prefix, &skip],
             )
             .await?;
         tx.commit().await?;
+        // After the event's columns and the header columns: a blocked aggregate's key, wait and lease.
+        let blocked_key = 8 + self.header_columns.len();
+        let (blocked_rows, rows): (Vec<_>, Vec<_>) = rows
+            .iter()
+            .partition(|row| row.get::<_, Option<Uuid>>(0).is_none());
+        let blocked = blocked_rows
+            .iter()
+            .filter_map(|row| {
+                let key: String = row.get::<_, Option<String>>(blocked_key)?;
+                let seconds: f64 = row
+                    .get::<_, Option<f64>>(blocked_key + 1)
+                    .unwrap_or_default();
+                let ready_in = std::time::Duration::try_from_secs_f64(seconds).unwrap_or_default();
+                let leased = row
+                    .get::<_, Option<bool>>(blocked_key + 2)
+                    .unwrap_or_default();
+                Some(BlockedAggregate {
+                    key,
+                    ready_in,
+                    leased,
+                })
+            })
+            .collect();
         let mut claimed: Vec<(Option<i64>, String, ClaimedRow)> = rows
             .iter()
             .map(|row| {
@@ -875,7 +970,10 @@ impl PollSql {
         claimed.sort_by(|a, b| {
             (a.0.is_some(), a.0, &a.1, a.2.event_id).cmp(&(b.0.is_some(), b.0, &b.1, b.2.event_id))
         });
-        Ok(claimed.into_iter().map(|(_, _, row)| row).collect())
+        Ok(Claim {
+            rows: claimed.into_iter().map(|(_, _, row)| row).collect(),
+            blocked,
+        })
     }
 
     /// Marks the given rows published and ends their lease (only rows still under `token`); returns how many.

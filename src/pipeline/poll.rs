@@ -6,9 +6,9 @@
 //! Used as the whole pipeline in `--mode poll` (and `auto` without replication), and as the sweeper for
 //! handed-off rows next to the CDC path.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
@@ -18,7 +18,7 @@ use crate::config::{PollOrder, RunSettings};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::pg;
-use crate::pg::outbox::{self, ClaimScope, ClaimedRow, PollSql};
+use crate::pg::outbox::{self, BlockedAggregate, ClaimScope, ClaimedRow, PollSql};
 use crate::sink::{Delivery, PublishError, Rejection, Sink, Sinks};
 
 type Deliveries = mpsc::UnboundedReceiver<Delivery<Option<usize>>>;
@@ -65,6 +65,72 @@ pub struct BatchReport {
 /// The longest a worker waits between batches while the broker fails every send: once it is back,
 /// publishing resumes within this (plus librdkafka's reconnect backoff).
 const BROKER_DOWN_MAX_WAIT: Duration = Duration::from_secs(5);
+
+/// The most aggregates one worker leaves out of its claims at once. The claim hashes their keys; this many
+/// fit PostgreSQL's default `work_mem` with room to spare (about 1 MiB as the planner counts it).
+const MAX_SKIPPED_AGGREGATES: usize = 20_000;
+
+/// The longest an aggregate waiting for a retry is left out before a claim looks at it again: its wait can
+/// end early without this worker seeing it (an operator made the retry due, another path published it).
+const LONGEST_SKIP: Duration = Duration::from_secs(10);
+
+/// The longest an aggregate another worker's lease holds is left out. That worker usually publishes it
+/// within its batch, and any worker may take the aggregate's next events then: left out longer, aggregates
+/// would stay with whichever worker claimed them first (four workers took 703, 797, 700 and 2,800 of 5,000
+/// events with 10 s). Long enough that a claim gets past rows leased for long (a killed worker's, a batch
+/// waiting on a partition without a leader).
+const LEASED_SKIP: Duration = Duration::from_secs(1);
+
+/// The aggregates this worker's claims found blocked (their first unpublished event waiting for a retry, or
+/// leased by another worker), left out of its next claims until they may be claimable again. Their rows then
+/// take no room in the claim's prefix, so the other aggregates keep moving however many rows the blocked
+/// ones hold at the head of the order. Leaving an aggregate out never reorders it: none of its events is
+/// claimed meanwhile.
+#[derive(Debug, Default)]
+pub struct BlockedAggregates {
+    /// Key (as the claim SQL names the aggregate) → when to look at it again.
+    until: HashMap<String, Instant>,
+}
+
+/// What [`BlockedAggregates::record`] did with a claim's findings.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// Aggregates not left out before: the next claim's prefix reaches rows this claim's did not.
+    pub added: usize,
+    /// Aggregates not left out because [`MAX_SKIPPED_AGGREGATES`] are already.
+    pub dropped: usize,
+}
+
+impl BlockedAggregates {
+    /// The aggregates a claim made at `now` leaves out; forgets those whose wait is over by then.
+    pub fn skip(&mut self, now: Instant) -> Vec<String> {
+        self.until.retain(|_, until| *until > now);
+        self.until.keys().cloned().collect()
+    }
+
+    /// Records the aggregates a claim made at `now` found blocked, each until its wait ends (at most
+    /// [`LONGEST_SKIP`], or [`LEASED_SKIP`] for one held by another worker's lease).
+    pub fn record(&mut self, found: Vec<BlockedAggregate>, now: Instant) -> Recorded {
+        let mut recorded = Recorded::default();
+        for aggregate in found {
+            let longest = if aggregate.leased {
+                LEASED_SKIP
+            } else {
+                LONGEST_SKIP
+            };
+            let until = now + aggregate.ready_in.min(longest);
+            if let Some(known) = self.until.get_mut(&aggregate.key) {
+                *known = until;
+            } else if self.until.len() < MAX_SKIPPED_AGGREGATES {
+                self.until.insert(aggregate.key, until);
+                recorded.added += 1;
+            } else {
+                recorded.dropped += 1;
+            }
+        }
+        recorded
+    }
+}
 
 /// LISTENs on the table's NOTIFY channel on a dedicated connection; the returned `Notify` fires on every
 /// notification (and when the connection ends, so the poller never sleeps on a dead listener).
@@ -280,6 +346,8 @@ impl<K: Sinks> PollWorker<K> {
         // Claiming every row next to a live CDC leader would race the slot for them: leave them to it.
         let mut leader = (self.scope == ClaimScope::All)
             .then(|| super::fleet::LeaderWatch::new(&self.table().name));
+        let mut blocked = BlockedAggregates::default();
+        let mut warned_full = false;
         loop {
             if *shutdown.borrow() {
                 return Ok(());
@@ -295,13 +363,25 @@ impl<K: Sinks> PollWorker<K> {
             let token = Uuid::new_v4();
             // Before the claim: the lease runs from the moment the claim took the rows, at the latest.
             let claimed_at = tokio::time::Instant::now();
-            let rows = sql
-                .claim(&mut client, token, poll.lease, poll.batch_size)
+            let skip = blocked.skip(claimed_at.into_std());
+            let claim = sql
+                .claim_skipping(&mut client, token, poll.lease, poll.batch_size, &skip)
                 .await?;
+            let recorded = blocked.record(claim.blocked, claimed_at.into_std());
+            if recorded.dropped > 0 && !warned_full {
+                warned_full = true;
+                tracing::warn!(table = %self.table().name, max = MAX_SKIPPED_AGGREGATES, "more aggregates are blocked (waiting for a retry, or leased by another worker) than a claim leaves out: while their rows fill a claim's first max(4 × --poll-batch-size, 2000) rows, other aggregates wait too");
+            }
+            let rows = claim.rows;
             backoff.reset();
             outage.ended();
             if self.scope == ClaimScope::All {
                 crate::http::READINESS.set_mode("poll");
+            }
+            // Nothing claimable, but aggregates newly found blocked: left out, they free the next claim's prefix
+            // for rows behind them.
+            if rows.is_empty() && recorded.added > 0 {
+                continue;
             }
             if rows.is_empty() {
                 if idle(
@@ -689,5 +769,132 @@ impl<K: Sinks> PollWorker<K> {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocked(key: &str, ready_in: Duration) -> BlockedAggregate {
+        BlockedAggregate {
+            key: key.into(),
+            ready_in,
+            leased: false,
+        }
+    }
+
+    fn sorted(mut keys: Vec<String>) -> Vec<String> {
+        keys.sort();
+        keys
+    }
+
+    #[test]
+    fn a_blocked_aggregate_is_left_out_until_its_wait_ends() {
+        let mut aggregates = BlockedAggregates::default();
+        let start = Instant::now();
+        let recorded = aggregates.record(
+            vec![
+                blocked("(Order,a)", Duration::from_secs(2)),
+                blocked("(Order,b)", Duration::from_millis(500)),
+            ],
+            start,
+        );
+        assert_eq!(
+            recorded,
+            Recorded {
+                added: 2,
+                dropped: 0
+            }
+        );
+        assert_eq!(
+            sorted(aggregates.skip(start + Duration::from_millis(100))),
+            ["(Order,a)", "(Order,b)"]
+        );
+        assert_eq!(
+            aggregates.skip(start + Duration::from_secs(1)),
+            ["(Order,a)"],
+            "b's retry is due: claims consider it again"
+        );
+        assert!(aggregates.skip(start + Duration::from_secs(2)).is_empty());
+    }
+
+    #[test]
+    fn a_long_wait_is_looked_at_again_after_the_longest_skip() {
+        let mut aggregates = BlockedAggregates::default();
+        let start = Instant::now();
+        aggregates.record(
+            vec![blocked("(Order,a)", Duration::from_secs(3_600))],
+            start,
+        );
+        assert_eq!(
+            aggregates.skip(start + LONGEST_SKIP - Duration::from_millis(1)),
+            ["(Order,a)"]
+        );
+        assert!(
+            aggregates.skip(start + LONGEST_SKIP).is_empty(),
+            "a wait may end unseen (published by another worker, made due by an operator)"
+        );
+    }
+
+    #[test]
+    fn an_aggregate_another_worker_leased_is_looked_at_again_soon() {
+        let mut aggregates = BlockedAggregates::default();
+        let start = Instant::now();
+        let leased = BlockedAggregate {
+            leased: true,
+            ..blocked("(Order,a)", Duration::from_secs(30))
+        };
+        aggregates.record(vec![leased], start);
+        assert_eq!(
+            aggregates.skip(start + LEASED_SKIP - Duration::from_millis(1)),
+            ["(Order,a)"]
+        );
+        assert!(
+            aggregates.skip(start + LEASED_SKIP).is_empty(),
+            "the holder usually publishes it within its batch: any worker may take its next events"
+        );
+    }
+
+    #[test]
+    fn an_aggregate_found_again_is_not_new_and_gets_its_new_wait() {
+        let mut aggregates = BlockedAggregates::default();
+        let start = Instant::now();
+        aggregates.record(vec![blocked("(Order,a)", Duration::from_secs(1))], start);
+        let later = start + Duration::from_millis(900);
+        let recorded = aggregates.record(vec![blocked("(Order,a)", Duration::from_secs(5))], later);
+        assert_eq!(
+            recorded.added, 0,
+            "a claim that finds only known aggregates found nothing new"
+        );
+        assert_eq!(
+            aggregates.skip(start + Duration::from_secs(2)),
+            ["(Order,a)"]
+        );
+    }
+
+    #[test]
+    fn no_more_than_the_most_skipped_aggregates_are_left_out() {
+        let mut aggregates = BlockedAggregates::default();
+        let start = Instant::now();
+        let found = (0..MAX_SKIPPED_AGGREGATES + 5)
+            .map(|n| blocked(&format!("(Order,{n})"), Duration::from_secs(5)))
+            .collect();
+        assert_eq!(
+            aggregates.record(found, start),
+            Recorded {
+                added: MAX_SKIPPED_AGGREGATES,
+                dropped: 5
+            }
+        );
+        assert_eq!(aggregates.skip(start).len(), MAX_SKIPPED_AGGREGATES);
+        // Once some waits end there is room again.
+        assert_eq!(aggregates.skip(start + Duration::from_secs(5)).len(), 0);
+        assert_eq!(
+            aggregates
+                .record(vec![blocked("(Order,new)", Duration::from_secs(1))], start)
+                .added,
+            1
+        );
     }
 }

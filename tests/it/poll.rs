@@ -1633,6 +1633,172 @@ async fn poll_order_none_publishes_every_event_exactly_once() {
     assert_shared(&metrics, committed.len());
 }
 
+/// Aggregates blocked at the head of position order (each one's first event waiting for a retry, its later
+/// events behind it) must not hold up the others, however many rows they have: the claim used to look only at
+/// the first `max(4 × batch, 2,000)` unpublished rows, so 5,000 blocked rows there stalled every aggregate
+/// (operations review F4). `scope`: "poll" for `--mode poll`, "sweeper" for the hand-off next to a CDC leader.
+async fn blocked_aggregates_at_the_head_never_hold_up_the_others(scope: &str) {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    // 300 aggregates with 5,000 rows first in position order, each aggregate's first row waiting for a retry.
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'blocked-' || (i % 300), 'E', jsonb_build_object('seq', i)
+             FROM generate_series(0, 4999) AS i ORDER BY i;
+             UPDATE outbox_event SET available_at = now() + interval '1 day', attempts = 1, last_error = 'waiting'
+             WHERE event_id IN (SELECT DISTINCT ON (aggregate_id) event_id FROM outbox_event
+                                WHERE aggregate_id LIKE 'blocked-%' ORDER BY aggregate_id, position);",
+        )
+        .await
+        .unwrap();
+    // Healthy aggregates behind them.
+    let (healthy, _) = insert_events(&mut client, 0, 50, 20, 100, None).await;
+    let blocked_published = || async {
+        client
+            .query_one(
+                "SELECT count(*) FILTER (WHERE published_at IS NOT NULL), count(*) FROM outbox_event
+                 WHERE aggregate_id LIKE 'blocked-%'",
+                &[],
+            )
+            .await
+            .map(|row| (row.get::<_, i64>(0), row.get::<_, i64>(1)))
+            .unwrap()
+    };
+    let _outboxd = match scope {
+        "poll" => Outboxd::spawn(&args(&url, &brokers, &["--mode", "poll"])),
+        _ => {
+            // Every row is older than the slot: all of them are handed to the sweeper.
+            let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+            wait_slot_active(&client, "outboxd").await;
+            assert_eq!(handed_off_count(&client).await, 6_000);
+            outboxd
+        }
+    };
+    wait_for_async(
+        "every healthy aggregate to be published past the blocked ones",
+        Duration::from_secs(60),
+        || async {
+            (published_among(&client, &healthy).await == healthy.len() as i64).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        blocked_published().await,
+        (0, 5_000),
+        "no blocked aggregate publishes a later event ahead of its waiting one"
+    );
+    verify_fault_free_delivery(&brokers, &healthy, &[], 60, "healthy aggregates");
+
+    // Once their first events are due, the blocked aggregates go out too, each in order.
+    client
+        .execute(
+            "UPDATE outbox_event SET available_at = now() WHERE available_at > now()",
+            &[],
+        )
+        .await
+        .unwrap();
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    let everything = events_in_table(&client, "position").await;
+    assert_eq!(everything.len(), 6_000);
+    verify_fault_free_delivery(&brokers, &everything, &[], 60, "every aggregate");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn blocked_aggregates_at_the_head_never_hold_up_the_others_in_poll_mode() {
+    blocked_aggregates_at_the_head_never_hold_up_the_others("poll").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn blocked_aggregates_at_the_head_never_hold_up_the_others_in_the_sweeper() {
+    blocked_aggregates_at_the_head_never_hold_up_the_others("sweeper").await;
+}
+
+/// The claim's side of leaving blocked aggregates out: it names the aggregates whose first event is not
+/// claimable (with how long until it may be, and whether a lease holds it), and a claim told to skip them
+/// gets past their rows however many there are, without ever taking one of their events.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_names_blocked_aggregates_and_gets_past_the_ones_it_skips() {
+    use outboxd::pg::outbox::{ClaimScope, PollSql};
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    // Aggregate a: 3,000 rows, the first waiting for a retry due in 90 s. Then one row of aggregate b.
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'a', 'E', '{}' FROM generate_series(1, 3000);
+             UPDATE outbox_event SET available_at = now() + interval '90 seconds'
+             WHERE position = (SELECT min(position) FROM outbox_event);
+             INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'b', 'E', '{}');",
+        )
+        .await
+        .unwrap();
+    let table = outbox_event_table(&client).await;
+    let mut claimer = pg.client().await;
+    let sql = PollSql::prepare(
+        &claimer,
+        &table,
+        outboxd::config::PollOrder::PerAggregate,
+        ClaimScope::All,
+    )
+    .await
+    .unwrap();
+    let lease = Duration::from_secs(30);
+    let aggregates = |rows: &[outboxd::pg::outbox::ClaimedRow]| -> Vec<String> {
+        rows.iter()
+            .map(|row| row.event.aggregate_id.to_string())
+            .collect()
+    };
+    let first = sql
+        .claim_skipping(&mut claimer, uuid::Uuid::new_v4(), lease, 10, &[])
+        .await
+        .unwrap();
+    assert!(first.rows.is_empty(), "a's rows fill the whole prefix");
+    assert_eq!(first.blocked.len(), 1);
+    assert_eq!(first.blocked[0].key, "(Order,a)");
+    assert!(!first.blocked[0].leased);
+    assert!(
+        (80..=90).contains(&first.blocked[0].ready_in.as_secs()),
+        "{:?}",
+        first.blocked[0]
+    );
+    let skip = vec![first.blocked[0].key.clone()];
+    let second = sql
+        .claim_skipping(&mut claimer, uuid::Uuid::new_v4(), lease, 10, &skip)
+        .await
+        .unwrap();
+    assert_eq!(
+        aggregates(&second.rows),
+        ["b"],
+        "past a, and none of a's events"
+    );
+    assert!(second.blocked.is_empty());
+
+    // b's next event, while the claim above holds b's first under its lease: b is blocked by that lease.
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'b', 'E', '{}')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let third = sql
+        .claim_skipping(&mut claimer, uuid::Uuid::new_v4(), lease, 10, &skip)
+        .await
+        .unwrap();
+    assert!(
+        third.rows.is_empty(),
+        "b's second event waits for its first"
+    );
+    assert_eq!(third.blocked.len(), 1);
+    assert_eq!(third.blocked[0].key, "(Order,b)");
+    assert!(third.blocked[0].leased, "{:?}", third.blocked[0]);
+}
+
 /// `auto` polling because replication became unavailable leaves a slot nothing consumes, which keeps WAL on
 /// the server without limit (review finding F10): after `--auto-drop-slot-after` it is dropped, and a new
 /// slot is created once replication works again; nothing is lost in between.
