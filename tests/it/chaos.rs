@@ -1554,3 +1554,505 @@ async fn final_slot_lag(client: &tokio_postgres::Client) -> i64 {
         .unwrap()
         .get(0)
 }
+
+// ======================================================================================================
+// Refusals: the broker refuses events after outboxd's producer accepted them. Two outbox tables, one keeping
+// its rows and one deleting them in the inserting transaction (Debezium style); both topics accept at most
+// `SMALL_TOPIC_BYTES` per batch, and every `OVERSIZE_EVERY`-th transaction carries one event larger than that
+// (refused with its batch-mates); the fault driver SIGKILLs outboxd and takes the principal's WRITE on one
+// topic away and gives it back (TOPIC_AUTHORIZATION_FAILED). Every oversize event must be dead-lettered (a
+// row an operator finds, and a record in the dead-letter topic), every other committed event delivered, in
+// order, duplicates within the window per fault, and the slot must confirm the end of the load.
+// `refusals_at_least_once` and `refusals_exactly_once` run it in both delivery modes.
+// ======================================================================================================
+
+/// Events per second the generator offers, over its two writers.
+const REFUSALS_RATE: u64 = 600;
+/// Both topics' `max.message.bytes`: small events batch under it (`batch.size` below it), an oversize one not.
+const SMALL_TOPIC_BYTES: usize = 65_536;
+const OVERSIZE_PAD: usize = 100_000;
+/// Every this many transactions of a writer, one event is oversize.
+const OVERSIZE_EVERY: u64 = 25;
+const DEAD_LETTER_TOPIC: &str = "outbox.dead";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Refusal {
+    KillOutboxd,
+    RevokeWrite,
+}
+
+impl Refusal {
+    fn name(self) -> &'static str {
+        match self {
+            Refusal::KillOutboxd => "SIGKILL outboxd, restart it",
+            Refusal::RevokeWrite => "revoke WRITE on one topic, grant it again",
+        }
+    }
+}
+
+/// (kills, revocations) of a profile.
+fn refusal_counts(profile: &str) -> (usize, usize) {
+    match profile {
+        "full" => (20, 6),
+        _ => (4, 2),
+    }
+}
+
+/// One writer of the refusals scenario: its table, aggregate type and whether it deletes its rows.
+#[derive(Debug, Clone, Copy)]
+struct RefusalWriter {
+    table: &'static str,
+    aggregate_type: &'static str,
+    deletes_rows: bool,
+}
+
+const REFUSAL_WRITERS: [RefusalWriter; 2] = [
+    RefusalWriter {
+        table: "outbox_event",
+        aggregate_type: "Order",
+        deletes_rows: false,
+    },
+    RefusalWriter {
+        table: "outbox_deleted",
+        aggregate_type: "Payment",
+        deletes_rows: true,
+    },
+];
+
+/// A transaction of the refusals scenario: its events, which of them is oversize, its xid (rows deleted by
+/// the transaction cannot resolve a lost COMMIT answer: `txid_status` does) and what became of it.
+struct RefusalTxn {
+    events: Vec<Inserted>,
+    oversize: Option<uuid::Uuid>,
+    xid: Option<i64>,
+    outcome: Outcome,
+}
+
+async fn write_refusal_load(
+    url: String,
+    writer: RefusalWriter,
+    rate: f64,
+    mut stop: watch::Receiver<bool>,
+) -> Vec<RefusalTxn> {
+    let mut txns = Vec::new();
+    let prefix = writer.aggregate_type.to_lowercase();
+    let mut rng = Rng(0x51_7cc1_b727_220a ^ writer.table.len() as u64);
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seq = 0i64;
+    'connect: while !*stop.borrow() {
+        let Ok((mut client, connection)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await
+        else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        tokio::spawn(connection);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = stop.wait_for(|s| *s) => break 'connect,
+            }
+            let n = txns.len() as u64;
+            let mut events: Vec<Inserted> = Vec::with_capacity(EVENTS_PER_TXN);
+            for i in 0..EVENTS_PER_TXN {
+                let aggregate_id = match events.last() {
+                    Some(last) if i % 3 != 0 => last.aggregate_id.clone(),
+                    _ => format!("{prefix}-{}", rng.below(AGGREGATES as u64 / 2)),
+                };
+                events.push(Inserted {
+                    event_id: uuid::Uuid::new_v4(),
+                    aggregate_id,
+                    seq,
+                });
+                seq += 1;
+            }
+            let oversize = (n % OVERSIZE_EVERY == OVERSIZE_EVERY / 2)
+                .then(|| events[rng.below(EVENTS_PER_TXN as u64) as usize].event_id);
+            let rollback = n % ROLLBACK_EVERY == ROLLBACK_EVERY - 1;
+            let (xid, outcome) =
+                run_refusal_txn(&mut client, writer, &events, oversize, rollback).await;
+            let broken = outcome.is_none();
+            txns.push(RefusalTxn {
+                events,
+                oversize,
+                xid,
+                outcome: outcome.unwrap_or(Outcome::InDoubt),
+            });
+            if broken {
+                continue 'connect;
+            }
+        }
+    }
+    txns
+}
+
+async fn run_refusal_txn(
+    client: &mut tokio_postgres::Client,
+    writer: RefusalWriter,
+    events: &[Inserted],
+    oversize: Option<uuid::Uuid>,
+    rollback: bool,
+) -> (Option<i64>, Option<Outcome>) {
+    let Ok(tx) = client.transaction().await else {
+        return (None, None);
+    };
+    let Ok(row) = tx.query_one("SELECT txid_current()", &[]).await else {
+        return (None, None);
+    };
+    let xid: i64 = row.get(0);
+    let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.event_id).collect();
+    let aggregates: Vec<&str> = events.iter().map(|e| e.aggregate_id.as_str()).collect();
+    let payloads: Vec<serde_json::Value> = events
+        .iter()
+        .map(|e| {
+            let pad = if Some(e.event_id) == oversize { OVERSIZE_PAD } else { 0 };
+            serde_json::json!({"aggregate": e.aggregate_id, "seq": e.seq, "pad": "x".repeat(pad)})
+        })
+        .collect();
+    let inserted = tx
+        .execute(
+            &format!(
+                "INSERT INTO {} (event_id, aggregate_type, aggregate_id, event_type, payload)
+                 SELECT id, $4, aggregate, 'Changed', payload
+                 FROM unnest($1::uuid[], $2::text[], $3::jsonb[]) WITH ORDINALITY AS e(id, aggregate, payload, n)
+                 ORDER BY n",
+                writer.table
+            ),
+            &[&ids, &aggregates, &payloads, &writer.aggregate_type],
+        )
+        .await;
+    if inserted.is_err() {
+        return (Some(xid), None);
+    }
+    if writer.deletes_rows
+        && tx
+            .execute(
+                &format!("DELETE FROM {} WHERE event_id = ANY($1)", writer.table),
+                &[&ids],
+            )
+            .await
+            .is_err()
+    {
+        return (Some(xid), None);
+    }
+    let outcome = if rollback {
+        tx.rollback().await.ok().map(|()| Outcome::RolledBack)
+    } else {
+        tx.commit().await.ok().map(|()| Outcome::Committed)
+    };
+    (Some(xid), outcome)
+}
+
+async fn refusals(delivery: &str) {
+    let _one_scenario_at_a_time = SCENARIOS.lock().await;
+    let profile = profile().name;
+    let (kills, revocations) = refusal_counts(&profile);
+    let seed = std::env::var("OUTBOXD_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| now_millis() as u64 | 1);
+    let mut rng = Rng(seed);
+    let mut schedule: Vec<Refusal> = std::iter::repeat_n(Refusal::KillOutboxd, kills)
+        .chain(std::iter::repeat_n(Refusal::RevokeWrite, revocations))
+        .collect();
+    for i in (1..schedule.len()).rev() {
+        schedule.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    println!("refusals, {delivery}, {profile} profile, seed {seed}: {kills} kills, {revocations} revocations");
+
+    let pg = Postgres::start();
+    let tables = ["--table", "public.outbox_event", "--table", "public.outbox_deleted"];
+    let mut migrate_args = vec!["migrate", "--database-url"];
+    let url = pg.url();
+    migrate_args.push(&url);
+    migrate_args.extend_from_slice(&tables);
+    let migrated = run_outboxd(&migrate_args);
+    assert!(migrated.status.success(), "{}", stderr_of(&migrated));
+    let broker = blocking(SecureBroker::start);
+    let password = "outboxd-chaos-7f2c";
+    blocking(|| broker.add_user("outboxd", password));
+    let topics: Vec<String> = REFUSAL_WRITERS
+        .iter()
+        .map(|w| format!("outbox.{}", w.aggregate_type))
+        .collect();
+    for topic in &topics {
+        create_topic(
+            &broker.plaintext_addr(),
+            rdkafka::admin::NewTopic::new(topic, 3, rdkafka::admin::TopicReplication::Fixed(1))
+                .set("max.message.bytes", &SMALL_TOPIC_BYTES.to_string()),
+        )
+        .await;
+        blocking(|| broker.allow("outboxd", &["WRITE", "CREATE"], "TOPIC", topic));
+    }
+    blocking(|| {
+        broker.allow("outboxd", &["WRITE", "CREATE"], "TOPIC", DEAD_LETTER_TOPIC);
+        broker.allow("outboxd", &["READ", "WRITE", "CREATE", "DESCRIBE"], "TOPIC", "outboxd.progress");
+        broker.allow("outboxd", &["READ"], "GROUP", "outboxd-progress-reader");
+        broker.allow_prefixed("outboxd", &["WRITE", "DESCRIBE"], "TRANSACTIONAL_ID", "outboxd-");
+    });
+    let options = SecureBroker::kafka_options("outboxd", password, &broker.ca);
+    let brokers = broker.addr();
+    let window = WINDOW.to_string();
+    let batch_size = format!("batch.size={}", SMALL_TOPIC_BYTES / 2);
+    let mut args = run_args(&url, &brokers);
+    args.extend(options.iter().map(String::as_str));
+    args.extend_from_slice(&tables);
+    args.extend_from_slice(&[
+        "--delivery",
+        delivery,
+        "--kafka-option",
+        &batch_size,
+        "--max-in-flight-events",
+        &window,
+        "--dead-letter-topic",
+        DEAD_LETTER_TOPIC,
+        // Long enough to outlive a revocation (never dead-lettered for it), short enough for the oversize.
+        "--max-attempts",
+        "25",
+        "--retry-base",
+        "200ms",
+        "--retry-cap",
+        "1s",
+        "--startup-timeout",
+        "300s",
+    ]);
+    let mut outboxd = Outboxd::spawn(&args);
+    let mut logs = vec![outboxd.log.clone()];
+    let client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+
+    let (stop_tx, stop) = watch::channel(false);
+    let writers: Vec<_> = REFUSAL_WRITERS
+        .iter()
+        .map(|&w| {
+            let rate = REFUSALS_RATE as f64 / EVENTS_PER_TXN as f64 / REFUSAL_WRITERS.len() as f64;
+            tokio::spawn(write_refusal_load(pg.url(), w, rate, stop.clone()))
+        })
+        .collect();
+    let started = Instant::now();
+    let mut fault_times: Vec<(i64, Refusal)> = Vec::new();
+    let mut unexpected_exits = 0;
+    for fault in &schedule {
+        tokio::time::sleep(rng.millis(1_000, 4_000)).await;
+        if let Some(status) = outboxd.try_wait() {
+            unexpected_exits += 1;
+            eprintln!("outboxd exited on its own ({status}); log {}", outboxd.log.display());
+            outboxd = Outboxd::spawn(&args);
+            logs.push(outboxd.log.clone());
+        }
+        fault_times.push((now_millis(), *fault));
+        match fault {
+            Refusal::KillOutboxd => {
+                outboxd.kill();
+                tokio::time::sleep(rng.millis(0, 1_000)).await;
+                outboxd = Outboxd::spawn(&args);
+                logs.push(outboxd.log.clone());
+            }
+            Refusal::RevokeWrite => {
+                let topic = &topics[rng.below(topics.len() as u64) as usize];
+                blocking(|| broker.revoke("outboxd", &["WRITE"], "TOPIC", topic));
+                tokio::time::sleep(rng.millis(2_000, 6_000)).await;
+                blocking(|| broker.allow("outboxd", &["WRITE"], "TOPIC", topic));
+            }
+        }
+        println!("{:>6.1}s  {}", started.elapsed().as_secs_f64(), fault.name());
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_tx.send(true).unwrap();
+    let mut txns = Vec::new();
+    for writer in writers {
+        txns.extend(writer.await.unwrap());
+    }
+    let load_seconds = started.elapsed().as_secs_f64();
+
+    // Resolve lost COMMIT answers by the transaction's status (the deleting table keeps no rows).
+    let (mut committed, mut rolled_back, mut oversize) = (Vec::new(), Vec::new(), Vec::new());
+    let mut in_doubt = 0;
+    for txn in txns {
+        let committed_for_sure = match (txn.outcome, txn.xid) {
+            (Outcome::InDoubt, Some(xid)) => {
+                in_doubt += 1;
+                let status: Option<String> = client
+                    .query_one("SELECT txid_status($1)", &[&xid])
+                    .await
+                    .unwrap()
+                    .get(0);
+                status.as_deref() == Some("committed")
+            }
+            (Outcome::InDoubt, None) => false,
+            (outcome, _) => outcome == Outcome::Committed,
+        };
+        if committed_for_sure {
+            oversize.extend(txn.oversize);
+            committed.extend(
+                txn.events
+                    .into_iter()
+                    .filter(|e| Some(e.event_id) != txn.oversize),
+            );
+        } else {
+            rolled_back.extend(txn.events);
+        }
+    }
+
+    if let Some(status) = outboxd.try_wait() {
+        unexpected_exits += 1;
+        eprintln!("outboxd exited on its own ({status})");
+        outboxd = Outboxd::spawn(&args);
+        logs.push(outboxd.log.clone());
+    }
+    // Every oversize event dead-lettered (its row written back where the transaction deleted it), every
+    // other row published or dead.
+    wait_for_async("every oversize event to be dead-lettered", Duration::from_secs(600), || async {
+        let dead: i64 = client
+            .query_one(
+                "SELECT (SELECT count(*) FROM outbox_event WHERE event_id = ANY($1) AND dead_at IS NOT NULL)
+                      + (SELECT count(*) FROM outbox_deleted WHERE event_id = ANY($1) AND dead_at IS NOT NULL)",
+                &[&oversize],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (dead as usize == oversize.len()).then_some(())
+    })
+    .await;
+    let settled = |table: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    &format!("SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS NULL"),
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    wait_for_async("every row to be published or dead-lettered", Duration::from_secs(600), || async {
+        (settled("outbox_event").await + settled("outbox_deleted").await == 0).then_some(())
+    })
+    .await;
+    let end_of_load = current_wal_lsn(&client).await;
+    wait_confirmed_past(&client, "outboxd", end_of_load, "the slot to confirm the end of the load").await;
+    let final_lag = final_slot_lag(&client).await;
+    let wrongly_dead: i64 = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM outbox_event WHERE dead_at IS NOT NULL AND NOT event_id = ANY($1))
+                  + (SELECT count(*) FROM outbox_deleted WHERE dead_at IS NOT NULL AND NOT event_id = ANY($1))",
+            &[&oversize],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let written_back: i64 = client
+        .query_one("SELECT count(*) FROM outbox_deleted", &[])
+        .await
+        .unwrap()
+        .get(0);
+
+    let topic_names: Vec<&str> = topics.iter().map(String::as_str).collect();
+    let records = blocking(|| {
+        consume_all(&broker.plaintext_addr(), &topic_names, committed.len(), Duration::from_secs(600))
+    });
+    let dead_letters = blocking(|| {
+        consume_all(&broker.plaintext_addr(), &[DEAD_LETTER_TOPIC], oversize.len(), Duration::from_secs(120))
+    });
+    let report = check_delivery(&records, &committed, &rolled_back);
+    let oversize_published = records
+        .iter()
+        .filter(|r| oversize.iter().any(|id| r.headers.get("event_id") == Some(&id.to_string())))
+        .count();
+    let not_in_dead_letters = oversize
+        .iter()
+        .filter(|id| !dead_letters.iter().any(|r| r.headers.get("event_id") == Some(&id.to_string())))
+        .count();
+    drop(outboxd);
+    let restarts: usize = logs
+        .iter()
+        .map(|log| {
+            std::fs::read_to_string(log)
+                .unwrap_or_default()
+                .matches("replication session ended; reconnecting")
+                .count()
+        })
+        .sum();
+
+    let mut copies: HashMap<&str, Vec<i64>> = HashMap::new();
+    for record in &records {
+        if let Some(id) = record.headers.get("event_id") {
+            copies.entry(id).or_default().push(record.timestamp.unwrap_or(0));
+        }
+    }
+    let mut per_fault: BTreeMap<usize, usize> = BTreeMap::new();
+    for times in copies.values_mut().filter(|t| t.len() > 1) {
+        times.sort_unstable();
+        for &copy in &times[1..] {
+            let after = fault_times.partition_point(|(t, _)| *t <= copy);
+            *per_fault.entry(after).or_default() += 1;
+        }
+    }
+    let (worst_index, worst) = per_fault
+        .iter()
+        .map(|(&i, &n)| (i, n))
+        .max_by_key(|&(_, n)| n)
+        .unwrap_or((0, 0));
+    let worst_fault = worst_index
+        .checked_sub(1)
+        .map_or("before any fault (refusals)", |i| fault_times[i].1.name());
+
+    let mut table = String::new();
+    let _ = writeln!(table, "| refusals, {delivery} | {profile} profile, seed {seed} |");
+    let _ = writeln!(table, "| --- | --- |");
+    let rows: Vec<(&str, String)> = vec![
+        ("SIGKILL outboxd, restart it", kills.to_string()),
+        ("revoke WRITE on one topic for 2-6 s, grant it again", revocations.to_string()),
+        (
+            "load",
+            format!(
+                "{load_seconds:.0} s, {} events committed ({:.0}/s), half into a table that deletes its rows in the inserting transaction",
+                committed.len() + oversize.len(),
+                (committed.len() + oversize.len()) as f64 / load_seconds
+            ),
+        ),
+        (
+            "oversize events (refused after acceptance, with their batch-mates)",
+            format!("{} ({} in the deleting table's rows written back)", oversize.len(), written_back),
+        ),
+        ("rolled-back events", format!("{} ({in_doubt} transactions in doubt, resolved)", rolled_back.len())),
+        ("**committed events missing**", report.missing.to_string()),
+        ("**events from rolled-back transactions**", report.from_rolled_back.to_string()),
+        ("**per-aggregate order violations**", report.order_violations.to_string()),
+        ("**oversize events not dead-lettered / not in the dead-letter topic**", format!("0 / {not_in_dead_letters}")),
+        ("**events dead-lettered that were not oversize**", wrongly_dead.to_string()),
+        ("duplicates", report.duplicates.to_string()),
+        ("most duplicates after one fault", format!("{worst} ({worst_fault}; in-flight window {WINDOW})")),
+        ("replication session restarts", restarts.to_string()),
+        ("outboxd exits not caused by the test", unexpected_exits.to_string()),
+        ("final slot lag (bytes)", final_lag.to_string()),
+    ];
+    for (what, value) in rows {
+        let _ = writeln!(table, "| {what} | {value} |");
+    }
+    println!("\n{table}");
+    let path = write_report(&profile, &format!("refusals-{delivery}"), &table);
+    println!("report: {}", path.display());
+
+    assert_eq!(report.missing, 0, "committed events missing: {:?}", report.missing_sample);
+    assert_eq!(report.from_rolled_back, 0, "rolled-back events published");
+    assert_eq!(report.order_violations, 0, "per-aggregate order violated");
+    assert_eq!(oversize_published, 0, "an oversize event reached its topic");
+    assert_eq!(not_in_dead_letters, 0, "oversize events missing from the dead-letter topic");
+    assert_eq!(wrongly_dead, 0, "events dead-lettered that the broker would take");
+    assert_eq!(unexpected_exits, 0, "outboxd exited on its own; see its logs");
+    assert!(worst <= WINDOW, "{worst} duplicates after one fault exceed the in-flight window {WINDOW}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refusals_at_least_once() {
+    refusals("at-least-once").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refusals_exactly_once() {
+    refusals("exactly-once").await;
+}

@@ -244,7 +244,7 @@ kill_node() {
   fi
 }
 
-cmd="${1:?usage: kafka.sh install|start|start-cluster|start-secure|add-user|allow|start-node|stop|kill ...}"
+cmd="${1:?usage: kafka.sh install|start|start-cluster|start-secure|add-user|allow|revoke|start-node|stop|kill ...}"
 case "$cmd" in
   install) install ;;
   start)
@@ -318,10 +318,10 @@ EOF
   add-user)
     admin "${2:?DIR required}" add-user "${3:?NAME required}" "${4:?PASSWORD required}"
     ;;
-  allow)
+  allow | revoke)
     dir="${2:?DIR required}"
     shift 2
-    admin "$dir" allow "$@"
+    admin "$dir" "$cmd" "$@"
     ;;
   start-node)
     require_kafka

@@ -1774,6 +1774,41 @@ impl SecureBroker {
         );
     }
 
+    /// ALLOW ACLs as [`SecureBroker::allow`] makes them, for every resource whose name starts with `prefix`.
+    pub fn allow_prefixed(&self, user: &str, operations: &[&str], resource_type: &str, prefix: &str) {
+        let operations = operations.join(",");
+        run_script(
+            "kafka.sh",
+            &[
+                "allow",
+                self.dir.to_str().unwrap(),
+                user,
+                &operations,
+                resource_type,
+                prefix,
+                "PREFIXED",
+            ],
+            &[],
+        );
+    }
+
+    /// Removes the ALLOW ACLs [`SecureBroker::allow`] made; returns once the broker no longer enforces them.
+    pub fn revoke(&self, user: &str, operations: &[&str], resource_type: &str, resource: &str) {
+        let operations = operations.join(",");
+        run_script(
+            "kafka.sh",
+            &[
+                "revoke",
+                self.dir.to_str().unwrap(),
+                user,
+                &operations,
+                resource_type,
+                resource,
+            ],
+            &[],
+        );
+    }
+
     /// `user` may produce to `topic` (WRITE, which implies DESCRIBE and the idempotent producer's id).
     pub fn allow_write(&self, user: &str, topic: &str) {
         self.allow(user, &["WRITE"], "TOPIC", topic);

@@ -6,6 +6,8 @@
 //   KafkaAdmin CLIENT_PROPERTIES allow NAME OPERATIONS RESOURCE_TYPE RESOURCE [LITERAL|PREFIXED]
 //       ALLOW ACLs for User:NAME from any host, one per operation (comma-separated, e.g.
 //       `allow app WRITE,CREATE TOPIC orders`); waits until the broker's authorizer lists them
+//   KafkaAdmin CLIENT_PROPERTIES revoke NAME OPERATIONS RESOURCE_TYPE RESOURCE [LITERAL|PREFIXED]
+//       removes those ALLOW ACLs; waits until the broker's authorizer no longer lists them
 // CLIENT_PROPERTIES holds bootstrap.servers and the super user's SASL_SSL settings.
 import java.io.FileInputStream;
 import java.util.Arrays;
@@ -51,6 +53,13 @@ public class KafkaAdmin {
                         Arrays.stream(args[3].split(",")).map(AclOperation::fromString).toList();
                     allow(admin, args[2], operations, ResourceType.fromString(args[4]), args[5], pattern);
                 }
+                case "revoke" -> {
+                    if (args.length != 6 && args.length != 7) usage();
+                    PatternType pattern = args.length == 7 ? PatternType.fromString(args[6]) : PatternType.LITERAL;
+                    List<AclOperation> operations =
+                        Arrays.stream(args[3].split(",")).map(AclOperation::fromString).toList();
+                    revoke(admin, args[2], operations, ResourceType.fromString(args[4]), args[5], pattern);
+                }
                 default -> usage();
             }
         }
@@ -59,6 +68,7 @@ public class KafkaAdmin {
     static void usage() {
         System.err.println("usage: KafkaAdmin CLIENT_PROPERTIES add-user NAME PASSWORD");
         System.err.println("       KafkaAdmin CLIENT_PROPERTIES allow NAME OPERATIONS RESOURCE_TYPE RESOURCE [LITERAL|PREFIXED]");
+        System.err.println("       KafkaAdmin CLIENT_PROPERTIES revoke NAME OPERATIONS RESOURCE_TYPE RESOURCE [LITERAL|PREFIXED]");
         System.exit(2);
     }
 
@@ -111,6 +121,29 @@ public class KafkaAdmin {
                 }
                 if (System.currentTimeMillis() > deadline) {
                     throw new IllegalStateException("the broker does not list " + binding + " after 60 s");
+                }
+                Thread.sleep(100);
+            }
+        }
+    }
+
+    static void revoke(Admin admin, String name, List<AclOperation> operations, ResourceType type,
+                       String resource, PatternType pattern) throws Exception {
+        if (operations.contains(AclOperation.UNKNOWN) || type == ResourceType.UNKNOWN
+            || pattern == PatternType.UNKNOWN) {
+            usage();
+        }
+        ResourcePattern on = new ResourcePattern(type, resource, pattern);
+        List<AclBinding> bindings = operations.stream()
+            .map(operation -> new AclBinding(on,
+                new AccessControlEntry("User:" + name, "*", operation, AclPermissionType.ALLOW)))
+            .toList();
+        admin.deleteAcls(bindings.stream().map(AclBinding::toFilter).toList()).all().get();
+        long deadline = System.currentTimeMillis() + DEADLINE_MS;
+        for (AclBinding binding : bindings) {
+            while (admin.describeAcls(binding.toFilter()).values().get().contains(binding)) {
+                if (System.currentTimeMillis() > deadline) {
+                    throw new IllegalStateException("the broker still lists " + binding + " after 60 s");
                 }
                 Thread.sleep(100);
             }
