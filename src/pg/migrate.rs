@@ -1,8 +1,9 @@
 //! `outboxd migrate`: embedded plain-SQL migrations tracked in `outboxd_migrations`, then the publication.
-//! Idempotent, safe to run concurrently (one migrate at a time, under a session advisory lock), and safe on a
-//! large table the application keeps writing: statements that lock the table run in short transactions under
-//! `lock_timeout`, retried while the lock is busy, so application inserts never queue behind a long wait; indexes
-//! are built `CONCURRENTLY` outside any transaction. Needs no broker and works with `wal_level = replica`.
+//! Idempotent, safe to run concurrently (one migrate at a time, under a session advisory lock in outboxd's
+//! keyspace and the one earlier versions took), and safe on a large table the application keeps writing:
+//! statements that lock the table run in short transactions under `lock_timeout`, retried while the lock is
+//! busy, so application inserts never queue behind a long wait; indexes are built `CONCURRENTLY` outside any
+//! transaction. Needs no broker and works with `wal_level = replica`.
 
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use crate::config::{DatabaseSettings, ExistingRows};
 use crate::error::{Error, Result};
 use crate::pg::outbox::HistoryMark;
 use crate::pg::slot;
+use crate::pipeline::liveness::lock_call;
 use crate::table::TableName;
 use crate::table::{OutboxTable, Role, TableSpec};
 
@@ -54,8 +56,12 @@ const LOCK_TIMEOUT: Duration = Duration::from_millis(300);
 /// How long migrate keeps trying to take a table lock before it reports what holds it.
 const LOCK_PATIENCE: Duration = Duration::from_secs(600);
 
-/// Arbitrary constant naming outboxd's migration lock.
-const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d67; // "outboxmg"
+/// Key text of outboxd's migration lock, `(OUTBOXD_LOCK_CLASS, hashtext(key))` like its other locks.
+const MIGRATION_LOCK_KEY: &str = "outboxd.migrate";
+
+/// The migration lock as earlier versions took it (a bigint, in the keyspace applications use): taken as
+/// well, so that a migrate of an earlier version never runs at the same time as this one.
+const FORMER_MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d67; // "outboxmg"
 
 /// The first migration creates the table; the later ones add the polling path's columns and indexes.
 const CREATE_TABLE_VERSION: i32 = 1;
@@ -480,26 +486,58 @@ pub async fn migrate(
 ) -> Result<MigrationReport> {
     // Waits by polling, never inside a statement: a concurrent index build waits for every open transaction,
     // and one blocked in `pg_advisory_lock` behind the builder's own session would be a deadlock.
+    // The former lock is waited for at most LOCK_PATIENCE: held longer, it is an application's lock on that
+    // bigint (an earlier version's migrate is done well before), and migrate goes on without it.
+    let lock = format!("SELECT {}", lock_call("pg_try_advisory_lock", "$1"));
+    let mut held = false;
     let mut said = false;
-    loop {
-        let held: bool = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
-            .await?
-            .get(0);
+    let mut waiting_for_former = None;
+    let former_held = loop {
+        if !held {
+            held = client
+                .query_one(&lock, &[&MIGRATION_LOCK_KEY])
+                .await?
+                .get(0);
+        }
         if held {
-            break;
+            let former: bool = client
+                .query_one(
+                    "SELECT pg_try_advisory_lock($1)",
+                    &[&FORMER_MIGRATION_LOCK_KEY],
+                )
+                .await?
+                .get(0);
+            if former {
+                break true;
+            }
+            let waited = waiting_for_former.get_or_insert_with(std::time::Instant::now);
+            if waited.elapsed() > LOCK_PATIENCE {
+                tracing::warn!(
+                    key = FORMER_MIGRATION_LOCK_KEY,
+                    "the migration lock of earlier versions (pg_advisory_lock(bigint), the keyspace applications use too) has been held for {} minutes: taken for an application's lock on that bigint (a migrate of an earlier version rarely runs that long), migrating without it",
+                    LOCK_PATIENCE.as_secs() / 60
+                );
+                break false;
+            }
         }
         if !said {
             tracing::info!("another outboxd migrate is running: waiting for it to finish");
             said = true;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    };
     let result = migrate_under_lock(client, settings).await;
-    // The lock also ends with the session.
-    let _ = client
-        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
-        .await;
+    // The locks also end with the session.
+    let unlock = format!("SELECT {}", lock_call("pg_advisory_unlock", "$1"));
+    let _ = client.execute(&unlock, &[&MIGRATION_LOCK_KEY]).await;
+    if former_held {
+        let _ = client
+            .execute(
+                "SELECT pg_advisory_unlock($1)",
+                &[&FORMER_MIGRATION_LOCK_KEY],
+            )
+            .await;
+    }
     result
 }
 

@@ -7,6 +7,7 @@ use tokio_postgres::{Client, GenericClient};
 use uuid::Uuid;
 
 use crate::error::Result;
+use crate::pipeline::liveness::{former_lock_call, lock_call};
 use crate::table::{OutboxTable, PayloadType, Role};
 
 /// Prepared statements for one outbox table. A table without `published_at` (CDC only) gets none: nothing
@@ -660,6 +661,11 @@ pub struct BlockedAggregate {
     /// Another worker's lease holds it (usually only for that worker's batch).
     pub leased: bool,
 }
+/// How long a claim waits for the claim lock in the form earlier versions take it: an earlier version's
+/// claim under way holds it for milliseconds, or at most its claim transaction's
+/// `idle_in_transaction_session_timeout` (10 s) when its instance went silent. Held longer, it is an
+/// application's lock on that bigint, and claims go on without it.
+const FORMER_CLAIM_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Statements of the lease-based polling path for one outbox table.
 pub struct PollSql {
@@ -669,6 +675,8 @@ pub struct PollSql {
     header_columns: Vec<std::sync::Arc<str>>,
     serialize_claims: bool,
     table_key: String,
+    /// Set when a claim gave up waiting for the former claim lock; cleared when one gets it again.
+    former_claim_lock_busy: std::sync::atomic::AtomicBool,
     mark_published: tokio_postgres::Statement,
     retry_later: tokio_postgres::Statement,
     dead_letter: tokio_postgres::Statement,
@@ -812,6 +820,7 @@ impl PollSql {
                 .collect(),
             serialize_claims: order == crate::config::PollOrder::PerAggregate,
             table_key: format!("outboxd.claim.{table}"),
+            former_claim_lock_busy: std::sync::atomic::AtomicBool::new(false),
             mark_published: prepare(format!(
                 "UPDATE {t} SET published_at = now(), lease_token = NULL, lease_until = NULL, last_error = NULL
                  WHERE {id} = ANY($1::uuid[]) AND lease_token = $2"
@@ -836,6 +845,59 @@ impl PollSql {
             .await?,
             renew: prepare(renew_statement(outbox)).await?,
         })
+    }
+
+    /// Inside a claim transaction that holds the claim lock: the claim lock in the form earlier versions take
+    /// it (`pg_advisory_xact_lock(hashtext(key))`, the bigint keyspace), so that their claims and this
+    /// version's never interleave during a rolling upgrade. Best-effort: waited for at most
+    /// [`FORMER_CLAIM_LOCK_WAIT`] (never forever behind an application's lock on that bigint); after a wait
+    /// given up, claims only ask for it without waiting, until one gets it again.
+    async fn take_former_claim_lock(&self, tx: &mut tokio_postgres::Transaction<'_>) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let ask = format!(
+            "SELECT {}",
+            former_lock_call("pg_try_advisory_xact_lock", "$1")
+        );
+        if tx
+            .query_one(&ask, &[&self.table_key])
+            .await?
+            .get::<_, bool>(0)
+        {
+            self.former_claim_lock_busy.store(false, Relaxed);
+            return Ok(());
+        }
+        if self.former_claim_lock_busy.load(Relaxed) {
+            return Ok(());
+        }
+        // A lock wait given up aborts the statement: in a savepoint, so that the claim goes on.
+        let waiting = tx.savepoint("former_claim_lock").await?;
+        waiting
+            .batch_execute(&format!(
+                "SET LOCAL lock_timeout = {}",
+                FORMER_CLAIM_LOCK_WAIT.as_millis()
+            ))
+            .await?;
+        let wait = format!("SELECT {}", former_lock_call("pg_advisory_xact_lock", "$1"));
+        match waiting.execute(&wait, &[&self.table_key]).await {
+            Ok(_) => {
+                waiting.commit().await?;
+                // The SET LOCAL outlives the savepoint: the claim itself keeps the connection's setting.
+                tx.batch_execute("SET LOCAL lock_timeout TO DEFAULT")
+                    .await?;
+            }
+            Err(error)
+                if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+            {
+                waiting.rollback().await?;
+                self.former_claim_lock_busy.store(true, Relaxed);
+                tracing::warn!(
+                    key = self.table_key,
+                    "the claim lock in the form earlier versions take it (pg_advisory_xact_lock(hashtext(key)), the bigint keyspace applications use too) has been held for {FORMER_CLAIM_LOCK_WAIT:?}, longer than a claim of an earlier version holds it: taken for an application's lock on that bigint, claiming without it (until a claim gets it again, claims of an earlier version's instances are not kept from interleaving with this version's)"
+                );
+            }
+            Err(error) => return Err(error.into()),
+        }
+        Ok(())
     }
 
     /// Claims up to `batch` rows under `token` in one short transaction, committed before any Kafka call.
@@ -868,15 +930,16 @@ impl PollSql {
         // Leases are measured on the clock (`clock_timestamp()`), not from the transaction's start, so that
         // waiting for the claim lock never shortens them. A claimer that goes silent inside the transaction
         // (holding the claim lock every per-aggregate claimer waits for) is ended by the server.
-        let tx = client.transaction().await?;
+        let mut tx = client.transaction().await?;
         tx.batch_execute("SET LOCAL idle_in_transaction_session_timeout = '10s'")
             .await?;
         if self.serialize_claims {
             tx.execute(
-                "SELECT pg_advisory_xact_lock(hashtext($1))",
+                &format!("SELECT {}", lock_call("pg_advisory_xact_lock", "$1")),
                 &[&self.table_key],
             )
             .await?;
+            self.take_former_claim_lock(&mut tx).await?;
         }
         // Wide enough that blocked aggregates not yet in `skip` rarely starve the batch; each row of it costs
         // every claim.

@@ -1,6 +1,12 @@
 //! Leadership among outboxd instances sharing one slot: a session-level advisory lock held on a dedicated
-//! connection. Exactly one instance streams; the others stand by and take over when the leader's session
-//! ends. A leader that vanishes without closing its connection (a node lost, a network partition) must not
+//! connection, in outboxd's own keyspace (`liveness::OUTBOXD_LOCK_CLASS`). Exactly one instance streams; the
+//! others stand by and take over when the leader's session ends. Earlier versions took the lock in the
+//! bigint keyspace applications use; while an instance of an earlier version may run beside this one (a
+//! rolling upgrade), the leader also holds that former key, and stands by while an earlier version's leader
+//! holds it. A holder of the former key that does not name itself as outboxd's is an application's lock:
+//! it neither keeps this instance from leading nor is ever ended.
+//!
+//! A leader that vanishes without closing its connection (a node lost, a network partition) must not
 //! hold the lock for the operating system's TCP timeout (about two hours), so:
 //!
 //! - the lock connection has TCP keepalives and `tcp_user_timeout` on both ends (the client's socket, and
@@ -8,15 +14,16 @@
 //! - the leader runs a health query every [`HEALTH_INTERVAL`] that also proves its own server session holds
 //!   the lock (a transaction-mode pooler would run it elsewhere: refused with a setup error), and gives up
 //!   leadership when it gets no answer within [`HEALTH_TIMEOUT`];
-//! - a standby ends the session of a leader that has been silent for [`SILENT_LEADER`], and, once it holds
-//!   the lock, a walsender of the slot that has sent no reply for [`SILENT_WALSENDER`] (a proxy or load
-//!   balancer in between keeps answering TCP for a dead client, so keepalives alone are not enough).
+//! - a standby ends the session of a leader (a session named `outboxd active|standby <slot>` holding the
+//!   key) that has been silent for [`SILENT_LEADER`], and, once it holds the lock, a walsender of the slot
+//!   that has sent no reply for [`SILENT_WALSENDER`] (a proxy or load balancer in between keeps answering
+//!   TCP for a dead client, so keepalives alone are not enough).
 //!
 //! Together these bound a takeover by [`TAKEOVER_BOUND`], the figure README states (the shared parts of
 //! dead-peer detection are in `liveness`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
@@ -25,12 +32,16 @@ use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::http::READINESS;
 use crate::pipeline::liveness::{
-    session_settings, with_dead_peer_detection, HEALTH_INTERVAL, HEALTH_TIMEOUT, LOCK_ROWS,
-    SILENT_LEADER,
+    former_lock_call, lock_call, session_settings, with_dead_peer_detection, LockSpace,
+    HEALTH_INTERVAL, HEALTH_TIMEOUT, SILENT_LEADER,
 };
 
 /// How often a standby asks for the lock.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
+/// A session holding the former leadership key without naming itself as outboxd's counts as an
+/// application's once it has held the key this long: an instance of an earlier version names its session
+/// (`outboxd active <slot>`) within a few statements, each given [`HEALTH_TIMEOUT`], after taking the key.
+const FORMER_KEY_PATIENCE: Duration = HEALTH_TIMEOUT;
 /// A walsender of our slot that has had no reply from its client for this long serves a dead client (a
 /// live outboxd replies every `--status-interval`): the instance holding the lock ends it.
 pub const SILENT_WALSENDER: Duration = Duration::from_secs(10);
@@ -80,8 +91,148 @@ async fn announce(client: &tokio_postgres::Client, role: Role, slot: &str) -> Re
 /// Whether this connection's own server session holds the lock: false through a pooler in transaction or
 /// statement mode, where the lock stays on whichever server connection ran `pg_try_advisory_lock`.
 async fn holds_lock(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
-    let sql = format!("SELECT EXISTS (SELECT 1 FROM {LOCK_ROWS} AND l.pid = pg_backend_pid())");
+    let sql = format!(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks l WHERE {} AND l.pid = pg_backend_pid())",
+        LockSpace::Outboxd.lock_filter("$1")
+    );
     Ok(client.query_one(&sql, &[&key]).await?.get(0))
+}
+
+/// Takes the leadership lock for key text `key` when it is free.
+async fn try_lock(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
+    let sql = format!("SELECT {}", lock_call("pg_try_advisory_lock", "$1"));
+    Ok(client.query_one(&sql, &[&key]).await?.get(0))
+}
+
+/// Gives back the leadership lock taken by [`try_lock`].
+async fn unlock(client: &tokio_postgres::Client, key: &str) -> Result<()> {
+    let sql = format!("SELECT {}", lock_call("pg_advisory_unlock", "$1"));
+    client.query_one(&sql, &[&key]).await?;
+    Ok(())
+}
+
+/// The leadership key in the form earlier versions took it (`pg_advisory_lock(hashtext(key))`), asked for by
+/// an instance that holds the key in outboxd's keyspace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum FormerKey {
+    /// This session holds it now as well.
+    Taken,
+    /// A leadership session (`outboxd active|standby <slot>`) holds it: an instance of an earlier version.
+    EarlierVersion,
+    /// Held by these sessions, none of which names itself as outboxd's: an application's lock on an id of
+    /// its own, or (for a moment) an earlier version's leader that has not named its session yet.
+    Foreign(Vec<i32>),
+}
+
+async fn take_former_key(
+    client: &tokio_postgres::Client,
+    key: &str,
+    slot: &str,
+) -> Result<FormerKey> {
+    let take = format!("SELECT {}", former_lock_call("pg_try_advisory_lock", "$1"));
+    if client.query_one(&take, &[&key]).await?.get::<_, bool>(0) {
+        return Ok(FormerKey::Taken);
+    }
+    let holders = format!(
+        "SELECT l.pid, coalesce(a.application_name IN ($2, $3), false)
+         FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE {} AND l.pid <> pg_backend_pid() ORDER BY l.pid",
+        LockSpace::Former.lock_filter("$1")
+    );
+    let names = leadership_names(slot);
+    let rows = client
+        .query(&holders, &[&key, &names[0], &names[1]])
+        .await?;
+    if rows.iter().any(|row| row.get::<_, bool>(1)) {
+        return Ok(FormerKey::EarlierVersion);
+    }
+    Ok(FormerKey::Foreign(
+        rows.iter().map(|row| row.get(0)).collect(),
+    ))
+}
+
+/// The `application_name`s of the leadership sessions of `slot`, active and standby.
+fn leadership_names(slot: &str) -> [String; 2] {
+    [
+        application_name(Role::Active, slot),
+        application_name(Role::Standby, slot),
+    ]
+}
+
+/// Pure: the sessions seen holding the former leadership key without naming themselves as outboxd's, and
+/// since when, so that they count as an application's only after [`FORMER_KEY_PATIENCE`].
+#[derive(Debug, Default)]
+struct ForeignHolders {
+    seen: Option<(Vec<i32>, Instant)>,
+}
+
+impl ForeignHolders {
+    /// Whether `pids`, seen holding the key `now`, have held it for [`FORMER_KEY_PATIENCE`] (the same
+    /// sessions all along).
+    fn patience_over(&mut self, pids: &[i32], now: Instant) -> bool {
+        match &self.seen {
+            Some((seen, since)) if seen == pids => {
+                now.saturating_duration_since(*since) >= FORMER_KEY_PATIENCE
+            }
+            _ => {
+                self.seen = Some((pids.to_vec(), now));
+                false
+            }
+        }
+    }
+
+    fn forget(&mut self) {
+        self.seen = None;
+    }
+}
+
+/// The locks that instances of earlier versions look for, which this leader could not take yet (an
+/// application held them): it asks for them again with every health query.
+#[derive(Debug, Default)]
+struct FormerLocksMissing {
+    /// The former leadership key: until this leader holds it, an instance of an earlier version that
+    /// starts could take it and lead too.
+    leadership: bool,
+    /// Key texts of the former CDC markers (earlier versions' pollers defer only to these).
+    markers: Vec<String>,
+}
+
+impl FormerLocksMissing {
+    fn is_empty(&self) -> bool {
+        !self.leadership && self.markers.is_empty()
+    }
+
+    /// Asks for each missing lock once. `Some(why)` when an instance of an earlier version took the former
+    /// leadership key: it leads, so this instance must not.
+    async fn take(
+        &mut self,
+        client: &tokio_postgres::Client,
+        key: &str,
+        slot: &str,
+    ) -> Result<Option<String>> {
+        if self.leadership {
+            match take_former_key(client, key, slot).await? {
+                FormerKey::Taken => {
+                    self.leadership = false;
+                    tracing::info!("now also holding the leadership key of earlier versions (the application holding it let go)");
+                }
+                FormerKey::EarlierVersion => {
+                    return Ok(Some(
+                        "an outboxd instance of an earlier version took the leadership key earlier versions use, and leads".into(),
+                    ))
+                }
+                FormerKey::Foreign(_) => {}
+            }
+        }
+        let mut still_missing = Vec::new();
+        for marker in std::mem::take(&mut self.markers) {
+            if !super::fleet::take_former_marker(client, &marker).await? {
+                still_missing.push(marker);
+            }
+        }
+        self.markers = still_missing;
+        Ok(None)
+    }
 }
 
 fn pooler_error() -> Error {
@@ -153,7 +304,8 @@ fn report(lost: &watch::Sender<Option<Lost>>, why: Lost) {
 /// ends (or is aborted with its `Leadership`) the connection closes.
 async fn watch_health(
     client: tokio_postgres::Client,
-    key: String,
+    (key, slot): (String, String),
+    mut missing: FormerLocksMissing,
     lost: watch::Sender<Option<Lost>>,
 ) {
     let mut ended = lost.subscribe();
@@ -172,31 +324,75 @@ async fn watch_health(
                 )
             }
         }
+        if missing.is_empty() {
+            continue;
+        }
+        match within(missing.take(&client, &key, &slot)).await {
+            Ok(None) => {}
+            Ok(Some(why)) => return report(&lost, Lost::Ended(why)),
+            Err(error) => {
+                return report(
+                    &lost,
+                    Lost::Ended(format!("the health query failed: {error}")),
+                )
+            }
+        }
     }
 }
 
+/// What a standby's look at the leader's lock session found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fencing {
+    /// A silent leader's session was ended: its lock goes as its backend exits.
+    Ended,
+    /// The leader's session is alive, or no leadership session holds the key.
+    NothingToEnd,
+    /// The leader's session state is hidden from this role (another role, no `pg_read_all_stats`).
+    Blind,
+}
+
 /// Ends the session of a leader whose lock session has run no statement for [`SILENT_LEADER`] (a dead
-/// node, a partition). Needs the same role as that session (or `pg_signal_backend` and `pg_read_all_stats`);
-/// without it, the server's keepalives end the session instead. Returns whether one was ended.
-async fn end_silent_leader(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
+/// node, a partition). Only a leadership session of this slot (`outboxd active|standby <slot>`) holding the
+/// key, in outboxd's keyspace or the former one, is ever ended: never an application's session that holds
+/// the same bigint key for a lock of its own. Needs the same role as that session (or `pg_signal_backend`
+/// and `pg_read_all_stats`); without it, the server's keepalives end the session instead.
+async fn end_silent_leader(
+    client: &tokio_postgres::Client,
+    key: &str,
+    slot: &str,
+) -> Result<Fencing> {
     let sql = format!(
-        "SELECT a.pid, pg_terminate_backend(a.pid), extract(epoch FROM now() - a.state_change)::float8
-         FROM (SELECT l.pid FROM {LOCK_ROWS} AND l.pid <> pg_backend_pid()) holder
-         JOIN pg_stat_activity a ON a.pid = holder.pid
-         WHERE a.state = 'idle' AND a.state_change < now() - make_interval(secs => $2)"
+        "SELECT a.pid, a.state IS NULL,
+                CASE WHEN a.state = 'idle' AND a.state_change < now() - make_interval(secs => $2)
+                     THEN pg_terminate_backend(a.pid) ELSE false END,
+                extract(epoch FROM now() - a.state_change)::float8
+         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE {} AND l.pid <> pg_backend_pid() AND a.application_name IN ($3, $4)",
+        LockSpace::Either.lock_filter("$1")
     );
+    let names = leadership_names(slot);
     let rows = client
-        .query(&sql, &[&key, &SILENT_LEADER.as_secs_f64()])
+        .query(
+            &sql,
+            &[&key, &SILENT_LEADER.as_secs_f64(), &names[0], &names[1]],
+        )
         .await?;
+    let mut fencing = Fencing::NothingToEnd;
     for row in &rows {
-        let (pid, silent): (i32, f64) = (row.get(0), row.get(2));
-        tracing::warn!(
-            pid,
-            silent_secs = silent.round(),
-            "the active instance's leadership session has run no statement for {silent:.0}s (a dead node or a network partition): ended it so that a standby can take over"
-        );
+        let (pid, hidden, ended): (i32, bool, bool) = (row.get(0), row.get(1), row.get(2));
+        if ended {
+            let silent = row.get::<_, Option<f64>>(3).unwrap_or_default();
+            tracing::warn!(
+                pid,
+                silent_secs = silent.round(),
+                "the active instance's leadership session has run no statement for {silent:.0}s (a dead node or a network partition): ended it so that a standby can take over"
+            );
+            fencing = Fencing::Ended;
+        } else if hidden && fencing == Fencing::NothingToEnd {
+            fencing = Fencing::Blind;
+        }
     }
-    Ok(!rows.is_empty())
+    Ok(fencing)
 }
 
 /// Ends a walsender of `slot` that has had no reply from its client for [`SILENT_WALSENDER`]: only for an
@@ -223,15 +419,17 @@ pub async fn end_silent_walsender(client: &tokio_postgres::Client, slot: &str) -
     Ok(())
 }
 
-/// Logs (once per process) that this instance may not end a silent leader's session.
-fn cannot_fence(error: &Error) {
+/// Logs (once per process) that this instance may not end a silent leader's session, and why (`reason`: the
+/// error of `pg_terminate_backend`, or that the leader's session state is hidden from this role).
+fn cannot_fence(reason: &str) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     if !WARNED.swap(true, Ordering::Relaxed) {
-        tracing::warn!(%error, "cannot end a silent leader's session; a takeover after a partition then waits for the server's TCP keepalives (about 15 s) or longer behind a proxy; run every instance as the same role, or grant pg_signal_backend and pg_read_all_stats");
+        tracing::warn!(reason, "cannot end a silent leader's session; a takeover after a partition then waits for the server's TCP keepalives (about 15 s) or longer behind a proxy; run every instance as the same role, or grant pg_signal_backend and pg_read_all_stats");
     }
 }
 
-/// The leadership lock's key text (the lock is `hashtext` of it) for `settings`' tables and slot.
+/// The leadership lock's key text (the lock is `(OUTBOXD_LOCK_CLASS, hashtext(key))`, and the former one
+/// `hashtext(key)`) for `settings`' tables and slot.
 fn lock_key(settings: &RunSettings) -> String {
     key_text(
         settings.database.tables.iter().map(|t| &t.name),
@@ -240,9 +438,10 @@ fn lock_key(settings: &RunSettings) -> String {
 }
 
 /// `outboxd.leader.<tables>.<slot>`, the tables named `schema.table`, sorted and joined with `, `. Stable
-/// across versions: for one table it is the key every earlier version used (a rolling upgrade never has two
-/// leaders), and it does not depend on the order of `--table`s (earlier versions used that order, so a fleet
-/// of several tables given in another order than sorted gets a new key once: upgrade it all at once).
+/// across versions: for one table it is the key text every earlier version used (whose lock, in the former
+/// keyspace, this version holds too: a rolling upgrade never has two leaders), and it does not depend on the
+/// order of `--table`s (earlier versions used that order, so a fleet of several tables given in another
+/// order than sorted gets a new key once: upgrade it all at once).
 pub fn key_text<'a>(
     tables: impl IntoIterator<Item = &'a crate::table::TableName>,
     slot: &str,
@@ -255,22 +454,27 @@ pub fn key_text<'a>(
 
 /// With the lock just taken: proves that this connection's server session holds it (a setup error through
 /// a pooler in transaction mode), marks the tables this leader streams, announces it, and ends a walsender
-/// a silent previous leader left behind. Any other error means the connection is in trouble.
+/// a silent previous leader left behind. Any other error means the connection is in trouble. Returns the
+/// former locks it could not take (the leadership key's among them unless `former_key_held`).
 async fn take_over(
     client: &tokio_postgres::Client,
     settings: &RunSettings,
     key: &str,
-) -> Result<()> {
+    former_key_held: bool,
+) -> Result<FormerLocksMissing> {
     let slot = settings.database.slot.as_str();
     if !within(holds_lock(client, key)).await? {
         return Err(pooler_error());
     }
-    within(super::fleet::mark_cdc_tables(client, settings)).await?;
+    let markers = within(super::fleet::mark_cdc_tables(client, settings)).await?;
     within(announce(client, Role::Active, slot)).await?;
     if let Err(error) = within(end_silent_walsender(client, slot)).await {
         tracing::debug!(%error, "cannot check the slot for a silent walsender");
     }
-    Ok(())
+    Ok(FormerLocksMissing {
+        leadership: !former_key_held,
+        markers,
+    })
 }
 
 /// Waits until this instance holds the lock for `settings`' slot. `None` when `shutdown` came first.
@@ -360,47 +564,53 @@ async fn contend(
     if let Err(error) = settled.await {
         return Ok(Contention::Trouble(error));
     }
+    let mut foreign = ForeignHolders::default();
     loop {
-        let held = within(async {
-            let row = client
-                .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
-                .await?;
-            Ok(row.get::<_, bool>(0))
-        });
-        let held = match held.await {
-            Ok(held) => held,
+        let round = within(ask_for_leadership(&client, &key, slot, &mut foreign));
+        let round = match round.await {
+            Ok(round) => round,
             Err(error) => return Ok(Contention::Trouble(error)),
         };
-        if held {
-            match take_over(&client, settings, &key).await {
-                Ok(()) => {}
-                Err(error @ Error::Setup { .. }) => return Err(error),
-                Err(error) => return Ok(Contention::Trouble(error)), // the lock goes with the session
+        match round {
+            Round::Lead { former_key_held } => {
+                let missing = match take_over(&client, settings, &key, former_key_held).await {
+                    Ok(missing) => missing,
+                    Err(error @ Error::Setup { .. }) => return Err(error),
+                    Err(error) => return Ok(Contention::Trouble(error)), // the lock goes with the session
+                };
+                if *standing_by {
+                    tracing::info!("took over as the active instance for this slot");
+                }
+                let watched = (key, slot.to_string());
+                let health =
+                    tokio::spawn(watch_health(client, watched, missing, lost_tx)).abort_handle();
+                return Ok(Contention::Leading(Leadership { lost, health }));
             }
-            if *standing_by {
-                tracing::info!("took over as the active instance for this slot");
+            Round::Wait => {}
+            Round::StandBy => {
+                if !*standing_by {
+                    if let Err(error) = within(announce(&client, Role::Standby, slot)).await {
+                        return Ok(Contention::Trouble(error));
+                    }
+                    tracing::info!(
+                        mode = "standby",
+                        "another outboxd instance is active for this slot; standing by"
+                    );
+                    READINESS.set_mode("standby");
+                    *standing_by = true;
+                }
+                match within(end_silent_leader(&client, &key, slot)).await {
+                    Ok(Fencing::Ended) => continue, // its lock goes as its backend exits: ask again at once
+                    Ok(Fencing::NothingToEnd) => {}
+                    Ok(Fencing::Blind) => cannot_fence(
+                        "this role cannot see whether the active instance's leadership session is alive: pg_stat_activity shows a session's state only to its own role and to pg_read_all_stats",
+                    ),
+                    Err(Error::Postgres(error)) if error.code().is_some() => {
+                        cannot_fence(&error.to_string())
+                    }
+                    Err(error) => return Ok(Contention::Trouble(error)),
+                }
             }
-            let health = tokio::spawn(watch_health(client, key, lost_tx)).abort_handle();
-            return Ok(Contention::Leading(Leadership { lost, health }));
-        }
-        if !*standing_by {
-            if let Err(error) = within(announce(&client, Role::Standby, slot)).await {
-                return Ok(Contention::Trouble(error));
-            }
-            tracing::info!(
-                mode = "standby",
-                "another outboxd instance is active for this slot; standing by"
-            );
-            READINESS.set_mode("standby");
-            *standing_by = true;
-        }
-        match within(end_silent_leader(&client, &key)).await {
-            Ok(true) => continue, // its lock goes as its backend exits: ask again at once
-            Ok(false) => {}
-            Err(Error::Postgres(error)) if error.code().is_some() => {
-                cannot_fence(&Error::Postgres(error))
-            }
-            Err(error) => return Ok(Contention::Trouble(error)),
         }
         tokio::select! {
             _ = tokio::time::sleep(STANDBY_POLL) => {}
@@ -410,6 +620,62 @@ async fn contend(
             _ = crate::pipeline::stopped(shutdown) => return Ok(Contention::Stopped),
         }
     }
+}
+
+/// What one request for leadership came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Round {
+    /// This session holds the lock: lead (holding the former key too, or not while an application holds it).
+    Lead { former_key_held: bool },
+    /// A session that does not name itself as outboxd's holds the former key: ask again before leading
+    /// without it (it may be an earlier version's leader about to name its session).
+    Wait,
+    /// Another instance leads (of this version, or of an earlier one holding the former key).
+    StandBy,
+}
+
+/// Asks for the lock once. Holding it, asks for the former key too; the lock goes back unless this
+/// instance leads, so that it only ever marks a leader.
+async fn ask_for_leadership(
+    client: &tokio_postgres::Client,
+    key: &str,
+    slot: &str,
+    foreign: &mut ForeignHolders,
+) -> Result<Round> {
+    if !try_lock(client, key).await? {
+        foreign.forget();
+        return Ok(Round::StandBy);
+    }
+    let round = match take_former_key(client, key, slot).await? {
+        FormerKey::Taken => {
+            return Ok(Round::Lead {
+                former_key_held: true,
+            })
+        }
+        FormerKey::Foreign(pids) if foreign.patience_over(&pids, Instant::now()) => {
+            tracing::warn!(
+                ?pids,
+                key,
+                "the leadership key earlier versions used (pg_advisory_lock(hashtext(key)), the bigint keyspace applications use too) is held by a session that does not name itself as outboxd's, an application's lock: leading without it, and taking it as soon as it is free (until then an instance of an earlier version started now could lead beside this one)"
+            );
+            return Ok(Round::Lead {
+                former_key_held: false,
+            });
+        }
+        FormerKey::Foreign(pids) => {
+            tracing::debug!(
+                ?pids,
+                "the leadership key earlier versions used is held by a session that does not name itself as outboxd's; asking again before leading without it"
+            );
+            Round::Wait
+        }
+        FormerKey::EarlierVersion => {
+            foreign.forget();
+            Round::StandBy
+        }
+    };
+    unlock(client, key).await?;
+    Ok(round)
 }
 
 #[cfg(test)]
@@ -432,7 +698,9 @@ mod tests {
             schema: schema.into(),
             name: name.into(),
         };
-        // The key of every earlier version for one table (PostgreSQL 15: hashtext = 19094275).
+        // The key text of every earlier version for one table. PostgreSQL 15: hashtext = 19094275, so the
+        // lock is (1869968482, 19094275), and earlier versions' (and the former key this one holds too while
+        // it leads) is the bigint 19094275 (the fleet tests check both on a server).
         assert_eq!(
             key_text([&table("public", "outbox_event")], "outboxd"),
             "outboxd.leader.public.outbox_event.outboxd"
@@ -445,6 +713,30 @@ mod tests {
         assert_eq!(key_text([&orders, &billing], "outboxd"), sorted);
         assert_eq!(key_text([&billing, &orders], "outboxd"), sorted);
         assert_eq!(key_text([&billing, &orders, &billing], "outboxd"), sorted);
+    }
+
+    #[test]
+    fn a_foreign_holder_of_the_former_key_counts_as_an_application_only_after_the_patience() {
+        let start = Instant::now();
+        let mut foreign = ForeignHolders::default();
+        assert!(!foreign.patience_over(&[7], start));
+        assert!(!foreign.patience_over(&[7], start + FORMER_KEY_PATIENCE / 2));
+        assert!(foreign.patience_over(&[7], start + FORMER_KEY_PATIENCE));
+        // Other sessions: the patience starts over.
+        assert!(!foreign.patience_over(&[8], start + FORMER_KEY_PATIENCE * 2));
+        assert!(foreign.patience_over(&[8], start + FORMER_KEY_PATIENCE * 3));
+        foreign.forget();
+        assert!(!foreign.patience_over(&[8], start + FORMER_KEY_PATIENCE * 4));
+        // An earlier version names its session within a few statements on its lock connection.
+        assert!(FORMER_KEY_PATIENCE >= HEALTH_TIMEOUT);
+    }
+
+    #[test]
+    fn leadership_sessions_are_known_by_their_names() {
+        assert_eq!(
+            leadership_names("outboxd"),
+            ["outboxd active outboxd", "outboxd standby outboxd"]
+        );
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! The connections that hold advisory locks (the leadership lock, the fleet's table markers) and the
 //! replication stream must notice a peer gone silent (a node lost, a network partition) within seconds, not
 //! the operating system's two hours: dead-peer detection on both ends of the socket, how often a lock
-//! session proves it is alive, and how to find a lock in `pg_locks`. Used by `leader` and `fleet`; owns no
-//! connection.
+//! session proves it is alive, and outboxd's advisory-lock keyspace: how its locks are taken and how to find
+//! them in `pg_locks`. Used by `leader`, `fleet`, the claim and `migrate`; owns no connection.
 
 use std::time::Duration;
 
@@ -37,11 +37,59 @@ pub fn session_settings() -> String {
     )
 }
 
-/// The rows of `pg_locks` that are the leadership lock for `$1` (the key text) in this database.
-pub const LOCK_ROWS: &str =
-    "pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-    AND ((l.classid::int8 << 32) | l.objid::int8) = hashtext($1)::int8";
+/// The first key of every advisory lock outboxd takes: `pg_advisory_lock(OUTBOXD_LOCK_CLASS, hashtext(key))`,
+/// shown in `pg_locks` as classid = 1869968482, objid = `hashtext(key)`, objsubid = 2. Applications that lock
+/// their own ids with `pg_advisory_lock(bigint)` (objsubid = 1) never meet it. 0x6f757462 is "outb" in ASCII.
+/// Earlier versions took `pg_advisory_lock(hashtext(key))`, in the applications' bigint keyspace: see
+/// [`LockSpace::Former`].
+pub const OUTBOXD_LOCK_CLASS: i32 = 0x6f75_7462;
+
+/// Where an advisory lock of outboxd lives, for finding it in `pg_locks`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockSpace {
+    /// `(OUTBOXD_LOCK_CLASS, hashtext(key))`: the locks this version takes.
+    Outboxd,
+    /// `hashtext(key)` as a bigint, the form earlier versions took (and this one also takes, best-effort,
+    /// while instances of earlier versions may run beside it). Applications use this keyspace too: a holder
+    /// found here is outboxd's only when it says so (its `application_name`, or a shared lock).
+    Former,
+    /// Either of them.
+    Either,
+}
+
+impl LockSpace {
+    /// Conditions on `pg_locks l` that select the granted advisory lock for key text `key` (a SQL
+    /// expression, e.g. `$1`) in this database.
+    pub fn lock_filter(self, key: &str) -> String {
+        let database =
+            "l.database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+        let keys = match self {
+            LockSpace::Outboxd => outboxd_key(key),
+            LockSpace::Former => former_key(key),
+            LockSpace::Either => format!("(({}) OR ({}))", outboxd_key(key), former_key(key)),
+        };
+        format!("l.locktype = 'advisory' AND l.granted AND {database} AND {keys}")
+    }
+}
+
+fn outboxd_key(key: &str) -> String {
+    format!("l.objsubid = 2 AND l.classid = {OUTBOXD_LOCK_CLASS}::oid AND l.objid = hashtext({key})::oid")
+}
+
+fn former_key(key: &str) -> String {
+    format!("l.objsubid = 1 AND ((l.classid::int8 << 32) | l.objid::int8) = hashtext({key})::int8")
+}
+
+/// A call of the advisory-lock function `function` for key text `key` (a SQL expression) in outboxd's
+/// keyspace: `lock_call("pg_try_advisory_lock", "$1")` is `pg_try_advisory_lock(1869968482, hashtext($1))`.
+pub fn lock_call(function: &str, key: &str) -> String {
+    format!("{function}({OUTBOXD_LOCK_CLASS}, hashtext({key}))")
+}
+
+/// The same lock in the form earlier versions took it (the bigint keyspace): `function(hashtext(key))`.
+pub fn former_lock_call(function: &str, key: &str) -> String {
+    format!("{function}(hashtext({key}))")
+}
 
 /// The URL with dead-peer detection on the client's socket, for the connections a silent server must end:
 /// the leadership lock, the fleet announcements and the replication stream.
@@ -52,4 +100,38 @@ pub fn with_dead_peer_detection(url: &crate::pg::PgUrl) -> crate::pg::PgUrl {
         KEEPALIVE_COUNT,
         USER_TIMEOUT,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outboxd_locks_take_their_own_class_and_the_former_form_is_the_bigint_one() {
+        assert_eq!(OUTBOXD_LOCK_CLASS.to_be_bytes(), *b"outb");
+        assert_eq!(OUTBOXD_LOCK_CLASS, 1_869_968_482);
+        assert_eq!(
+            lock_call("pg_try_advisory_lock", "$1"),
+            "pg_try_advisory_lock(1869968482, hashtext($1))"
+        );
+        assert_eq!(
+            former_lock_call("pg_advisory_xact_lock", "$1"),
+            "pg_advisory_xact_lock(hashtext($1))"
+        );
+        let outboxd = LockSpace::Outboxd.lock_filter("$1");
+        assert!(
+            outboxd.contains("l.objsubid = 2 AND l.classid = 1869968482::oid"),
+            "{outboxd}"
+        );
+        assert!(LockSpace::Former
+            .lock_filter("$1")
+            .contains("l.objsubid = 1"));
+        let either = LockSpace::Either.lock_filter("$2");
+        assert!(
+            either.contains("l.objsubid = 2")
+                && either.contains("l.objsubid = 1 AND")
+                && either.contains("hashtext($2)"),
+            "{either}"
+        );
+    }
 }

@@ -1641,7 +1641,8 @@ async fn write_refusal_load(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0i64;
     'connect: while !*stop.borrow() {
-        let Ok((mut client, connection)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await
+        let Ok((mut client, connection)) =
+            tokio_postgres::connect(&url, tokio_postgres::NoTls).await
         else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
@@ -1705,7 +1706,11 @@ async fn run_refusal_txn(
     let payloads: Vec<serde_json::Value> = events
         .iter()
         .map(|e| {
-            let pad = if Some(e.event_id) == oversize { OVERSIZE_PAD } else { 0 };
+            let pad = if Some(e.event_id) == oversize {
+                OVERSIZE_PAD
+            } else {
+                0
+            };
             serde_json::json!({"aggregate": e.aggregate_id, "seq": e.seq, "pad": "x".repeat(pad)})
         })
         .collect();
@@ -1761,7 +1766,12 @@ async fn refusals(delivery: &str) {
     println!("refusals, {delivery}, {profile} profile, seed {seed}: {kills} kills, {revocations} revocations");
 
     let pg = Postgres::start();
-    let tables = ["--table", "public.outbox_event", "--table", "public.outbox_deleted"];
+    let tables = [
+        "--table",
+        "public.outbox_event",
+        "--table",
+        "public.outbox_deleted",
+    ];
     let mut migrate_args = vec!["migrate", "--database-url"];
     let url = pg.url();
     migrate_args.push(&url);
@@ -1786,9 +1796,19 @@ async fn refusals(delivery: &str) {
     }
     blocking(|| {
         broker.allow("outboxd", &["WRITE", "CREATE"], "TOPIC", DEAD_LETTER_TOPIC);
-        broker.allow("outboxd", &["READ", "WRITE", "CREATE", "DESCRIBE"], "TOPIC", "outboxd.progress");
+        broker.allow(
+            "outboxd",
+            &["READ", "WRITE", "CREATE", "DESCRIBE"],
+            "TOPIC",
+            "outboxd.progress",
+        );
         broker.allow("outboxd", &["READ"], "GROUP", "outboxd-progress-reader");
-        broker.allow_prefixed("outboxd", &["WRITE", "DESCRIBE"], "TRANSACTIONAL_ID", "outboxd-");
+        broker.allow_prefixed(
+            "outboxd",
+            &["WRITE", "DESCRIBE"],
+            "TRANSACTIONAL_ID",
+            "outboxd-",
+        );
     });
     let options = SecureBroker::kafka_options("outboxd", password, &broker.ca);
     let brokers = broker.addr();
@@ -1836,7 +1856,10 @@ async fn refusals(delivery: &str) {
         tokio::time::sleep(rng.millis(1_000, 4_000)).await;
         if let Some(status) = outboxd.try_wait() {
             unexpected_exits += 1;
-            eprintln!("outboxd exited on its own ({status}); log {}", outboxd.log.display());
+            eprintln!(
+                "outboxd exited on its own ({status}); log {}",
+                outboxd.log.display()
+            );
             outboxd = Outboxd::spawn(&args);
             logs.push(outboxd.log.clone());
         }
@@ -1855,7 +1878,11 @@ async fn refusals(delivery: &str) {
                 blocking(|| broker.allow("outboxd", &["WRITE"], "TOPIC", topic));
             }
         }
-        println!("{:>6.1}s  {}", started.elapsed().as_secs_f64(), fault.name());
+        println!(
+            "{:>6.1}s  {}",
+            started.elapsed().as_secs_f64(),
+            fault.name()
+        );
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop_tx.send(true).unwrap();
@@ -1928,12 +1955,22 @@ async fn refusals(delivery: &str) {
                 .get::<_, i64>(0)
         }
     };
-    wait_for_async("every row to be published or dead-lettered", Duration::from_secs(600), || async {
-        (settled("outbox_event").await + settled("outbox_deleted").await == 0).then_some(())
-    })
+    wait_for_async(
+        "every row to be published or dead-lettered",
+        Duration::from_secs(600),
+        || async {
+            (settled("outbox_event").await + settled("outbox_deleted").await == 0).then_some(())
+        },
+    )
     .await;
     let end_of_load = current_wal_lsn(&client).await;
-    wait_confirmed_past(&client, "outboxd", end_of_load, "the slot to confirm the end of the load").await;
+    wait_confirmed_past(
+        &client,
+        "outboxd",
+        end_of_load,
+        "the slot to confirm the end of the load",
+    )
+    .await;
     let final_lag = final_slot_lag(&client).await;
     let wrongly_dead: i64 = client
         .query_one(
@@ -1952,19 +1989,37 @@ async fn refusals(delivery: &str) {
 
     let topic_names: Vec<&str> = topics.iter().map(String::as_str).collect();
     let records = blocking(|| {
-        consume_all(&broker.plaintext_addr(), &topic_names, committed.len(), Duration::from_secs(600))
+        consume_all(
+            &broker.plaintext_addr(),
+            &topic_names,
+            committed.len(),
+            Duration::from_secs(600),
+        )
     });
     let dead_letters = blocking(|| {
-        consume_all(&broker.plaintext_addr(), &[DEAD_LETTER_TOPIC], oversize.len(), Duration::from_secs(120))
+        consume_all(
+            &broker.plaintext_addr(),
+            &[DEAD_LETTER_TOPIC],
+            oversize.len(),
+            Duration::from_secs(120),
+        )
     });
     let report = check_delivery(&records, &committed, &rolled_back);
     let oversize_published = records
         .iter()
-        .filter(|r| oversize.iter().any(|id| r.headers.get("event_id") == Some(&id.to_string())))
+        .filter(|r| {
+            oversize
+                .iter()
+                .any(|id| r.headers.get("event_id") == Some(&id.to_string()))
+        })
         .count();
     let not_in_dead_letters = oversize
         .iter()
-        .filter(|id| !dead_letters.iter().any(|r| r.headers.get("event_id") == Some(&id.to_string())))
+        .filter(|id| {
+            !dead_letters
+                .iter()
+                .any(|r| r.headers.get("event_id") == Some(&id.to_string()))
+        })
         .count();
     drop(outboxd);
     let restarts: usize = logs
@@ -1980,7 +2035,10 @@ async fn refusals(delivery: &str) {
     let mut copies: HashMap<&str, Vec<i64>> = HashMap::new();
     for record in &records {
         if let Some(id) = record.headers.get("event_id") {
-            copies.entry(id).or_default().push(record.timestamp.unwrap_or(0));
+            copies
+                .entry(id)
+                .or_default()
+                .push(record.timestamp.unwrap_or(0));
         }
     }
     let mut per_fault: BTreeMap<usize, usize> = BTreeMap::new();
@@ -2001,7 +2059,10 @@ async fn refusals(delivery: &str) {
         .map_or("before any fault (refusals)", |i| fault_times[i].1.name());
 
     let mut table = String::new();
-    let _ = writeln!(table, "| refusals, {delivery} | {profile} profile, seed {seed} |");
+    let _ = writeln!(
+        table,
+        "| refusals, {delivery} | {profile} profile, seed {seed} |"
+    );
     let _ = writeln!(table, "| --- | --- |");
     let rows: Vec<(&str, String)> = vec![
         ("SIGKILL outboxd, restart it", kills.to_string()),
@@ -2037,14 +2098,30 @@ async fn refusals(delivery: &str) {
     let path = write_report(&profile, &format!("refusals-{delivery}"), &table);
     println!("report: {}", path.display());
 
-    assert_eq!(report.missing, 0, "committed events missing: {:?}", report.missing_sample);
+    assert_eq!(
+        report.missing, 0,
+        "committed events missing: {:?}",
+        report.missing_sample
+    );
     assert_eq!(report.from_rolled_back, 0, "rolled-back events published");
     assert_eq!(report.order_violations, 0, "per-aggregate order violated");
     assert_eq!(oversize_published, 0, "an oversize event reached its topic");
-    assert_eq!(not_in_dead_letters, 0, "oversize events missing from the dead-letter topic");
-    assert_eq!(wrongly_dead, 0, "events dead-lettered that the broker would take");
-    assert_eq!(unexpected_exits, 0, "outboxd exited on its own; see its logs");
-    assert!(worst <= WINDOW, "{worst} duplicates after one fault exceed the in-flight window {WINDOW}");
+    assert_eq!(
+        not_in_dead_letters, 0,
+        "oversize events missing from the dead-letter topic"
+    );
+    assert_eq!(
+        wrongly_dead, 0,
+        "events dead-lettered that the broker would take"
+    );
+    assert_eq!(
+        unexpected_exits, 0,
+        "outboxd exited on its own; see its logs"
+    );
+    assert!(
+        worst <= WINDOW,
+        "{worst} duplicates after one fault exceed the in-flight window {WINDOW}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

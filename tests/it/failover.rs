@@ -592,3 +592,23 @@ async fn idle_session_kills_leave_the_leadership_session_alone() {
     )
     .await;
 }
+
+/// A standby whose role may not see the leader's session state (another role, no `pg_read_all_stats`: in
+/// `pg_stat_activity` the state is NULL) cannot tell a silent leader from a live one, so it cannot fence: it
+/// says so, as README promises, instead of falling back to TCP keepalives without a word.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_standby_that_may_not_see_the_leaders_session_says_it_cannot_fence() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let url = readme_role(&pg, "fence-secret", "outbox_event", "").await;
+    let _leader = spawn_outboxd(&pg.url(), &brokers);
+    let client = pg.client().await;
+    wait_slot_active(&client, SLOT).await;
+    let standby = spawn_outboxd(&url, &brokers);
+    wait_for_log(&standby, "standing by");
+    wait_for_log(&standby, "cannot end a silent leader's session");
+    assert!(
+        standby.log_text().contains("pg_read_all_stats"),
+        "the warning names the grant"
+    );
+}

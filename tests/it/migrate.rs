@@ -367,6 +367,40 @@ async fn rows_a_lost_slot_owed_when_history_was_marked_are_still_published() {
     assert_eq!(report.missing, 0, "rows the lost slot owed: {report:?}");
 }
 
+/// One migrate at a time, across versions: a migrate waits while another holds the migration lock, in
+/// outboxd's keyspace or in the form earlier versions took it (a bigint), so that a migrate of an earlier
+/// version (a rolling upgrade's init containers) never runs at the same time as this one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_migrate_waits_for_another_of_this_or_an_earlier_version() {
+    let pg = Postgres::start();
+    let url = pg.url();
+    let class = outboxd::pipeline::liveness::OUTBOXD_LOCK_CLASS;
+    for lock in [
+        format!("pg_advisory_lock({class}, hashtext('outboxd.migrate'))"),
+        format!("pg_advisory_lock({})", 0x6f75_7462_6f78_6d67_i64),
+    ] {
+        let holder = pg.client().await;
+        holder
+            .batch_execute(&format!("SELECT {lock}"))
+            .await
+            .unwrap();
+        let mut migrate = Outboxd::spawn(&["migrate", "--database-url", &url]);
+        wait_for(
+            &format!("migrate to wait for the holder of {lock}"),
+            Duration::from_secs(60),
+            || {
+                migrate
+                    .log_text()
+                    .contains("another outboxd migrate is running")
+                    .then_some(())
+            },
+        );
+        assert!(migrate.try_wait().is_none(), "migrate ran beside {lock}");
+        drop(holder);
+        assert!(migrate.wait_exit().success(), "{}", migrate.log_text());
+    }
+}
+
 /// `outboxd migrate --add-polling-columns` while a CDC-only outboxd streams the table (review finding F5):
 /// the rows inserted from then on must get `published_at` (the running outboxd had no statement to write
 /// it, so they stayed unpublished forever: a backlog that never drains, republished by any later hand-off).

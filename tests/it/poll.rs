@@ -1495,8 +1495,8 @@ async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
     let hold = tokio::spawn(async move {
         let tx = blocker.transaction().await.unwrap();
         tx.execute(
-            "SELECT pg_advisory_xact_lock(hashtext('outboxd.claim.public.outbox_event'))",
-            &[],
+            "SELECT pg_advisory_xact_lock($1, hashtext('outboxd.claim.public.outbox_event'))",
+            &[&outboxd::pipeline::liveness::OUTBOXD_LOCK_CLASS],
         )
         .await
         .unwrap();
@@ -1528,6 +1528,106 @@ async fn a_wait_for_the_claim_lock_never_shortens_the_lease() {
         again.is_empty(),
         "a second worker claimed the row {left:.2}s into a {lease:?} lease, before the holder's first renewal was due"
     );
+}
+
+/// Whether the session `pid` waits for the claim lock in the form earlier versions take it.
+async fn waits_for_former_claim_lock(client: &tokio_postgres::Client, pid: i32) -> bool {
+    client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND NOT l.granted
+                AND l.pid = $1 AND l.objsubid = 1
+                AND ((l.classid::int8 << 32) | l.objid::int8) = hashtext('outboxd.claim.public.outbox_event')::int8)",
+            &[&pid],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// During a rolling upgrade the claims of earlier versions, which take the claim lock as
+/// `pg_advisory_xact_lock(hashtext(key))` (the bigint keyspace), and this version's never interleave: a claim
+/// waits for an earlier version's claim under way. An application holding that same bigint for a lock of its
+/// own never stops the claims: they go on without it after a bounded wait.
+#[tokio::test(flavor = "multi_thread")]
+async fn claims_wait_for_an_earlier_versions_claim_but_not_for_an_applications_lock_on_its_key() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let pg = Postgres::start();
+    let (client, _, [(mut w1, sql1), (mut w2, sql2)]) = one_row_and_two_workers(&pg).await;
+    let claimer: i32 = w1
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let lease = Duration::from_secs(30);
+
+    // An earlier version's claim, under way: it ends once the new claim is seen waiting for it.
+    let mut earlier = pg.client().await;
+    let ended = std::sync::Arc::new(AtomicBool::new(false));
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+    let hold = tokio::spawn({
+        let ended = ended.clone();
+        let observer = pg.client().await;
+        async move {
+            let tx = earlier.transaction().await.unwrap();
+            tx.execute(
+                "SELECT pg_advisory_xact_lock(hashtext('outboxd.claim.public.outbox_event'))",
+                &[],
+            )
+            .await
+            .unwrap();
+            held_tx.send(()).unwrap();
+            wait_for_async(
+                "the claim to wait for the earlier version's claim",
+                Duration::from_secs(60),
+                || async {
+                    waits_for_former_claim_lock(&observer, claimer)
+                        .await
+                        .then_some(())
+                },
+            )
+            .await;
+            ended.store(true, Ordering::SeqCst);
+            tx.commit().await.unwrap();
+        }
+    });
+    held_rx.await.unwrap();
+    let rows = sql1
+        .claim(&mut w1, uuid::Uuid::new_v4(), lease, 10)
+        .await
+        .unwrap();
+    assert!(
+        ended.load(Ordering::SeqCst),
+        "the claim ran while an earlier version's claim held the claim lock"
+    );
+    assert_eq!(rows.len(), 1);
+    hold.await.unwrap();
+
+    // An application's session lock on the same bigint, held for good.
+    client
+        .batch_execute("SELECT pg_advisory_lock(hashtext('outboxd.claim.public.outbox_event'))")
+        .await
+        .unwrap();
+    client
+        .execute(
+            "UPDATE outbox_event SET lease_token = NULL, lease_until = NULL",
+            &[],
+        )
+        .await
+        .unwrap();
+    for claim in ["first", "second"] {
+        let rows = tokio::time::timeout(
+            Duration::from_secs(60),
+            sql2.claim(&mut w2, uuid::Uuid::new_v4(), lease, 10),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the {claim} claim waits for an application's lock on the claim lock's former key"
+            )
+        })
+        .unwrap();
+        assert_eq!(rows.len(), usize::from(claim == "first"), "{claim} claim");
+    }
 }
 
 /// A worker whose lease expired (it stalled, a GC pause, a frozen VM) and whose rows another worker claimed can

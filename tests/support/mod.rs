@@ -1775,7 +1775,13 @@ impl SecureBroker {
     }
 
     /// ALLOW ACLs as [`SecureBroker::allow`] makes them, for every resource whose name starts with `prefix`.
-    pub fn allow_prefixed(&self, user: &str, operations: &[&str], resource_type: &str, prefix: &str) {
+    pub fn allow_prefixed(
+        &self,
+        user: &str,
+        operations: &[&str],
+        resource_type: &str,
+        prefix: &str,
+    ) {
         let operations = operations.join(",");
         run_script(
             "kafka.sh",

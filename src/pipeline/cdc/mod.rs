@@ -44,6 +44,9 @@ use session::{ExactlyOnce, Session};
 const MAX_TRACKED_BLOCKED: usize = 50_000;
 /// Longest wait before asking again for a slot another walsender holds, while this instance leads.
 const SLOT_BUSY_RETRY: Duration = Duration::from_secs(1);
+/// Longest wait between two replication sessions (the backoff's cap): pollers next to this leader wait
+/// longer than this for its slot to be active again (`fleet::STREAM_GAP_GRACE`).
+pub const SESSION_RETRY_CAP: Duration = Duration::from_secs(30);
 
 /// The CDC path: replication sessions on the slot, one after another, reconnecting as needed, publishing
 /// into the sinks `K` makes (one per session).
@@ -172,7 +175,7 @@ impl<K: Sinks> CdcPipeline<K> {
     }
 
     async fn sessions(&mut self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
-        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        let mut backoff = Backoff::new(Duration::from_millis(500), SESSION_RETRY_CAP);
         let mut outage = super::DatabaseOutage::new(self.settings.reconnect_timeout);
         let first_attempt = Instant::now();
         loop {
