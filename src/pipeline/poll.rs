@@ -30,10 +30,17 @@ enum Outcome {
     Delivered,
     /// Not sent because an earlier event of its aggregate failed in this batch.
     HeldBack,
+    /// Failed only because the producer stopped at another aggregate's refusal (the gap-less guarantee):
+    /// not its fault; sent again at once on a new producer (see `publish_batch`), else given back.
+    Stopped,
     Failed(Rejection),
     /// Can never be published (NULL required column): dead-lettered at once.
     Invalid(String),
 }
+
+/// At most this many events that failed before go alone ahead of their batch (see
+/// `Worker::send_retries_alone`).
+const ALONE_FIRST: usize = 8;
 
 /// A claimed row's aggregate, as the batch groups them.
 fn aggregate_of(row: &ClaimedRow) -> (&str, &str) {
@@ -513,10 +520,22 @@ impl<K: Sinks> PollWorker<K> {
         rows: Vec<ClaimedRow>,
     ) -> Result<BatchReport> {
         let mut report = BatchReport::default();
-        let (mut outcomes, in_flight) = self.hand_over(publisher, &rows).await?;
-        self.await_reports(publisher, deliveries, &mut outcomes, in_flight, &mut report)
+        let (mut decided, alone) = self.send_retries_alone(&rows).await;
+        let rest: Vec<usize> = (0..rows.len()).filter(|i| decided[*i].is_none()).collect();
+        let subset: Vec<ClaimedRow> = rest.iter().map(|&i| rows[i].clone()).collect();
+        let (sub_outcomes, in_flight) = self.hand_over(publisher, &subset).await?;
+        let mut sub_outcomes = sub_outcomes;
+        self.await_reports(publisher, deliveries, &mut sub_outcomes, in_flight, &mut report)
             .await;
-        self.settle_refusals(&rows, &mut outcomes).await;
+        for (index, outcome) in rest.into_iter().zip(sub_outcomes) {
+            decided[index] = Some(outcome);
+        }
+        let mut outcomes: Vec<Outcome> = decided
+            .into_iter()
+            .map(|o| o.unwrap_or(Outcome::HeldBack))
+            .collect();
+        self.settle_refusals(&rows, &mut outcomes, &alone).await;
+        self.send_stopped_again(&rows, &mut outcomes).await;
         self.record_outcomes(client, sql, publisher, token, &rows, &outcomes, &mut report)
             .await?;
         let broken = outcomes.iter().find_map(|o| match o {
@@ -620,19 +639,114 @@ impl<K: Sinks> PollWorker<K> {
         }
     }
 
+    /// Events that failed before (their claim counted more than one attempt) go alone first, each on a
+    /// producer of its own and waited for, at most [`ALONE_FIRST`] per batch, and only the first of its
+    /// aggregate in the batch (the later ones follow it in the batch, or are held back when it failed): one
+    /// the broker refuses would otherwise stop the batch's producer at every retry. Returns the outcomes
+    /// decided so far and which rows went alone.
+    async fn send_retries_alone(
+        &self,
+        rows: &[ClaimedRow],
+    ) -> (Vec<Option<Outcome>>, HashSet<usize>) {
+        let per_aggregate = self.settings.poll.order == PollOrder::PerAggregate;
+        let mut decided: Vec<Option<Outcome>> = (0..rows.len()).map(|_| None).collect();
+        let mut alone = HashSet::new();
+        let mut seen: HashSet<(&str, &str)> = HashSet::new();
+        let mut failed: HashSet<(&str, &str)> = HashSet::new();
+        for (index, row) in rows.iter().enumerate() {
+            let aggregate = aggregate_of(row);
+            let first_of_aggregate = seen.insert(aggregate);
+            if per_aggregate && failed.contains(&aggregate) {
+                decided[index] = Some(Outcome::HeldBack);
+                continue;
+            }
+            if first_of_aggregate
+                && row.attempts > 1
+                && row.invalid.is_none()
+                && alone.len() < ALONE_FIRST
+            {
+                let outcome = self.publish_alone(row).await;
+                if !matches!(outcome, Outcome::Delivered) {
+                    failed.insert(aggregate);
+                }
+                alone.insert(index);
+                decided[index] = Some(outcome);
+            }
+        }
+        (decided, alone)
+    }
+
+    /// The events a refusal stopped the producer for (and the later events of their aggregates) go again on
+    /// a new producer, a few rounds (each round's refusals leave with their aggregates): otherwise one event
+    /// the broker refuses would hold every batch it is claimed with back, claim after claim, until it is
+    /// dead-lettered. What is still stopped after the rounds is given back without an attempt.
+    async fn send_stopped_again(&self, rows: &[ClaimedRow], outcomes: &mut [Outcome]) {
+        const ROUNDS: usize = 3;
+        for _ in 0..ROUNDS {
+            // Per aggregate, from its first event that was stopped: every event not delivered.
+            let mut again_from: HashSet<(&str, &str)> = HashSet::new();
+            let mut settled: HashSet<(&str, &str)> = HashSet::new();
+            let mut again: Vec<usize> = Vec::new();
+            for (index, (row, outcome)) in rows.iter().zip(outcomes.iter()).enumerate() {
+                let aggregate = aggregate_of(row);
+                if matches!(outcome, Outcome::Delivered) {
+                    continue;
+                }
+                if again_from.contains(&aggregate) {
+                    again.push(index);
+                } else if !settled.contains(&aggregate) {
+                    if matches!(outcome, Outcome::Stopped) {
+                        again_from.insert(aggregate);
+                        again.push(index);
+                    } else {
+                        settled.insert(aggregate);
+                    }
+                }
+            }
+            if again.is_empty() {
+                return;
+            }
+            let subset: Vec<ClaimedRow> = again.iter().map(|&i| rows[i].clone()).collect();
+            let Ok((publisher, mut deliveries)) = self.new_publisher() else {
+                break;
+            };
+            let mut report = BatchReport::default();
+            let Ok((mut sub_outcomes, in_flight)) = self.hand_over(&publisher, &subset).await else {
+                break;
+            };
+            self.await_reports(&publisher, &mut deliveries, &mut sub_outcomes, in_flight, &mut report)
+                .await;
+            self.settle_refusals(&subset, &mut sub_outcomes, &HashSet::new())
+                .await;
+            for (index, outcome) in again.into_iter().zip(sub_outcomes) {
+                outcomes[index] = outcome;
+            }
+        }
+        for outcome in outcomes.iter_mut() {
+            if matches!(outcome, Outcome::Stopped) {
+                *outcome = Outcome::HeldBack;
+            }
+        }
+    }
+
     /// A refusal may be of the batch the event shared with others (too large together): each first
     /// refusal of its aggregate in this batch is tried again alone before it counts (the gap-less
     /// guarantee stopped the producer at the refusal, so nothing after it in its partition was written).
     /// Later events of an aggregate whose earlier event was not delivered did not fail on their own, nor
     /// did events the stopped producer failed after another aggregate's refusal: they are held back,
     /// without an attempt.
-    async fn settle_refusals(&self, rows: &[ClaimedRow], outcomes: &mut [Outcome]) {
+    async fn settle_refusals(
+        &self,
+        rows: &[ClaimedRow],
+        outcomes: &mut [Outcome],
+        sent_alone: &HashSet<usize>,
+    ) {
         let order = self.settings.poll.order;
         let refused = outcomes
             .iter()
             .any(|o| matches!(o, Outcome::Failed(r) if r.permanent));
         let mut undelivered: HashSet<(&str, &str)> = HashSet::new();
-        for (row, outcome) in rows.iter().zip(outcomes.iter_mut()) {
+        for (index, (row, outcome)) in rows.iter().zip(outcomes.iter_mut()).enumerate() {
             let aggregate = aggregate_of(row);
             if undelivered.contains(&aggregate) {
                 if order == PollOrder::PerAggregate && matches!(outcome, Outcome::Failed(_)) {
@@ -640,12 +754,13 @@ impl<K: Sinks> PollWorker<K> {
                 }
             } else if refused
                 && rows.len() > 1
+                && !sent_alone.contains(&index)
                 && matches!(outcome, Outcome::Failed(r) if r.permanent)
             {
                 *outcome = self.publish_alone(row).await;
             } else if refused && matches!(outcome, Outcome::Failed(r) if !r.permanent) {
                 // Failed because the producer stopped at another aggregate's refusal: not its fault.
-                *outcome = Outcome::HeldBack;
+                *outcome = Outcome::Stopped;
             }
             if !matches!(outcome, Outcome::Delivered) {
                 undelivered.insert(aggregate);

@@ -1572,7 +1572,7 @@ const REFUSALS_RATE: u64 = 600;
 const SMALL_TOPIC_BYTES: usize = 65_536;
 const OVERSIZE_PAD: usize = 100_000;
 /// Every this many transactions of a writer, one event is oversize.
-const OVERSIZE_EVERY: u64 = 25;
+const OVERSIZE_EVERY: u64 = 100;
 const DEAD_LETTER_TOPIC: &str = "outbox.dead";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -199,7 +199,11 @@ impl<K: Sinks> CdcPipeline<K> {
                 }
                 Err(error) if error.is_transient() || error.awaited_database().is_some() => {
                     crate::http::READINESS.set_mode("reconnecting");
-                    if started.elapsed() > Duration::from_secs(60) {
+                    // A long session, or one that ended on purpose (to hand refused events over, see
+                    // `session`), starts the backoff over.
+                    if started.elapsed() > Duration::from_secs(60)
+                        || matches!(error, Error::SessionRestart(_))
+                    {
                         backoff.reset();
                     }
                     let mut delay = backoff.next_delay();

@@ -224,6 +224,8 @@ pub(super) struct Session<'a, S> {
     /// An event was refused for good where nothing can retry it (a table without polling columns): the
     /// session ends with a definite error, as when the producer refuses one at hand-over.
     refused_without_polling: Option<String>,
+    /// Events this session owed to the polling path: it ends to hand them over (a restart without backoff).
+    owed_here: usize,
     /// `--delivery exactly-once`; `None`: at least once.
     exactly_once: Option<ExactlyOnce>,
 }
@@ -277,6 +279,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             ),
             failing: None,
             refused_without_polling: None,
+            owed_here: 0,
             exactly_once,
         }
     }
@@ -426,9 +429,14 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                         transient: false,
                     });
                 }
-                return Err(Error::Kafka {
-                    message: format!("{failure}; re-sending what was not acknowledged"),
-                    transient: true,
+                let message = format!("{failure}; re-sending what was not acknowledged");
+                // A refusal is no outage: the next session starts at once and hands the refused on.
+                return Err(match self.owed_here {
+                    0 => Error::Kafka {
+                        message,
+                        transient: true,
+                    },
+                    _ => Error::SessionRestart(message),
                 });
             }
         }
@@ -670,7 +678,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     // Kafka transaction). Should that one fail, it would be re-sent from the slot after this one
                     // reached Kafka through the polling path: give the session up instead, and hand both (in
                     // order) to the polling path when the slot sends them again.
-                    self.memory.owed.owe(event_id, aggregate);
+                    self.owe(event_id, aggregate);
                     self.give_up(format!("event {event_id} was refused for good while an earlier event of its aggregate was on its way"));
                     return Ok(());
                 }
@@ -703,6 +711,12 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             }
             Err(error) => Err(error.into()),
         }
+    }
+
+    /// `event_id` of `aggregate` goes to the polling path when the slot sends it again (see `owed`).
+    fn owe(&mut self, event_id: Uuid, aggregate: GateKey) {
+        self.memory.owed.owe(event_id, aggregate);
+        self.owed_here += 1;
     }
 
     /// Holds `topic` (see [`TopicHolds`](crate::pipeline::topic_holds::TopicHolds)), once per refusal.
@@ -766,15 +780,10 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 self.hold_topic(&topic.clone(), &rejection.reason);
             }
             match outstanding {
-                Some(outstanding) => self
-                    .memory
-                    .owed
-                    .owe(delivery.event_id, outstanding.aggregate()),
+                Some(outstanding) => self.owe(delivery.event_id, outstanding.aggregate()),
+                // Not expected; the event stays unfinished: sent again, refused again, owed then.
                 None => {
-                    return Err(Error::bug(format!(
-                        "a delivery report of event {} that was not on its way",
-                        delivery.event_id
-                    )))
+                    tracing::warn!(event_id = %delivery.event_id, "a refusal of an event this session did not hand over; it is sent again")
                 }
             }
         }
