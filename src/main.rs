@@ -92,7 +92,7 @@ async fn migrate(options: &Options) -> outboxd::Result<ExitCode> {
         }
     }
     for (table, position, target) in &report.history_awaiting_slot {
-        tracing::warn!(%table, slot = %settings.slot, %position, %target, "the table's rows now count as published before outboxd (--existing-rows published), but the slot has not streamed all of them yet: it still will, once outboxd runs; until its confirmed_flush_lsn passes the target (see `outboxd status`), keep the slot (should it be lost first, outboxd republishes the table's history; should you drop it, republish with `UPDATE <table> SET published_at = NULL, handoff_at = now() WHERE published_at = '-infinity'`)");
+        tracing::warn!(%table, slot = %settings.slot, %position, %target, "the table's rows now count as published before outboxd (--existing-rows published), but the slot has not streamed all of them yet: it still will, once outboxd runs; until its confirmed_flush_lsn passes the target (see `outboxd status`), keep the slot (should it be lost or replaced first, outboxd republishes the table's history), and run `outboxd migrate` again once it has: it records that no slot owes the history any longer (so that a slot created later, e.g. after a failover, does not republish it)");
     }
     for table in &report.cdc_only {
         tracing::warn!(%table, "existing table left without the polling columns: outboxd will run CDC only (no backfill of older rows, no polling fallback, no retries or dead letters); add them with `outboxd migrate --add-polling-columns`");

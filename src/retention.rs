@@ -127,7 +127,9 @@ impl SlotHorizon {
         let client = pg::connect(&sweeper.database_url).await?;
         let row = client
             .query_one(
-                "SELECT EXTRACT(EPOCH FROM now())::float8, pg_current_wal_lsn()::text",
+                // The insert position: every commit record written before the sample lies below it (the
+                // write position can lag behind asynchronous commits).
+                "SELECT EXTRACT(EPOCH FROM now())::float8, pg_current_wal_insert_lsn()::text",
                 &[],
             )
             .await?;
@@ -145,9 +147,13 @@ impl SlotHorizon {
             _ => None,
         };
         let horizon = self.horizon(now, wal_end, confirmed);
+        // Not while a slot is being created: its hand-off reads the history mark (and republishes a pending
+        // one); a slot created since the mark has confirmed past it without ever streaming those rows.
         if let Some(confirmed) = confirmed {
-            for table in sweeper.tables.iter().filter(|t| t.polling) {
-                crate::pg::outbox::record_history_streamed(&client, table, confirmed).await?;
+            if !slot::creation_in_progress(&client, &sweeper.slot).await? {
+                for table in sweeper.tables.iter().filter(|t| t.polling) {
+                    crate::pg::outbox::record_history_streamed(&client, table, confirmed).await?;
+                }
             }
         }
         Ok(horizon)

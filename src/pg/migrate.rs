@@ -322,8 +322,10 @@ async fn write_history_mark(
     .await
 }
 
-/// A pending history mark of `table` whose slot has confirmed past it (or that has no slot at all: nothing
-/// streams those rows, nothing owes them) is recorded as owed by none.
+/// A pending history mark of `table` whose slot has confirmed past it is recorded as owed by none. Without
+/// the slot (lost, dropped, failed over, or migrate given another `--slot`) it stays pending: the slot that
+/// owed the rows may never have streamed them, and the next slot hands them to the polling path. Not while
+/// a slot is being created (a slot created since the mark has confirmed past it without streaming them).
 async fn record_history_streamed(
     client: &mut Client,
     table: &OutboxTable,
@@ -336,10 +338,11 @@ async fn record_history_streamed(
         return Ok(());
     }
     let owed = match slot::slot_state(client, slot).await? {
-        None => false,
+        None => true,
         Some(state) => {
             state.wal_status.as_deref() == Some("lost")
                 || !mark.owed_by_none(state.confirmed_flush())
+                || slot::creation_in_progress(client, slot).await?
         }
     };
     if !owed {

@@ -89,7 +89,11 @@ impl OutboxSql {
 
     /// Hands events to the polling path (sets `handoff_at`); an error without the polling columns.
     /// Returns the rows it changed.
-    pub async fn hand_off(&self, client: &Client, event_ids: &[Uuid]) -> Result<Vec<Uuid>> {
+    pub async fn hand_off(
+        &self,
+        client: &impl GenericClient,
+        event_ids: &[Uuid],
+    ) -> Result<Vec<Uuid>> {
         match &self.hand_off {
             Some(statement) => {
                 let rows = client.query(statement, &[&event_ids]).await?;
@@ -162,18 +166,20 @@ const WRITE_BACK_RESETS: [&str; 5] = [
 /// transaction) but which must go to the polling path (refused by the broker, or behind earlier events of
 /// their aggregate waiting there): each row as it was inserted (`RowImage`, every column the stream carried,
 /// its `position` included, so the polling path orders it among its aggregate's rows), with `handoff_at`
-/// set. The stream recognises such inserts by that column and leaves them to the polling path. Rows that
-/// exist again are handed off in place. One transaction; an error names what to fix (INSERT permission, a
-/// constraint, a trigger that deletes the row again).
+/// set. The stream recognises such inserts by that column and leaves them to the polling path. A row that
+/// exists again is handed off in place. Runs in the caller's transaction (the backfill's hand-off of the
+/// whole batch, so that no later event of an aggregate is handed off visibly before an earlier one is
+/// written back). What retrying cannot fix is a setup error naming the fix: INSERT permission, a constraint,
+/// a trigger that deletes the row again.
 pub async fn write_back_handed_off(
-    client: &mut Client,
+    tx: &tokio_postgres::Transaction<'_>,
     table: &OutboxTable,
     sql: &OutboxSql,
     rows: &[(Uuid, &crate::event::RowImage)],
 ) -> Result<()> {
     let name = table.name.quoted();
     let id = table.col(Role::EventId);
-    let types: std::collections::HashMap<String, String> = client
+    let types: std::collections::HashMap<String, String> = tx
         .query(
             "SELECT attname::text, format_type(atttypid, atttypmod) FROM pg_attribute
              WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
@@ -183,22 +189,27 @@ pub async fn write_back_handed_off(
         .iter()
         .map(|row| (row.get(0), row.get(1)))
         .collect();
-    let cannot = |error: tokio_postgres::Error| {
-        let cause = crate::error::postgres_error_text(&error);
-        let fix = match error.code() {
-            Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => format!(
-                "GRANT INSERT ON {name} TO the role outboxd runs as (rows deleted by their own transaction are written back when the broker refuses them)"
-            ),
-            _ => format!(
-                "make {name} accept the row again as the application inserted it (the error names the constraint or trigger), then restart outboxd"
-            ),
-        };
+    let refused = |problem: String, fix: String| {
         crate::error::Error::setup(
-            format!("cannot write back to {name} an event the broker refused (or that must wait behind its aggregate) whose row its own transaction deleted: {cause}"),
+            format!("cannot write back to {name} an event handed to the polling path whose row its own transaction deleted: {problem}"),
             fix,
         )
     };
-    let tx = client.transaction().await.map_err(cannot)?;
+    let classify = |error: tokio_postgres::Error| {
+        use tokio_postgres::error::SqlState;
+        match error.code() {
+            Some(&SqlState::INSUFFICIENT_PRIVILEGE) => refused(
+                crate::error::postgres_error_text(&error),
+                format!("GRANT INSERT ON {name} TO the role outboxd runs as (needed where the application deletes its outbox rows in the inserting transaction)"),
+            ),
+            // Class 23: integrity constraints (NOT NULL, CHECK, foreign keys, exclusion).
+            Some(code) if code.code().starts_with("23") => refused(
+                crate::error::postgres_error_text(&error),
+                format!("make {name} accept the row again as the application inserted it (the error names the constraint), then restart outboxd"),
+            ),
+            _ => error.into(),
+        }
+    };
     let mut conflicted = Vec::new();
     for (event_id, row) in rows {
         let mut columns = Vec::new();
@@ -236,34 +247,44 @@ pub async fn write_back_handed_off(
         if tx
             .query_opt(&statement, &params)
             .await
-            .map_err(cannot)?
+            .map_err(classify)?
             .is_none()
         {
             conflicted.push(*event_id);
         }
     }
     if !conflicted.is_empty() {
-        // The row exists again: hand it off where it is (nothing changes if it is published already).
+        // The row exists again: hand it off where it is (nothing changes if it is published already). A
+        // conflict on another unique constraint leaves no row of this event: said below.
         if let Some(statement) = &sql.hand_off {
-            tx.query(statement, &[&conflicted]).await.map_err(cannot)?;
+            tx.query(statement, &[&conflicted])
+                .await
+                .map_err(classify)?;
         }
     }
     let ids: Vec<Uuid> = rows.iter().map(|(id, _)| *id).collect();
-    let present: i64 = tx
-        .query_one(
-            &format!("SELECT count(*) FROM {name} WHERE {id} = ANY($1::uuid[])"),
+    let present: Vec<Uuid> = tx
+        .query(
+            &format!("SELECT {id} FROM {name} WHERE {id} = ANY($1::uuid[])"),
             &[&ids],
         )
-        .await
-        .map_err(cannot)?
-        .get(0);
-    if present != ids.len() as i64 {
-        return Err(crate::error::Error::setup(
-            format!("the rows outboxd wrote back to {name} (events the broker refused, or that must wait behind their aggregate, whose rows their own transactions deleted) were deleted again by the same statement: a trigger on the table deletes inserted rows"),
-            "let the trigger keep rows whose handoff_at is set (outboxd's written-back rows), then restart outboxd",
-        ));
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if let Some(missing) = ids.iter().find(|id| !present.contains(id)) {
+        return Err(if conflicted.contains(missing) {
+            refused(
+                format!("event {missing} conflicts with a row of another event on a unique constraint other than the event id"),
+                format!("remove the conflicting row of {name} (or the constraint), then restart outboxd"),
+            )
+        } else {
+            refused(
+                format!("event {missing} was deleted again by the statement that inserted it: a trigger on the table deletes inserted rows"),
+                "let the trigger keep rows whose handoff_at is set (outboxd's written-back rows), then restart outboxd".into(),
+            )
+        });
     }
-    tx.commit().await.map_err(cannot)?;
     Ok(())
 }
 
@@ -1115,10 +1136,25 @@ pub fn renew_statement(outbox: &OutboxTable) -> String {
     )
 }
 
+/// Prefix of the logical decoding message `outboxd replay` writes in its transaction for every aggregate it
+/// re-queues (content: a [`HandOffNotice`] as JSON), so that a CDC leader learns, at that place in WAL order,
+/// that the aggregate waits in the polling path (the publication sends inserts only, not the UPDATE).
+pub const HANDOFF_MESSAGE: &str = "outboxd.handoff";
+
+/// The content of a [`HANDOFF_MESSAGE`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HandOffNotice {
+    /// The outbox table, `schema.name`.
+    pub table: String,
+    /// As the polling path names it ('' for NULL or without the column).
+    pub aggregate_type: String,
+    /// As the polling path names it ('' for NULL).
+    pub aggregate_id: String,
+}
+
 /// Re-queues dead events: clears `dead_at`, `attempts` and `last_error`, and hands them to the polling path.
-/// Each row is written anew (deleted and inserted again, every column as it was, in `position` order, one
-/// transaction), so that a CDC leader meets the re-queued row in the stream with `handoff_at` set, at its
-/// place in WAL order: its aggregate's later events wait behind it from there. Returns how many.
+/// In the same transaction, a [`HANDOFF_MESSAGE`] per re-queued aggregate tells a CDC leader (when the server
+/// decodes logically: `wal_level = logical`) that its later events must wait behind them. Returns how many.
 pub async fn replay_dead(
     client: &mut Client,
     table: &OutboxTable,
@@ -1126,6 +1162,11 @@ pub async fn replay_dead(
 ) -> Result<u64> {
     let t = table.name.quoted();
     let id = table.col(Role::EventId);
+    let aggregate = format!(
+        "coalesce({}, ''), coalesce({}::text, '')",
+        table.text_expr(Role::AggregateType, "''::text"),
+        table.col(Role::AggregateId)
+    );
     // Handed to the polling path: the slot streamed the row long ago, and next to the CDC path only handed-off
     // rows are swept (a row dead-lettered in poll mode never was). `--mode poll` claims every row regardless.
     let base = format!(
@@ -1134,49 +1175,49 @@ pub async fn replay_dead(
          WHERE dead_at IS NOT NULL AND published_at IS NULL"
     );
     let tx = client.transaction().await?;
+    let returning = format!("RETURNING {aggregate}");
     let rows = match filter {
         ReplayFilter::EventId(event_id) => {
-            tx.query(&format!("{base} AND {id} = $1 RETURNING {id}"), &[event_id])
+            tx.query(&format!("{base} AND {id} = $1 {returning}"), &[event_id])
                 .await?
         }
-        ReplayFilter::AggregateId(aggregate) => {
+        ReplayFilter::AggregateId(aggregate_id) => {
             tx.query(
                 &format!(
-                    "{base} AND {}::text = $1 RETURNING {id}",
+                    "{base} AND {}::text = $1 {returning}",
                     table.col(Role::AggregateId)
                 ),
-                &[aggregate],
+                &[aggregate_id],
             )
             .await?
         }
-        ReplayFilter::AllDead => tx.query(&format!("{base} RETURNING {id}"), &[]).await?,
+        ReplayFilter::AllDead => tx.query(&format!("{base} {returning}"), &[]).await?,
     };
-    let ids: Vec<Uuid> = rows.iter().map(|row| row.get(0)).collect();
-    if !ids.is_empty() {
-        let columns: Vec<String> = tx
-            .query(
-                "SELECT quote_ident(attname) FROM pg_attribute
-                 WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
-                 ORDER BY attnum",
-                &[&t],
+    let logical: bool = tx
+        .query_one("SELECT current_setting('wal_level') = 'logical'", &[])
+        .await?
+        .get(0);
+    if logical {
+        let aggregates: std::collections::BTreeSet<(String, String)> =
+            rows.iter().map(|row| (row.get(0), row.get(1))).collect();
+        for (aggregate_type, aggregate_id) in aggregates {
+            let notice = HandOffNotice {
+                table: table.name.to_string(),
+                aggregate_type,
+                aggregate_id,
+            };
+            let content = serde_json::to_string(&notice).map_err(|error| {
+                crate::error::Error::bug(format!("cannot write a hand-off notice: {error}"))
+            })?;
+            tx.execute(
+                "SELECT pg_logical_emit_message(true, $1, $2)",
+                &[&HANDOFF_MESSAGE, &content],
             )
-            .await?
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        let columns = columns.join(", ");
-        tx.execute(
-            &format!(
-                "WITH gone AS (DELETE FROM {t} WHERE {id} = ANY($1::uuid[]) RETURNING *)
-                 INSERT INTO {t} ({columns}) OVERRIDING SYSTEM VALUE
-                 SELECT {columns} FROM gone ORDER BY position"
-            ),
-            &[&ids],
-        )
-        .await?;
+            .await?;
+        }
     }
     tx.commit().await?;
-    Ok(ids.len() as u64)
+    Ok(rows.len() as u64)
 }
 
 /// Which dead events `outboxd replay` re-queues.

@@ -17,6 +17,8 @@ pub enum PgOutputMessage {
     Relation(Relation),
     /// A new row ('I').
     Insert(Insert),
+    /// A logical decoding message ('M', `pg_logical_emit_message`), sent when the stream asks for them.
+    Message(Message),
     /// Update, Delete, Truncate, Origin, Type, logical Message, ...: safe to ignore for an insert-only outbox.
     Skipped(u8),
 }
@@ -63,6 +65,17 @@ pub struct RelationColumn {
     pub name: String,
     /// OID of the column's type (e.g. 17 for bytea).
     pub type_oid: u32,
+}
+
+/// A logical decoding message: written by `pg_logical_emit_message(transactional, prefix, content)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// Written in its transaction (sent between its Begin and Commit), not on its own.
+    pub transactional: bool,
+    /// The prefix that says whose message it is.
+    pub prefix: String,
+    /// The content, as given.
+    pub content: Bytes,
 }
 
 /// An Insert message: one new row.
@@ -203,6 +216,21 @@ pub fn decode(data: Bytes) -> Result<PgOutputMessage, DecodeError> {
             PgOutputMessage::Insert(Insert {
                 relation_id,
                 values,
+            })
+        }
+        b'M' => {
+            let flags = reader.u8()?;
+            let _lsn = reader.u64()?;
+            let prefix = reader.string()?;
+            let length = reader.take(4)?.get_i32();
+            let length = usize::try_from(length).map_err(|_| DecodeError::NegativeLength {
+                tag: 'M',
+                value: length.into(),
+            })?;
+            PgOutputMessage::Message(Message {
+                transactional: flags & 1 == 1,
+                prefix,
+                content: reader.take(length)?,
             })
         }
         other => PgOutputMessage::Skipped(other),
@@ -468,8 +496,25 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn decodes_a_logical_decoding_message() {
+        let mut bytes = vec![b'M', 1];
+        bytes.extend_from_slice(&0x10u64.to_be_bytes());
+        bytes.extend_from_slice(b"outboxd.handoff\0");
+        bytes.extend_from_slice(&3i32.to_be_bytes());
+        bytes.extend_from_slice(b"abc");
+        assert_eq!(
+            decode(Bytes::from(bytes)).unwrap(),
+            PgOutputMessage::Message(Message {
+                transactional: true,
+                prefix: "outboxd.handoff".into(),
+                content: Bytes::from_static(b"abc"),
+            })
+        );
+    }
+
+    #[test]
     fn skips_other_message_types() {
-        for tag in [b'U', b'D', b'T', b'O', b'Y', b'M', b'S', b'E'] {
+        for tag in [b'U', b'D', b'T', b'O', b'Y', b'S', b'E'] {
             assert_eq!(
                 decode(Bytes::from(vec![tag, 1, 2, 3])).unwrap(),
                 PgOutputMessage::Skipped(tag)

@@ -242,6 +242,17 @@ pub fn creation_marker(slot: &str) -> String {
     format!("{}_creating", &slot[..slot.len().min(54)])
 }
 
+/// Whether `slot` is being created (its creation marker exists): its hand-off may not be committed yet.
+pub async fn creation_in_progress(client: &Client, slot: &str) -> Result<bool> {
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+            &[&creation_marker(slot)],
+        )
+        .await?
+        .get(0))
+}
+
 /// Sets the creation marker before CREATE_REPLICATION_SLOT; `finish_creation` removes it once the hand-off
 /// is committed.
 pub async fn begin_creation(client: &Client, slot: &str) -> Result<()> {

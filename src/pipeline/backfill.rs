@@ -7,13 +7,15 @@
 //! replication connection open while waiting for the database would stall the shutdown until
 //! `wal_sender_timeout`.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use uuid::Uuid;
 
 use crate::error::Error;
+use crate::event::RowImage;
 use crate::pg::{self, outbox, outbox::OutboxSql};
 use crate::pipeline::watermark::TxnId;
 use crate::sink::Delivery;
@@ -43,20 +45,27 @@ pub struct CdcTag {
 /// Most events marked by one UPDATE.
 pub const MAX_BATCH: usize = 2_000;
 
+/// The rows (as inserted) of events on their way to the polling path, by event id: the session puts each in
+/// before it sends the hand-off, the backfill takes it out once the hand-off is written, and writes it back
+/// should its row be gone.
+pub type HandOffRows = Arc<Mutex<HashMap<Uuid, RowImage>>>;
+
+/// How the session reaches the backfill task with what it does not produce: hand-offs (and events already in
+/// Kafka to mark) on the delivery channel, and the rows of the hand-offs beside it.
+#[derive(Clone)]
+pub struct ToBackfill {
+    /// The backfill task's delivery channel (the producer's reports travel on it too).
+    pub deliveries: UnboundedSender<Delivery<CdcTag>>,
+    /// The rows of hand-offs on their way.
+    pub rows: HandOffRows,
+}
+
 /// What the backfill task reports to the session.
 #[derive(Debug)]
 pub enum Finished {
-    /// Acknowledged by the broker and `published_at` written, or handed off and `handoff_at` written:
-    /// (tag, bytes) per event.
+    /// Acknowledged by the broker and `published_at` written, or handed off and `handoff_at` written (the
+    /// row written back where it was gone): (tag, bytes) per event.
     Events(Vec<(CdcTag, usize)>),
-    /// Sent before the `Events` of a batch with hand-offs: the handed-off events whose rows were gone
-    /// (deleted by their own transaction, or already published), which the polling path will never see.
-    HandOffs {
-        /// Every handed-off event of the batch.
-        handed_off: Vec<Uuid>,
-        /// Those whose rows were gone.
-        rowless: Vec<Uuid>,
-    },
     /// The broker (or librdkafka) failed these deliveries after the producer accepted them; the session
     /// decides what becomes of them.
     Undelivered(Vec<Delivery<CdcTag>>),
@@ -70,6 +79,7 @@ pub async fn run(
     tables: Vec<OutboxTable>,
     mut deliveries: UnboundedReceiver<Delivery<CdcTag>>,
     finished: UnboundedSender<Finished>,
+    hand_off_rows: HandOffRows,
 ) {
     let mut batch: Vec<Delivery<CdcTag>> = Vec::with_capacity(MAX_BATCH);
     let mut connection: Option<(tokio_postgres::Client, Vec<OutboxSql>)> = None;
@@ -104,37 +114,19 @@ pub async fn run(
                 }
             }
         }
-        let mut rowless_hand_offs = Vec::new();
-        if let Some((client, sql)) = &connection {
+        if let Some((client, sql)) = &mut connection {
             for (table, sql) in sql.iter().enumerate() {
                 let of_table: Vec<&Delivery<CdcTag>> =
                     batch.iter().filter(|d| d.tag.table == table).collect();
                 if of_table.is_empty() {
                     continue;
                 }
-                match write_batch(client, sql, &of_table).await {
-                    Ok(rowless) => rowless_hand_offs.extend(rowless),
-                    Err(error) => {
-                        let _ = finished.send(Finished::Failed(error));
-                        return;
-                    }
+                let written = write_batch(client, &tables[table], sql, &of_table, &hand_off_rows);
+                if let Err(error) = written.await {
+                    let _ = finished.send(Finished::Failed(error));
+                    return;
                 }
             }
-        }
-        let handed_off: Vec<Uuid> = batch
-            .iter()
-            .filter(|d| d.tag.hand_off)
-            .map(|d| d.event_id)
-            .collect();
-        if !handed_off.is_empty()
-            && finished
-                .send(Finished::HandOffs {
-                    handed_off,
-                    rowless: rowless_hand_offs,
-                })
-                .is_err()
-        {
-            return;
         }
         let events = batch.drain(..).map(|d| (d.tag, d.bytes)).collect();
         if finished.send(Finished::Events(events)).is_err() {
@@ -143,49 +135,66 @@ pub async fn run(
     }
 }
 
-/// Writes `published_at` (or `handoff_at`) for every event of the batch. Rows not yet visible (their
-/// transaction's commit was decoded before it became visible here) are retried until their transaction is
-/// visible; rows still missing then are gone (already published, or deleted by their own transaction).
-/// Returns the handed-off events whose rows were gone.
+/// Writes `published_at` for the acknowledged events of the batch, and `handoff_at` for the handed-off ones.
 async fn write_batch(
-    client: &tokio_postgres::Client,
+    client: &mut tokio_postgres::Client,
+    table: &OutboxTable,
     sql: &OutboxSql,
     batch: &[&Delivery<CdcTag>],
-) -> Result<Vec<Uuid>, Error> {
-    let mut pending: Vec<(Uuid, u32, bool)> = batch
-        .iter()
-        .map(|d| (d.event_id, d.tag.xid, d.tag.hand_off))
-        .collect();
+    hand_off_rows: &HandOffRows,
+) -> Result<(), Error> {
+    let of = |hand_off: bool| -> Vec<(Uuid, u32)> {
+        batch
+            .iter()
+            .filter(|d| d.tag.hand_off == hand_off)
+            .map(|d| (d.event_id, d.tag.xid))
+            .collect()
+    };
+    let published = of(false);
+    if !published.is_empty() {
+        mark_published(client, sql, published).await?;
+    }
+    let handed_off = of(true);
+    if !handed_off.is_empty() {
+        hand_off_together(client, table, sql, handed_off, hand_off_rows).await?;
+    }
+    Ok(())
+}
+
+/// Rows not yet visible (their transaction's commit was decoded before it became visible here) are retried
+/// until their transaction is visible; rows still missing then are gone (already published, or deleted by
+/// their own transaction). Which transactions are visible is asked *before* the statement: their rows, if
+/// missing, are gone for good.
+async fn visible_transactions(
+    client: &tokio_postgres::Client,
+    pending: &[(Uuid, u32)],
+) -> Result<HashSet<u32>, Error> {
+    let mut visible = HashSet::new();
+    for xid in pending.iter().map(|p| p.1).collect::<HashSet<u32>>() {
+        if outbox::transaction_visible(client, xid).await? {
+            visible.insert(xid);
+        }
+    }
+    Ok(visible)
+}
+
+async fn mark_published(
+    client: &tokio_postgres::Client,
+    sql: &OutboxSql,
+    mut pending: Vec<(Uuid, u32)>,
+) -> Result<(), Error> {
     let mut delay = Duration::from_millis(2);
-    let mut rowless_hand_offs = Vec::new();
+    let mut visible = HashSet::new();
     loop {
-        // Which transactions are visible *before* the UPDATE: their rows, if missing, are gone for good.
-        let mut visible: HashSet<u32> = HashSet::new();
-        if delay > Duration::from_millis(2) {
-            for xid in pending.iter().map(|p| p.1).collect::<HashSet<u32>>() {
-                if outbox::transaction_visible(client, xid).await? {
-                    visible.insert(xid);
-                }
-            }
-        }
-        let publish: Vec<Uuid> = pending.iter().filter(|p| !p.2).map(|p| p.0).collect();
-        let hand_off: Vec<Uuid> = pending.iter().filter(|p| p.2).map(|p| p.0).collect();
-        let mut written: HashSet<Uuid> = HashSet::new();
-        if !publish.is_empty() {
-            written.extend(sql.mark_published(client, &publish).await?);
-        }
-        if !hand_off.is_empty() {
-            written.extend(sql.hand_off(client, &hand_off).await?);
-        }
-        pending.retain(|(id, xid, hand_off)| {
-            let gone = !written.contains(id) && visible.contains(xid);
-            if gone && *hand_off {
-                rowless_hand_offs.push(*id);
-            }
-            !written.contains(id) && !gone
-        });
+        let ids: Vec<Uuid> = pending.iter().map(|p| p.0).collect();
+        let written: HashSet<Uuid> = sql
+            .mark_published(client, &ids)
+            .await?
+            .into_iter()
+            .collect();
+        pending.retain(|(id, xid)| !written.contains(id) && !visible.contains(xid));
         if pending.is_empty() {
-            return Ok(rowless_hand_offs);
+            return Ok(());
         }
         tracing::debug!(
             rows = pending.len(),
@@ -193,6 +202,64 @@ async fn write_batch(
         );
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_millis(200));
+        visible = visible_transactions(client, &pending).await?;
+    }
+}
+
+/// Hands the batch's events to the polling path in one transaction, writing back those whose rows their own
+/// transaction deleted: the polling path never sees a later event of an aggregate handed off before an
+/// earlier one exists as a row. While a row is not visible yet the transaction is rolled back and tried again.
+async fn hand_off_together(
+    client: &mut tokio_postgres::Client,
+    table: &OutboxTable,
+    sql: &OutboxSql,
+    pending: Vec<(Uuid, u32)>,
+    hand_off_rows: &HandOffRows,
+) -> Result<(), Error> {
+    let ids: Vec<Uuid> = pending.iter().map(|p| p.0).collect();
+    let mut delay = Duration::from_millis(2);
+    let mut visible = HashSet::new();
+    loop {
+        let tx = client.transaction().await?;
+        let written: HashSet<Uuid> = sql.hand_off(&tx, &ids).await?.into_iter().collect();
+        let missing: Vec<&(Uuid, u32)> =
+            pending.iter().filter(|p| !written.contains(&p.0)).collect();
+        if missing.iter().any(|(_, xid)| !visible.contains(xid)) {
+            tx.rollback().await?;
+            tracing::debug!(
+                rows = missing.len(),
+                "rows of a decoded transaction are not visible yet; waiting"
+            );
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(200));
+            visible = visible_transactions(client, &pending).await?;
+            continue;
+        }
+        if !missing.is_empty() {
+            let images: Vec<(Uuid, RowImage)> = {
+                let rows = hand_off_rows
+                    .lock()
+                    .map_err(|_| Error::bug("the hand-off rows' lock is poisoned"))?;
+                missing
+                    .iter()
+                    .map(|(id, _)| {
+                        rows.get(id).cloned().map(|row| (*id, row)).ok_or_else(|| {
+                            Error::bug(format!("event {id} was handed off without its row"))
+                        })
+                    })
+                    .collect::<Result<_, _>>()?
+            };
+            let rows: Vec<(Uuid, &RowImage)> = images.iter().map(|(id, row)| (*id, row)).collect();
+            outbox::write_back_handed_off(&tx, table, sql, &rows).await?;
+            tracing::info!(table = %table.name, rows = rows.len(), "events handed to the polling path whose rows their own transaction deleted were written back, handed off");
+        }
+        tx.commit().await?;
+        if let Ok(mut rows) = hand_off_rows.lock() {
+            for id in &ids {
+                rows.remove(id);
+            }
+        }
+        return Ok(());
     }
 }
 

@@ -102,6 +102,19 @@ async fn cdc_leader(client: &tokio_postgres::Client, key: &str) -> Result<CdcLea
     })
 }
 
+/// Whether a live CDC leader (streaming or between sessions) holds the marker of any of `settings`' tables.
+pub async fn led_by_another(
+    client: &tokio_postgres::Client,
+    settings: &RunSettings,
+) -> Result<bool> {
+    for table in &settings.database.tables {
+        if cdc_leader(client, &cdc_marker_key(&table.name)).await? != CdcLeader::None {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Takes, on a leader's lock connection, the marker of every table it streams. Returns the key texts of the
 /// markers it could not take in the former keyspace too (an application holds that bigint): the caller asks
 /// for them again with [`take_former_marker`].

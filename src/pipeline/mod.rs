@@ -423,7 +423,8 @@ async fn run_auto(
 
 /// The slot `auto` leaves behind while it polls: nothing consumes it, and it keeps WAL on the server for as
 /// long as it exists (bounded only by `max_slot_wal_keep_size`, if set). After `--auto-drop-slot-after` it
-/// is dropped, unless a client streams from it; when replication works again, a new slot is created, whose
+/// is dropped, unless a client streams from it or a live CDC leader (another instance) holds it; when
+/// replication works again, a new slot is created, whose
 /// snapshot hands what it will not send (rows committed meanwhile, which the polling path publishes anyway)
 /// to the polling path. A drop that fails (the role may no longer replicate) is said once, with the fix.
 struct UnconsumedSlot {
@@ -455,7 +456,10 @@ impl UnconsumedSlot {
             let sql = pg::connect(&settings.database.database_url).await?;
             match slot::slot_state(&sql, slot).await? {
                 None => Ok(true),
-                Some(state) if state.active => Ok(false),
+                // Streamed from, or a live leader's between two of its sessions.
+                Some(state) if state.active || fleet::led_by_another(&sql, settings).await? => {
+                    Ok(false)
+                }
                 Some(_) => {
                     sql.execute("SELECT pg_drop_replication_slot($1)", &[slot])
                         .await?;

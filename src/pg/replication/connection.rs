@@ -346,7 +346,8 @@ impl ReplicationConnection {
         })
     }
 
-    /// Starts streaming pgoutput (proto 1) from `start` for `publication`. Names must be validated identifiers.
+    /// Starts streaming pgoutput (proto 1, with logical decoding messages: PostgreSQL 14+) from `start` for
+    /// `publication`. Names must be validated identifiers.
     pub async fn start_replication(
         mut self,
         slot: &str,
@@ -354,7 +355,7 @@ impl ReplicationConnection {
         publication: &str,
     ) -> Result<ReplicationStream, ReplicationError> {
         let sql = format!(
-            "START_REPLICATION SLOT \"{slot}\" LOGICAL {start} (proto_version '1', publication_names '\"{publication}\"')"
+            "START_REPLICATION SLOT \"{slot}\" LOGICAL {start} (proto_version '1', publication_names '\"{publication}\"', messages 'true')"
         );
         frontend::query(&sql, &mut self.write_buf)?;
         self.flush().await?;

@@ -13,8 +13,8 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::event::{MappingError, OutboxEvent, RowImage, RowMapping};
 use crate::lsn::Lsn;
-use crate::pg::outbox::AggregateKey;
-use crate::pg::pgoutput::{Begin, Insert, PgOutputMessage};
+use crate::pg::outbox::{AggregateKey, HandOffNotice, HANDOFF_MESSAGE};
+use crate::pg::pgoutput::{Begin, Insert, Message, PgOutputMessage};
 use crate::pipeline::backfill::CdcTag;
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::progress::StreamPosition;
@@ -50,9 +50,14 @@ pub enum Decoded {
         pending: Pending,
         column: &'static str,
     },
-    /// A row inserted already handed to the polling path (written back by outboxd, or re-queued by `outboxd
-    /// replay`): the polling path publishes it, and its aggregate's later events wait behind it.
-    InsertedHandedOff {
+    /// A relation of outbox table `table` has columns it lacked at start-up (`gained`): the stream sends it
+    /// before the first row inserted since the change, whose rows must be marked (and may be handed off),
+    /// which the statements prepared at start-up cannot do. (Or an older description the slot sends again,
+    /// of columns dropped since: the session asks the catalog.)
+    TableGained { table: usize, gained: &'static str },
+    /// A row inserted already handed to the polling path (written back by outboxd), or one `outboxd replay`
+    /// re-queued (its message): the polling path publishes it, and its aggregate's later events wait behind it.
+    WaitsInPollingPath {
         table: usize,
         aggregate: AggregateKey,
     },
@@ -163,9 +168,15 @@ impl TransactionDecoder {
                 let table = self.tables.iter().position(|t| {
                     relation.namespace == t.name.schema && relation.name == t.name.name
                 });
+                let mut decoded = Decoded::Nothing;
                 let mapping = match table {
                     Some(index) => {
-                        changed_capabilities(&self.tables[index], &relation)?;
+                        if let Some(gained) = gained_columns(&self.tables[index], &relation) {
+                            decoded = Decoded::TableGained {
+                                table: index,
+                                gained,
+                            };
+                        }
                         Mapped::Outbox(
                             index,
                             RowMapping::from_relation(&self.tables[index], &relation)?,
@@ -177,9 +188,10 @@ impl TransactionDecoder {
                     },
                 };
                 self.mappings.insert(relation.id, mapping);
-                Ok(Decoded::Nothing)
+                Ok(decoded)
             }
             PgOutputMessage::Insert(insert) => self.insert(insert),
+            PgOutputMessage::Message(message) => Ok(self.message(&message)),
             PgOutputMessage::Skipped(_) => Ok(Decoded::Nothing),
         }
     }
@@ -210,6 +222,29 @@ impl TransactionDecoder {
             final_lsn: begin.final_lsn,
             left_replay_region,
             diverged,
+        }
+    }
+
+    /// `outboxd replay` re-queued a dead event (see [`HandOffNotice`]): in this transaction, at its place in
+    /// WAL order, the event's aggregate waits in the polling path. Other messages are not outboxd's.
+    fn message(&self, message: &Message) -> Decoded {
+        if !message.transactional || message.prefix != HANDOFF_MESSAGE || self.current.is_none() {
+            return Decoded::Nothing;
+        }
+        let Ok(notice) = serde_json::from_slice::<HandOffNotice>(&message.content) else {
+            tracing::warn!(prefix = %message.prefix, "a logical decoding message outboxd cannot read; ignored");
+            return Decoded::Nothing;
+        };
+        match self
+            .tables
+            .iter()
+            .position(|t| t.name.to_string() == notice.table)
+        {
+            Some(table) => Decoded::WaitsInPollingPath {
+                table,
+                aggregate: (notice.aggregate_type, notice.aggregate_id),
+            },
+            None => Decoded::Nothing,
         }
     }
 
@@ -246,7 +281,7 @@ impl TransactionDecoder {
             return Ok(Decoded::Nothing);
         }
         if mapping.inserted_handed_off(&insert) {
-            return Ok(Decoded::InsertedHandedOff {
+            return Ok(Decoded::WaitsInPollingPath {
                 table,
                 aggregate: mapping.aggregate_key(&insert),
             });
@@ -298,28 +333,19 @@ impl TransactionDecoder {
     }
 }
 
-/// A relation of an outbox table that now has columns it lacked when outboxd inspected it at start-up:
-/// `published_at`, or every polling column (`outboxd migrate --add-polling-columns` while outboxd runs). The
-/// stream sends the new Relation before the first row inserted since: every row from there on must be marked
-/// (and may be handed off), which the statements prepared at start-up cannot do. The pipeline starts over.
-fn changed_capabilities(
+/// What a relation of an outbox table has that the table lacked when outboxd inspected it at start-up:
+/// `published_at`, or every polling column (`outboxd migrate --add-polling-columns` while outboxd runs).
+fn gained_columns(
     table: &OutboxTable,
     relation: &crate::pg::pgoutput::Relation,
-) -> Result<()> {
+) -> Option<&'static str> {
     let has = |column: &str| relation.columns.iter().any(|c| c.name == column);
-    let gained = if !table.polling && crate::table::POLLING_COLUMNS.iter().all(|c| has(c)) {
+    if !table.polling && crate::table::POLLING_COLUMNS.iter().all(|c| has(c)) {
         Some("the polling columns")
     } else if !table.marks_published && has("published_at") {
         Some("published_at")
     } else {
         None
-    };
-    match gained {
-        Some(what) => Err(Error::TablesChanged(format!(
-            "{}.{} gained {what} while outboxd streamed it (outboxd migrate --add-polling-columns): starting the pipeline over to use them",
-            relation.namespace, relation.name
-        ))),
-        None => Ok(()),
     }
 }
 

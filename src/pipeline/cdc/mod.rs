@@ -264,11 +264,13 @@ impl<K: Sinks> CdcPipeline<K> {
                 (publisher, Some(eos))
             }
         };
+        let hand_off_rows = backfill::HandOffRows::default();
         let backfill = tokio::spawn(backfill::run(
             settings.database.database_url.clone(),
             settings.database.tables.clone(),
             delivery_rx,
             finished_tx,
+            hand_off_rows.clone(),
         ));
         let mut session = Session::new(
             &settings,
@@ -276,7 +278,10 @@ impl<K: Sinks> CdcPipeline<K> {
             &mut self.memory,
             boot,
             publisher,
-            delivery_tx,
+            backfill::ToBackfill {
+                deliveries: delivery_tx,
+                rows: hand_off_rows,
+            },
             exactly_once,
         );
         let result = session

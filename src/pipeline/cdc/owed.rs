@@ -10,22 +10,29 @@
 //!
 //! Pure bookkeeping across sessions, no I/O. The session seeds its gate from it and reports what it met.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use uuid::Uuid;
 
 use super::gate::GateKey;
 
-/// Refused events owed to the polling path, by event id, with their aggregate.
+/// Refused events owed to the polling path, by event id, with their aggregate; and aggregates owed whole (one
+/// found waiting in the polling path while an earlier event of it was on its way).
 #[derive(Debug, Default)]
 pub struct OwedHandOffs {
     owed: HashMap<Uuid, GateKey>,
+    aggregates: HashSet<GateKey>,
 }
 
 impl OwedHandOffs {
     /// `event_id` of `aggregate` goes to the polling path when the slot sends it again.
     pub fn owe(&mut self, event_id: Uuid, aggregate: GateKey) {
         self.owed.insert(event_id, aggregate);
+    }
+
+    /// Every event of `aggregate` the slot sends again goes to the polling path.
+    pub fn owe_aggregate(&mut self, aggregate: GateKey) {
+        self.aggregates.insert(aggregate);
     }
 
     /// Whether `event_id` is owed to the polling path.
@@ -35,7 +42,7 @@ impl OwedHandOffs {
 
     /// The aggregates with owed events: they hand off from a session's start until their events passed.
     pub fn aggregates(&self) -> impl Iterator<Item = &GateKey> {
-        self.owed.values()
+        self.owed.values().chain(&self.aggregates)
     }
 
     /// The slot sent `event_id` again and the session decided on it.
@@ -48,6 +55,7 @@ impl OwedHandOffs {
     /// The session read past everything it was sent again without meeting these events (a slot recreated
     /// or another server history): nothing will send them again. Returns them, to report.
     pub fn forget_unmet(&mut self) -> Vec<Uuid> {
+        self.aggregates.clear();
         self.owed.drain().map(|(id, _)| id).collect()
     }
 }
@@ -79,6 +87,8 @@ mod tests {
         let mut owed = OwedHandOffs::default();
         let b1 = Uuid::new_v4();
         owed.owe(b1, key("B"));
+        owed.owe_aggregate(key("C"));
+        assert_eq!(owed.aggregates().count(), 2);
         assert_eq!(owed.forget_unmet(), [b1]);
         assert!(owed.aggregates().next().is_none() && !owed.is_owed(&b1));
     }

@@ -21,12 +21,12 @@ use super::window::InFlightWindow;
 use super::{SessionMemory, MAX_TRACKED_BLOCKED};
 use crate::config::{ExactlyOnceSettings, RunSettings};
 use crate::error::{replication_error, Error, Result};
-use crate::event::{OutboxEvent, RowImage, Text};
+use crate::event::{OutboxEvent, Text};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, OutboxSql, RowState};
 use crate::pg::pgoutput;
 use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
-use crate::pipeline::backfill::{CdcTag, Finished};
+use crate::pipeline::backfill::{CdcTag, Finished, ToBackfill};
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::progress::{Progress, ProgressKey};
 use crate::sink::{Delivery, PublishError, Rejection, Sink};
@@ -56,14 +56,6 @@ enum HandOffReason {
     Invalid,
 }
 
-/// An event handed to the polling path, kept until its `handoff_at` is written: if its row is gone (deleted
-/// by its own transaction) the polling path would never see it, so it is written back as it was inserted.
-struct HandedOff {
-    tag: CdcTag,
-    row: RowImage,
-    reason: HandOffReason,
-}
-
 /// The aggregate an event belongs to, as the polling path names it.
 fn aggregate_of(event: &OutboxEvent) -> AggregateKey {
     (
@@ -77,7 +69,8 @@ fn aggregate_of(event: &OutboxEvent) -> AggregateKey {
 }
 
 /// An event handed to the producer and not reported yet: when, and of which aggregate (cheap clones of the
-/// event's text, turned into a [`GateKey`] only when a refusal needs it).
+/// event's text, turned into a [`GateKey`] only when a refusal needs it). Any topic: the gate holds an
+/// aggregate back in all of them.
 struct Outstanding {
     since: tokio::time::Instant,
     table: usize,
@@ -86,10 +79,18 @@ struct Outstanding {
 }
 
 impl Outstanding {
+    /// Of the aggregate of `event` in `table`.
     fn of(&self, table: usize, event: &OutboxEvent) -> bool {
         self.table == table
             && self.aggregate_id == event.aggregate_id
             && self.aggregate_type == event.aggregate_type
+    }
+
+    /// Of `aggregate`.
+    fn of_aggregate(&self, aggregate: &GateKey) -> bool {
+        self.table == aggregate.0
+            && *self.aggregate_id == *aggregate.1 .1
+            && self.aggregate_type.as_deref().unwrap_or_default() == aggregate.1 .0
     }
 
     fn aggregate(&self) -> GateKey {
@@ -195,7 +196,7 @@ pub(super) struct Session<'a, S> {
     published: u64,
     skipped_already_published: u64,
     /// Events handed to the polling path travel to the backfill task on the delivery channel.
-    hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
+    to_backfill: ToBackfill,
     /// Aggregates with rows waiting in the polling path (their later events are never published ahead), and
     /// tables with more of them than [`MAX_TRACKED_BLOCKED`] (every event of them is handed off).
     gate: AggregateGate<Pending>,
@@ -206,8 +207,6 @@ pub(super) struct Session<'a, S> {
     /// are written.
     restart_after_hand_offs: bool,
     hand_offs_in_flight: usize,
-    /// Hand-offs whose `handoff_at` is not written yet, by event id.
-    hand_offs_unwritten: HashMap<Uuid, HandedOff>,
     handed_off: u64,
     /// Topics held and refused events owed to the polling path, kept across sessions.
     memory: &'a mut SessionMemory,
@@ -237,7 +236,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
         memory: &'a mut SessionMemory,
         boot: Bootstrapped,
         publisher: S,
-        hand_offs: mpsc::UnboundedSender<Delivery<CdcTag>>,
+        to_backfill: ToBackfill,
         exactly_once: Option<ExactlyOnce>,
     ) -> Self {
         let tables = &settings.database.tables;
@@ -263,12 +262,11 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             ),
             published: 0,
             skipped_already_published: 0,
-            hand_offs,
+            to_backfill,
             gate: boot.gate,
             pausing_for_check: false,
             restart_after_hand_offs: false,
             hand_offs_in_flight: 0,
-            hand_offs_unwritten: HashMap::new(),
             handed_off: 0,
             memory,
             outstanding: BTreeMap::new(),
@@ -390,13 +388,6 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 }
                 crate::metrics::published("cdc", published);
                 Ok(())
-            }
-            Some(Finished::HandOffs {
-                handed_off,
-                rowless,
-            }) => {
-                self.write_back_rowless_hand_offs(&handed_off, &rowless)
-                    .await
             }
             Some(Finished::Undelivered(deliveries)) => self.undelivered(deliveries),
             Some(Finished::Failed(error)) => {
@@ -547,10 +538,23 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 self.start_event(pending.tag.txn, pending.event.size_bytes());
                 self.hand_off(pending, HandOffReason::Invalid)?;
             }
-            Decoded::InsertedHandedOff { table, aggregate } => {
+            Decoded::TableGained { table, gained } => {
+                let outbox_table = &self.settings.database.tables[table];
+                let now = crate::pg::slot::inspect(&self.sql, outbox_table.spec()).await?;
+                if (now.polling && !outbox_table.polling)
+                    || (now.marks_published && !outbox_table.marks_published)
+                {
+                    return Err(Error::TablesChanged(format!(
+                        "{} gained {gained} while outboxd streamed it (outboxd migrate --add-polling-columns): starting the pipeline over to use them",
+                        outbox_table.name
+                    )));
+                }
+                tracing::debug!(table = %outbox_table.name, gained, "the stream describes columns the table no longer has (sent again from before they were dropped)");
+            }
+            Decoded::WaitsInPollingPath { table, aggregate } => {
                 // Written back by outboxd or re-queued by `outboxd replay`: later events of its aggregate
                 // must not overtake it.
-                self.gate.block((table, aggregate));
+                self.block_met_in_stream((table, aggregate));
             }
             Decoded::Nothing => {}
         }
@@ -713,6 +717,26 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         }
     }
 
+    /// The stream says `aggregate` waits in the polling path (a row inserted handed off, or one sent again
+    /// and found handed off): its later events wait behind it. Should an earlier event of it still be on its
+    /// way (it could fail and come back from the slot after them), the session ends instead, and the next
+    /// one hands the aggregate to the polling path from its start.
+    fn block_met_in_stream(&mut self, aggregate: GateKey) {
+        if self
+            .outstanding
+            .values()
+            .any(|o| o.of_aggregate(&aggregate))
+        {
+            self.memory.owed.owe_aggregate(aggregate);
+            self.owed_here += 1;
+            self.give_up(
+                "an aggregate with events on their way to Kafka waits in the polling path".into(),
+            );
+        } else {
+            self.gate.block(aggregate);
+        }
+    }
+
     /// `event_id` of `aggregate` goes to the polling path when the slot sends it again (see `owed`).
     fn owe(&mut self, event_id: Uuid, aggregate: GateKey) {
         self.memory.owed.owe(event_id, aggregate);
@@ -793,6 +817,12 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     /// Hands one event to the polling path: its `handoff_at` is written by the backfill task (or the row
     /// written back, should it be gone).
     fn hand_off(&mut self, pending: Pending, reason: HandOffReason) -> Result<()> {
+        if self.failing.is_some() {
+            // Given up: an earlier event of its aggregate may be sent again from the slot; the event stays
+            // unfinished and the next session decides.
+            return Ok(());
+        }
+        tracing::debug!(event_id = %pending.event_id, ?reason, "handing the event to the polling path");
         let tag = CdcTag {
             hand_off: true,
             ..pending.tag
@@ -803,58 +833,19 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             bytes: pending.event.size_bytes(),
             result: Ok(()),
         };
-        self.hand_offs.send(item).map_err(|_| Error::Kafka {
-            message: "the backfill task stopped".into(),
-            transient: true,
-        })?;
+        if let Ok(mut rows) = self.to_backfill.rows.lock() {
+            rows.insert(pending.event_id, pending.row);
+        }
+        self.to_backfill
+            .deliveries
+            .send(item)
+            .map_err(|_| Error::Kafka {
+                message: "the backfill task stopped".into(),
+                transient: true,
+            })?;
         self.memory.owed.met(&pending.event_id);
         self.hand_offs_in_flight += 1;
         self.handed_off += 1;
-        self.hand_offs_unwritten.insert(
-            pending.event_id,
-            HandedOff {
-                tag,
-                row: pending.row,
-                reason,
-            },
-        );
-        Ok(())
-    }
-
-    /// The backfill wrote (or tried to write) `handoff_at` for `handed_off`; `rowless` had no row left
-    /// (deleted by their own transaction). Those are written back as they were inserted, already handed
-    /// off, before the backfill's report finishes them: the polling path retries, dead-letters and orders
-    /// them like any other row. A write-back that cannot be done ends the session with the fix.
-    async fn write_back_rowless_hand_offs(
-        &mut self,
-        handed_off: &[Uuid],
-        rowless: &[Uuid],
-    ) -> Result<()> {
-        let rowless: HashSet<&Uuid> = rowless.iter().collect();
-        let mut by_table: BTreeMap<usize, Vec<(Uuid, HandedOff)>> = BTreeMap::new();
-        for event_id in handed_off {
-            if let Some(handed) = self.hand_offs_unwritten.remove(event_id) {
-                if rowless.contains(event_id) {
-                    by_table
-                        .entry(handed.tag.table)
-                        .or_default()
-                        .push((*event_id, handed));
-                }
-            }
-        }
-        for (table, events) in by_table {
-            let rows: Vec<(Uuid, &RowImage)> = events.iter().map(|(id, h)| (*id, &h.row)).collect();
-            outbox::write_back_handed_off(
-                &mut self.sql,
-                &self.settings.database.tables[table],
-                &self.outbox_sql[table],
-                &rows,
-            )
-            .await?;
-            for (event_id, handed) in &events {
-                tracing::info!(%event_id, reason = ?handed.reason, "the row of an event handed to the polling path was deleted by its own transaction: wrote it back, handed off");
-            }
-        }
         Ok(())
     }
 
@@ -954,8 +945,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             if state == Some(RowState::WaitingInPollingPath) {
                 // Handed off by an earlier session or leader, possibly after this session read the
                 // aggregates waiting in the polling path: its aggregate's later events wait behind it.
-                self.gate
-                    .block((pending.tag.table, aggregate_of(&pending.event)));
+                self.block_met_in_stream((pending.tag.table, aggregate_of(&pending.event)));
             }
             if finished || (state.is_none() && self.covered_before(&pending)) {
                 self.memory.owed.met(&pending.event_id);
@@ -1014,10 +1004,13 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             bytes: pending.event.size_bytes(),
             result: Ok(()),
         };
-        self.hand_offs.send(delivery).map_err(|_| Error::Kafka {
-            message: "the backfill task stopped".into(),
-            transient: true,
-        })
+        self.to_backfill
+            .deliveries
+            .send(delivery)
+            .map_err(|_| Error::Kafka {
+                message: "the backfill task stopped".into(),
+                transient: true,
+            })
     }
 
     /// Reading waits while a due commit waits for hand-offs.
@@ -1067,8 +1060,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             return Ok(());
         }
         self.hand_on_held_events().await?;
-        let hand_offs_pending =
-            self.hand_offs_in_flight > 0 || !self.hand_offs_unwritten.is_empty();
+        let hand_offs_pending = self.hand_offs_in_flight > 0;
         let Some(eos) = self.exactly_once.as_mut() else {
             return Ok(());
         };
