@@ -443,3 +443,39 @@ async fn polling_columns_added_while_outboxd_streams_are_used_from_the_next_row_
     let log = outboxd.log_text();
     assert!(log.contains("gained the polling columns"), "{log}");
 }
+
+/// The slot that owed rows marked published before outboxd is replaced (a failover to a server without it, or
+/// a drop) before it streamed them, and `outboxd migrate` runs again meanwhile (a deploy pipeline repeats it):
+/// the new slot never sends those rows, so its creation must hand them to the polling path (review finding
+/// F6; the adversarial review found the second migrate taking "no slot" for "owed by none").
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_a_replaced_slot_owed_are_still_published_after_another_migrate() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client.batch_execute(USER_TABLE).await.unwrap();
+    migrate_with(&url, &[]);
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (mut committed, _) = insert_events(&mut client, 0, 2, 5, 5, None).await;
+    consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    outboxd.kill();
+    let (owed, _) = insert_events(&mut client, 2, 2, 5, 5, None).await;
+    committed.extend(owed.iter().cloned());
+    let log = migrate_with(&url, &["--add-polling-columns"]);
+    assert!(log.contains("has not streamed all of them"), "{log}");
+    // The slot goes (a failover to a standby without it, or a drop), and migrate runs again.
+    wait_for_async("the killed walsender to let go", Duration::from_secs(30), || async {
+        client
+            .execute("SELECT pg_drop_replication_slot('outboxd')", &[])
+            .await
+            .ok()
+    })
+    .await;
+    migrate_with(&url, &[]);
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(90));
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(report.missing, 0, "rows the replaced slot owed: {report:?}");
+}
