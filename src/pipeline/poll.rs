@@ -535,8 +535,14 @@ impl<K: Sinks> PollWorker<K> {
         let subset: Vec<ClaimedRow> = rest.iter().map(|&i| rows[i].clone()).collect();
         let (sub_outcomes, in_flight) = self.hand_over(publisher, &subset).await?;
         let mut sub_outcomes = sub_outcomes;
-        self.await_reports(publisher, deliveries, &mut sub_outcomes, in_flight, &mut report)
-            .await;
+        self.await_reports(
+            publisher,
+            deliveries,
+            &mut sub_outcomes,
+            in_flight,
+            &mut report,
+        )
+        .await;
         for (index, outcome) in rest.into_iter().zip(sub_outcomes) {
             decided[index] = Some(outcome);
         }
@@ -721,11 +727,18 @@ impl<K: Sinks> PollWorker<K> {
                 break;
             };
             let mut report = BatchReport::default();
-            let Ok((mut sub_outcomes, in_flight)) = self.hand_over(&publisher, &subset).await else {
+            let Ok((mut sub_outcomes, in_flight)) = self.hand_over(&publisher, &subset).await
+            else {
                 break;
             };
-            self.await_reports(&publisher, &mut deliveries, &mut sub_outcomes, in_flight, &mut report)
-                .await;
+            self.await_reports(
+                &publisher,
+                &mut deliveries,
+                &mut sub_outcomes,
+                in_flight,
+                &mut report,
+            )
+            .await;
             self.settle_refusals(&subset, &mut sub_outcomes, &HashSet::new())
                 .await;
             for (index, outcome) in again.into_iter().zip(sub_outcomes) {
