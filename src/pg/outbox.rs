@@ -668,6 +668,38 @@ pub struct Claim {
     /// Aggregates of the claim's prefix whose first unpublished event is not claimable (waiting for a retry,
     /// or leased by another worker): none of their events can be claimed before `ready_in` has passed.
     pub blocked: Vec<BlockedAggregate>,
+    /// Rows without an event id the claim came upon and dead-lettered (never leased, never returned in
+    /// `rows`).
+    pub dead_without_id: Vec<RowWithoutId>,
+}
+
+/// A row without an event id (NULL in a fitted table's nullable column) that a claim dead-lettered in place:
+/// it can never be published, and nothing can name it by its id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowWithoutId {
+    /// Its aggregate_type (`None`: NULL, or the table has no such column).
+    pub aggregate_type: Option<String>,
+    /// Its aggregate_id (`None`: NULL).
+    pub aggregate_id: Option<String>,
+    /// Its place in the claim order (`None`: NULL).
+    pub position: Option<i64>,
+}
+
+/// The columns of a claim's answer, in order; the header columns follow [`ClaimColumn::Headers`], then a
+/// blocked aggregate's key, wait and lease.
+#[derive(Debug, Clone, Copy)]
+enum ClaimColumn {
+    /// What the row is: 'claimed', 'dead_without_id' or 'blocked'.
+    Kind,
+    EventId,
+    AggregateType,
+    AggregateId,
+    EventType,
+    Payload,
+    CreatedAt,
+    Attempts,
+    Position,
+    Headers,
 }
 
 /// An aggregate a claim found blocked.
@@ -691,6 +723,8 @@ const FORMER_CLAIM_LOCK_WAIT: std::time::Duration = std::time::Duration::from_se
 /// Statements of the lease-based polling path for one outbox table.
 pub struct PollSql {
     claim: String,
+    /// The last_error of a row a claim dead-lettered because its event id is NULL.
+    without_id_error: String,
     payload_type: PayloadType,
     has_aggregate_type: bool,
     header_columns: Vec<std::sync::Arc<str>>,
@@ -744,9 +778,12 @@ impl PollSql {
             // lease lapsed, an operator's UPDATE, a `FOR UPDATE`), and claiming that aggregate's later events
             // would publish them first. The lock re-checks that the row is still claimable, so a row leased
             // or published since the statement's snapshot holds its aggregate back too.
+            //
+            // A row of the prefix without an event id takes no part in this: it is dead-lettered (`without_id`,
+            // below), never claimed, and holds back no later event of its aggregate.
             crate::config::PollOrder::PerAggregate => format!(
                 "prefix AS (
-                     SELECT {id}, {aggregate_key}, position{created_at_column},
+                     SELECT {id}, {aggregate_key}, position{created_at_column}, tableoid AS row_table, ctid AS row_tid,
                             (available_at <= now() AND (lease_until IS NULL OR lease_until < clock_timestamp())) AS ready,
                             coalesce(lease_until >= now(), false) AS leased, greatest(available_at, lease_until) AS ready_at
                      FROM {t} WHERE published_at IS NULL AND dead_at IS NULL {scope_filter}
@@ -756,7 +793,7 @@ impl PollSql {
                      SELECT {id}, {aggregate_key}, position{created_at_column}, ready, leased, ready_at,
                             bool_and(ready) OVER in_aggregate AS ready_prefix,
                             first_value(ready) OVER in_aggregate AS first_ready
-                     FROM prefix
+                     FROM prefix WHERE {id} IS NOT NULL
                      WINDOW in_aggregate AS (PARTITION BY {aggregate_key} ORDER BY {order_by}
                                              ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)),
                  candidates AS (
@@ -781,19 +818,22 @@ impl PollSql {
                                 AS blocked_for,
                             bool_or(leased) AS blocked_by_lease
                      FROM ranked WHERE NOT first_ready AND NOT ready
-                     GROUP BY {aggregate_key})",
+                     GROUP BY {aggregate_key}),
+                 without_id AS (SELECT row_table, row_tid FROM prefix WHERE {id} IS NULL)",
                 created_at_column = created_at.as_ref().map(|c| format!(", {c}")).unwrap_or_default()
             ),
             // No exclusions: `$5` is only there so both rules take the same parameters.
             crate::config::PollOrder::None => format!(
-                "picked AS (
-                     SELECT {id} AS picked_id FROM {t}
+                "head AS (
+                     SELECT {id} AS head_id, tableoid AS row_table, ctid AS row_tid FROM {t}
                      WHERE published_at IS NULL AND dead_at IS NULL {scope_filter} AND available_at <= now()
                        AND (lease_until IS NULL OR lease_until < clock_timestamp()) AND $4::int8 > 0
                        AND cardinality($5::text[]) >= 0
                      ORDER BY {order_by} LIMIT $3 FOR UPDATE SKIP LOCKED),
+                 picked AS (SELECT head_id AS picked_id FROM head WHERE head_id IS NOT NULL),
                  blocked AS (SELECT NULL::text AS blocked_key, NULL::float8 AS blocked_for,
-                                    NULL::bool AS blocked_by_lease WHERE false)"
+                                    NULL::bool AS blocked_by_lease WHERE false),
+                 without_id AS (SELECT row_table, row_tid FROM head WHERE head_id IS NULL)"
             ),
         };
         let payload = match outbox.payload_type {
@@ -810,28 +850,57 @@ impl PollSql {
             .iter()
             .map(|c| format!(", e.\"{c}\"::text"))
             .collect();
-        // The claimed rows, then one row per blocked aggregate: its key, seconds until it may be claimable and
-        // whether a lease holds it, every other column NULL (the first one, the event id, is never NULL in a
-        // claimed row).
-        let claimed_nulls = "NULL, ".repeat(8 + outbox.header_columns.len());
+        // The event's columns as a claim returns them (see [`ClaimColumn`]).
+        let event_columns = format!(
+            "e.{id}, {aggregate_type}, e.{aggregate_id}::text, {event_type}, {payload}, {created_at_text},
+             e.attempts, e.position{headers}",
+            aggregate_type = outbox.text_expr(Role::AggregateType, "NULL::text"),
+            aggregate_id = outbox.col(Role::AggregateId),
+            event_type = outbox.text_expr(Role::EventType, "NULL::text"),
+        );
+        // A row whose event id is NULL (a fitted table's nullable column) can never be published, and no
+        // statement that names rows by their id reaches it (mark, retry, dead-letter, renew): it is never
+        // leased, but dead-lettered here, in place, by its physical address (`tableoid`, `ctid`), with `$6`
+        // as its last_error. Locked first with SKIP LOCKED, like every row a claim changes, so that a claim
+        // never waits for another session's lock on it.
+        //
+        // The claim returns, told apart by their first column: the claimed rows ('claimed'), the rows without
+        // an event id it dead-lettered ('dead_without_id', the same columns), and one row per blocked
+        // aggregate ('blocked'): its key, seconds until it may be claimable and whether a lease holds it, the
+        // event's columns NULL.
+        let event_nulls =
+            "NULL, ".repeat(ClaimColumn::Headers as usize - 1 + outbox.header_columns.len());
         let claim = format!(
             "WITH {picked},
              claimed AS (
                  UPDATE {t} e SET lease_token = $1, lease_until = clock_timestamp() + make_interval(secs => $2::float8),
                                   attempts = e.attempts + 1
                  FROM picked WHERE e.{id} = picked.picked_id
-                 RETURNING e.{id}, {aggregate_type}, e.{aggregate_id}::text, {event_type}, {payload},
-                           {created_at_text}, e.attempts, e.position{headers})
-             SELECT *, NULL::text, NULL::float8, NULL::bool FROM claimed
+                 RETURNING {event_columns}),
+             locked_without_id AS (
+                 SELECT tableoid AS locked_table, ctid AS locked_tid FROM {t}
+                 WHERE ctid = ANY (ARRAY(SELECT row_tid FROM without_id))
+                   AND (tableoid, ctid) IN (SELECT row_table, row_tid FROM without_id)
+                   AND {id} IS NULL AND published_at IS NULL AND dead_at IS NULL {scope_filter}
+                 FOR UPDATE SKIP LOCKED),
+             dead_without_id AS (
+                 UPDATE {t} e SET dead_at = now(), last_error = $6::text, lease_token = NULL, lease_until = NULL
+                 WHERE e.ctid = ANY (ARRAY(SELECT locked_tid FROM locked_without_id))
+                   AND (e.tableoid, e.ctid) IN (SELECT locked_table, locked_tid FROM locked_without_id)
+                 RETURNING {event_columns})
+             SELECT 'claimed', *, NULL::text, NULL::float8, NULL::bool FROM claimed
              UNION ALL
-             SELECT {claimed_nulls}blocked_key, blocked_for, blocked_by_lease FROM blocked",
-            aggregate_type = outbox.text_expr(Role::AggregateType, "NULL::text"),
-            aggregate_id = outbox.col(Role::AggregateId),
-            event_type = outbox.text_expr(Role::EventType, "NULL::text"),
+             SELECT 'dead_without_id', *, NULL::text, NULL::float8, NULL::bool FROM dead_without_id
+             UNION ALL
+             SELECT 'blocked', {event_nulls}blocked_key, blocked_for, blocked_by_lease FROM blocked"
         );
+        let event_id_column = outbox.column(Role::EventId).unwrap_or("event_id");
         let prepare = |sql: String| async move { client.prepare(&sql).await };
         Ok(PollSql {
             claim,
+            without_id_error: format!(
+                "{event_id_column} is NULL: the row can be neither published nor named by its id (dead-lettered in place); make {event_id_column} NOT NULL"
+            ),
             payload_type: outbox.payload_type,
             has_aggregate_type: outbox.column(Role::AggregateType).is_some(),
             header_columns: outbox
@@ -939,7 +1008,7 @@ impl PollSql {
     /// [`PollSql::claim`], leaving out every event of the aggregates in `skip` (keys an earlier claim reported
     /// in [`Claim::blocked`]): none of them is claimed, and their rows take no room in the claim's prefix.
     /// Also reports the aggregates this claim found blocked (per-aggregate order only).
-    // Long: one claim transaction, its SQL and the rows it returns, read in one place.
+    // Long: one claim transaction, and the kinds of row its answer holds told apart in one place.
     pub async fn claim_skipping(
         &self,
         client: &mut Client,
@@ -968,88 +1037,57 @@ impl PollSql {
         let rows = tx
             .query(
                 &self.claim,
-                &[&token, &lease.as_secs_f64(), &batch, &prefix, &skip],
+                &[
+                    &token,
+                    &lease.as_secs_f64(),
+                    &batch,
+                    &prefix,
+                    &skip,
+                    &self.without_id_error,
+                ],
             )
             .await?;
         tx.commit().await?;
+        use ClaimColumn as C;
         // After the event's columns and the header columns: a blocked aggregate's key, wait and lease.
-        let blocked_key = 8 + self.header_columns.len();
-        let (blocked_rows, rows): (Vec<_>, Vec<_>) = rows
-            .iter()
-            .partition(|row| row.get::<_, Option<Uuid>>(0).is_none());
-        let blocked = blocked_rows
-            .iter()
-            .filter_map(|row| {
-                let key: String = row.get::<_, Option<String>>(blocked_key)?;
-                let seconds: f64 = row
-                    .get::<_, Option<f64>>(blocked_key + 1)
-                    .unwrap_or_default();
-                let ready_in = std::time::Duration::try_from_secs_f64(seconds).unwrap_or_default();
-                let leased = row
-                    .get::<_, Option<bool>>(blocked_key + 2)
-                    .unwrap_or_default();
-                Some(BlockedAggregate {
-                    key,
-                    ready_in,
-                    leased,
-                })
-            })
-            .collect();
-        let mut claimed: Vec<(Option<i64>, String, ClaimedRow)> = rows
-            .iter()
-            .map(|row| {
-                let event_id: Uuid = row.get(0);
-                let created_at: Option<String> = row.get(5);
-                let text = |index: usize| row.get::<_, Option<String>>(index);
-                // As on the CDC path: a NULL event_type only leaves its header out.
-                let null_columns: Vec<&str> = [
-                    (1, "aggregate_type", self.has_aggregate_type),
-                    (2, "aggregate_id", true),
-                ]
-                .into_iter()
-                .filter(|(index, _, present)| *present && text(*index).is_none())
-                .map(|(_, name, _)| name)
-                .collect();
-                let invalid = (!null_columns.is_empty()).then(|| {
-                    format!(
-                        "{} is NULL: an event cannot be published without it",
-                        null_columns.join(", ")
-                    )
-                });
-                // A NULL payload is a tombstone.
-                let payload = match self.payload_type {
-                    PayloadType::Text | PayloadType::Json => text(4).map(bytes::Bytes::from),
-                    PayloadType::Bytes => row.get::<_, Option<Vec<u8>>>(4).map(bytes::Bytes::from),
-                };
-                let headers = self
-                    .header_columns
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(at, name)| Some((name.clone(), text(8 + at)?.into())))
-                    .collect();
-                let event = crate::event::OutboxEvent {
-                    event_id: event_id.to_string().into(),
-                    aggregate_type: text(1).map(Into::into),
-                    aggregate_id: text(2).unwrap_or_default().into(),
-                    event_type: text(3).map(Into::into),
-                    payload,
-                    created_at: created_at
-                        .as_deref()
-                        .map(|c| crate::event::to_rfc3339(c).into()),
-                    headers,
-                };
-                (
-                    row.get(7),
-                    created_at.unwrap_or_default(),
-                    ClaimedRow {
-                        event_id,
-                        event,
-                        attempts: row.get(6),
-                        invalid,
-                    },
-                )
-            })
-            .collect();
+        let blocked_key = C::Headers as usize + self.header_columns.len();
+        let text = |row: &tokio_postgres::Row, column: usize| row.get::<_, Option<String>>(column);
+        let mut blocked = Vec::new();
+        let mut dead_without_id = Vec::new();
+        let mut claimed: Vec<(Option<i64>, String, ClaimedRow)> = Vec::with_capacity(rows.len());
+        for row in &rows {
+            match row.get::<_, Option<&str>>(C::Kind as usize) {
+                Some("claimed") => claimed.push(self.claimed_row(row)?),
+                Some("dead_without_id") => dead_without_id.push(RowWithoutId {
+                    aggregate_type: text(row, C::AggregateType as usize),
+                    aggregate_id: text(row, C::AggregateId as usize),
+                    position: row.get(C::Position as usize),
+                }),
+                Some("blocked") => {
+                    let Some(key) = text(row, blocked_key) else {
+                        continue;
+                    };
+                    let seconds: f64 = row
+                        .get::<_, Option<f64>>(blocked_key + 1)
+                        .unwrap_or_default();
+                    let ready_in =
+                        std::time::Duration::try_from_secs_f64(seconds).unwrap_or_default();
+                    let leased = row
+                        .get::<_, Option<bool>>(blocked_key + 2)
+                        .unwrap_or_default();
+                    blocked.push(BlockedAggregate {
+                        key,
+                        ready_in,
+                        leased,
+                    });
+                }
+                other => {
+                    return Err(crate::error::Error::bug(format!(
+                        "the claim returned a row of unknown kind {other:?}"
+                    )))
+                }
+            }
+        }
         // Same order as the claim: position (NULLs first), created_at, event_id.
         claimed.sort_by(|a, b| {
             (a.0.is_some(), a.0, &a.1, a.2.event_id).cmp(&(b.0.is_some(), b.0, &b.1, b.2.event_id))
@@ -1057,7 +1095,75 @@ impl PollSql {
         Ok(Claim {
             rows: claimed.into_iter().map(|(_, _, row)| row).collect(),
             blocked,
+            dead_without_id,
         })
+    }
+
+    /// A claimed row of the claim's answer, with its position and created_at (its place in the claim order).
+    fn claimed_row(&self, row: &tokio_postgres::Row) -> Result<(Option<i64>, String, ClaimedRow)> {
+        use ClaimColumn as C;
+        // The claim leased it by its id: never NULL.
+        let event_id: Uuid = row
+            .get::<_, Option<Uuid>>(C::EventId as usize)
+            .ok_or_else(|| {
+                crate::error::Error::bug("the claim returned a claimed row without event id")
+            })?;
+        let text = |column: C| row.get::<_, Option<String>>(column as usize);
+        let created_at = text(C::CreatedAt);
+        // As on the CDC path: a NULL event_type only leaves its header out.
+        let null_columns: Vec<&str> = [
+            (C::AggregateType, "aggregate_type", self.has_aggregate_type),
+            (C::AggregateId, "aggregate_id", true),
+        ]
+        .into_iter()
+        .filter(|(column, _, present)| *present && text(*column).is_none())
+        .map(|(_, name, _)| name)
+        .collect();
+        let invalid = (!null_columns.is_empty()).then(|| {
+            format!(
+                "{} is NULL: an event cannot be published without it",
+                null_columns.join(", ")
+            )
+        });
+        // A NULL payload is a tombstone.
+        let payload = match self.payload_type {
+            PayloadType::Text | PayloadType::Json => text(C::Payload).map(bytes::Bytes::from),
+            PayloadType::Bytes => row
+                .get::<_, Option<Vec<u8>>>(C::Payload as usize)
+                .map(bytes::Bytes::from),
+        };
+        let headers = self
+            .header_columns
+            .iter()
+            .enumerate()
+            .filter_map(|(at, name)| {
+                let value = row.get::<_, Option<String>>(C::Headers as usize + at)?;
+                Some((name.clone(), value.into()))
+            })
+            .collect();
+        let event = crate::event::OutboxEvent {
+            event_id: event_id.to_string().into(),
+            aggregate_type: text(C::AggregateType).map(Into::into),
+            aggregate_id: text(C::AggregateId).unwrap_or_default().into(),
+            event_type: text(C::EventType).map(Into::into),
+            payload,
+            created_at: created_at
+                .as_deref()
+                .map(|c| crate::event::to_rfc3339(c).into()),
+            headers,
+        };
+        Ok((
+            row.get(C::Position as usize),
+            created_at.unwrap_or_default(),
+            ClaimedRow {
+                event_id,
+                event,
+                attempts: row
+                    .get::<_, Option<i32>>(C::Attempts as usize)
+                    .unwrap_or_default(),
+                invalid,
+            },
+        ))
     }
 
     /// Marks the given rows published and ends their lease (only rows still under `token`); returns how many.
@@ -1152,7 +1258,8 @@ pub struct HandOffNotice {
     pub aggregate_id: String,
 }
 
-/// Re-queues dead events: clears `dead_at`, `attempts` and `last_error`, and hands them to the polling path.
+/// Re-queues dead events (not rows without an event id, which can never be published): clears `dead_at`,
+/// `attempts` and `last_error`, and hands them to the polling path.
 /// In the same transaction, a [`HANDOFF_MESSAGE`] per re-queued aggregate tells a CDC leader (when the server
 /// decodes logically: `wal_level = logical`) that its later events must wait behind them. Returns how many.
 pub async fn replay_dead(
@@ -1169,10 +1276,11 @@ pub async fn replay_dead(
     );
     // Handed to the polling path: the slot streamed the row long ago, and next to the CDC path only handed-off
     // rows are swept (a row dead-lettered in poll mode never was). `--mode poll` claims every row regardless.
+    // A row without an event id (a fitted table's nullable column) stays dead: it can never be published.
     let base = format!(
         "UPDATE {t} SET dead_at = NULL, attempts = 0, last_error = NULL, available_at = now(),
                         lease_token = NULL, lease_until = NULL, handoff_at = coalesce(handoff_at, now())
-         WHERE dead_at IS NOT NULL AND published_at IS NULL"
+         WHERE dead_at IS NOT NULL AND published_at IS NULL AND {id} IS NOT NULL"
     );
     let tx = client.transaction().await?;
     let returning = format!("RETURNING {aggregate}");

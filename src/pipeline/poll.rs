@@ -375,6 +375,16 @@ impl<K: Sinks> PollWorker<K> {
                 .claim_skipping(&mut client, token, poll.lease, poll.batch_size, &skip)
                 .await?;
             let recorded = blocked.record(claim.blocked, claimed_at.into_std());
+            for row in &claim.dead_without_id {
+                tracing::error!(
+                    table = %self.table().name,
+                    aggregate_type = row.aggregate_type.as_deref().unwrap_or("NULL"),
+                    aggregate_id = row.aggregate_id.as_deref().unwrap_or("NULL"),
+                    position = ?row.position,
+                    "a row with no event_id (NULL) dead-lettered in place: it can never be published, and `outboxd replay` cannot re-queue it; later events of its aggregate proceed; make the event_id column NOT NULL"
+                );
+            }
+            crate::metrics::dead(claim.dead_without_id.len() as u64);
             if recorded.dropped > 0 && !warned_full {
                 warned_full = true;
                 tracing::warn!(table = %self.table().name, max = MAX_SKIPPED_AGGREGATES, "more aggregates are blocked (waiting for a retry, or leased by another worker) than a claim leaves out: while their rows fill a claim's first max(4 × --poll-batch-size, 2000) rows, other aggregates wait too");
@@ -385,9 +395,9 @@ impl<K: Sinks> PollWorker<K> {
             if self.scope == ClaimScope::All {
                 crate::http::READINESS.set_mode("poll");
             }
-            // Nothing claimable, but aggregates newly found blocked: left out, they free the next claim's prefix
-            // for rows behind them.
-            if rows.is_empty() && recorded.added > 0 {
+            // Nothing claimable, but aggregates newly found blocked (left out) or rows without an event id
+            // dead-lettered: that frees the next claim's prefix for rows behind them.
+            if rows.is_empty() && (recorded.added > 0 || !claim.dead_without_id.is_empty()) {
                 continue;
             }
             if rows.is_empty() {

@@ -999,3 +999,147 @@ async fn rows_without_position_are_handed_off_in_insert_order() {
 async fn rows_without_position_are_polled_in_insert_order() {
     rows_without_position_go_out_in_insert_order("poll").await;
 }
+
+/// The state of every row of `outbox_event`, for a failure message: event_id, aggregate_id, published,
+/// dead, attempts, leased, last_error.
+async fn row_states(client: &tokio_postgres::Client) -> String {
+    client
+        .query(
+            "SELECT coalesce(event_id::text, 'NULL'), aggregate_id, published_at IS NOT NULL,
+                    dead_at IS NOT NULL, attempts, lease_token IS NOT NULL, coalesce(last_error, '')
+             FROM outbox_event ORDER BY position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| {
+            format!(
+                "\n  event_id {} of {}: published {}, dead {}, attempts {}, leased {}, last_error {:?}",
+                row.get::<_, String>(0),
+                row.get::<_, String>(1),
+                row.get::<_, bool>(2),
+                row.get::<_, bool>(3),
+                row.get::<_, i32>(4),
+                row.get::<_, bool>(5),
+                row.get::<_, String>(6),
+            )
+        })
+        .collect()
+}
+
+/// A fitted table whose event_id column is nullable (the key is another column) gets a row with a NULL
+/// event_id between two events of its aggregate, next to another aggregate's events. The polling path (with
+/// the ordering rule `order`) cannot publish that row, nor address it by its id: the claim dead-letters it
+/// in place without leasing it, says so, and every other event goes out, its aggregate's in order.
+async fn a_polled_row_without_event_id_is_dead_lettered_and_the_rest_flows(order: &str) {
+    let (pg, broker, client) = stack_with(
+        "CREATE TABLE public.outbox_event (
+            row_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, event_id uuid,
+            aggregate_type text NOT NULL, aggregate_id text NOT NULL, event_type text NOT NULL,
+            payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .await;
+    let (url, brokers) = (pg.url(), broker.addr());
+    migrate_with(&url, &["--add-polling-columns"]);
+    let insert =
+        "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                  VALUES ($1, 'Order', $2, 'OrderPlaced', '{}')";
+    let (first, second) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    let (other_first, other_second) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    for (id, aggregate_id) in [
+        (Some(first), "order-1"),
+        (None, "order-1"),
+        (Some(other_first), "order-2"),
+        (Some(second), "order-1"),
+        (Some(other_second), "order-2"),
+    ] {
+        client.execute(insert, &[&id, &aggregate_id]).await.unwrap();
+    }
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "poll", "--poll-order", order]);
+    let mut outboxd = Outboxd::spawn(&args);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let done = count(
+            &client,
+            "SELECT count(*) FROM outbox_event
+             WHERE (event_id IS NOT NULL AND published_at IS NULL) OR (event_id IS NULL AND dead_at IS NULL)",
+        )
+        .await;
+        if done == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{order}: every event published and the row without event_id dead-lettered within 60 s; the rows after a minute:{}",
+            row_states(&client).await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (attempts, leased, error): (i32, bool, String) = client
+        .query_one(
+            "SELECT attempts, lease_token IS NOT NULL, last_error FROM outbox_event WHERE event_id IS NULL",
+            &[],
+        )
+        .await
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .unwrap();
+    assert_eq!((attempts, leased), (0, false), "{order}: never leased");
+    assert!(error.contains("event_id is NULL"), "{order}: {error}");
+    let records = consume_all(&brokers, &[TOPIC], 4, Duration::from_secs(60));
+    let published = |aggregate: &str| -> Vec<String> {
+        records
+            .iter()
+            .filter(|r| r.key.as_deref() == Some(aggregate))
+            .filter_map(|r| r.headers.get("event_id").cloned())
+            .collect()
+    };
+    assert_eq!(
+        published("order-1"),
+        [first.to_string(), second.to_string()]
+    );
+    assert_eq!(
+        published("order-2"),
+        [other_first.to_string(), other_second.to_string()]
+    );
+    let log = wait_for(
+        "the dead-lettered row in the log",
+        Duration::from_secs(10),
+        || {
+            let log = outboxd.log_text();
+            log.contains("no event_id").then_some(log)
+        },
+    );
+    assert!(
+        log.contains("order-1"),
+        "the log names its aggregate:\n{log}"
+    );
+    // `replay` cannot re-queue it (nothing names it, and it could never be published): it stays dead.
+    let replay = run_outboxd(&["replay", "--database-url", &url, "--all-dead"]);
+    assert!(
+        replay.status.success() && String::from_utf8_lossy(&replay.stdout).contains("re-queued 0"),
+        "{order}: replay --all-dead: {}",
+        stderr_of(&replay)
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM outbox_event WHERE event_id IS NULL AND dead_at IS NOT NULL"
+        )
+        .await,
+        1,
+        "{order}: still dead"
+    );
+    assert!(outboxd.try_wait().is_none(), "outboxd kept running");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_without_event_id_is_dead_lettered_by_the_per_aggregate_claim() {
+    a_polled_row_without_event_id_is_dead_lettered_and_the_rest_flows("per-aggregate").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_without_event_id_is_dead_lettered_by_the_unordered_claim() {
+    a_polled_row_without_event_id_is_dead_lettered_and_the_rest_flows("none").await;
+}
