@@ -466,12 +466,16 @@ async fn rows_a_replaced_slot_owed_are_still_published_after_another_migrate() {
     let log = migrate_with(&url, &["--add-polling-columns"]);
     assert!(log.contains("has not streamed all of them"), "{log}");
     // The slot goes (a failover to a standby without it, or a drop), and migrate runs again.
-    wait_for_async("the killed walsender to let go", Duration::from_secs(30), || async {
-        client
-            .execute("SELECT pg_drop_replication_slot('outboxd')", &[])
-            .await
-            .ok()
-    })
+    wait_for_async(
+        "the killed walsender to let go",
+        Duration::from_secs(30),
+        || async {
+            client
+                .execute("SELECT pg_drop_replication_slot('outboxd')", &[])
+                .await
+                .ok()
+        },
+    )
     .await;
     migrate_with(&url, &[]);
     let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));

@@ -514,18 +514,22 @@ async fn an_earlier_event_written_back_is_never_overtaken_by_a_later_one_handed_
         )
         .await
         .unwrap();
-    wait_for_async("E1's write-back to wait for the blocker", GETS_THROUGH, || async {
-        let waiting: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity
+    wait_for_async(
+        "E1's write-back to wait for the blocker",
+        GETS_THROUGH,
+        || async {
+            let waiting: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
                  WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%handoff_at%'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (waiting > 0).then_some(())
-    })
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (waiting > 0).then_some(())
+        },
+    )
     .await;
     broker.set_publish_delay(None);
     // The sweeper claims every 100 ms: time enough for it to take E2 were its hand-off visible already.
@@ -586,17 +590,21 @@ async fn a_write_back_cut_off_by_the_server_is_retried() {
         )
         .await
         .unwrap();
-    let writer: i32 = wait_for_async("E1's write-back to wait for the blocker", GETS_THROUGH, || async {
-        client
-            .query_opt(
-                "SELECT pid FROM pg_stat_activity
+    let writer: i32 = wait_for_async(
+        "E1's write-back to wait for the blocker",
+        GETS_THROUGH,
+        || async {
+            client
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity
                  WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%handoff_at%'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .map(|row| row.get(0))
-    })
+                    &[],
+                )
+                .await
+                .unwrap()
+                .map(|row| row.get(0))
+        },
+    )
     .await;
     broker.set_publish_delay(None);
     client
@@ -606,7 +614,11 @@ async fn a_write_back_cut_off_by_the_server_is_retried() {
     blocking.rollback().await.unwrap();
     drop(blocker);
     wait_for_async("E1 to be published", GETS_THROUGH, || async {
-        broker.records().iter().any(|r| r.event_id == e1).then_some(())
+        broker
+            .records()
+            .iter()
+            .any(|r| r.event_id == e1)
+            .then_some(())
     })
     .await;
     outboxd.stop().await.expect("outboxd kept running");
