@@ -377,18 +377,7 @@ async fn a_hand_off_written_after_the_next_session_started_still_holds_its_aggre
     wait_sent_up_to_now(&client).await;
     refusing.store(false, std::sync::atomic::Ordering::SeqCst);
     wait_all_published(&client, GETS_THROUGH).await;
-    let order: Vec<uuid::Uuid> = broker
-        .records()
-        .iter()
-        .filter(|r| r.key == "A")
-        .map(|r| r.event_id)
-        .fold(Vec::new(), |mut first, id| {
-            if !first.contains(&id) {
-                first.push(id);
-            }
-            first
-        });
-    assert_eq!(order, [e1, e2], "A's events in order");
+    assert_eq!(first_seen(&broker, "A"), [e1, e2], "A's events in order");
     outboxd.stop().await.expect("clean stop");
 }
 
@@ -460,19 +449,46 @@ async fn a_replayed_event_is_not_overtaken_by_later_events_of_its_aggregate_unde
     wait_sent_up_to_now(&client).await;
     refusing.store(false, std::sync::atomic::Ordering::SeqCst);
     wait_all_published(&client, GETS_THROUGH).await;
-    let order: Vec<uuid::Uuid> = broker
-        .records()
-        .iter()
-        .filter(|r| r.key == "A")
-        .map(|r| r.event_id)
-        .fold(Vec::new(), |mut first, id| {
-            if !first.contains(&id) {
-                first.push(id);
-            }
-            first
-        });
-    assert_eq!(order, [dead, later], "A's events in order");
+    assert_eq!(
+        first_seen(&broker, "A"),
+        [dead, later],
+        "A's events in order"
+    );
     outboxd.stop().await.expect("clean stop");
+}
+
+/// Holds the write-back of event `e1` (whose row its own transaction deleted) with an uncommitted row of the
+/// same event id, until the returned session rolls back; returns it and the pid of the waiting write-back.
+async fn hold_write_back(
+    pg: &Postgres,
+    client: &tokio_postgres::Client,
+    e1: uuid::Uuid,
+) -> (tokio_postgres::Client, i32) {
+    let blocker = pg.client().await;
+    blocker
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('{e1}', 'Blocker', 'B', 'E', '{{}}')"
+        ))
+        .await
+        .unwrap();
+    let writer = wait_for_async(
+        "the write-back to wait for the blocker",
+        Duration::from_secs(90),
+        || async {
+            client
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity
+                     WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%handoff_at%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .map(|row| row.get(0))
+        },
+    )
+    .await;
+    (blocker, writer)
 }
 
 /// Two events of one aggregate go to the polling path together: E1, whose row its own transaction deleted
@@ -504,56 +520,18 @@ async fn an_earlier_event_written_back_is_never_overtaken_by_a_later_one_handed_
         ))
         .await
         .unwrap();
-    let mut blocker = pg.client().await;
-    let blocking = blocker.transaction().await.unwrap();
-    blocking
-        .execute(
-            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
-             VALUES ($1, 'Blocker', 'B', 'E', '{}')",
-            &[&e1],
-        )
-        .await
-        .unwrap();
-    wait_for_async(
-        "E1's write-back to wait for the blocker",
-        GETS_THROUGH,
-        || async {
-            let waiting: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                 WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%handoff_at%'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (waiting > 0).then_some(())
-        },
-    )
-    .await;
+    let (blocker, _) = hold_write_back(&pg, &client, e1).await;
     broker.set_publish_delay(None);
     // The sweeper claims every 100 ms: time enough for it to take E2 were its hand-off visible already.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    blocking.rollback().await.unwrap();
-    drop(blocker);
+    blocker.batch_execute("ROLLBACK").await.unwrap();
     wait_for_async("both events to be published", GETS_THROUGH, || async {
         let records = broker.records();
         (records.iter().any(|r| r.event_id == e1) && records.iter().any(|r| r.event_id == e2))
             .then_some(())
     })
     .await;
-    let order: Vec<uuid::Uuid> = broker
-        .records()
-        .iter()
-        .filter(|r| r.key == "A")
-        .map(|r| r.event_id)
-        .fold(Vec::new(), |mut first, id| {
-            if !first.contains(&id) {
-                first.push(id);
-            }
-            first
-        });
-    assert_eq!(order, [e1, e2], "A's events in order");
+    assert_eq!(first_seen(&broker, "A"), [e1, e2], "A's events in order");
     outboxd.stop().await.expect("clean stop");
 }
 
@@ -580,39 +558,13 @@ async fn a_write_back_cut_off_by_the_server_is_retried() {
         ))
         .await
         .unwrap();
-    let mut blocker = pg.client().await;
-    let blocking = blocker.transaction().await.unwrap();
-    blocking
-        .execute(
-            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
-             VALUES ($1, 'Blocker', 'B', 'E', '{}')",
-            &[&e1],
-        )
-        .await
-        .unwrap();
-    let writer: i32 = wait_for_async(
-        "E1's write-back to wait for the blocker",
-        GETS_THROUGH,
-        || async {
-            client
-                .query_opt(
-                    "SELECT pid FROM pg_stat_activity
-                 WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%handoff_at%'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .map(|row| row.get(0))
-        },
-    )
-    .await;
+    let (blocker, writer) = hold_write_back(&pg, &client, e1).await;
     broker.set_publish_delay(None);
     client
         .execute("SELECT pg_terminate_backend($1)", &[&writer])
         .await
         .unwrap();
-    blocking.rollback().await.unwrap();
-    drop(blocker);
+    blocker.batch_execute("ROLLBACK").await.unwrap();
     wait_for_async("E1 to be published", GETS_THROUGH, || async {
         broker
             .records()

@@ -296,7 +296,7 @@ async fn insert_seq(
     client: &impl tokio_postgres::GenericClient,
     aggregate: &str,
     seq: i32,
-) -> String {
+) -> uuid::Uuid {
     let id = uuid::Uuid::new_v4();
     client
         .execute(
@@ -306,7 +306,7 @@ async fn insert_seq(
         )
         .await
         .unwrap();
-    id.to_string()
+    id
 }
 
 /// A Kafka transaction holds e1 of aggregate A, acknowledged; the broker then refuses for good the batch of
@@ -355,18 +355,8 @@ async fn an_abort_after_a_refusal_keeps_the_acknowledged_earlier_event_ahead() {
         (published == 2).then_some(())
     })
     .await;
-    let seen: Vec<String> = as_records(&broker, TOPIC)
-        .iter()
-        .filter(|r| r.key.as_deref() == Some("A"))
-        .map(|r| r.headers["event_id"].clone())
-        .fold(Vec::new(), |mut first, id| {
-            if !first.contains(&id) {
-                first.push(id);
-            }
-            first
-        });
     assert_eq!(
-        seen,
+        first_seen(&broker, "A"),
         [e1, e2],
         "A's events as a read_committed reader sees them"
     );

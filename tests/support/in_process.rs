@@ -110,6 +110,18 @@ pub fn seq_of(event: &outboxd::event::OutboxEvent) -> Option<i64> {
     payload.get("seq")?.as_i64()
 }
 
+/// The event ids of `aggregate` in the order the broker's log first shows them (duplicates left out): the
+/// order a `read_committed` reader meets them.
+pub fn first_seen(broker: &MemoryBroker, aggregate: &str) -> Vec<uuid::Uuid> {
+    let mut seen = Vec::new();
+    for record in broker.records().into_iter().filter(|r| r.key == aggregate) {
+        if !seen.contains(&record.event_id) {
+            seen.push(record.event_id);
+        }
+    }
+    seen
+}
+
 pub fn too_large() -> Rejection {
     Rejection {
         permanent: true,

@@ -1759,19 +1759,7 @@ impl SecureBroker {
     /// `resource_type` (`TOPIC`, `GROUP`, `CLUSTER`, ...) named `resource` (literally); returns once the
     /// broker enforces them.
     pub fn allow(&self, user: &str, operations: &[&str], resource_type: &str, resource: &str) {
-        let operations = operations.join(",");
-        run_script(
-            "kafka.sh",
-            &[
-                "allow",
-                self.dir.to_str().unwrap(),
-                user,
-                &operations,
-                resource_type,
-                resource,
-            ],
-            &[],
-        );
+        self.acls("allow", user, operations, resource_type, &[resource]);
     }
 
     /// ALLOW ACLs as [`SecureBroker::allow`] makes them, for every resource whose name starts with `prefix`.
@@ -1782,37 +1770,39 @@ impl SecureBroker {
         resource_type: &str,
         prefix: &str,
     ) {
-        let operations = operations.join(",");
-        run_script(
-            "kafka.sh",
-            &[
-                "allow",
-                self.dir.to_str().unwrap(),
-                user,
-                &operations,
-                resource_type,
-                prefix,
-                "PREFIXED",
-            ],
-            &[],
+        self.acls(
+            "allow",
+            user,
+            operations,
+            resource_type,
+            &[prefix, "PREFIXED"],
         );
     }
 
     /// Removes the ALLOW ACLs [`SecureBroker::allow`] made; returns once the broker no longer enforces them.
     pub fn revoke(&self, user: &str, operations: &[&str], resource_type: &str, resource: &str) {
+        self.acls("revoke", user, operations, resource_type, &[resource]);
+    }
+
+    /// `kafka.sh allow|revoke DIR USER OPERATIONS RESOURCE_TYPE RESOURCE [PATTERN]`.
+    fn acls(
+        &self,
+        command: &str,
+        user: &str,
+        operations: &[&str],
+        resource_type: &str,
+        resource: &[&str],
+    ) {
         let operations = operations.join(",");
-        run_script(
-            "kafka.sh",
-            &[
-                "revoke",
-                self.dir.to_str().unwrap(),
-                user,
-                &operations,
-                resource_type,
-                resource,
-            ],
-            &[],
-        );
+        let mut args = vec![
+            command,
+            self.dir.to_str().unwrap(),
+            user,
+            &operations,
+            resource_type,
+        ];
+        args.extend_from_slice(resource);
+        run_script("kafka.sh", &args, &[]);
     }
 
     /// `user` may produce to `topic` (WRITE, which implies DESCRIBE and the idempotent producer's id).

@@ -99,17 +99,22 @@ public class KafkaAdmin {
         }
     }
 
-    static void allow(Admin admin, String name, List<AclOperation> operations, ResourceType type,
-                      String resource, PatternType pattern) throws Exception {
+    static List<AclBinding> bindings(String name, List<AclOperation> operations, ResourceType type,
+                                     String resource, PatternType pattern) {
         if (operations.contains(AclOperation.UNKNOWN) || type == ResourceType.UNKNOWN
             || pattern == PatternType.UNKNOWN) {
             usage();
         }
         ResourcePattern on = new ResourcePattern(type, resource, pattern);
-        List<AclBinding> bindings = operations.stream()
+        return operations.stream()
             .map(operation -> new AclBinding(on,
                 new AccessControlEntry("User:" + name, "*", operation, AclPermissionType.ALLOW)))
             .toList();
+    }
+
+    static void allow(Admin admin, String name, List<AclOperation> operations, ResourceType type,
+                      String resource, PatternType pattern) throws Exception {
+        List<AclBinding> bindings = bindings(name, operations, type, resource, pattern);
         admin.createAcls(bindings).all().get();
         // DescribeAcls is answered from the broker's own authorizer: listed there, an ACL is in force.
         long deadline = System.currentTimeMillis() + DEADLINE_MS;
@@ -129,15 +134,7 @@ public class KafkaAdmin {
 
     static void revoke(Admin admin, String name, List<AclOperation> operations, ResourceType type,
                        String resource, PatternType pattern) throws Exception {
-        if (operations.contains(AclOperation.UNKNOWN) || type == ResourceType.UNKNOWN
-            || pattern == PatternType.UNKNOWN) {
-            usage();
-        }
-        ResourcePattern on = new ResourcePattern(type, resource, pattern);
-        List<AclBinding> bindings = operations.stream()
-            .map(operation -> new AclBinding(on,
-                new AccessControlEntry("User:" + name, "*", operation, AclPermissionType.ALLOW)))
-            .toList();
+        List<AclBinding> bindings = bindings(name, operations, type, resource, pattern);
         admin.deleteAcls(bindings.stream().map(AclBinding::toFilter).toList()).all().get();
         long deadline = System.currentTimeMillis() + DEADLINE_MS;
         for (AclBinding binding : bindings) {
