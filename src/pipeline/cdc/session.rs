@@ -49,8 +49,8 @@ enum HandOffReason {
     Blocked,
     /// The producer refused it for good (e.g. too large): the polling path retries and dead-letters it.
     Refused,
-    /// The broker refuses its topic outright (not authorised; see [`TopicHolds`](crate::pipeline::topic_holds::TopicHolds)): the polling path retries
-    /// it.
+    /// The broker refuses its topic outright (not authorised; see
+    /// [`TopicHolds`](crate::pipeline::topic_holds::TopicHolds)): the polling path retries it.
     TopicRefused,
     /// A required column is NULL: the polling path dead-letters it.
     Invalid,
@@ -596,7 +596,6 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     /// An event the broker refused for good in an earlier session, sent again by the slot: it goes to the
     /// polling path, and its aggregate with it (see `owed`).
     fn hand_off_owed(&mut self, pending: Pending) -> Result<()> {
-        self.memory.owed.met(&pending.event_id);
         let parked = self
             .gate
             .refused((pending.tag.table, aggregate_of(&pending.event)));
@@ -692,8 +691,9 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 } else {
                     HandOffReason::Refused
                 };
-                self.hand_off(pending, reason)?;
+                // Parked events of the aggregate (none in practice: it was not blocked) came before it.
                 self.hand_off_blocked(parked)?;
+                self.hand_off(pending, reason)?;
                 if self.gate.blocked_in(table) > MAX_TRACKED_BLOCKED {
                     // Events of these aggregates may still be in flight: holding the table in place could let
                     // a later one overtake them through the polling path. The next session holds it from
