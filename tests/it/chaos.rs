@@ -2134,7 +2134,13 @@ async fn refusals_at_least_once() {
     refusals("at-least-once").await;
 }
 
+/// Full profile only: CI's short profile runs the scenario at least once (exactly-once refusals are covered
+/// by `tests/it/refusals.rs` and `tests/it/transactions.rs`), to keep the suite's serialised chaos time short.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn refusals_exactly_once() {
+    if profile().name != "full" {
+        println!("refusals, exactly-once: full profile only (OUTBOXD_CHAOS_PROFILE=full)");
+        return;
+    }
     refusals("exactly-once").await;
 }
