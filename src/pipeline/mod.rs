@@ -432,6 +432,8 @@ struct UnconsumedSlot {
     polling_since: Instant,
     dropped: bool,
     told: bool,
+    /// Said once that a live leader holds the slot.
+    kept_for_leader: bool,
 }
 
 impl UnconsumedSlot {
@@ -441,6 +443,7 @@ impl UnconsumedSlot {
             polling_since: Instant::now(),
             dropped: false,
             told: false,
+            kept_for_leader: false,
         }
     }
 
@@ -456,8 +459,13 @@ impl UnconsumedSlot {
             let sql = pg::connect(&settings.database.database_url).await?;
             match slot::slot_state(&sql, slot).await? {
                 None => Ok(true),
-                // Streamed from, or a live leader's between two of its sessions.
-                Some(state) if state.active || fleet::led_by_another(&sql, settings).await? => {
+                Some(state) if state.active => Ok(false),
+                // A live leader's, between two of its sessions.
+                Some(_) if fleet::led_by_another(&sql, settings).await? => {
+                    if !self.kept_for_leader {
+                        self.kept_for_leader = true;
+                        tracing::info!(%slot, "not dropping the replication slot nothing consumes: another instance leads CDC and streams from it between its sessions");
+                    }
                     Ok(false)
                 }
                 Some(_) => {

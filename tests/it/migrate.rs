@@ -483,3 +483,41 @@ async fn rows_a_replaced_slot_owed_are_still_published_after_another_migrate() {
     let report = check_delivery(&records, &committed, &[]);
     assert_eq!(report.missing, 0, "rows the replaced slot owed: {report:?}");
 }
+
+/// The polling columns are dropped (a rolled-back migration) while the slot still owes rows inserted before:
+/// the stream describes those rows with the columns the table no longer has. outboxd must stream on without
+/// them (fresh adversarial review, finding 9: it took them for columns gained and started its pipeline over
+/// and over, publishing nothing).
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_streamed_with_columns_since_dropped_are_published() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client.batch_execute(USER_TABLE).await.unwrap();
+    migrate_with(&url, &["--add-polling-columns"]);
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (mut committed, _) = insert_events(&mut client, 0, 2, 5, 5, None).await;
+    consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    outboxd.kill();
+    // Owed by the slot, described by the stream with the polling columns.
+    let (owed, _) = insert_events(&mut client, 2, 2, 5, 5, None).await;
+    committed.extend(owed);
+    client
+        .batch_execute(
+            "ALTER TABLE public.outbox_event DROP COLUMN available_at, DROP COLUMN attempts,
+                 DROP COLUMN lease_token, DROP COLUMN lease_until, DROP COLUMN published_at,
+                 DROP COLUMN last_error, DROP COLUMN dead_at, DROP COLUMN handoff_at,
+                 DROP COLUMN position CASCADE",
+        )
+        .await
+        .unwrap();
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let (after, _) = insert_events(&mut client, 4, 2, 5, 5, None).await;
+    committed.extend(after);
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(90));
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(report.missing, 0, "{report:?}\n{}", outboxd.log_text());
+    assert_eq!(report.order_violations, 0, "{report:?}");
+}

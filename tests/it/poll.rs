@@ -1967,3 +1967,94 @@ async fn auto_drops_the_slot_it_cannot_consume_while_polling() {
         "{log}"
     );
 }
+
+/// `auto` polls while another instance leads CDC on the same slot and is between two of its sessions (the
+/// slot inactive for a moment): the slot is that leader's, and dropping it would make it start over from a
+/// new slot's snapshot (fresh adversarial review, finding 8: auto dropped it after
+/// `--auto-drop-slot-after`). It is kept while the leader lives, and dropped once it is gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_keeps_the_slot_a_live_leader_holds() {
+    const REJECT: &str = "host all repl all reject";
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client
+        .batch_execute("CREATE ROLE repl LOGIN REPLICATION")
+        .await
+        .unwrap();
+    let replication_url = pg.url_for("repl", None);
+    let mut args = run_args(&url, &brokers);
+    args.extend_from_slice(&[
+        "--replication-url",
+        &replication_url,
+        "--auto-drop-slot-after",
+        "1s",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    // Another instance's leadership session, as it is between two replication sessions: its CDC marker
+    // held, its slot inactive.
+    let leader = pg.client().await;
+    leader
+        .batch_execute(
+            "SET application_name = 'outboxd active outboxd';
+             SELECT pg_advisory_lock_shared(1869968482, hashtext('outboxd.cdc.public.outbox_event'))",
+        )
+        .await
+        .unwrap();
+    pg.prepend_hba(REJECT).await;
+    client
+        .execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap();
+    wait_for_async(
+        "auto to decide on the slot the leader holds",
+        Duration::from_secs(90),
+        || async {
+            // The leader's session stays busy (a live leader runs a health query every few seconds).
+            let n: i64 = leader
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(n, 1, "auto dropped the slot a live leader holds");
+            outboxd
+                .log_text()
+                .contains("not dropping the replication slot nothing consumes")
+                .then_some(())
+        },
+    )
+    .await;
+    drop(leader);
+    wait_for_async(
+        "the slot to be dropped once the leader is gone",
+        Duration::from_secs(90),
+        || async {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (n == 0).then_some(())
+        },
+    )
+    .await;
+    let (committed, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        60,
+        "polling after the leader left",
+    );
+}

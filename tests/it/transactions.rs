@@ -362,3 +362,91 @@ async fn an_abort_after_a_refusal_keeps_the_acknowledged_earlier_event_ahead() {
     );
     outboxd.stop().await.expect("clean stop");
 }
+
+/// The stream meets a row of aggregate A that waits in the polling path (written back by an earlier
+/// session, or inserted with `handoff_at` set) while e1 of A is still in the open Kafka transaction; A's
+/// later events e2, e3 follow it into the polling path, which publishes them. Should that transaction
+/// then abort, e1 comes back from the slot after e2 and e3 reached Kafka. A `read_committed` reader sees
+/// A's events in insertion order (fresh adversarial review, finding 3: the gate blocked A and carried on
+/// with e1 on its way).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_met_waiting_in_the_polling_path_while_an_earlier_event_is_on_its_way_keeps_order() {
+    let broker = MemoryBroker::new();
+    let mut args = vec![
+        "--delivery",
+        "exactly-once",
+        "--transaction-interval",
+        "10s",
+        "--max-in-flight-events",
+        "8",
+    ];
+    args.extend(RETRY_QUICKLY);
+    let (_pg, mut client, outboxd) = streaming(&broker, &args).await;
+    // The waiting row stays in the polling path until released.
+    let waiting_holds = Arc::new(AtomicBool::new(true));
+    let flag = waiting_holds.clone();
+    broker.add_fault(
+        Fault::RefuseAtHandOver(too_large()),
+        usize::MAX,
+        move |_, event| flag.load(Ordering::SeqCst) && seq_of(event) == Some(100),
+    );
+    let e1 = insert_seq(&client, "A", 1).await;
+    wait_for(
+        "e1 to be in the open Kafka transaction",
+        GETS_THROUGH,
+        || (broker.held() > 0).then_some(()),
+    );
+    let waiting = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, handoff_at)
+             VALUES ($1, 'Order', 'A', 'E', jsonb_build_object('seq', 100), now())",
+            &[&waiting],
+        )
+        .await
+        .unwrap();
+    let tx = client.transaction().await.unwrap();
+    let e2 = insert_seq(&tx, "A", 2).await;
+    let e3 = insert_seq(&tx, "A", 3).await;
+    tx.commit().await.unwrap();
+    wait_for_async(
+        "e2 and e3 to wait in the polling path",
+        GETS_THROUGH,
+        || async {
+            let waiting: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1) AND handoff_at IS NOT NULL",
+                    &[&vec![e2, e3]],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (waiting == 2).then_some(())
+        },
+    )
+    .await;
+    waiting_holds.store(false, Ordering::SeqCst);
+    wait_for("e3 to reach Kafka", GETS_THROUGH, || {
+        first_seen(&broker, "A").contains(&e3).then_some(())
+    });
+    // The next commit (the one of a transaction still holding e1, if any) fails: it aborts.
+    broker.fail_commits(Rejection::transient("the coordinator moved".into()), 1);
+    wait_for_async("A's events to be published", GETS_THROUGH, || async {
+        let published: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox_event WHERE aggregate_id = 'A' AND published_at IS NOT NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (published == 4).then_some(())
+    })
+    .await;
+    assert_eq!(
+        first_seen(&broker, "A"),
+        [e1, waiting, e2, e3],
+        "A's events as a read_committed reader sees them"
+    );
+    outboxd.stop().await.expect("clean stop");
+}
