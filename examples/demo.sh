@@ -3,7 +3,8 @@
 # Apache Kafka broker (KRaft), migrations, outboxd, and an "order service" inserting orders with their
 # outbox events in one transaction. Shows the events arriving in Kafka and outboxd's status, then stops
 # everything it started.
-#   bash examples/demo.sh            (ports: DEMO_PG_PORT=55432, DEMO_BROKER_PORT=59092)
+#   bash examples/demo.sh            (ports: DEMO_PG_PORT=55432, DEMO_BROKER_PORT=59092;
+#                                     DEMO_PROFILE=dev uses the debug build instead of the release one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 support=tests/support
@@ -13,6 +14,11 @@ work="${DEMO_DIR:-/tmp/outboxd-demo}"
 pg_port="${DEMO_PG_PORT:-55432}"
 broker_port="${DEMO_BROKER_PORT:-59092}"
 metrics_port="${DEMO_METRICS_PORT:-59187}"
+case "${DEMO_PROFILE:-release}" in
+  release) build_flags=(--release) bin=target/release ;;
+  dev) build_flags=() bin=target/debug ;;
+  *) echo "DEMO_PROFILE must be release or dev, not ${DEMO_PROFILE}" >&2; exit 2 ;;
+esac
 db="postgres://postgres@127.0.0.1:$pg_port/postgres"
 brokers="127.0.0.1:$broker_port"
 outboxd_pid=""
@@ -46,17 +52,17 @@ expect_published() {
 }
 
 rm -rf "$work" && mkdir -p "$work"
-echo "== building outboxd (release)"
-cargo build --release --bin outboxd --example tail
+echo "== building outboxd (${DEMO_PROFILE:-release})"
+cargo build "${build_flags[@]}" --bin outboxd --example tail
 echo "== starting PostgreSQL on $pg_port and the broker on $broker_port"
 bash "$support/pg.sh" start "$work/pg" "$pg_port"
 bash "$support/broker.sh" start "$work/broker" "$broker_port"
 
 echo "== outboxd migrate"
-target/release/outboxd migrate --database-url "$db"
+"$bin"/outboxd migrate --database-url "$db"
 
 echo "== outboxd run (log: $work/outboxd.log)"
-target/release/outboxd run --database-url "$db" --brokers "$brokers" --topic-replication-factor 1 \
+"$bin"/outboxd run --database-url "$db" --brokers "$brokers" --topic-replication-factor 1 \
   --metrics-addr "127.0.0.1:$metrics_port" >"$work/outboxd.log" 2>&1 &
 outboxd_pid=$!
 # Sample /metrics twice a second into a CSV (examples/plot_metrics.py turns it into the README picture).
@@ -104,7 +110,7 @@ ROLLBACK;
 SQL
 
 echo "== the events in Kafka (topic outbox.Order)"
-target/release/examples/tail --brokers "$brokers" --topic outbox.Order --count 20 --timeout-secs 60
+"$bin"/examples/tail --brokers "$brokers" --topic outbox.Order --count 20 --timeout-secs 60
 wait_drained
 expect_published 20 "the 20 committed orders, not the rolled-back one"
 echo "== steady traffic for ~15 s: 60 transactions of 50 events, 4 per second (metrics sampled meanwhile)"
@@ -131,5 +137,5 @@ if [ "$samples" -lt 10 ]; then
   exit 1
 fi
 echo "== outboxd status"
-target/release/outboxd status --database-url "$db"
+"$bin"/outboxd status --database-url "$db"
 echo "== demo done: 20 committed orders published, the rolled-back one never was"
