@@ -50,6 +50,16 @@ fn rejection_from(error: &KafkaError) -> Rejection {
                 | RDKafkaErrorCode::ClusterAuthorizationFailed
         )
     );
+    // Not InvalidMessage: a CRC mismatch may be the network's.
+    let of_the_event = matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::InvalidRecord
+                | RDKafkaErrorCode::MessageBatchTooLarge
+        )
+    );
     let producer_broken = matches!(
         error.rdkafka_error_code(),
         Some(
@@ -65,6 +75,7 @@ fn rejection_from(error: &KafkaError) -> Rejection {
         permanent,
         producer_broken,
         topic_wide,
+        of_the_event,
         topic: None,
     }
 }
@@ -85,6 +96,7 @@ fn creation_refused(topic: &str, code: RDKafkaErrorCode) -> PublishError {
                 permanent: true,
                 producer_broken: false,
                 topic_wide: true,
+                of_the_event: false,
                 topic: Some(topic.to_string()),
             })
         }

@@ -50,6 +50,15 @@ fn aggregate_of(row: &ClaimedRow) -> (&str, &str) {
     )
 }
 
+/// Whether a failed event is dead-lettered now: when the broker refused the event's own bytes with the event
+/// sent alone (too large for the topic, an invalid record: retrying the same bytes cannot change the answer,
+/// and each retry would cost a producer), or when it was refused for good `max_attempts` times (a topic
+/// refused outright may be allowed again: an ACL restored). Failures that are not refusals are retried
+/// forever.
+fn dead_letters(rejection: &Rejection, alone: bool, attempts: i32, max_attempts: i32) -> bool {
+    rejection.permanent && ((alone && rejection.of_the_event) || attempts >= max_attempts)
+}
+
 /// Counts of one batch, for logs and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct BatchReport {
@@ -530,7 +539,7 @@ impl<K: Sinks> PollWorker<K> {
         rows: Vec<ClaimedRow>,
     ) -> Result<BatchReport> {
         let mut report = BatchReport::default();
-        let (mut decided, alone) = self.send_retries_alone(&rows).await;
+        let (mut decided, mut alone) = self.send_retries_alone(&rows).await;
         let rest: Vec<usize> = (0..rows.len()).filter(|i| decided[*i].is_none()).collect();
         let subset: Vec<ClaimedRow> = rest.iter().map(|&i| rows[i].clone()).collect();
         let (sub_outcomes, in_flight) = self.hand_over(publisher, &subset).await?;
@@ -550,10 +559,20 @@ impl<K: Sinks> PollWorker<K> {
             .into_iter()
             .map(|o| o.unwrap_or(Outcome::HeldBack))
             .collect();
-        self.settle_refusals(&rows, &mut outcomes, &alone).await;
-        self.send_stopped_again(&rows, &mut outcomes).await;
-        self.record_outcomes(client, sql, publisher, token, &rows, &outcomes, &mut report)
-            .await?;
+        self.settle_refusals(&rows, &mut outcomes, &mut alone).await;
+        self.send_stopped_again(&rows, &mut outcomes, &mut alone)
+            .await;
+        self.record_outcomes(
+            client,
+            sql,
+            publisher,
+            token,
+            &rows,
+            &outcomes,
+            &alone,
+            &mut report,
+        )
+        .await?;
         let broken = outcomes.iter().find_map(|o| match o {
             Outcome::Failed(r) if r.producer_broken => Some(r.reason.clone()),
             _ => None,
@@ -696,7 +715,12 @@ impl<K: Sinks> PollWorker<K> {
     /// a new producer, a few rounds (each round's refusals leave with their aggregates): otherwise one event
     /// the broker refuses would hold every batch it is claimed with back, claim after claim, until it is
     /// dead-lettered. What is still stopped after the rounds is given back without an attempt.
-    async fn send_stopped_again(&self, rows: &[ClaimedRow], outcomes: &mut [Outcome]) {
+    async fn send_stopped_again(
+        &self,
+        rows: &[ClaimedRow],
+        outcomes: &mut [Outcome],
+        sent_alone: &mut HashSet<usize>,
+    ) {
         const ROUNDS: usize = 3;
         for _ in 0..ROUNDS {
             // Per aggregate, from its first event that was stopped: every event not delivered.
@@ -739,10 +763,16 @@ impl<K: Sinks> PollWorker<K> {
                 &mut report,
             )
             .await;
-            self.settle_refusals(&subset, &mut sub_outcomes, &HashSet::new())
+            let mut alone_in_subset = HashSet::new();
+            self.settle_refusals(&subset, &mut sub_outcomes, &mut alone_in_subset)
                 .await;
-            for (index, outcome) in again.into_iter().zip(sub_outcomes) {
+            for (in_subset, (index, outcome)) in again.into_iter().zip(sub_outcomes).enumerate() {
                 outcomes[index] = outcome;
+                if alone_in_subset.contains(&in_subset) {
+                    sent_alone.insert(index);
+                } else {
+                    sent_alone.remove(&index);
+                }
             }
         }
         for outcome in outcomes.iter_mut() {
@@ -757,12 +787,12 @@ impl<K: Sinks> PollWorker<K> {
     /// guarantee stopped the producer at the refusal, so nothing after it in its partition was written).
     /// Later events of an aggregate whose earlier event was not delivered did not fail on their own, nor
     /// did events the stopped producer failed after another aggregate's refusal: they are held back,
-    /// without an attempt.
+    /// without an attempt. Adds the rows it sent alone to `sent_alone`.
     async fn settle_refusals(
         &self,
         rows: &[ClaimedRow],
         outcomes: &mut [Outcome],
-        sent_alone: &HashSet<usize>,
+        sent_alone: &mut HashSet<usize>,
     ) {
         let order = self.settings.poll.order;
         let refused = outcomes
@@ -781,6 +811,10 @@ impl<K: Sinks> PollWorker<K> {
                 && matches!(outcome, Outcome::Failed(r) if r.permanent)
             {
                 *outcome = self.publish_alone(row).await;
+                sent_alone.insert(index);
+            } else if rows.len() == 1 {
+                // A batch of one: whatever the broker said, it said of this event.
+                sent_alone.insert(index);
             } else if refused && matches!(outcome, Outcome::Failed(r) if !r.permanent) {
                 // Failed because the producer stopped at another aggregate's refusal: not its fault.
                 *outcome = Outcome::Stopped;
@@ -792,8 +826,9 @@ impl<K: Sinks> PollWorker<K> {
     }
 
     /// Writes what became of each row: published, given back (held back, or at once when the broker is
-    /// down), retried later with backoff, or dead-lettered.
-    #[allow(clippy::too_many_arguments)] // the batch's connection, statements, lease and producer
+    /// down), retried later with backoff, or dead-lettered. `sent_alone`: the rows whose outcome is of a send
+    /// of their event alone.
+    #[allow(clippy::too_many_arguments)] // the batch's connection, statements, lease, producer and outcomes
     async fn record_outcomes(
         &self,
         client: &tokio_postgres::Client,
@@ -802,6 +837,7 @@ impl<K: Sinks> PollWorker<K> {
         token: Uuid,
         rows: &[ClaimedRow],
         outcomes: &[Outcome],
+        sent_alone: &HashSet<usize>,
         report: &mut BatchReport,
     ) -> Result<()> {
         let ids_where = |wanted: fn(&Outcome) -> bool| -> Vec<Uuid> {
@@ -848,7 +884,7 @@ impl<K: Sinks> PollWorker<K> {
                 .iter()
                 .for_each(|_| crate::metrics::publish_error("refused"));
         }
-        for (row, outcome) in rows.iter().zip(outcomes) {
+        for (index, (row, outcome)) in rows.iter().zip(outcomes).enumerate() {
             match outcome {
                 Outcome::Invalid(reason) => {
                     sql.dead_letter(client, row.event_id, token, reason).await?;
@@ -856,7 +892,8 @@ impl<K: Sinks> PollWorker<K> {
                     tracing::error!(event_id = %row.event_id, error = %reason, "event dead-lettered: it can never be published");
                 }
                 Outcome::Failed(rejection) if !report.broker_down => {
-                    self.record_failure(client, sql, token, row, rejection, report)
+                    let alone = sent_alone.contains(&index);
+                    self.record_failure(client, sql, token, row, (rejection, alone), report)
                         .await?;
                 }
                 _ => {}
@@ -865,19 +902,19 @@ impl<K: Sinks> PollWorker<K> {
         Ok(())
     }
 
-    /// A row whose publish failed: dead-lettered once it was refused for good `--max-attempts` times, else
-    /// retried later with backoff.
+    /// A row whose publish failed (`refusal`: why, and whether its event was sent alone): dead-lettered
+    /// when [`dead_letters`] says so, else retried later with backoff.
     async fn record_failure(
         &self,
         client: &tokio_postgres::Client,
         sql: &PollSql,
         token: Uuid,
         row: &ClaimedRow,
-        rejection: &Rejection,
+        (rejection, alone): (&Rejection, bool),
         report: &mut BatchReport,
     ) -> Result<()> {
         let poll = &self.settings.poll;
-        if rejection.permanent && row.attempts >= poll.max_attempts {
+        if dead_letters(rejection, alone, row.attempts, poll.max_attempts) {
             sql.dead_letter(client, row.event_id, token, &rejection.reason)
                 .await?;
             report.dead += 1;
@@ -885,6 +922,7 @@ impl<K: Sinks> PollWorker<K> {
                 event_id = %row.event_id,
                 aggregate_id = %row.event.aggregate_id,
                 attempts = row.attempts,
+                refused_alone = alone,
                 error = %rejection.reason,
                 "event dead-lettered; later events of its aggregate proceed; re-queue with `outboxd replay`"
             );
@@ -920,6 +958,30 @@ mod tests {
             ready_in,
             leased: false,
         }
+    }
+
+    #[test]
+    fn an_event_the_broker_refuses_alone_is_dead_lettered_at_once() {
+        let too_large = Rejection {
+            permanent: true,
+            of_the_event: true,
+            ..Rejection::transient("Broker: Message size too large".into())
+        };
+        let not_authorised = Rejection {
+            permanent: true,
+            topic_wide: true,
+            ..Rejection::transient("Broker: Topic authorization failed".into())
+        };
+        let timeout = Rejection::transient("no acknowledgement".into());
+        // Alone: the event's own refusal is conclusive; in a batch it may be its batch-mate's.
+        assert!(dead_letters(&too_large, true, 1, 10));
+        assert!(!dead_letters(&too_large, false, 1, 10));
+        assert!(dead_letters(&too_large, false, 10, 10));
+        // The topic's refusal may be lifted: retried up to --max-attempts.
+        assert!(!dead_letters(&not_authorised, true, 9, 10));
+        assert!(dead_letters(&not_authorised, true, 10, 10));
+        // Not a refusal: retried forever.
+        assert!(!dead_letters(&timeout, true, 1_000, 10));
     }
 
     fn sorted(mut keys: Vec<String>) -> Vec<String> {

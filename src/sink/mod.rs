@@ -33,6 +33,9 @@ pub struct Rejection {
     /// The refusal is the topic's, not the event's (the principal may not write it): every event bound
     /// for it would be refused alike.
     pub topic_wide: bool,
+    /// The broker judged the event's own bytes (too large for the topic, an invalid record): sent alone,
+    /// it is refused again every time, so the polling path dead-letters it at once.
+    pub of_the_event: bool,
     /// The topic of a refused delivery (set by the delivery report).
     pub topic: Option<String>,
 }
@@ -45,6 +48,7 @@ impl Rejection {
             permanent: false,
             producer_broken: false,
             topic_wide: false,
+            of_the_event: false,
             topic: None,
         }
     }

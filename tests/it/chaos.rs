@@ -376,8 +376,7 @@ async fn chaos() {
         "--startup-timeout",
         "300s",
     ]);
-    let mut outboxd = Outboxd::spawn(&args);
-    let mut logs = vec![outboxd.log.clone()];
+    let mut outboxd = Connector::spawn(&args, &[]);
     wait_slot_active(&pg.client().await, "outboxd").await;
 
     let (stop_tx, stop) = watch::channel(false);
@@ -391,26 +390,12 @@ async fn chaos() {
 
     // Fault driver: one fault at a time, each at a random moment, healed before the next.
     let mut fault_times: Vec<(i64, Fault)> = Vec::new();
-    let mut unexpected_exits = 0;
     for fault in &schedule {
         tokio::time::sleep(rng.millis(300, 2_500)).await;
-        if let Some(status) = outboxd.try_wait() {
-            unexpected_exits += 1;
-            eprintln!(
-                "outboxd exited on its own ({status}); log {}",
-                outboxd.log.display()
-            );
-            outboxd = Outboxd::spawn(&args);
-            logs.push(outboxd.log.clone());
-        }
+        outboxd.check();
         fault_times.push((now_millis(), *fault));
         match fault {
-            Fault::KillOutboxd => {
-                outboxd.kill();
-                tokio::time::sleep(rng.millis(0, 1_000)).await;
-                outboxd = Outboxd::spawn(&args);
-                logs.push(outboxd.log.clone());
-            }
+            Fault::KillOutboxd => outboxd.kill_and_restart(rng.millis(0, 1_000)).await,
             Fault::RestartBroker => {
                 blocking(|| broker.stop());
                 tokio::time::sleep(rng.millis(1_000, 4_000)).await;
@@ -463,12 +448,7 @@ async fn chaos() {
     );
 
     // Drain: every row published, the slot confirmed up to the end of the load.
-    if let Some(status) = outboxd.try_wait() {
-        unexpected_exits += 1;
-        eprintln!("outboxd exited on its own ({status})");
-        outboxd = Outboxd::spawn(&args);
-        logs.push(outboxd.log.clone());
-    }
+    outboxd.check();
     // Settled, not published: a dead letter is reported with the rest, then fails the run.
     wait_settled(&client, Duration::from_secs(600)).await;
     let end_of_load = current_wal_lsn(&client).await;
@@ -493,7 +473,7 @@ async fn chaos() {
         )
     });
     let report = check_delivery(&records, &committed, &rolled_back);
-    drop(outboxd);
+    let (logs, unexpected_exits) = outboxd.stop();
 
     // Duplicates by the fault they followed: a copy's CreateTime falls after the fault that caused it.
     let mut copies: HashMap<&str, Vec<i64>> = HashMap::new();
@@ -737,9 +717,10 @@ fn after_incident(incidents: &[Incident], at: i64) -> usize {
     incidents.partition_point(|i| i.at <= at)
 }
 
-/// outboxd under test; restarted, and counted, when it exits on its own.
+/// outboxd under test; restarted, and counted, when it exits on its own; every process's log kept.
 struct Connector {
     args: Vec<String>,
+    env: &'static [(&'static str, &'static str)],
     current: Outboxd,
     logs: Vec<std::path::PathBuf>,
     unexpected_exits: usize,
@@ -747,19 +728,27 @@ struct Connector {
 
 impl Connector {
     /// Info-level logs: trace logging at this rate only costs CPU the cluster needs.
-    const ENV: [(&'static str, &'static str); 1] =
-        [("RUST_LOG", "info,rdkafka=warn,tokio_postgres=warn")];
+    const INFO_LOGS: &'static [(&'static str, &'static str)] =
+        &[("RUST_LOG", "info,rdkafka=warn,tokio_postgres=warn")];
 
-    fn spawn(args: &[&str]) -> Self {
-        let current = Outboxd::spawn_with_env(args, &Self::ENV);
+    fn spawn(args: &[&str], env: &'static [(&'static str, &'static str)]) -> Self {
+        let current = Outboxd::spawn_with_env(args, env);
         Connector {
             args: args.iter().map(|a| a.to_string()).collect(),
+            env,
             logs: vec![current.log.clone()],
             current,
             unexpected_exits: 0,
         }
     }
 
+    fn respawn(&mut self) {
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        self.current = Outboxd::spawn_with_env(&args, self.env);
+        self.logs.push(self.current.log.clone());
+    }
+
+    /// Restarts outboxd, counting it, if it exited on its own.
     fn check(&mut self) {
         if let Some(status) = self.current.try_wait() {
             self.unexpected_exits += 1;
@@ -767,10 +756,20 @@ impl Connector {
                 "outboxd exited on its own ({status}); log {}",
                 self.current.log.display()
             );
-            let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
-            self.current = Outboxd::spawn_with_env(&args, &Self::ENV);
-            self.logs.push(self.current.log.clone());
+            self.respawn();
         }
+    }
+
+    /// Stops outboxd; returns every process's log and how often it exited on its own.
+    fn stop(self) -> (Vec<std::path::PathBuf>, usize) {
+        (self.logs, self.unexpected_exits)
+    }
+
+    /// SIGKILL, and a start again after `pause`.
+    async fn kill_and_restart(&mut self, pause: Duration) {
+        self.current.kill();
+        tokio::time::sleep(pause).await;
+        self.respawn();
     }
 }
 
@@ -934,27 +933,30 @@ async fn broker_failover() {
     let client = pg.client().await;
     let (url, brokers, window) = (pg.url(), cluster.addrs(), WINDOW.to_string());
     let message_timeout = format!("message.timeout.ms={}", MESSAGE_TIMEOUT.as_millis());
-    let mut outboxd = Connector::spawn(&[
-        "run",
-        "--database-url",
-        &url,
-        "--brokers",
-        &brokers,
-        "--topic-partitions",
-        FAILOVER_PARTITIONS,
-        "--topic-replication-factor",
-        "3",
-        "--kafka-option",
-        &message_timeout,
-        "--max-in-flight-events",
-        &window,
-        "--status-interval",
-        "200ms",
-        "--startup-timeout",
-        "300s",
-        "--log-format",
-        "json",
-    ]);
+    let mut outboxd = Connector::spawn(
+        &[
+            "run",
+            "--database-url",
+            &url,
+            "--brokers",
+            &brokers,
+            "--topic-partitions",
+            FAILOVER_PARTITIONS,
+            "--topic-replication-factor",
+            "3",
+            "--kafka-option",
+            &message_timeout,
+            "--max-in-flight-events",
+            &window,
+            "--status-interval",
+            "200ms",
+            "--startup-timeout",
+            "300s",
+            "--log-format",
+            "json",
+        ],
+        Connector::INFO_LOGS,
+    );
     wait_slot_active(&client, "outboxd").await;
 
     let (stop_tx, stop) = watch::channel(false);
@@ -1194,9 +1196,7 @@ async fn broker_failover() {
     let handed_off = handed_off_count(&client).await;
     let records = blocking(|| cluster.read_all(TOPIC, Duration::from_secs(600)));
     outboxd.check();
-    let unexpected_exits = outboxd.unexpected_exits;
-    let logs = outboxd.logs.clone();
-    drop(outboxd);
+    let (logs, unexpected_exits) = outboxd.stop();
     let report = check_delivery(&records, &committed, &rolled_back);
     let violations = order_violations(&records, &committed);
     assert_eq!(
@@ -1837,8 +1837,7 @@ async fn refusals(delivery: &str) {
         "--startup-timeout",
         "300s",
     ]);
-    let mut outboxd = Outboxd::spawn(&args);
-    let mut logs = vec![outboxd.log.clone()];
+    let mut outboxd = Connector::spawn(&args, &[]);
     let client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
 
@@ -1852,26 +1851,12 @@ async fn refusals(delivery: &str) {
         .collect();
     let started = Instant::now();
     let mut fault_times: Vec<(i64, Refusal)> = Vec::new();
-    let mut unexpected_exits = 0;
     for fault in &schedule {
         tokio::time::sleep(rng.millis(1_000, 4_000)).await;
-        if let Some(status) = outboxd.try_wait() {
-            unexpected_exits += 1;
-            eprintln!(
-                "outboxd exited on its own ({status}); log {}",
-                outboxd.log.display()
-            );
-            outboxd = Outboxd::spawn(&args);
-            logs.push(outboxd.log.clone());
-        }
+        outboxd.check();
         fault_times.push((now_millis(), *fault));
         match fault {
-            Refusal::KillOutboxd => {
-                outboxd.kill();
-                tokio::time::sleep(rng.millis(0, 1_000)).await;
-                outboxd = Outboxd::spawn(&args);
-                logs.push(outboxd.log.clone());
-            }
+            Refusal::KillOutboxd => outboxd.kill_and_restart(rng.millis(0, 1_000)).await,
             Refusal::RevokeWrite => {
                 let topic = &topics[rng.below(topics.len() as u64) as usize];
                 blocking(|| broker.revoke("outboxd", &["WRITE"], "TOPIC", topic));
@@ -1922,12 +1907,7 @@ async fn refusals(delivery: &str) {
         }
     }
 
-    if let Some(status) = outboxd.try_wait() {
-        unexpected_exits += 1;
-        eprintln!("outboxd exited on its own ({status})");
-        outboxd = Outboxd::spawn(&args);
-        logs.push(outboxd.log.clone());
-    }
+    outboxd.check();
     // Every oversize event dead-lettered (its row written back where the transaction deleted it), every
     // other row published or dead.
     wait_for_async("every oversize event to be dead-lettered", Duration::from_secs(600), || async {
@@ -2022,7 +2002,7 @@ async fn refusals(delivery: &str) {
                 .any(|r| r.headers.get("event_id") == Some(&id.to_string()))
         })
         .count();
-    drop(outboxd);
+    let (logs, unexpected_exits) = outboxd.stop();
     let restarts: usize = logs
         .iter()
         .map(|log| {

@@ -684,15 +684,11 @@ async fn a_cdc_only_table_whose_slot_was_invalidated_refuses_to_start_with_the_f
     ] {
         assert!(stderr.contains(expected), "{expected:?} in:\n{stderr}");
     }
-    let kept: i64 = client
-        .query_one(
-            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(kept, 1, "the lost slot is left for the operator to decide");
+    assert_eq!(
+        slot_count(&client, "outboxd").await,
+        1,
+        "the lost slot is left for the operator to decide"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -338,25 +338,34 @@ async fn indexes_of_a_partitioned_table_are_built_partition_by_partition() {
     migrate_with(&url, &["--table", "outbox_p", "--add-polling-columns"]);
 }
 
-/// `--existing-rows published` while the slot has not streamed every row yet (outboxd stopped for the
-/// upgrade), then the slot is lost before outboxd streams them: the rows it owed are handed to the polling path
-/// (the '-infinity' mark used to leave them unpublished for good).
-#[tokio::test(flavor = "multi_thread")]
-async fn rows_a_lost_slot_owed_when_history_was_marked_are_still_published() {
+/// The user's table migrated with `migrate_args`; outboxd streamed 10 events of it and was killed, and 10
+/// more were committed since: the slot owes them. Returns every committed event.
+async fn rows_owed_by_a_killed_outboxd(
+    migrate_args: &[&str],
+) -> (Postgres, Broker, tokio_postgres::Client, Vec<Inserted>) {
     let pg = Postgres::start();
     let broker = Broker::start();
     let (url, brokers) = (pg.url(), broker.addr());
     let mut client = pg.client().await;
     client.batch_execute(USER_TABLE).await.unwrap();
-    migrate_with(&url, &[]);
+    migrate_with(&url, migrate_args);
     let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     wait_slot_active(&client, "outboxd").await;
     let (mut committed, _) = insert_events(&mut client, 0, 2, 5, 5, None).await;
     consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
     outboxd.kill();
-    // Committed while outboxd is stopped: the slot owes them.
     let (owed, _) = insert_events(&mut client, 2, 2, 5, 5, None).await;
-    committed.extend(owed.iter().cloned());
+    committed.extend(owed);
+    (pg, broker, client, committed)
+}
+
+/// `--existing-rows published` while the slot has not streamed every row yet (outboxd stopped for the
+/// upgrade), then the slot is lost before outboxd streams them: the rows it owed are handed to the polling path
+/// (the '-infinity' mark used to leave them unpublished for good).
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_a_lost_slot_owed_when_history_was_marked_are_still_published() {
+    let (pg, broker, client, committed) = rows_owed_by_a_killed_outboxd(&[]).await;
+    let (url, brokers) = (pg.url(), broker.addr());
     let log = migrate_with(&url, &["--add-polling-columns"]);
     assert!(log.contains("has not streamed all of them"), "{log}");
     // The slot is lost before outboxd runs again.
@@ -420,22 +429,8 @@ async fn polling_columns_added_while_outboxd_streams_are_used_from_the_next_row_
     migrate_with(&url, &["--add-polling-columns"]);
     let (after, _) = insert_events(&mut client, 4, 20, 5, 5, None).await;
     committed.extend(after);
-    wait_for_async(
-        "every row inserted after the migration to be marked published",
-        Duration::from_secs(90),
-        || async {
-            let n: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM public.outbox_event WHERE published_at IS NULL",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (n == 0).then_some(())
-        },
-    )
-    .await;
+    // Every row inserted after the migration is marked published.
+    wait_all_published(&client, Duration::from_secs(90)).await;
     let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
     let report = check_delivery(&records, &committed, &[]);
     assert_eq!(report.missing, 0);
@@ -450,19 +445,8 @@ async fn polling_columns_added_while_outboxd_streams_are_used_from_the_next_row_
 /// F6; the adversarial review found the second migrate taking "no slot" for "owed by none").
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_a_replaced_slot_owed_are_still_published_after_another_migrate() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
+    let (pg, broker, client, committed) = rows_owed_by_a_killed_outboxd(&[]).await;
     let (url, brokers) = (pg.url(), broker.addr());
-    let mut client = pg.client().await;
-    client.batch_execute(USER_TABLE).await.unwrap();
-    migrate_with(&url, &[]);
-    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
-    wait_slot_active(&client, "outboxd").await;
-    let (mut committed, _) = insert_events(&mut client, 0, 2, 5, 5, None).await;
-    consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
-    outboxd.kill();
-    let (owed, _) = insert_events(&mut client, 2, 2, 5, 5, None).await;
-    committed.extend(owed.iter().cloned());
     let log = migrate_with(&url, &["--add-polling-columns"]);
     assert!(log.contains("has not streamed all of them"), "{log}");
     // The slot goes (a failover to a standby without it, or a drop), and migrate runs again.
@@ -490,20 +474,10 @@ async fn rows_a_replaced_slot_owed_are_still_published_after_another_migrate() {
 /// and over, publishing nothing).
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_streamed_with_columns_since_dropped_are_published() {
-    let pg = Postgres::start();
-    let broker = Broker::start();
+    // The rows the slot owes are described by the stream with the polling columns.
+    let (pg, broker, mut client, mut committed) =
+        rows_owed_by_a_killed_outboxd(&["--add-polling-columns"]).await;
     let (url, brokers) = (pg.url(), broker.addr());
-    let mut client = pg.client().await;
-    client.batch_execute(USER_TABLE).await.unwrap();
-    migrate_with(&url, &["--add-polling-columns"]);
-    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
-    wait_slot_active(&client, "outboxd").await;
-    let (mut committed, _) = insert_events(&mut client, 0, 2, 5, 5, None).await;
-    consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
-    outboxd.kill();
-    // Owed by the slot, described by the stream with the polling columns.
-    let (owed, _) = insert_events(&mut client, 2, 2, 5, 5, None).await;
-    committed.extend(owed);
     client
         .batch_execute(
             "ALTER TABLE public.outbox_event DROP COLUMN available_at, DROP COLUMN attempts,

@@ -302,7 +302,10 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         },
     )
     .await;
-    assert_eq!(attempts, 3);
+    assert_eq!(
+        attempts, 1,
+        "refused alone for its size: dead-lettered at once, not retried --max-attempts times"
+    );
     assert!(error.to_lowercase().contains("size"), "last_error: {error}");
     wait_for_async("every live event to be published", Duration::from_secs(60), || async {
         let n: i64 = client
@@ -361,8 +364,8 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         dead_letters[0].headers
     );
 
-    // Each replay re-queues it with its attempts reset: it is retried `--max-attempts` times again (it is still
-    // too large) and dead-lettered again with a new record.
+    // Each replay re-queues it with its attempts reset: it is tried again (it is still too large) and
+    // dead-lettered again at once, with a new record.
     let mut last_dead_at = dead_at;
     let poison_id = poison.to_string();
     let selectors = [
@@ -397,8 +400,8 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         )
         .await;
         assert_eq!(
-            attempts, 3,
-            "{selector:?}: the replay reset attempts, so it was tried --max-attempts times again"
+            attempts, 1,
+            "{selector:?}: the replay reset attempts, and the event refused alone died at its first"
         );
         last_dead_at = dead_at;
         let dead_letters = consume_all(&brokers, &["outbox.dead"], n + 2, Duration::from_secs(60));
@@ -1899,21 +1902,21 @@ async fn a_claim_names_blocked_aggregates_and_gets_past_the_ones_it_skips() {
     assert!(third.blocked[0].leased, "{:?}", third.blocked[0]);
 }
 
-/// `auto` polling because replication became unavailable leaves a slot nothing consumes, which keeps WAL on
-/// the server without limit (review finding F10): after `--auto-drop-slot-after` it is dropped, and a new
-/// slot is created once replication works again; nothing is lost in between.
-#[tokio::test(flavor = "multi_thread")]
-async fn auto_drops_the_slot_it_cannot_consume_while_polling() {
-    const REJECT: &str = "host all repl all reject";
-    let (pg, broker) = migrated_stack();
-    let (url, brokers) = (pg.url(), broker.addr());
-    let mut client = pg.client().await;
+/// Replication refused to role `repl` (pg_hba), for [`refuse_replication_to_repl`].
+const REJECT_REPL: &str = "host all repl all reject";
+
+/// outboxd `auto` streaming as role `repl`, dropping an unconsumed slot after 1 s of polling.
+async fn auto_streaming_as_repl(
+    pg: &Postgres,
+    client: &tokio_postgres::Client,
+    brokers: &str,
+) -> Outboxd {
     client
         .batch_execute("CREATE ROLE repl LOGIN REPLICATION")
         .await
         .unwrap();
-    let replication_url = pg.url_for("repl", None);
-    let mut args = run_args(&url, &brokers);
+    let (url, replication_url) = (pg.url(), pg.url_for("repl", None));
+    let mut args = run_args(&url, brokers);
     args.extend_from_slice(&[
         "--replication-url",
         &replication_url,
@@ -1921,9 +1924,13 @@ async fn auto_drops_the_slot_it_cannot_consume_while_polling() {
         "1s",
     ]);
     let outboxd = Outboxd::spawn(&args);
-    wait_slot_active(&client, "outboxd").await;
-    // The replication role is refused from now on (pg_hba): the session ends, auto polls.
-    pg.prepend_hba(REJECT).await;
+    wait_slot_active(client, "outboxd").await;
+    outboxd
+}
+
+/// Role `repl` is refused replication from now on (pg_hba) and its session ended: auto polls.
+async fn refuse_replication_to_repl(pg: &Postgres, client: &tokio_postgres::Client) {
+    pg.prepend_hba(REJECT_REPL).await;
     client
         .execute(
             "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
@@ -1931,25 +1938,27 @@ async fn auto_drops_the_slot_it_cannot_consume_while_polling() {
         )
         .await
         .unwrap();
+}
+
+/// `auto` polling because replication became unavailable leaves a slot nothing consumes, which keeps WAL on
+/// the server without limit (review finding F10): after `--auto-drop-slot-after` it is dropped, and a new
+/// slot is created once replication works again; nothing is lost in between.
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_drops_the_slot_it_cannot_consume_while_polling() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let mut client = pg.client().await;
+    let outboxd = auto_streaming_as_repl(&pg, &client, &brokers).await;
+    refuse_replication_to_repl(&pg, &client).await;
     let (mut committed, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;
     wait_for_async(
         "the unconsumed slot to be dropped",
         Duration::from_secs(90),
-        || async {
-            let slots: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (slots == 0).then_some(())
-        },
+        || async { (slot_count(&client, "outboxd").await == 0).then_some(()) },
     )
     .await;
     wait_all_published(&client, Duration::from_secs(60)).await;
-    pg.remove_hba(REJECT).await;
+    pg.remove_hba(REJECT_REPL).await;
     wait_slot_active(&client, "outboxd").await;
     let (more, _) = insert_events(&mut client, 10, 10, 5, 5, None).await;
     committed.extend(more);
@@ -1974,24 +1983,10 @@ async fn auto_drops_the_slot_it_cannot_consume_while_polling() {
 /// `--auto-drop-slot-after`). It is kept while the leader lives, and dropped once it is gone.
 #[tokio::test(flavor = "multi_thread")]
 async fn auto_keeps_the_slot_a_live_leader_holds() {
-    const REJECT: &str = "host all repl all reject";
     let (pg, broker) = migrated_stack();
-    let (url, brokers) = (pg.url(), broker.addr());
+    let brokers = broker.addr();
     let mut client = pg.client().await;
-    client
-        .batch_execute("CREATE ROLE repl LOGIN REPLICATION")
-        .await
-        .unwrap();
-    let replication_url = pg.url_for("repl", None);
-    let mut args = run_args(&url, &brokers);
-    args.extend_from_slice(&[
-        "--replication-url",
-        &replication_url,
-        "--auto-drop-slot-after",
-        "1s",
-    ]);
-    let outboxd = Outboxd::spawn(&args);
-    wait_slot_active(&client, "outboxd").await;
+    let outboxd = auto_streaming_as_repl(&pg, &client, &brokers).await;
     // Another instance's leadership session, as it is between two replication sessions: its CDC marker
     // held, its slot inactive.
     let leader = pg.client().await;
@@ -2002,28 +1997,17 @@ async fn auto_keeps_the_slot_a_live_leader_holds() {
         )
         .await
         .unwrap();
-    pg.prepend_hba(REJECT).await;
-    client
-        .execute(
-            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-            &[],
-        )
-        .await
-        .unwrap();
+    refuse_replication_to_repl(&pg, &client).await;
     wait_for_async(
         "auto to decide on the slot the leader holds",
         Duration::from_secs(90),
         || async {
             // The leader's session stays busy (a live leader runs a health query every few seconds).
-            let n: i64 = leader
-                .query_one(
-                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            assert_eq!(n, 1, "auto dropped the slot a live leader holds");
+            assert_eq!(
+                slot_count(&leader, "outboxd").await,
+                1,
+                "auto dropped the slot a live leader holds"
+            );
             outboxd
                 .log_text()
                 .contains("not dropping the replication slot nothing consumes")
@@ -2035,17 +2019,7 @@ async fn auto_keeps_the_slot_a_live_leader_holds() {
     wait_for_async(
         "the slot to be dropped once the leader is gone",
         Duration::from_secs(90),
-        || async {
-            let n: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (n == 0).then_some(())
-        },
+        || async { (slot_count(&client, "outboxd").await == 0).then_some(()) },
     )
     .await;
     let (committed, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;

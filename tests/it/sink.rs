@@ -42,9 +42,11 @@ async fn a_refusal_after_acceptance_keeps_its_aggregate_in_order() {
     let broker = MemoryBroker::new();
     let (_pg, mut client, outboxd) = streaming(&broker, &["--retry-base", "3s"]).await;
     broker.hold_reports(true);
-    broker.add_fault(Fault::FailAfterAcceptance(too_large()), 2, |_, event| {
-        seq_of(event) == Some(0)
-    });
+    broker.add_fault(
+        Fault::FailAfterAcceptance(refused_for_now()),
+        2,
+        |_, event| seq_of(event) == Some(0),
+    );
     let (committed, rolled_back) = insert_events(&mut client, 0, 20, 3, 4, Some(7)).await;
     wait_for("every event in flight", Duration::from_secs(60), || {
         (broker.held() >= committed.len()).then_some(())
@@ -70,8 +72,8 @@ async fn a_refusal_after_acceptance_keeps_its_aggregate_in_order() {
     outboxd.stop().await.expect("clean stop");
 }
 
-/// An event refused at hand-over every time is dead-lettered after --max-attempts (with its copy in the
-/// dead-letter topic), and the later events of its aggregate are published after it, in order.
+/// An event refused at hand-over every time as too large is dead-lettered once refused alone (with its copy
+/// in the dead-letter topic), and the later events of its aggregate are published after it, in order.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_event_refused_every_time_is_dead_lettered_and_its_aggregate_goes_on() {
     let broker = MemoryBroker::new();
@@ -268,13 +270,7 @@ async fn a_hand_off_written_after_the_next_session_started_still_holds_its_aggre
     ];
     let (pg, client, outboxd) = streaming(&broker, &retry).await;
     // e1 is refused while `refusing` is set: by the first session at hand-over, then by the polling path.
-    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let flag = refusing.clone();
-    broker.add_fault(
-        Fault::RefuseAtHandOver(too_large()),
-        usize::MAX,
-        move |_, event| flag.load(std::sync::atomic::Ordering::SeqCst) && seq_of(event) == Some(1),
-    );
+    let refusing = refuse_at_hand_over_while(&broker, |event| seq_of(event) == Some(1));
     // 1,000 events ahead of e1 stay unfinished in the first session (their reports held), so that the next
     // session looks them up and publishes them (slowly) before it looks e1 up.
     broker.hold_reports(true);
@@ -396,13 +392,7 @@ async fn a_replayed_event_is_not_overtaken_by_later_events_of_its_aggregate_unde
         "2s",
     ];
     let (pg, client, outboxd) = streaming(&broker, &retry).await;
-    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let flag = refusing.clone();
-    broker.add_fault(
-        Fault::RefuseAtHandOver(too_large()),
-        usize::MAX,
-        move |_, event| flag.load(std::sync::atomic::Ordering::SeqCst) && seq_of(event) == Some(1),
-    );
+    let refusing = refuse_at_hand_over_while(&broker, |event| seq_of(event) == Some(1));
     let insert = |seq: i32| {
         let client = &client;
         async move {
@@ -503,7 +493,7 @@ async fn an_earlier_event_written_back_is_never_overtaken_by_a_later_one_handed_
     let (pg, client, outboxd) = streaming(&broker, &[]).await;
     // E1 is refused once, at hand-over (so E1 and, behind it, E2 go to the polling path), slowly enough for the
     // test to put its blocker in place first.
-    broker.add_fault(Fault::RefuseAtHandOver(too_large()), 1, |_, event| {
+    broker.add_fault(Fault::RefuseAtHandOver(refused_for_now()), 1, |_, event| {
         seq_of(event) == Some(1)
     });
     broker.set_publish_delay(Some(Duration::from_millis(500)));
@@ -543,7 +533,7 @@ async fn a_write_back_cut_off_by_the_server_is_retried() {
     const GETS_THROUGH: Duration = Duration::from_secs(90);
     let broker = MemoryBroker::new();
     let (pg, client, outboxd) = streaming(&broker, &[]).await;
-    broker.add_fault(Fault::RefuseAtHandOver(too_large()), 1, |_, event| {
+    broker.add_fault(Fault::RefuseAtHandOver(refused_for_now()), 1, |_, event| {
         seq_of(event) == Some(1)
     });
     broker.set_publish_delay(Some(Duration::from_millis(500)));

@@ -24,14 +24,7 @@ const HELD: &str = "order-0";
 /// While the returned flag is set, every event of [`HELD`] is refused at hand-over, in the CDC session
 /// and in the polling path: the aggregate waits in the polling path, and its later events with it.
 fn hold_aggregate(broker: &MemoryBroker) -> Arc<AtomicBool> {
-    let holding = Arc::new(AtomicBool::new(true));
-    let flag = holding.clone();
-    broker.add_fault(
-        Fault::RefuseAtHandOver(too_large()),
-        usize::MAX,
-        move |_, event| flag.load(Ordering::SeqCst) && &*event.aggregate_id == HELD,
-    );
-    holding
+    refuse_at_hand_over_while(broker, |event| &*event.aggregate_id == HELD)
 }
 
 /// Polling options under which a held aggregate is retried quickly and never dead-lettered.
@@ -325,11 +318,13 @@ async fn an_abort_after_a_refusal_keeps_the_acknowledged_earlier_event_ahead() {
     args.extend(RETRY_QUICKLY);
     let (_pg, mut client, outboxd) = streaming(&broker, &args).await;
     // e2 is refused once (with the batch it shared with b), b every time (too large).
-    broker.add_fault(Fault::FailAfterAcceptance(too_large()), 1, |_, event| {
-        seq_of(event) == Some(2)
-    });
     broker.add_fault(
-        Fault::FailAfterAcceptance(too_large()),
+        Fault::FailAfterAcceptance(refused_for_now()),
+        1,
+        |_, event| seq_of(event) == Some(2),
+    );
+    broker.add_fault(
+        Fault::FailAfterAcceptance(refused_for_now()),
         usize::MAX,
         |_, event| seq_of(event) == Some(3),
     );
@@ -343,18 +338,7 @@ async fn an_abort_after_a_refusal_keeps_the_acknowledged_earlier_event_ahead() {
     let e2 = insert_seq(&tx, "A", 2).await;
     insert_seq(&tx, "B", 3).await;
     tx.commit().await.unwrap();
-    wait_for_async("A's events to be published", GETS_THROUGH, || async {
-        let published: i64 = client
-            .query_one(
-                "SELECT count(*) FROM outbox_event WHERE aggregate_id = 'A' AND published_at IS NOT NULL",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (published == 2).then_some(())
-    })
-    .await;
+    wait_published_of(&client, "A", 2).await;
     assert_eq!(
         first_seen(&broker, "A"),
         [e1, e2],
@@ -383,13 +367,7 @@ async fn a_row_met_waiting_in_the_polling_path_while_an_earlier_event_is_on_its_
     args.extend(RETRY_QUICKLY);
     let (_pg, mut client, outboxd) = streaming(&broker, &args).await;
     // The waiting row stays in the polling path until released.
-    let waiting_holds = Arc::new(AtomicBool::new(true));
-    let flag = waiting_holds.clone();
-    broker.add_fault(
-        Fault::RefuseAtHandOver(too_large()),
-        usize::MAX,
-        move |_, event| flag.load(Ordering::SeqCst) && seq_of(event) == Some(100),
-    );
+    let waiting_holds = refuse_at_hand_over_while(&broker, |event| seq_of(event) == Some(100));
     let e1 = insert_seq(&client, "A", 1).await;
     wait_for(
         "e1 to be in the open Kafka transaction",
@@ -431,22 +409,31 @@ async fn a_row_met_waiting_in_the_polling_path_while_an_earlier_event_is_on_its_
     });
     // The next commit (the one of a transaction still holding e1, if any) fails: it aborts.
     broker.fail_commits(Rejection::transient("the coordinator moved".into()), 1);
-    wait_for_async("A's events to be published", GETS_THROUGH, || async {
-        let published: i64 = client
-            .query_one(
-                "SELECT count(*) FROM outbox_event WHERE aggregate_id = 'A' AND published_at IS NOT NULL",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        (published == 4).then_some(())
-    })
-    .await;
+    wait_published_of(&client, "A", 4).await;
     assert_eq!(
         first_seen(&broker, "A"),
         [e1, waiting, e2, e3],
         "A's events as a read_committed reader sees them"
     );
     outboxd.stop().await.expect("clean stop");
+}
+
+/// Waits until `count` events of `aggregate` are marked published.
+async fn wait_published_of(client: &tokio_postgres::Client, aggregate: &str, count: i64) {
+    wait_for_async(
+        &format!("{count} events of {aggregate} to be published"),
+        GETS_THROUGH,
+        || async {
+            let published: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE aggregate_id = $1 AND published_at IS NOT NULL",
+                    &[&aggregate],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (published == count).then_some(())
+        },
+    )
+    .await;
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use clap::Parser;
 use outboxd::config::{Cli, Command};
-use outboxd::sink::memory::MemoryBroker;
+use outboxd::sink::memory::{Fault, MemoryBroker};
 use outboxd::sink::Rejection;
 use tokio::sync::watch;
 
@@ -122,11 +122,40 @@ pub fn first_seen(broker: &MemoryBroker, aggregate: &str) -> Vec<uuid::Uuid> {
     seen
 }
 
+/// What Kafka says of an event larger than the topic accepts: sent alone, it is dead-lettered at once.
 pub fn too_large() -> Rejection {
     Rejection {
         permanent: true,
+        of_the_event: true,
         ..Rejection::transient("Broker: Message size too large".into())
     }
+}
+
+/// A refusal for good that is not of the event's bytes (as a topic's ACL, but of this event only): the
+/// polling path retries it with backoff up to `--max-attempts`, so a test decides how long it holds. (A real
+/// size refusal of an event sent alone is dead-lettered at once: `Rejection::of_the_event`.)
+pub fn refused_for_now() -> Rejection {
+    Rejection {
+        permanent: true,
+        ..Rejection::transient("Broker: refused (by the test)".into())
+    }
+}
+
+/// While the returned flag is set, every event `refused` picks is refused at hand-over for now, in the
+/// CDC session and in the polling path: it waits in the polling path, and later events of its aggregate
+/// with it. Clear the flag to let it through.
+pub fn refuse_at_hand_over_while(
+    broker: &MemoryBroker,
+    refused: impl Fn(&outboxd::event::OutboxEvent) -> bool + Send + Sync + 'static,
+) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let flag = refusing.clone();
+    broker.add_fault(
+        Fault::RefuseAtHandOver(refused_for_now()),
+        usize::MAX,
+        move |_, event| flag.load(std::sync::atomic::Ordering::SeqCst) && refused(event),
+    );
+    refusing
 }
 
 /// Starts outboxd on a fresh, migrated PostgreSQL and waits until its slot streams (what is inserted from

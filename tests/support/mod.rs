@@ -1119,6 +1119,18 @@ pub async fn slot_active(client: &tokio_postgres::Client, slot: &str) -> Option<
         .map(|_| ())
 }
 
+/// How many replication slots named `slot` exist (0 or 1).
+pub async fn slot_count(client: &tokio_postgres::Client, slot: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .expect("pg_replication_slots")
+        .get(0)
+}
+
 pub async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str) {
     wait_for_async(
         &format!("slot {slot} to be active"),
