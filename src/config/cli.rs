@@ -146,6 +146,7 @@ pub struct Options {
     /// librdkafka property passed through, key=value (repeatable), e.g. security.protocol=SASL_SSL.
     /// Several in one value are separated by commas; a comma inside a value stays (see `split_kafka_options`).
     #[arg(long, env = "OUTBOXD_KAFKA_OPTION")]
+    #[serde(default, deserialize_with = "one_or_many")]
     pub kafka_option: Option<Vec<String>>,
     /// Partitions of topics outboxd creates [default: 6].
     #[arg(long, env = "OUTBOXD_TOPIC_PARTITIONS")]

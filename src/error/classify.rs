@@ -7,6 +7,7 @@
 use tokio_postgres::error::SqlState;
 
 use super::{Error, ACCEPTING_CONNECTIONS, PROMOTION};
+use crate::pg::replication::auth::AuthError;
 use crate::pg::replication::ReplicationError;
 use crate::pg::tls::SslMode;
 
@@ -60,8 +61,7 @@ impl Error {
                 | ReplicationError::Tls { .. } => true,
                 ReplicationError::Protocol(_)
                 | ReplicationError::Unsupported(_)
-                | ReplicationError::PasswordRequired
-                | ReplicationError::ChannelBindingRequired(_) => false,
+                | ReplicationError::Auth(_) => false,
             },
             Error::Kafka { transient, .. } => *transient,
             Error::SessionRestart(_) => true,
@@ -141,10 +141,16 @@ pub fn replication_error(error: ReplicationError) -> Error {
     if let ReplicationError::Tls { mode, .. } = &error {
         return tls_problem(&message, *mode).unwrap_or(Error::Replication(error));
     }
-    if let ReplicationError::ChannelBindingRequired(_) = &error {
+    if let ReplicationError::Auth(AuthError::ChannelBindingRequired(_)) = &error {
         return Error::setup(
             message,
             "authenticate replication connections with scram-sha-256 over TLS (a `hostssl ... scram-sha-256` line in pg_hba.conf, sslmode=require or stricter, a password stored as SCRAM), or drop channel_binding=require from the URL",
+        );
+    }
+    if let ReplicationError::Auth(AuthError::Scram(_)) = &error {
+        return Error::setup(
+            message,
+            "make sure --replication-url reaches the PostgreSQL server itself, and have outboxd check the server's certificate (sslmode=verify-full with sslrootcert): a proxy that does not speak SCRAM, or a man in the middle, ends SCRAM this way",
         );
     }
     let Some(code) = error.sqlstate() else {
@@ -221,7 +227,7 @@ pub fn tls_problem(message: &str, ssl_mode: SslMode) -> Option<Error> {
         let fix = if message.contains("hostname mismatch")
             || message.contains("IP address mismatch")
         {
-            "connect with the host name the certificate was issued for, or use sslmode=verify-ca to check the chain only"
+            "connect with a host name the certificate names (its subjectAltName or CN; an IP address must be an IP subjectAltName), or have the server's certificate reissued for the name outboxd connects with"
         } else {
             "point sslrootcert= in the URL at the CA certificate that signed the server's certificate"
         };

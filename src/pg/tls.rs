@@ -3,9 +3,11 @@
 //! URL is split here: `sslmode` and `sslrootcert` are taken out and turned into an OpenSSL connector, and
 //! the rest goes to tokio-postgres. Owns parsing and the connector; not the sockets.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
+use openssl::x509::store::{X509Store, X509StoreBuilder};
+use openssl::x509::X509;
 use postgres_openssl::MakeTlsConnector;
 use tokio_openssl::SslStream;
 
@@ -69,45 +71,51 @@ pub struct TlsSettings {
 
 impl TlsSettings {
     /// Certificate checks in force: libpq verifies the chain for verify-ca/verify-full, and for `require`
-    /// when a root certificate is given.
+    /// when a root certificate is given or its default root file exists.
     fn verifies_chain(&self) -> bool {
         match self.mode {
             SslMode::VerifyCa | SslMode::VerifyFull => true,
-            SslMode::Require => self.root_cert.is_some(),
+            SslMode::Require => {
+                self.root_cert.is_some() || default_root_cert().is_some_and(|path| path.exists())
+            }
             SslMode::Disable | SslMode::Prefer => false,
         }
     }
 
-    /// The root certificate file to trust: `sslrootcert`, else libpq's default `~/.postgresql/root.crt`.
-    fn root_cert_path(&self) -> Option<PathBuf> {
-        self.root_cert.clone().or_else(|| {
-            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".postgresql/root.crt"))
-        })
+    /// Whether the server's certificate is checked at all; `false` means TLS protects only against
+    /// listening, not against a man in the middle.
+    pub fn authenticates_server(&self) -> bool {
+        self.verifies_chain()
     }
 
-    /// Builds the OpenSSL connector used by every PostgreSQL connection of this URL. A missing or unreadable
-    /// root certificate is an error naming `sslrootcert`.
+    /// Builds the OpenSSL connector used by every PostgreSQL connection of this URL. As libpq, it trusts
+    /// only the CA certificates of `sslrootcert` (else `~/.postgresql/root.crt`), never the system's store,
+    /// unless `sslrootcert=system` asks for that store (with verify-full only, as libpq 16). A missing or
+    /// unreadable root certificate is an error naming `sslrootcert`.
     pub fn ssl_connector(&self) -> Result<SslConnector, String> {
         let mut builder = SslConnector::builder(SslMethod::tls_client())
             .map_err(|e| format!("cannot initialise OpenSSL: {e}"))?;
-        if self.verifies_chain() {
-            let path = self.root_cert_path().ok_or_else(|| {
-                format!(
-                    "sslmode={} needs a CA certificate; add sslrootcert=/path/to/ca.crt to the URL",
+        if self.root_cert.as_deref() == Some(Path::new(SYSTEM_ROOTS)) {
+            if self.mode != SslMode::VerifyFull {
+                return Err(format!(
+                    "sslrootcert=system trusts every CA of the system's store, so it needs sslmode=verify-full (the host name checked), not sslmode={}; fix: use sslmode=verify-full",
                     self.mode.as_str()
-                )
-            })?;
-            let unreadable = |reason: &dyn std::fmt::Display| {
-                format!(
-                    "cannot read the CA certificate {} for sslmode={} ({reason}); fix: point sslrootcert= in the URL at a readable PEM file",
-                    path.display(),
-                    self.mode.as_str()
-                )
-            };
-            std::fs::File::open(&path).map_err(|e| unreadable(&e))?;
-            builder
-                .set_ca_file(&path)
-                .map_err(|_| unreadable(&"not a PEM certificate"))?;
+                ));
+            }
+            // SslConnector::builder loaded the system's default verify paths.
+            builder.set_verify(SslVerifyMode::PEER);
+        } else if self.verifies_chain() {
+            let path = self
+                .root_cert
+                .clone()
+                .or_else(default_root_cert)
+                .ok_or_else(|| {
+                    format!(
+                        "sslmode={} needs a CA certificate; add sslrootcert=/path/to/ca.crt to the URL",
+                        self.mode.as_str()
+                    )
+                })?;
+            builder.set_cert_store(only_roots_of(&path, self.mode)?);
             builder.set_verify(SslVerifyMode::PEER);
         } else {
             builder.set_verify(SslVerifyMode::NONE);
@@ -149,6 +157,38 @@ impl TlsSettings {
         let binding = tls_server_end_point(stream.ssl());
         Ok((stream, binding))
     }
+}
+
+/// `sslrootcert=system`: the system's CA store (libpq 16).
+const SYSTEM_ROOTS: &str = "system";
+
+/// libpq's default root certificate file, `~/.postgresql/root.crt`.
+fn default_root_cert() -> Option<PathBuf> {
+    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".postgresql/root.crt"))
+}
+
+/// A trust store holding the CA certificates of the PEM file at `path` and nothing else (OpenSSL's
+/// connector starts from the system's store, which `set_ca_file` would only add to: review H1).
+fn only_roots_of(path: &Path, mode: SslMode) -> Result<X509Store, String> {
+    let unreadable = |reason: &dyn std::fmt::Display| {
+        format!(
+            "cannot read the CA certificate {} for sslmode={} ({reason}); fix: point sslrootcert= in the URL at a readable PEM file",
+            path.display(),
+            mode.as_str()
+        )
+    };
+    let pem = std::fs::read(path).map_err(|e| unreadable(&e))?;
+    let certificates =
+        X509::stack_from_pem(&pem).map_err(|_| unreadable(&"not a PEM certificate"))?;
+    if certificates.is_empty() {
+        return Err(unreadable(&"no certificate in it"));
+    }
+    let mut store =
+        X509StoreBuilder::new().map_err(|e| format!("cannot initialise OpenSSL: {e}"))?;
+    for certificate in certificates {
+        store.add_cert(certificate).map_err(|e| unreadable(&e))?;
+    }
+    Ok(store.build())
 }
 
 /// The hash of the server's certificate with its signature's digest (SHA-256 for MD5 and SHA-1), as
@@ -263,7 +303,9 @@ mod tests {
             root_cert: root.map(PathBuf::from),
         };
         assert!(!with(SslMode::Prefer, Some("/ca")).verifies_chain());
-        assert!(!with(SslMode::Require, None).verifies_chain());
+        if default_root_cert().is_none_or(|path| !path.exists()) {
+            assert!(!with(SslMode::Require, None).verifies_chain());
+        }
         assert!(with(SslMode::Require, Some("/ca")).verifies_chain());
         assert!(with(SslMode::VerifyCa, None).verifies_chain());
         let err = with(SslMode::VerifyFull, Some("/nonexistent/ca.crt"))
@@ -274,5 +316,18 @@ mod tests {
             err.contains("/nonexistent/ca.crt") && err.contains("sslrootcert"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_system_store_is_trusted_only_when_asked_for_and_with_the_host_name_checked() {
+        let system = |mode| TlsSettings {
+            mode,
+            root_cert: Some(PathBuf::from(SYSTEM_ROOTS)),
+        };
+        assert!(system(SslMode::VerifyFull).ssl_connector().is_ok());
+        for weak in [SslMode::VerifyCa, SslMode::Require] {
+            let err = system(weak).ssl_connector().err().unwrap();
+            assert!(err.contains("sslmode=verify-full"), "{err}");
+        }
     }
 }

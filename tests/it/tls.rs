@@ -44,12 +44,22 @@ async fn streams_with_tls(url: &str, brokers: &str, tls: bool, client: &tokio_po
 /// Runs outboxd with `database_url` (and optionally a different replication URL) expecting it to stop at
 /// once with exit code 1; returns stderr.
 fn fails_at_startup(database_url: &str, replication_url: Option<&str>, brokers: &str) -> String {
+    fails_at_startup_with_env(database_url, replication_url, brokers, &[])
+}
+
+/// [`fails_at_startup`] with extra environment.
+fn fails_at_startup_with_env(
+    database_url: &str,
+    replication_url: Option<&str>,
+    brokers: &str,
+    env: &[(&str, &str)],
+) -> String {
     let mut args = run_args(database_url, brokers);
     args.extend(["--startup-timeout", "30s"]);
     if let Some(url) = replication_url {
         args.extend(["--replication-url", url]);
     }
-    let output = run_outboxd(&args);
+    let output = run_outboxd_with_env(&args, env);
     let stderr = stderr_of(&output);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     eprintln!("STDERR: {}", stderr.lines().last().unwrap_or_default());
@@ -136,7 +146,15 @@ async fn every_sslmode_on_sql_and_replication_connections() {
     let stderr = fails_at_startup(&wrong_host, None, &brokers);
     assert_mentions(
         &stderr,
-        &["failed verification", "sslmode=verify-full", "verify-ca"],
+        &[
+            "failed verification",
+            "sslmode=verify-full",
+            "subjectAltName",
+        ],
+    );
+    assert!(
+        !stderr.contains("verify-ca"),
+        "the fix never weakens verification (review H1): {stderr}"
     );
     // A CA that did not sign the server's certificate, on the SQL and on the replication connection.
     let wrong_ca = url(
@@ -192,4 +210,212 @@ async fn channel_binding_is_enforced_on_the_replication_connection() {
     let stderr = fails_at_startup(&scram, Some(&url("plain_user", "pw-plain")), &brokers);
     assert_mentions(&stderr, &["channel_binding=require", "scram-sha-256"]);
     assert!(!stderr.contains("pw-plain"), "{stderr}");
+}
+
+/// libpq's answer to the same settings, the oracle of the TLS tests: whether `psql` connects.
+fn psql_connects(url: &str, env: &[(&str, &str)]) -> bool {
+    let bin =
+        std::env::var("OUTBOXD_PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into());
+    std::process::Command::new(format!("{bin}/psql"))
+        .args([url, "-Atc", "SELECT 1"])
+        .envs(env.iter().copied())
+        .output()
+        .expect("psql")
+        .status
+        .success()
+}
+
+/// `verify-ca` and `require` with `sslrootcert` trust only that file's CAs, as libpq does, never the CAs the
+/// machine trusts besides (review H1: a certificate of any CA in the system's store passed). Here the CA that
+/// signed the server's certificate stands in the process's default store (`SSL_CERT_FILE`), and the URL
+/// names another: libpq refuses, so must outboxd. `sslrootcert=system` asks for the store, with verify-full.
+#[tokio::test(flavor = "multi_thread")]
+async fn only_the_named_root_certificates_are_trusted() {
+    let (pg, broker) = migrated_stack();
+    let client = pg.client().await;
+    let brokers = broker.addr();
+    let certs = TestCertificates::make(&scratch_dir("certs"));
+    pg.enable_tls(&certs).await;
+    let port = pg.port;
+    let ca = certs.ca.display().to_string();
+    let other_ca = certs.other_ca.display().to_string();
+    let system_trusts_the_server = [("SSL_CERT_FILE", ca.as_str())];
+    for mode in ["verify-ca", "verify-full", "require"] {
+        let url = format!(
+            "postgres://postgres@localhost:{port}/postgres?sslmode={mode}&sslrootcert={other_ca}"
+        );
+        assert!(
+            !psql_connects(&url, &system_trusts_the_server),
+            "libpq refuses sslmode={mode} with another CA named"
+        );
+        let stderr = fails_at_startup_with_env(&url, None, &brokers, &system_trusts_the_server);
+        assert_mentions(&stderr, &["failed verification", "sslrootcert"]);
+    }
+    let system = format!(
+        "postgres://postgres@localhost:{port}/postgres?sslmode=verify-full&sslrootcert=system"
+    );
+    let mut outboxd =
+        Outboxd::spawn_with_env(&run_args(&system, &brokers), &system_trusts_the_server);
+    let backends = outboxd_backends(&client).await;
+    assert!(backends.iter().all(|(_, ssl)| *ssl), "{backends:?}");
+    outboxd.kill();
+    let weak_system = format!(
+        "postgres://postgres@localhost:{port}/postgres?sslmode=verify-ca&sslrootcert=system"
+    );
+    let stderr = fails_at_startup_with_env(&weak_system, None, &brokers, &system_trusts_the_server);
+    assert_mentions(&stderr, &["sslrootcert=system", "sslmode=verify-full"]);
+}
+
+/// What a fake server on the replication URL does once outboxd's TLS handshake is through.
+#[derive(Debug, Clone, Copy)]
+enum Forgery {
+    /// Offers SCRAM-SHA-256-PLUS, takes the client-first message, lets the connection in (review H2).
+    OkBeforeScramEnds,
+    /// Runs SCRAM with a made-up server-first message and a server signature it cannot have.
+    WrongSignature,
+    /// Asks for the password in the clear.
+    Cleartext,
+    /// Announces an authentication message of 1 GiB (review L8).
+    HugeMessage,
+}
+
+/// A server that speaks PostgreSQL's protocol up to `forgery`, with the test certificate, on a port of its
+/// own; returns the port and a task that yields the type bytes of every message outboxd sent after its
+/// startup message.
+async fn forging_server(
+    certs: &TestCertificates,
+    forgery: Forgery,
+) -> (u16, tokio::task::JoinHandle<Vec<u8>>) {
+    use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut acceptor = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls_server()).unwrap();
+    acceptor
+        .set_certificate_chain_file(&certs.server_cert)
+        .unwrap();
+    acceptor
+        .set_private_key_file(&certs.server_key, SslFiletype::PEM)
+        .unwrap();
+    let acceptor = acceptor.build();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let task = tokio::spawn(async move {
+        let mut sent = Vec::new();
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut request = [0u8; 8];
+        socket.read_exact(&mut request).await.unwrap();
+        socket.write_all(b"S").await.unwrap();
+        let ssl = openssl::ssl::Ssl::new(acceptor.context()).unwrap();
+        let mut tls = tokio_openssl::SslStream::new(ssl, socket).unwrap();
+        std::pin::Pin::new(&mut tls).accept().await.unwrap();
+        let mut length = [0u8; 4];
+        tls.read_exact(&mut length).await.unwrap();
+        let mut startup = vec![0u8; u32::from_be_bytes(length) as usize - 4];
+        tls.read_exact(&mut startup).await.unwrap();
+        let message = |tag: u8, body: &[u8]| {
+            let mut out = vec![tag];
+            out.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+            out.extend_from_slice(body);
+            out
+        };
+        let auth = |code: u32, rest: &[u8]| {
+            let mut body = code.to_be_bytes().to_vec();
+            body.extend_from_slice(rest);
+            message(b'R', &body)
+        };
+        let first = match forgery {
+            Forgery::Cleartext => auth(3, b""),
+            Forgery::HugeMessage => {
+                let mut header = vec![b'R'];
+                header.extend_from_slice(&(1u32 << 30).to_be_bytes());
+                header
+            }
+            Forgery::OkBeforeScramEnds | Forgery::WrongSignature => {
+                auth(10, b"SCRAM-SHA-256-PLUS\0SCRAM-SHA-256\0\0")
+            }
+        };
+        if tls.write_all(&first).await.is_err() {
+            return sent;
+        }
+        // What outboxd sends from now on: its type byte is recorded, and the forgery goes on.
+        loop {
+            let mut tag = [0u8; 1];
+            if tls.read_exact(&mut tag).await.is_err() {
+                return sent;
+            }
+            let mut length = [0u8; 4];
+            if tls.read_exact(&mut length).await.is_err() {
+                return sent;
+            }
+            let mut body = vec![0u8; (u32::from_be_bytes(length) as usize).saturating_sub(4)];
+            if tls.read_exact(&mut body).await.is_err() {
+                return sent;
+            }
+            sent.push(tag[0]);
+            let answer = match (forgery, sent.len()) {
+                (Forgery::OkBeforeScramEnds, 1) => [auth(0, b""), message(b'Z', b"I")].concat(),
+                (Forgery::WrongSignature, 1) => {
+                    // The client-first message: "<mechanism>\0<len><gs2 header>n=,r=<nonce>".
+                    let text = String::from_utf8_lossy(&body).into_owned();
+                    let nonce = text.split("r=").nth(1).unwrap_or_default().to_string();
+                    let server_first = format!("r={nonce}forged,s=c2FsdHNhbHQ=,i=4096");
+                    auth(11, server_first.as_bytes())
+                }
+                (Forgery::WrongSignature, 2) => [
+                    auth(12, b"v=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="),
+                    auth(0, b""),
+                    message(b'Z', b"I"),
+                ]
+                .concat(),
+                // A password in the clear is recorded ('p'); anything after the forgery ends is too.
+                _ => Vec::new(),
+            };
+            if !answer.is_empty() && tls.write_all(&answer).await.is_err() {
+                return sent;
+            }
+        }
+    });
+    (port, task)
+}
+
+/// A man in the middle on the replication connection cannot get outboxd past authentication: it never
+/// sends a replication command (from there a forged stream would be published to Kafka) nor a password in
+/// the clear, whatever the server skips or forges (review H2: AuthenticationOk before SCRAM's final step
+/// was taken under `channel_binding=require`; L8: a 1 GiB message was allocated before it arrived).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forging_server_on_the_replication_url_gets_nothing_past_authentication() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let certs = TestCertificates::make(&scratch_dir("certs"));
+    let database_url = pg.url();
+    for (forgery, says) in [
+        (Forgery::OkBeforeScramEnds, "SCRAM"),
+        (Forgery::WrongSignature, "SCRAM"),
+        (Forgery::Cleartext, "channel_binding=require"),
+        (Forgery::HugeMessage, "more than the"),
+    ] {
+        let (port, server) = forging_server(&certs, forgery).await;
+        let replication_url = format!(
+            "postgres://outboxd:secret-pw@127.0.0.1:{port}/postgres?sslmode=require&channel_binding=require"
+        );
+        let stderr = tokio::task::spawn_blocking({
+            let (database_url, brokers) = (database_url.clone(), brokers.clone());
+            move || fails_at_startup(&database_url, Some(&replication_url), &brokers)
+        })
+        .await
+        .unwrap();
+        let sent = server.await.unwrap();
+        assert!(
+            !sent.contains(&b'Q'),
+            "{forgery:?}: outboxd sent a replication command after a forged authentication: {stderr}"
+        );
+        if matches!(forgery, Forgery::Cleartext) {
+            assert!(
+                !sent.contains(&b'p'),
+                "{forgery:?}: the password went in the clear"
+            );
+        }
+        assert_mentions(&stderr, &[says]);
+        assert!(!stderr.contains("secret-pw"), "{stderr}");
+    }
 }

@@ -555,7 +555,13 @@ pub fn outboxd_command(args: &[&str]) -> Command {
 
 /// Runs outboxd to completion (for migrate, status and start-up errors), with a safety timeout.
 pub fn run_outboxd(args: &[&str]) -> Output {
+    run_outboxd_with_env(args, &[])
+}
+
+/// [`run_outboxd`] with extra environment.
+pub fn run_outboxd_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut child = outboxd_command(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

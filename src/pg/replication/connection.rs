@@ -1,5 +1,5 @@
 //! Replication-mode connection on `postgres-protocol` + tokio: startup with `replication=database`,
-//! authentication (trust, cleartext, md5, SCRAM-SHA-256), simple-query commands (IDENTIFY_SYSTEM,
+//! authentication (trust, cleartext, md5, SCRAM-SHA-256; what to answer is decided by `auth`), simple-query commands (IDENTIFY_SYSTEM,
 //! CREATE_REPLICATION_SLOT, START_REPLICATION) and the CopyBoth stream that follows. Owns the socket and
 //! framing only; what the stream's messages mean is decided by the pipeline.
 
@@ -7,12 +7,12 @@ use std::time::SystemTime;
 
 use bytes::BytesMut;
 use fallible_iterator::FallibleIterator;
-use postgres_protocol::authentication::{md5_hash, sasl};
 use postgres_protocol::message::{backend, frontend};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_postgres::config::Host;
 
+use super::auth::{Answer, AuthError, Authentication, Request};
 use super::protocol::{self, ServerMessage};
 use crate::lsn::Lsn;
 use crate::pg::tls::SslMode;
@@ -69,12 +69,10 @@ pub enum ReplicationError {
         /// What failed: the handshake or certificate check, or a server without TLS.
         message: String,
     },
-    /// The server asks for a password and the URL has none.
-    #[error("the server asks for a password but the connection URL has none: add it to the URL or use PGPASSWORD-free auth (trust)")]
-    PasswordRequired,
-    /// The URL's `channel_binding=require` cannot be met; holds why.
-    #[error("channel_binding=require, but {0}")]
-    ChannelBindingRequired(String),
+    /// Authentication was refused (by outboxd: the server did not authenticate itself as the URL asks) or
+    /// cannot go on.
+    #[error(transparent)]
+    Auth(#[from] AuthError),
 }
 
 impl ReplicationError {
@@ -140,25 +138,15 @@ impl ReplicationConnection {
         Ok(conn)
     }
 
-    /// Startup and authentication. `channel_binding` is the TLS connection's `tls-server-end-point` data:
-    /// with it SCRAM binds to the TLS channel (SCRAM-SHA-256-PLUS) when the server offers it, and the URL's
-    /// `channel_binding` (libpq's: disable, prefer, require) is enforced as libpq does.
-    // Long: the authentication exchange as the protocol runs it, one message type per arm (cleartext, MD5,
-    // SCRAM with and without channel binding).
+    /// Startup and authentication (see [`Authentication`]). `channel_binding` is the TLS connection's
+    /// `tls-server-end-point` data: with it SCRAM binds to the TLS channel (SCRAM-SHA-256-PLUS) when the
+    /// server offers it, and the URL's `channel_binding` (libpq's: disable, prefer, require) is enforced as
+    /// libpq does.
     async fn startup(
         &mut self,
         config: &tokio_postgres::Config,
         channel_binding: Option<Vec<u8>>,
     ) -> Result<(), ReplicationError> {
-        use tokio_postgres::config::ChannelBinding as Wanted;
-        let wanted = config.get_channel_binding();
-        let channel_binding = channel_binding.filter(|_| wanted != Wanted::Disable);
-        let required = |what: &str| {
-            ReplicationError::ChannelBindingRequired(format!(
-                "{what} (channel binding needs SCRAM-SHA-256 over TLS)"
-            ))
-        };
-        let mut bound = false;
         let user = config.get_user().unwrap_or("postgres");
         let database = config.get_dbname().unwrap_or(user);
         let mut params = vec![
@@ -175,80 +163,31 @@ impl ReplicationConnection {
         frontend::startup_message(params.iter().copied(), &mut self.write_buf)?;
         self.flush().await?;
 
-        let password = config.get_password();
-        let mut scram: Option<sasl::ScramSha256> = None;
+        let mut authentication = Authentication::new(
+            user,
+            config.get_password(),
+            config.get_channel_binding(),
+            channel_binding,
+        );
         loop {
-            match self.next_backend_message().await? {
-                backend::Message::AuthenticationOk if wanted == Wanted::Require && !bound => {
-                    return Err(required(
-                        "the server let the replication connection in without SCRAM authentication",
-                    ))
-                }
-                backend::Message::AuthenticationOk => break,
-                backend::Message::AuthenticationCleartextPassword
-                | backend::Message::AuthenticationMd5Password(_)
-                    if wanted == Wanted::Require =>
-                {
-                    return Err(required(
-                        "the server asks the replication connection for a plain or MD5 password",
-                    ))
-                }
-                backend::Message::AuthenticationCleartextPassword => {
-                    let password = password.ok_or(ReplicationError::PasswordRequired)?;
-                    frontend::password_message(password, &mut self.write_buf)?;
-                    self.flush().await?;
-                }
-                backend::Message::AuthenticationMd5Password(body) => {
-                    let password = password.ok_or(ReplicationError::PasswordRequired)?;
-                    let hash = md5_hash(user.as_bytes(), password, body.salt());
-                    frontend::password_message(hash.as_bytes(), &mut self.write_buf)?;
-                    self.flush().await?;
-                }
+            let message = self.next_backend_message().await?;
+            let mut mechanisms = Vec::new();
+            let request = match &message {
+                backend::Message::AuthenticationOk => Request::Ok,
+                backend::Message::AuthenticationCleartextPassword => Request::Cleartext,
+                backend::Message::AuthenticationMd5Password(body) => Request::Md5(body.salt()),
                 backend::Message::AuthenticationSasl(body) => {
-                    let password = password.ok_or(ReplicationError::PasswordRequired)?;
-                    let mut mechanisms = body.mechanisms();
-                    let (mut has_scram, mut has_plus) = (false, false);
-                    while let Some(mechanism) = mechanisms.next()? {
-                        has_scram |= mechanism == sasl::SCRAM_SHA_256;
-                        has_plus |= mechanism == sasl::SCRAM_SHA_256_PLUS;
+                    let mut offered = body.mechanisms();
+                    while let Some(mechanism) = offered.next()? {
+                        mechanisms.push(mechanism);
                     }
-                    let (mechanism, binding) = match channel_binding.clone() {
-                        Some(data) if has_plus => {
-                            bound = true;
-                            (sasl::SCRAM_SHA_256_PLUS, sasl::ChannelBinding::tls_server_end_point(data))
-                        }
-                        _ if wanted == Wanted::Require => {
-                            return Err(required(if channel_binding.is_some() {
-                                "the server does not offer SCRAM-SHA-256-PLUS on the replication connection"
-                            } else {
-                                "the replication connection has no TLS"
-                            }))
-                        }
-                        // Able to bind, but the server did not offer it.
-                        Some(_) => (sasl::SCRAM_SHA_256, sasl::ChannelBinding::unrequested()),
-                        None => (sasl::SCRAM_SHA_256, sasl::ChannelBinding::unsupported()),
-                    };
-                    if !has_scram && !bound {
-                        return Err(ReplicationError::Unsupported(
-                            "the server offers no SASL mechanism outboxd supports (SCRAM-SHA-256)".into(),
-                        ));
-                    }
-                    let state = sasl::ScramSha256::new(password, binding);
-                    frontend::sasl_initial_response(mechanism, state.message(), &mut self.write_buf)?;
-                    self.flush().await?;
-                    scram = Some(state);
+                    Request::Sasl(mechanisms)
                 }
                 backend::Message::AuthenticationSaslContinue(body) => {
-                    let state = scram.as_mut().ok_or_else(|| protocol_error("SASL continue without SASL start"))?;
-                    state.update(body.data())?;
-                    frontend::sasl_response(state.message(), &mut self.write_buf)?;
-                    self.flush().await?;
+                    Request::SaslContinue(body.data())
                 }
-                backend::Message::AuthenticationSaslFinal(body) => {
-                    let state = scram.as_mut().ok_or_else(|| protocol_error("SASL final without SASL start"))?;
-                    state.finish(body.data())?;
-                }
-                backend::Message::ErrorResponse(body) => return Err(server_error(&body)),
+                backend::Message::AuthenticationSaslFinal(body) => Request::SaslFinal(body.data()),
+                backend::Message::ErrorResponse(body) => return Err(server_error(body)),
                 backend::Message::AuthenticationKerberosV5
                 | backend::Message::AuthenticationScmCredential
                 | backend::Message::AuthenticationGss
@@ -258,7 +197,19 @@ impl ReplicationConnection {
                     ))
                 }
                 _ => return Err(protocol_error("unexpected message during authentication")),
+            };
+            match authentication.answer(request)? {
+                Answer::Authenticated => break,
+                Answer::Wait => continue,
+                Answer::Password(password) => {
+                    frontend::password_message(&password, &mut self.write_buf)?
+                }
+                Answer::SaslInitial(mechanism, first) => {
+                    frontend::sasl_initial_response(mechanism, &first, &mut self.write_buf)?
+                }
+                Answer::SaslResponse(last) => frontend::sasl_response(&last, &mut self.write_buf)?,
             }
+            self.flush().await?;
         }
         // ParameterStatus, BackendKeyData, ... until ReadyForQuery.
         loop {
@@ -368,7 +319,7 @@ impl ReplicationConnection {
                     return Ok(ReplicationStream { conn: self });
                 }
             }
-            if let Some(message) = backend::Message::parse(&mut self.read_buf)? {
+            if let Some(message) = parse_message(&mut self.read_buf)? {
                 match message {
                     backend::Message::ErrorResponse(body) => {
                         let error = server_error(&body);
@@ -384,7 +335,7 @@ impl ReplicationConnection {
 
     async fn next_backend_message(&mut self) -> Result<backend::Message, ReplicationError> {
         loop {
-            if let Some(message) = backend::Message::parse(&mut self.read_buf)? {
+            if let Some(message) = parse_message(&mut self.read_buf)? {
                 return Ok(message);
             }
             self.fill().await?;
@@ -420,7 +371,7 @@ impl ReplicationStream {
     /// Waits for the next XLogData or keepalive. Cancel-safe (safe inside `tokio::select!`).
     pub async fn next_message(&mut self) -> Result<ServerMessage, ReplicationError> {
         loop {
-            if let Some(message) = backend::Message::parse(&mut self.conn.read_buf)? {
+            if let Some(message) = parse_message(&mut self.conn.read_buf)? {
                 match message {
                     backend::Message::CopyData(body) => {
                         return protocol::decode_server_message(body.into_bytes())
@@ -569,6 +520,36 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, Repl
     }))
 }
 
+/// The largest message outboxd takes from the server other than CopyData (errors, notices, command replies).
+const MAX_MESSAGE_BYTES: usize = 1 << 20;
+/// The largest CopyData: one decoded change, whose values PostgreSQL keeps under 1 GiB each.
+const MAX_COPY_DATA_BYTES: usize = (1 << 30) + (1 << 20);
+
+/// The next whole message in `buf`, once all of it has arrived. A declared length is not trusted: nothing is
+/// reserved for a message before its bytes come (`fill` grows the buffer as they do), and a message longer
+/// than the protocol needs is refused.
+fn parse_message(buf: &mut BytesMut) -> Result<Option<backend::Message>, ReplicationError> {
+    let Some(header) = backend::Header::parse(buf)? else {
+        return Ok(None);
+    };
+    let total = header.len() as usize + 1;
+    let limit = if header.tag() == b'd' {
+        MAX_COPY_DATA_BYTES
+    } else {
+        MAX_MESSAGE_BYTES
+    };
+    if total > limit {
+        return Err(protocol_error(&format!(
+            "the server announced a message of {total} bytes (type '{}'), more than the {limit} bytes outboxd takes",
+            char::from(header.tag()).escape_default()
+        )));
+    }
+    if buf.len() < total {
+        return Ok(None);
+    }
+    Ok(backend::Message::parse(buf)?)
+}
+
 fn protocol_error(what: &str) -> ReplicationError {
     ReplicationError::Protocol(what.to_string())
 }
@@ -592,5 +573,46 @@ fn server_error(body: &backend::ErrorResponseBody) -> ReplicationError {
         code,
         message,
         detail,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(tag: u8, len: u32) -> BytesMut {
+        let mut buf = BytesMut::new();
+        buf.extend_from_slice(&[tag]);
+        buf.extend_from_slice(&len.to_be_bytes());
+        buf
+    }
+
+    #[test]
+    fn a_message_announced_longer_than_the_protocol_needs_is_refused_unread() {
+        // Review L8: a server (or a man in the middle) announcing 1 GiB made outboxd reserve it.
+        let mut announced = header(b'R', 1 << 30);
+        let Err(error) = parse_message(&mut announced) else {
+            panic!("a 1 GiB authentication message was taken")
+        };
+        assert!(error.to_string().contains("more than the"), "{error}");
+        assert!(announced.capacity() < 1 << 20);
+        // CopyData may be long (a change with large values), but room grows only as its bytes arrive.
+        let mut copy_data = header(b'd', 1 << 30);
+        assert!(parse_message(&mut copy_data).unwrap().is_none());
+        assert!(copy_data.capacity() < 1 << 20);
+        let mut too_long = header(b'd', (MAX_COPY_DATA_BYTES + 1) as u32);
+        assert!(parse_message(&mut too_long).is_err());
+    }
+
+    #[test]
+    fn a_whole_message_is_parsed_once_it_arrived() {
+        let mut buf = header(b'R', 8);
+        assert!(parse_message(&mut buf).unwrap().is_none());
+        buf.extend_from_slice(&0u32.to_be_bytes());
+        assert!(matches!(
+            parse_message(&mut buf).unwrap(),
+            Some(backend::Message::AuthenticationOk)
+        ));
+        assert!(buf.is_empty());
     }
 }
