@@ -664,12 +664,22 @@ impl<K: Sinks> PollWorker<K> {
                 break;
             };
             let Some(index) = delivery.tag else { continue };
+            let failed = delivery.result.is_err();
             if let Some(outcome @ Outcome::InFlight) = outcomes.get_mut(index) {
                 *outcome = match delivery.result {
                     Ok(()) => Outcome::Delivered,
                     Err(rejection) => Outcome::Failed(rejection),
                 };
                 in_flight -= 1;
+            }
+            // A producer stopped by a refusal (the gap-less guarantee) never sends or reports what it still
+            // holds (librdkafka has no message timeout here): purged now, not after the delivery timeout.
+            if failed && in_flight > 0 && !report.producer_spent {
+                if let Some(reason) = publisher.fatal_error() {
+                    tracing::debug!(%reason, in_flight, "the producer stopped: purging what it still holds");
+                    publisher.purge();
+                    report.producer_spent = true;
+                }
             }
         }
     }
