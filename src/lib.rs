@@ -9,6 +9,7 @@ pub mod event;
 pub mod http;
 pub mod inbox;
 pub mod kafka;
+pub mod logging;
 pub mod lsn;
 pub mod metrics;
 pub mod pg;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use outboxd::config::{Cli, Command, LogFormat, Options};
 use outboxd::pg::outbox::ReplayFilter;
-use outboxd::{pg, pipeline, status};
+use outboxd::{logging, pg, pipeline, status};
 use tokio::sync::watch;
 
 fn init_tracing(format: LogFormat) {
@@ -19,7 +19,7 @@ fn init_tracing(format: LogFormat) {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
-        LogFormat::Text => builder.init(),
+        LogFormat::Text => builder.fmt_fields(logging::text_fields()).init(),
         LogFormat::Json => builder.json().init(),
     }
 }
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
     let options = match options.with_file() {
         Ok(options) => options,
         Err(error) => {
-            eprintln!("error: {error}");
+            eprintln!("error: {}", logging::escape_controls(&error.to_string()));
             return ExitCode::from(2);
         }
     };
@@ -53,7 +53,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(error) => {
             // Printed once, plainly, whatever the log format: this is the line a person acts on.
-            eprintln!("error: {error}");
+            eprintln!("error: {}", logging::escape_controls(&error.to_string()));
             ExitCode::FAILURE
         }
     }

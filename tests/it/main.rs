@@ -24,6 +24,7 @@ mod operate;
 mod poll;
 mod refusals;
 mod retention;
+mod security;
 mod sink;
 mod soak;
 mod tls;

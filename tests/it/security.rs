@@ -1,0 +1,39 @@
+//! What comes from rows and from servers stays data, and secrets stay out of what outboxd prints (the
+//! security review of 2026-12-03; TLS and authentication are in `tls`).
+
+use std::time::Duration;
+
+use crate::support::*;
+
+/// A row's aggregate id holding a line break and a made-up log line, on an event outboxd logs (dead-lettered:
+/// too large for any topic): the text log shows the value escaped, never a line of its own (review L3).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_value_from_a_row_cannot_forge_a_log_line() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "poll"]);
+    let outboxd = Outboxd::spawn(&args);
+    let client = pg.client().await;
+    let forged = "x\n2026-12-03T00:00:00.000000Z  INFO outboxd: all events published";
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', $1, 'E', jsonb_build_object('pad', repeat('x', 1500000)))",
+            &[&forged],
+        )
+        .await
+        .unwrap();
+    wait_settled(&client, Duration::from_secs(60)).await;
+    assert_eq!(dead_count(&client).await, 1, "the oversize event died");
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("x\\n2026-12-03T00:00:00.000000Z"),
+        "the value is in the log, escaped:\n{log}"
+    );
+    assert!(
+        !log.lines()
+            .any(|line| line.starts_with("2026-12-03T00:00:00")),
+        "a row's value started a log line of its own:\n{log}"
+    );
+}
