@@ -687,6 +687,12 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
         self.abort_in_background();
     }
 
+    fn purge_unsent(&self) {
+        // As librdkafka's own fatal-error handling: queues only, in-flight requests get their real status.
+        self.producer
+            .purge(rdkafka::producer::PurgeConfig::default().queue());
+    }
+
     /// Drops whatever the producer still holds; those events are re-sent from the slot.
     fn abandon(self) {
         self.producer

@@ -189,6 +189,32 @@ impl CloudEventsFormat {
     }
 }
 
+/// CloudEvents' own attribute names (and `data`): a `--header-column` must not take one, or a row would
+/// decide the event's id, source or type (security review L2).
+pub const CLOUDEVENTS_RESERVED: [&str; 10] = [
+    "specversion",
+    "id",
+    "source",
+    "type",
+    "subject",
+    "time",
+    "datacontenttype",
+    "dataschema",
+    "data",
+    "data_base64",
+];
+
+/// The headers outboxd's own format sets (the event id's as `event_id`, or `id` for Debezium-style
+/// tables; `error` on dead letters): a `--header-column` must not take one.
+pub const OUTBOXD_HEADERS: [&str; 6] = [
+    "event_id",
+    "id",
+    "event_type",
+    "aggregate_type",
+    "created_at",
+    "error",
+];
+
 /// Whether `name` may be a CloudEvents attribute name (lower-case ASCII letters and digits; the spec asks
 /// for at most 20 characters): a `--header-column` becomes an extension attribute of that name.
 pub fn is_attribute_name(name: &str) -> bool {

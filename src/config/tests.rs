@@ -426,3 +426,35 @@ fn exactly_once_refuses_what_would_undo_it() {
         assert!(err.contains(expected), "{extra:?}: {err}");
     }
 }
+
+#[test]
+fn a_header_column_never_takes_a_name_the_format_sets() {
+    // Review L2: a row's `source` column overwrote the CloudEvent's source (and its id, its type).
+    let base = ["--database-url", "postgres://h/db", "--brokers", "b:9092"];
+    for (format, column) in [
+        ("cloudevents", "source"),
+        ("cloudevents", "id"),
+        ("cloudevents", "type"),
+        ("cloudevents", "data"),
+        ("outboxd", "event_id"),
+        ("outboxd", "id"),
+        ("outboxd", "event_type"),
+    ] {
+        let args = [&base[..], &["--format", format, "--header-column", column]].concat();
+        let error = options(&args).run().err().map(|e| e.to_string());
+        assert!(
+            error
+                .as_deref()
+                .is_some_and(|e| e.contains("would overwrite")),
+            "--format {format} --header-column {column}: {error:?}"
+        );
+    }
+    for format in ["cloudevents", "outboxd"] {
+        let args = [
+            &base[..],
+            &["--format", format, "--header-column", "traceparent"],
+        ]
+        .concat();
+        assert!(options(&args).run().is_ok(), "{format}");
+    }
+}

@@ -233,7 +233,20 @@ impl Options {
         &self,
         database: &DatabaseSettings<TableSpec>,
     ) -> Result<RecordFormat, ConfigError> {
-        if self.format.unwrap_or_default() != RecordFormatChoice::Cloudevents {
+        let headers = || database.tables.iter().flat_map(|t| &t.header_columns);
+        let cloudevents = self.format.unwrap_or_default() == RecordFormatChoice::Cloudevents;
+        let (reserved, names): (&[&str], &str) = if cloudevents {
+            (&record::CLOUDEVENTS_RESERVED, "a CloudEvents attribute")
+        } else {
+            (&record::OUTBOXD_HEADERS, "a header outboxd sets")
+        };
+        if let Some(column) = headers().find(|c| reserved.contains(&c.as_str())) {
+            return Err(invalid(format!(
+                "--header-column {column:?} would overwrite {names} of the same name with a row's value; rename the column in a view or leave it out (taken: {})",
+                reserved.join(", ")
+            )));
+        }
+        if !cloudevents {
             for (flag, given) in [
                 ("--cloudevents-mode", self.cloudevents_mode.is_some()),
                 ("--cloudevents-source", self.cloudevents_source.is_some()),
@@ -252,8 +265,7 @@ impl Options {
             }
             None => SourceTemplate::default(),
         };
-        let headers = database.tables.iter().flat_map(|t| &t.header_columns);
-        if let Some(column) = headers.into_iter().find(|c| !record::is_attribute_name(c)) {
+        if let Some(column) = headers().find(|c| !record::is_attribute_name(c)) {
             return Err(invalid(format!(
                 "--header-column {column:?}: with --format cloudevents a header column becomes an extension attribute (ce_{column}), whose name must be lower-case letters and digits only; rename the column, or use --format outboxd"
             )));

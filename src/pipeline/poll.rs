@@ -650,12 +650,14 @@ impl<K: Sinks> PollWorker<K> {
         report: &mut BatchReport,
     ) {
         let deadline = tokio::time::Instant::now() + self.delivery_timeout();
+        let mut purged = false;
         while in_flight > 0 {
             let delivery = tokio::select! {
                 delivery = deliveries.recv() => delivery,
-                _ = tokio::time::sleep_until(deadline), if !report.producer_spent => {
+                _ = tokio::time::sleep_until(deadline), if !purged => {
                     tracing::warn!(in_flight, timeout = ?self.delivery_timeout(), "the broker acknowledged no more of the batch within the delivery timeout; purging the producer and retrying the rest");
                     publisher.purge();
+                    purged = true;
                     report.producer_spent = true;
                     continue;
                 }
@@ -672,12 +674,13 @@ impl<K: Sinks> PollWorker<K> {
                 };
                 in_flight -= 1;
             }
-            // A producer stopped by a refusal (the gap-less guarantee) never sends or reports what it still
-            // holds (librdkafka has no message timeout here): purged now, not after the delivery timeout.
+            // A producer stopped by a refusal (the gap-less guarantee) never sends nor reports what it had
+            // not sent yet (librdkafka has no message timeout here): that is failed now, not after the
+            // delivery timeout. Requests in flight keep their real report (the broker may write them).
             if failed && in_flight > 0 && !report.producer_spent {
                 if let Some(reason) = publisher.fatal_error() {
-                    tracing::debug!(%reason, in_flight, "the producer stopped: purging what it still holds");
-                    publisher.purge();
+                    tracing::debug!(%reason, in_flight, "the producer stopped: failing what it never sent");
+                    publisher.purge_unsent();
                     report.producer_spent = true;
                 }
             }

@@ -440,6 +440,11 @@ impl<T: Send + Sync + 'static> Sink<T> for MemorySink<T> {
         self.fail_held("purged");
     }
 
+    /// The in-memory broker writes what it accepts at once: nothing held is in flight.
+    fn purge_unsent(&self) {
+        self.fail_held("purged");
+    }
+
     fn abandon(self) {
         self.fail_held("abandoned");
     }

@@ -114,6 +114,11 @@ pub trait Sink<T>: Send + Sync {
     /// is given up, and the producer is not used again.
     fn purge(&self);
 
+    /// Fails the events the producer holds but never sent (their reports arrive at once, as failures);
+    /// what is in flight keeps its real report, since the broker may write it still. For a producer that
+    /// stopped and will send nothing more.
+    fn purge_unsent(&self);
+
     /// Drops whatever the producer still holds; its events are sent again by whoever owns them.
     fn abandon(self);
 
