@@ -144,7 +144,7 @@ pub fn replication_error(error: ReplicationError) -> Error {
     if let ReplicationError::Auth(AuthError::ChannelBindingRequired(_)) = &error {
         return Error::setup(
             message,
-            "authenticate replication connections with scram-sha-256 over TLS (a `hostssl ... scram-sha-256` line in pg_hba.conf, sslmode=require or stricter, a password stored as SCRAM), or drop channel_binding=require from the URL",
+            "where the server is set up for SCRAM over TLS this may be a man in the middle: have outboxd check the server's certificate (sslmode=verify-full with sslrootcert); otherwise authenticate replication connections with scram-sha-256 over TLS (a `hostssl ... scram-sha-256` line in pg_hba.conf, sslmode=require or stricter, a password stored as SCRAM), or drop channel_binding=require from the URL",
         );
     }
     if let ReplicationError::Auth(AuthError::Scram(_)) = &error {

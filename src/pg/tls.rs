@@ -164,7 +164,10 @@ const SYSTEM_ROOTS: &str = "system";
 
 /// libpq's default root certificate file, `~/.postgresql/root.crt`.
 fn default_root_cert() -> Option<PathBuf> {
-    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".postgresql/root.crt"))
+    // An empty HOME is no home: never a relative path that makes the working directory's file a trust anchor.
+    std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map(|home| PathBuf::from(home).join(".postgresql/root.crt"))
 }
 
 /// A trust store holding the CA certificates of the PEM file at `path` and nothing else (OpenSSL's

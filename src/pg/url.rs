@@ -47,6 +47,27 @@ impl PgUrl {
         })
     }
 
+    /// A warning for TLS that does not authenticate the server (`prefer`, or `require` without a root
+    /// certificate) to a host off this machine: it keeps listeners out, not a man in the middle, who can ask
+    /// for the password in the clear or feed forged data. `None` when the server is verified, when TLS is
+    /// off on purpose, or on loopback and Unix sockets.
+    pub fn unverified_tls_warning(&self, setting: &str) -> Option<String> {
+        use tokio_postgres::config::Host;
+        let unverified = matches!(self.tls.mode, tls::SslMode::Prefer | tls::SslMode::Require)
+            && !self.tls.authenticates_server();
+        let remote = self.config.get_hosts().iter().any(|host| match host {
+            Host::Tcp(name) => !is_loopback(name),
+            #[cfg(unix)]
+            Host::Unix(_) => false,
+        });
+        (unverified && remote).then(|| {
+            format!(
+                "{setting} uses sslmode={}: TLS without checking the server's certificate keeps listeners out but not a man in the middle, who could ask for the password or feed forged events; fix: sslmode=verify-full&sslrootcert=/path/to/ca.crt (or sslrootcert=system for a certificate a public CA issued)",
+                self.tls.mode.as_str()
+            )
+        })
+    }
+
     /// The SQL connections' TLS connector for this target.
     pub fn connector(&self) -> postgres_openssl::MakeTlsConnector {
         self.connector.clone()
@@ -76,6 +97,15 @@ impl PgUrl {
     }
 }
 
+/// Whether `host` names this machine (a loopback address, or `localhost`).
+fn is_loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 impl std::fmt::Debug for PgUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // tokio-postgres's Debug redacts the password.
@@ -83,5 +113,38 @@ impl std::fmt::Debug for PgUrl {
             .field("config", &self.config)
             .field("tls", &self.tls)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warning(url: &str) -> Option<String> {
+        PgUrl::parse("--database-url", url)
+            .unwrap()
+            .unverified_tls_warning("--database-url")
+    }
+
+    #[test]
+    fn tls_that_checks_nothing_is_said_at_start_up_unless_the_server_is_this_machine() {
+        for weak in ["", "?sslmode=prefer", "?sslmode=require"] {
+            let said = warning(&format!("postgres://u:pw@db.internal/app{weak}"));
+            assert!(
+                said.as_deref()
+                    .is_some_and(|w| w.contains("verify-full") && !w.contains("pw")),
+                "{weak}: {said:?}"
+            );
+        }
+        assert_eq!(warning("postgres://u@localhost/app?sslmode=require"), None);
+        assert_eq!(warning("postgres://u@127.0.0.1/app"), None);
+        assert_eq!(
+            warning("postgres://u@db.internal/app?sslmode=disable"),
+            None
+        );
+        assert_eq!(
+            warning("postgres://u@db.internal/app?sslmode=verify-full&sslrootcert=system"),
+            None
+        );
     }
 }

@@ -311,6 +311,22 @@ async fn run_once(
 ) -> Result<()> {
     let (settings, announcement, retention) = start_up(configured, &sinks).await?;
     let _retention = retention.map(AbortOnDrop);
+    let database = &settings.database;
+    let warnings = [
+        database
+            .database_url
+            .unverified_tls_warning("--database-url"),
+        database
+            .replication_url
+            .unverified_tls_warning("--replication-url"),
+    ];
+    // Without --replication-url both are the same URL: said once.
+    let same_url = database.replication_url.config.get_hosts()
+        == database.database_url.config.get_hosts()
+        && database.replication_url.tls == database.database_url.tls;
+    for warning in warnings.iter().take(if same_url { 1 } else { 2 }).flatten() {
+        tracing::warn!("{warning}");
+    }
     tracing::info!(
         tables = %crate::table::names(&settings.database.tables),
         mode = ?settings.mode,

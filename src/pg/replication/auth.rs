@@ -29,6 +29,19 @@ pub enum AuthError {
     Unsupported(String),
 }
 
+/// What the connection's TLS gives SCRAM's channel binding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Channel {
+    /// No TLS.
+    Plain,
+    /// TLS, with its `tls-server-end-point` data (`None`: the server certificate's signature names no hash
+    /// to compute it with, e.g. Ed25519).
+    Tls {
+        /// The `tls-server-end-point` channel-binding data (RFC 5929).
+        end_point: Option<Vec<u8>>,
+    },
+}
+
 /// A request of the server's during authentication.
 #[derive(Debug)]
 pub enum Request<'a> {
@@ -88,25 +101,24 @@ pub struct Authentication<'a> {
     user: &'a str,
     password: Option<&'a [u8]>,
     wanted: ChannelBinding,
-    /// The TLS connection's `tls-server-end-point` data (`None` without TLS, or with binding disabled).
-    tls_binding: Option<Vec<u8>>,
+    channel: Channel,
     state: State,
 }
 
 impl<'a> Authentication<'a> {
-    /// `tls_binding` is the TLS connection's `tls-server-end-point` data, if any; `wanted` is the URL's
-    /// `channel_binding` (libpq's: disable, prefer, require).
+    /// `channel`: the connection's TLS; `wanted`: the URL's `channel_binding` (libpq's: disable, prefer,
+    /// require).
     pub fn new(
         user: &'a str,
         password: Option<&'a [u8]>,
         wanted: ChannelBinding,
-        tls_binding: Option<Vec<u8>>,
+        channel: Channel,
     ) -> Self {
         Authentication {
             user,
             password,
             wanted,
-            tls_binding: tls_binding.filter(|_| wanted != ChannelBinding::Disable),
+            channel,
             state: State::Start,
         }
     }
@@ -192,26 +204,38 @@ impl<'a> Authentication<'a> {
         let password = self.password.ok_or(AuthError::PasswordRequired)?;
         let has_scram = mechanisms.contains(&sasl::SCRAM_SHA_256);
         let has_plus = mechanisms.contains(&sasl::SCRAM_SHA_256_PLUS);
-        let (mechanism, binding, plus) = match self.tls_binding.clone() {
-            Some(data) if has_plus => (
+        let channel = match &self.channel {
+            _ if self.wanted == ChannelBinding::Disable => &Channel::Plain,
+            channel => channel,
+        };
+        // As libpq: over TLS the client says it could bind ("y") even when the server offers no PLUS, so
+        // that a server that does offer it (behind a man in the middle who hides it) refuses.
+        let (mechanism, binding, plus) = match channel {
+            Channel::Tls {
+                end_point: Some(data),
+            } if has_plus => (
                 sasl::SCRAM_SHA_256_PLUS,
-                sasl::ChannelBinding::tls_server_end_point(data),
+                sasl::ChannelBinding::tls_server_end_point(data.clone()),
                 true,
             ),
+            Channel::Tls { end_point: None } if has_plus || require => {
+                return Err(AuthError::Unsupported(
+                    "the server's TLS certificate is signed with an algorithm that names no hash (e.g. Ed25519), so SCRAM cannot be bound to the TLS channel; use a certificate signed with SHA-256, or channel_binding=disable".into(),
+                ))
+            }
             _ if require => {
-                return Err(binding_required(if self.tls_binding.is_some() {
+                return Err(binding_required(if matches!(channel, Channel::Tls { .. }) {
                     "the server does not offer SCRAM-SHA-256-PLUS on the replication connection"
                 } else {
                     "the replication connection has no TLS"
                 }))
             }
-            // Able to bind, but the server did not offer it.
-            Some(_) => (
+            Channel::Tls { .. } => (
                 sasl::SCRAM_SHA_256,
                 sasl::ChannelBinding::unrequested(),
                 false,
             ),
-            None => (
+            Channel::Plain => (
                 sasl::SCRAM_SHA_256,
                 sasl::ChannelBinding::unsupported(),
                 false,
@@ -245,12 +269,14 @@ mod tests {
     const PASSWORD: &[u8] = b"secret";
 
     fn auth(wanted: ChannelBinding, tls: bool) -> Authentication<'static> {
-        Authentication::new(
-            "outboxd",
-            Some(PASSWORD),
-            wanted,
-            tls.then(|| BINDING.to_vec()),
-        )
+        let channel = if tls {
+            Channel::Tls {
+                end_point: Some(BINDING.to_vec()),
+            }
+        } else {
+            Channel::Plain
+        };
+        Authentication::new("outboxd", Some(PASSWORD), wanted, channel)
     }
 
     fn hmac(key: &[u8], data: &[u8]) -> Vec<u8> {
@@ -413,6 +439,34 @@ mod tests {
     }
 
     #[test]
+    fn over_tls_without_binding_data_the_client_says_it_could_bind_or_refuses() {
+        // Adversarial review: a certificate without a hash made the client say "no TLS" ("n"), which a
+        // server behind a man in the middle accepts; libpq says "y" (or fails when PLUS is offered).
+        let no_hash = || Channel::Tls { end_point: None };
+        let mut client =
+            Authentication::new("u", Some(PASSWORD), ChannelBinding::Prefer, no_hash());
+        let Answer::SaslInitial(mechanism, first) = client
+            .answer(Request::Sasl(vec![sasl::SCRAM_SHA_256]))
+            .unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(mechanism, sasl::SCRAM_SHA_256);
+        assert!(
+            first.starts_with(b"y,,"),
+            "{}",
+            String::from_utf8_lossy(&first)
+        );
+        for wanted in [ChannelBinding::Prefer, ChannelBinding::Require] {
+            let mut client = Authentication::new("u", Some(PASSWORD), wanted, no_hash());
+            assert!(
+                client.answer(Request::Sasl(BOTH.to_vec())).is_err(),
+                "{wanted:?}"
+            );
+        }
+    }
+
+    #[test]
     fn scram_messages_out_of_order_are_refused() {
         let mut final_first = auth(ChannelBinding::Prefer, true);
         final_first.answer(Request::Sasl(BOTH.to_vec())).unwrap();
@@ -472,7 +526,8 @@ mod tests {
             panic!()
         };
         assert!(hash.starts_with(b"md5"));
-        let mut without = Authentication::new("outboxd", None, ChannelBinding::Prefer, None);
+        let mut without =
+            Authentication::new("outboxd", None, ChannelBinding::Prefer, Channel::Plain);
         assert!(matches!(
             without.answer(Request::Cleartext),
             Err(AuthError::PasswordRequired)

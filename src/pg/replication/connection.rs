@@ -12,7 +12,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_postgres::config::Host;
 
-use super::auth::{Answer, AuthError, Authentication, Request};
+use super::auth::{Answer, AuthError, Authentication, Channel, Request};
 use super::protocol::{self, ServerMessage};
 use crate::lsn::Lsn;
 use crate::pg::tls::SslMode;
@@ -123,29 +123,28 @@ impl ReplicationConnection {
     /// Connects and authenticates in `replication=database` mode.
     pub async fn connect(url: &PgUrl) -> Result<Self, ReplicationError> {
         let config = &url.config;
-        let (socket, channel_binding) = match open_socket(config).await? {
+        let (socket, channel) = match open_socket(config).await? {
             OpenSocket::Tcp { stream, host } => negotiate_tls(stream, &host, url).await?,
             // libpq does not use TLS on Unix-domain sockets either.
             #[cfg(unix)]
-            OpenSocket::Unix(stream) => (Box::new(stream) as Box<dyn Socket>, None),
+            OpenSocket::Unix(stream) => (Box::new(stream) as Box<dyn Socket>, Channel::Plain),
         };
         let mut conn = ReplicationConnection {
             socket,
             read_buf: BytesMut::with_capacity(64 * 1024),
             write_buf: BytesMut::with_capacity(1024),
         };
-        conn.startup(config, channel_binding).await?;
+        conn.startup(config, channel).await?;
         Ok(conn)
     }
 
-    /// Startup and authentication (see [`Authentication`]). `channel_binding` is the TLS connection's
-    /// `tls-server-end-point` data: with it SCRAM binds to the TLS channel (SCRAM-SHA-256-PLUS) when the
-    /// server offers it, and the URL's `channel_binding` (libpq's: disable, prefer, require) is enforced as
-    /// libpq does.
+    /// Startup and authentication (see [`Authentication`]). `channel`: the connection's TLS, whose
+    /// `tls-server-end-point` data binds SCRAM to it (SCRAM-SHA-256-PLUS) when the server offers it; the
+    /// URL's `channel_binding` (libpq's: disable, prefer, require) is enforced as libpq does.
     async fn startup(
         &mut self,
         config: &tokio_postgres::Config,
-        channel_binding: Option<Vec<u8>>,
+        channel: Channel,
     ) -> Result<(), ReplicationError> {
         let user = config.get_user().unwrap_or("postgres");
         let database = config.get_dbname().unwrap_or(user);
@@ -167,7 +166,7 @@ impl ReplicationConnection {
             user,
             config.get_password(),
             config.get_channel_binding(),
-            channel_binding,
+            channel,
         );
         loop {
             let message = self.next_backend_message().await?;
@@ -319,7 +318,7 @@ impl ReplicationConnection {
                     return Ok(ReplicationStream { conn: self });
                 }
             }
-            if let Some(message) = parse_message(&mut self.read_buf)? {
+            if let Some(message) = parse_message(&mut self.read_buf, MAX_MESSAGE_BYTES)? {
                 match message {
                     backend::Message::ErrorResponse(body) => {
                         let error = server_error(&body);
@@ -335,7 +334,7 @@ impl ReplicationConnection {
 
     async fn next_backend_message(&mut self) -> Result<backend::Message, ReplicationError> {
         loop {
-            if let Some(message) = parse_message(&mut self.read_buf)? {
+            if let Some(message) = parse_message(&mut self.read_buf, MAX_MESSAGE_BYTES)? {
                 return Ok(message);
             }
             self.fill().await?;
@@ -371,7 +370,7 @@ impl ReplicationStream {
     /// Waits for the next XLogData or keepalive. Cancel-safe (safe inside `tokio::select!`).
     pub async fn next_message(&mut self) -> Result<ServerMessage, ReplicationError> {
         loop {
-            if let Some(message) = parse_message(&mut self.conn.read_buf)? {
+            if let Some(message) = parse_message(&mut self.conn.read_buf, MAX_COPY_DATA_BYTES)? {
                 match message {
                     backend::Message::CopyData(body) => {
                         return protocol::decode_server_message(body.into_bytes())
@@ -420,10 +419,10 @@ async fn negotiate_tls(
     mut stream: TcpStream,
     host: &str,
     url: &PgUrl,
-) -> Result<(Box<dyn Socket>, Option<Vec<u8>>), ReplicationError> {
+) -> Result<(Box<dyn Socket>, Channel), ReplicationError> {
     let mode = url.tls.mode;
     if mode == SslMode::Disable {
-        return Ok((Box::new(stream), None));
+        return Ok((Box::new(stream), Channel::Plain));
     }
     let mut request = BytesMut::new();
     frontend::ssl_request(&mut request);
@@ -437,9 +436,9 @@ async fn negotiate_tls(
                 .handshake(&url.ssl, host, stream)
                 .await
                 .map_err(tls_error)?;
-            Ok((Box::new(stream), binding))
+            Ok((Box::new(stream), Channel::Tls { end_point: binding }))
         }
-        b'N' if mode.allows_plaintext() => Ok((Box::new(stream), None)),
+        b'N' if mode.allows_plaintext() => Ok((Box::new(stream), Channel::Plain)),
         b'N' => Err(tls_error("server does not support TLS".into())),
         other => Err(protocol_error(&format!(
             "unexpected answer {other:#x} to the TLS request"
@@ -527,14 +526,18 @@ const MAX_COPY_DATA_BYTES: usize = (1 << 30) + (1 << 20);
 
 /// The next whole message in `buf`, once all of it has arrived. A declared length is not trusted: nothing is
 /// reserved for a message before its bytes come (`fill` grows the buffer as they do), and a message longer
-/// than the protocol needs is refused.
-fn parse_message(buf: &mut BytesMut) -> Result<Option<backend::Message>, ReplicationError> {
+/// than the protocol needs is refused: CopyData up to `copy_data_limit` (long only inside the replication
+/// stream), anything else up to [`MAX_MESSAGE_BYTES`].
+fn parse_message(
+    buf: &mut BytesMut,
+    copy_data_limit: usize,
+) -> Result<Option<backend::Message>, ReplicationError> {
     let Some(header) = backend::Header::parse(buf)? else {
         return Ok(None);
     };
     let total = header.len() as usize + 1;
     let limit = if header.tag() == b'd' {
-        MAX_COPY_DATA_BYTES
+        copy_data_limit
     } else {
         MAX_MESSAGE_BYTES
     };
@@ -591,26 +594,33 @@ mod tests {
     fn a_message_announced_longer_than_the_protocol_needs_is_refused_unread() {
         // Review L8: a server (or a man in the middle) announcing 1 GiB made outboxd reserve it.
         let mut announced = header(b'R', 1 << 30);
-        let Err(error) = parse_message(&mut announced) else {
+        let Err(error) = parse_message(&mut announced, MAX_COPY_DATA_BYTES) else {
             panic!("a 1 GiB authentication message was taken")
         };
         assert!(error.to_string().contains("more than the"), "{error}");
         assert!(announced.capacity() < 1 << 20);
         // CopyData may be long (a change with large values), but room grows only as its bytes arrive.
         let mut copy_data = header(b'd', 1 << 30);
-        assert!(parse_message(&mut copy_data).unwrap().is_none());
+        assert!(parse_message(&mut copy_data, MAX_COPY_DATA_BYTES)
+            .unwrap()
+            .is_none());
         assert!(copy_data.capacity() < 1 << 20);
         let mut too_long = header(b'd', (MAX_COPY_DATA_BYTES + 1) as u32);
-        assert!(parse_message(&mut too_long).is_err());
+        assert!(parse_message(&mut too_long, MAX_COPY_DATA_BYTES).is_err());
+        // Outside the stream (authentication, commands) CopyData is short too.
+        let mut before_the_stream = header(b'd', 1 << 30);
+        assert!(parse_message(&mut before_the_stream, MAX_MESSAGE_BYTES).is_err());
     }
 
     #[test]
     fn a_whole_message_is_parsed_once_it_arrived() {
         let mut buf = header(b'R', 8);
-        assert!(parse_message(&mut buf).unwrap().is_none());
+        assert!(parse_message(&mut buf, MAX_MESSAGE_BYTES)
+            .unwrap()
+            .is_none());
         buf.extend_from_slice(&0u32.to_be_bytes());
         assert!(matches!(
-            parse_message(&mut buf).unwrap(),
+            parse_message(&mut buf, MAX_MESSAGE_BYTES).unwrap(),
             Some(backend::Message::AuthenticationOk)
         ));
         assert!(buf.is_empty());
