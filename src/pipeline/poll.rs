@@ -928,6 +928,12 @@ impl<K: Sinks> PollWorker<K> {
     ) -> Result<()> {
         let poll = &self.settings.poll;
         if dead_letters(rejection, alone, row.attempts, poll.max_attempts) {
+            // The dead-letter record first, then the row: a process killed in between dead-letters the
+            // event again (a second record), never leaves a dead row without its record.
+            if let Some(topic) = &poll.dead_letter_topic {
+                self.produce_dead_letter(topic, row, &rejection.reason)
+                    .await;
+            }
             sql.dead_letter(client, row.event_id, token, &rejection.reason)
                 .await?;
             report.dead += 1;
@@ -939,10 +945,6 @@ impl<K: Sinks> PollWorker<K> {
                 error = %rejection.reason,
                 "event dead-lettered; later events of its aggregate proceed; re-queue with `outboxd replay`"
             );
-            if let Some(topic) = &poll.dead_letter_topic {
-                self.produce_dead_letter(topic, row, &rejection.reason)
-                    .await;
-            }
         } else {
             let delay = retry_delay(poll.retry_base, poll.retry_cap, row.attempts);
             sql.retry_later(client, row.event_id, token, &rejection.reason, delay)
