@@ -89,7 +89,7 @@ pub enum LogFormat {
 /// Every option, as given by flag, environment or file. The same names are the TOML keys (kebab-case). A new
 /// option is a field here (and its validation in [`Options::run`] or [`Options::database`]): the merge of
 /// flags and environment over the file goes by these names, field by field (see `Options::or`).
-#[derive(Debug, Clone, Default, Args, Deserialize, Serialize)]
+#[derive(Clone, Default, Args, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Options {
     /// TOML file with any of these options as keys (flags and environment win over it).
@@ -268,4 +268,28 @@ fn one_or_many<'de, D: serde::Deserializer<'de>>(
         OneOrMany::One(one) => vec![one],
         OneOrMany::Many(many) => many,
     }))
+}
+
+/// Every option given, by its `--config` name, but the URLs (they may hold a password) and the values of
+/// secret Kafka options: a `Debug` of the options never shows a secret (security review L4).
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Ok(mut table) = toml::Table::try_from(self) else {
+            return f.write_str("Options { .. }");
+        };
+        for url in ["database-url", "replication-url"] {
+            if let Some(value) = table.get_mut(url) {
+                *value = toml::Value::String("<not shown>".into());
+            }
+        }
+        if let Some(toml::Value::Array(options)) = table.get_mut("kafka-option") {
+            // One value may hold several options: any mention of a secret hides all of it.
+            for option in options.iter_mut() {
+                if option.as_str().is_some_and(super::holds_secret) {
+                    *option = toml::Value::String("<not shown: holds a secret>".into());
+                }
+            }
+        }
+        write!(f, "Options {table:?}")
+    }
 }

@@ -33,7 +33,18 @@ impl Options {
                 .map_err(|e| invalid(format!("cannot merge the options: {e}")))
         };
         let mut merged = table(&file)?;
-        merged.extend(table(&self)?);
+        let mut given = table(&self)?;
+        // Kafka options add up: the file's first, then those of flags and environment, so that a secret
+        // kept in the environment (from a Kubernetes Secret) joins the file's options, and the later wins
+        // per property (librdkafka applies them in order).
+        if let (Some(toml::Value::Array(from_file)), Some(toml::Value::Array(from_flags))) =
+            (merged.get(KAFKA_OPTION), given.get_mut(KAFKA_OPTION))
+        {
+            let mut all = from_file.clone();
+            all.append(from_flags);
+            *from_flags = all;
+        }
+        merged.extend(given);
         // What a struct serialised reads back as itself; the error would quote a value (maybe a URL with its
         // password), so it is not repeated.
         let mut options: Options = merged.try_into().map_err(|_| {
@@ -43,6 +54,9 @@ impl Options {
         Ok(options)
     }
 }
+
+/// The `--config` name of `--kafka-option`.
+const KAFKA_OPTION: &str = "kafka-option";
 
 /// Where a `--config` file is wrong and why, without its text: the parser's own message quotes the line at
 /// fault and the value (review M5: `kafka-option = "sasl.password=..."` printed the password). Keeps the

@@ -17,7 +17,8 @@ mod validate;
 
 pub use cli::{Cli, Command, LogFormat, Options, Thresholds};
 pub use parse::{
-    parse_duration, parse_identifier, parse_postgres_url, parse_slot_name, parse_table, redact_url,
+    holds_secret, parse_duration, parse_identifier, parse_postgres_url, parse_slot_name,
+    parse_table, redact_url,
 };
 pub use settings::{
     CdcSettings, DatabaseSettings, DeliveryGuarantee, ExactlyOnceSettings, ExistingRows,

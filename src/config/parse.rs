@@ -63,6 +63,14 @@ pub fn parse_table(text: &str) -> Result<TableName, ConfigError> {
     })
 }
 
+/// Whether a librdkafka property holds a secret (a password, a client secret, a JAAS configuration): its value
+/// is never shown.
+pub fn holds_secret(property: &str) -> bool {
+    ["password", "secret", "jaas"]
+        .iter()
+        .any(|word| property.to_ascii_lowercase().contains(word))
+}
+
 /// A URL with its password replaced, for logs and status output.
 pub fn redact_url(url: &str) -> String {
     match url.split_once("://") {

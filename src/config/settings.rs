@@ -184,8 +184,8 @@ pub struct Retention {
     pub interval: Duration,
 }
 
-/// The brokers and the producer.
-#[derive(Debug, Clone)]
+/// The brokers and the producer. Its `Debug` never shows a secret option's value.
+#[derive(Clone)]
 pub struct KafkaSettings {
     /// `--brokers`: Kafka bootstrap servers, a comma-separated host:port list (never empty).
     pub brokers: String,
@@ -201,6 +201,32 @@ pub struct KafkaSettings {
     pub exactly_once: Option<ExactlyOnceSettings>,
     /// `--format` and its CloudEvents options: what a record's headers and value hold.
     pub format: RecordFormat,
+}
+
+impl std::fmt::Debug for KafkaSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let options: Vec<(&str, &str)> = self
+            .options
+            .iter()
+            .map(|(key, value)| {
+                let shown = if super::holds_secret(key) {
+                    "<not shown>"
+                } else {
+                    value.as_str()
+                };
+                (key.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaSettings")
+            .field("brokers", &self.brokers)
+            .field("options", &options)
+            .field("topic_partitions", &self.topic_partitions)
+            .field("topic_replication_factor", &self.topic_replication_factor)
+            .field("create_topics", &self.create_topics)
+            .field("exactly_once", &self.exactly_once)
+            .field("format", &self.format)
+            .finish()
+    }
 }
 
 /// librdkafka's default `transaction.timeout.ms`.

@@ -226,7 +226,6 @@ fn the_file_fills_every_option_and_flags_win_over_every_one() {
     // Nothing given by flag or environment: the file's value, for every option.
     let merged = Options::default().or(file.clone()).unwrap();
     assert_eq!(as_table(&merged), from_file);
-    // Everything given: the flag's value, for every option.
     let flags: Options = toml::from_str(
         &EVERY_OPTION
             .replace("file", "flag")
@@ -234,8 +233,16 @@ fn the_file_fills_every_option_and_flags_win_over_every_one() {
             .replace("= 3\n", "= 2\n"),
     )
     .unwrap();
-    let merged = flags.clone().or(file).unwrap();
-    assert_eq!(as_table(&merged), as_table(&flags));
+    let merged = flags.clone().or(file.clone()).unwrap();
+    // Everything given: the flag's value, for every option; Kafka options add up, the file's first.
+    let mut expected = as_table(&flags);
+    let kafka_options = [&file, &flags]
+        .iter()
+        .flat_map(|o| o.kafka_option.clone().unwrap_or_default())
+        .map(toml::Value::String)
+        .collect();
+    expected.insert("kafka-option".into(), toml::Value::Array(kafka_options));
+    assert_eq!(as_table(&merged), expected);
 }
 
 #[test]
@@ -261,6 +268,23 @@ fn file_fills_gaps_and_flags_win() {
     assert_eq!(merged.brokers.as_deref(), Some("file:9092"));
     assert_eq!(merged.slot.as_deref(), Some("from_flag"));
     assert_eq!(merged.kafka_option, Some(vec!["acks=all".to_string()]));
+    // Kafka options add up, the file's first (review L4: a secret given by the environment dropped every
+    // option of the file).
+    let merged = options(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--kafka-option",
+        "sasl.password=from-a-secret",
+    ])
+    .with_file()
+    .unwrap();
+    assert_eq!(
+        merged.kafka_option,
+        Some(vec![
+            "acks=all".to_string(),
+            "sasl.password=from-a-secret".to_string()
+        ])
+    );
 
     std::fs::write(&path, "brokers = \"b\"\nbogus-key = 1\n").unwrap();
     let err = options(&["--config", path.to_str().unwrap()])
@@ -457,4 +481,28 @@ fn a_header_column_never_takes_a_name_the_format_sets() {
         .concat();
         assert!(options(&args).run().is_ok(), "{format}");
     }
+}
+
+#[test]
+fn a_debug_of_the_settings_never_shows_a_secret() {
+    // Review L4: Options and KafkaSettings derived Debug, URL and sasl.password included.
+    let given = options(&[
+        "--database-url",
+        "postgres://outboxd:S3cret-db@h/db",
+        "--replication-url",
+        "postgres://repl:S3cret-repl@h/db",
+        "--brokers",
+        "b:9092",
+        "--kafka-option",
+        "security.protocol=SASL_SSL,sasl.password=S3cret-kafka",
+        "--kafka-option",
+        "ssl.key.password=S3cret-key",
+    ]);
+    let shown = format!("{given:?}");
+    let run = given.run().unwrap();
+    let shown = format!("{shown} {:?} {:?}", run.kafka, run.database);
+    for secret in ["S3cret-db", "S3cret-repl", "S3cret-kafka", "S3cret-key"] {
+        assert!(!shown.contains(secret), "{secret} in {shown}");
+    }
+    assert!(shown.contains("b:9092"), "{shown}");
 }

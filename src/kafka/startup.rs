@@ -95,9 +95,7 @@ impl Refusal {
 fn redact(text: &str, kafka_options: &[(String, String)]) -> String {
     kafka_options
         .iter()
-        .filter(|(key, value)| {
-            !value.is_empty() && ["password", "secret"].iter().any(|word| key.contains(word))
-        })
+        .filter(|(key, value)| !value.is_empty() && crate::config::holds_secret(key))
         .fold(text.to_string(), |text, (_, value)| {
             text.replace(value.as_str(), "<value not shown>")
         })
