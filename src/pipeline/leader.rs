@@ -340,6 +340,68 @@ async fn watch_health(
     }
 }
 
+/// A session holding the leadership lock in outboxd's keyspace that does not name itself as an outboxd
+/// leadership session: any login can take an advisory lock (security review M4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Impostor {
+    pid: i32,
+    user: String,
+    application: String,
+}
+
+/// The sessions holding the leadership lock (outboxd's keyspace) without naming themselves as this slot's
+/// leadership sessions.
+async fn impostors(
+    client: &tokio_postgres::Client,
+    key: &str,
+    slot: &str,
+) -> Result<Vec<Impostor>> {
+    let sql = format!(
+        "SELECT l.pid, coalesce(a.usename::text, '?'), coalesce(a.application_name, '?')
+         FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE {} AND l.pid <> pg_backend_pid()
+           AND coalesce(a.application_name NOT IN ($2, $3), true)
+         ORDER BY l.pid",
+        LockSpace::Outboxd.lock_filter("$1")
+    );
+    let names = leadership_names(slot);
+    let rows = client.query(&sql, &[&key, &names[0], &names[1]]).await?;
+    Ok(rows
+        .iter()
+        .map(|row| Impostor {
+            pid: row.get(0),
+            user: row.get(1),
+            application: row.get(2),
+        })
+        .collect())
+}
+
+/// Says (at error, once per set of sessions) that sessions which are not outboxd instances have held the
+/// leadership lock for [`FORMER_KEY_PATIENCE`] (an outboxd leader names its session as soon as it takes
+/// the lock): no instance can lead while they do, and outboxd never ends them.
+fn report_impostors(found: &[Impostor], watch: &mut ForeignHolders, reported: &mut Vec<i32>) {
+    let pids: Vec<i32> = found.iter().map(|i| i.pid).collect();
+    if pids.is_empty() {
+        watch.forget();
+        reported.clear();
+    } else if watch.patience_over(&pids, Instant::now()) && *reported != pids {
+        let sessions: Vec<String> = found
+            .iter()
+            .map(|i| {
+                format!(
+                    "pid {} (user {}, application_name {:?})",
+                    i.pid, i.user, i.application
+                )
+            })
+            .collect();
+        tracing::error!(
+            sessions = %sessions.join("; "),
+            "sessions that are not outboxd instances hold outboxd's leadership lock: no instance can lead (nothing is published by the CDC path, and the slot keeps WAL) while they do; find who took it, and end them with SELECT pg_terminate_backend(<pid>) (outboxd never ends a session that is not its own)"
+        );
+        *reported = pids;
+    }
+}
+
 /// What a standby's look at the leader's lock session found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fencing {
@@ -565,6 +627,7 @@ async fn contend(
         return Ok(Contention::Trouble(error));
     }
     let mut foreign = ForeignHolders::default();
+    let (mut impostor_watch, mut reported) = (ForeignHolders::default(), Vec::new());
     loop {
         let round = within(ask_for_leadership(&client, &key, slot, &mut foreign));
         let round = match round.await {
@@ -608,6 +671,10 @@ async fn contend(
                     Err(Error::Postgres(error)) if error.code().is_some() => {
                         cannot_fence(&error.to_string())
                     }
+                    Err(error) => return Ok(Contention::Trouble(error)),
+                }
+                match within(impostors(&client, &key, slot)).await {
+                    Ok(found) => report_impostors(&found, &mut impostor_watch, &mut reported),
                     Err(error) => return Ok(Contention::Trouble(error)),
                 }
             }

@@ -37,3 +37,54 @@ async fn a_value_from_a_row_cannot_forge_a_log_line() {
         "a row's value started a log line of its own:\n{log}"
     );
 }
+
+/// Any login may take an advisory lock: a session of another role holding outboxd's leadership lock (in
+/// outboxd's keyspace) keeps every instance standing by. outboxd never ends it, and says at error level which
+/// session it is and how to end it (review M4: it stood by silently, the slot keeping WAL).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_squatting_on_the_leadership_lock_is_named_and_never_ended() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute("CREATE ROLE reporting LOGIN")
+        .await
+        .unwrap();
+    let squatter = pg.client_as("reporting").await;
+    squatter
+        .batch_execute(
+            "SET application_name = 'nightly report';
+             SELECT pg_advisory_lock(1869968482, hashtext('outboxd.leader.public.outbox_event.outboxd'))",
+        )
+        .await
+        .unwrap();
+    let pid: i32 = squatter
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "cdc"]);
+    let outboxd = Outboxd::spawn(&args);
+    let named = format!("pid {pid} (user reporting, application_name \"nightly report\")");
+    wait_for(
+        "outboxd to name the session holding its lock",
+        Duration::from_secs(60),
+        || {
+            let log = outboxd.log_text();
+            log.lines()
+                .any(|line| line.contains(" ERROR ") && line.contains(&named))
+                .then_some(())
+        },
+    );
+    let alive: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+            &[&pid],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(alive, 1, "outboxd ended a session that is not its own");
+    squatter.query_one("SELECT 1", &[]).await.unwrap();
+}

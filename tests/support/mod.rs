@@ -144,7 +144,16 @@ impl Postgres {
     }
 
     pub async fn client(&self) -> tokio_postgres::Client {
-        let (client, connection) = tokio_postgres::connect(&self.url(), tokio_postgres::NoTls)
+        self.client_at(&self.url()).await
+    }
+
+    /// A connection as `user` (trust authentication, as the cluster is set up).
+    pub async fn client_as(&self, user: &str) -> tokio_postgres::Client {
+        self.client_at(&self.url_for(user, None)).await
+    }
+
+    async fn client_at(&self, url: &str) -> tokio_postgres::Client {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
             .await
             .expect("cannot connect to test cluster");
         tokio::spawn(connection);
