@@ -544,6 +544,58 @@ pub async fn migrate(
     result
 }
 
+/// `public.outboxd_migrations` is migrate's own: a plain table owned by a role trusted with migrate's rights,
+/// without triggers, rules or row-level security. One created beforehand by another role (who may create in `public`) could run its
+/// code with migrate's rights through a trigger, or make migrate skip migrations (security review M2).
+async fn check_migrations_table(client: &Client) -> Result<()> {
+    let row = client
+        .query_one(
+            // Trusted owners: this role; a superuser (no other role can create a table it owns); a role
+            // this one is a member of, unless this one is a superuser (who is a member of every role, and
+            // whose rights a trigger of that role's would run with).
+            "SELECT pg_get_userbyid(c.relowner),
+                    c.relowner = me.oid OR owner.rolsuper
+                        OR (NOT me.rolsuper AND pg_has_role(me.oid, c.relowner, 'MEMBER')),
+                    c.relkind = 'r', c.relrowsecurity,
+                    EXISTS (SELECT 1 FROM pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal),
+                    EXISTS (SELECT 1 FROM pg_rewrite r WHERE r.ev_class = c.oid)
+             FROM pg_class c JOIN pg_roles owner ON owner.oid = c.relowner,
+                  (SELECT oid, rolsuper FROM pg_roles WHERE rolname = current_user) me
+             WHERE c.oid = 'public.outboxd_migrations'::regclass",
+            &[],
+        )
+        .await?;
+    let (owner, own, plain, row_security, triggers, rules): (String, bool, bool, bool, bool, bool) = (
+        row.get(0),
+        row.get(1),
+        row.get(2),
+        row.get(3),
+        row.get(4),
+        row.get(5),
+    );
+    let problem = if !own {
+        Some(format!(
+            "is owned by role {owner}, whose code must not run with the rights of the role migrate runs as"
+        ))
+    } else if !plain {
+        Some("is not a plain table".to_string())
+    } else if triggers || rules || row_security {
+        Some(
+            "has triggers, rules or row-level security, which would run with migrate's rights"
+                .to_string(),
+        )
+    } else {
+        None
+    };
+    match problem {
+        None => Ok(()),
+        Some(problem) => Err(Error::setup(
+            format!("public.outboxd_migrations {problem}: migrate stops before reading or writing it"),
+            "find out who created it (another role that may create tables in schema public could plant it to run its code as migrate); drop it if it is not outboxd's own (DROP TABLE public.outboxd_migrations: migrate recreates it and its migrations are idempotent), and REVOKE CREATE ON SCHEMA public FROM PUBLIC",
+        )),
+    }
+}
+
 async fn migrate_under_lock(
     client: &mut Client,
     settings: &DatabaseSettings<TableSpec>,
@@ -555,6 +607,7 @@ async fn migrate_under_lock(
                  applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (target, version))",
         )
         .await?;
+    check_migrations_table(client).await?;
     let mut report = MigrationReport::default();
     let mut tables = Vec::with_capacity(settings.tables.len());
     for spec in &settings.tables {

@@ -88,3 +88,56 @@ async fn a_session_squatting_on_the_leadership_lock_is_named_and_never_ended() {
     assert_eq!(alive, 1, "outboxd ended a session that is not its own");
     squatter.query_one("SELECT 1", &[]).await.unwrap();
 }
+
+/// A role that may create tables in `public` plants `outboxd_migrations` with a trigger that would make it a
+/// superuser when migrate (run as a superuser) records a migration: migrate refuses, naming the table, the
+/// owner and the fix, and the trigger never runs (review M2).
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_refuses_a_migrations_table_another_role_planted() {
+    let pg = Postgres::start();
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE ROLE mallory LOGIN;
+             GRANT CREATE ON SCHEMA public TO mallory;",
+        )
+        .await
+        .unwrap();
+    let mallory = pg.client_as("mallory").await;
+    mallory
+        .batch_execute(
+            "CREATE TABLE public.outboxd_migrations (target text NOT NULL, version integer NOT NULL,
+                 name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (target, version));
+             GRANT ALL ON public.outboxd_migrations TO PUBLIC;
+             CREATE FUNCTION public.pwn() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN EXECUTE 'ALTER ROLE mallory SUPERUSER'; RETURN NEW; END $$;
+             CREATE TRIGGER pwn BEFORE INSERT ON public.outboxd_migrations
+                 FOR EACH ROW EXECUTE FUNCTION public.pwn();",
+        )
+        .await
+        .unwrap();
+    let output = run_outboxd(&["migrate", "--database-url", &pg.url()]);
+    let stderr = stderr_of(&output);
+    assert!(
+        !output.status.success(),
+        "migrate used the planted table: {stderr}"
+    );
+    for expected in ["public.outboxd_migrations", "mallory", "DROP TABLE"] {
+        assert!(stderr.contains(expected), "{expected:?} in {stderr}");
+    }
+    let superuser: bool = client
+        .query_one(
+            "SELECT rolsuper FROM pg_roles WHERE rolname = 'mallory'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!superuser, "the planted trigger ran with migrate's rights");
+    // Once the planted table is gone, migrate runs.
+    client
+        .batch_execute("DROP TABLE public.outboxd_migrations")
+        .await
+        .unwrap();
+    migrate(&pg);
+}
