@@ -1,6 +1,8 @@
 //! The HTTP endpoints: `/metrics` (Prometheus text), `/healthz` (the process is alive) and `/readyz`
 //! (connected to PostgreSQL and the broker, and a pipeline is active; 503 with a JSON reason otherwise).
-//! Owns the listener and the readiness flags; what sets the flags is `stats` and the pipelines.
+//! Owns the listener, its limits (connections, header time, request size, connection lifetime: whoever
+//! reaches the port cannot exhaust memory or file descriptors) and the readiness flags; what sets the flags
+//! is `stats` and the pipelines.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -75,6 +77,16 @@ impl Readiness {
     }
 }
 
+/// At most this many connections at once; more are closed as they come (each costs a file descriptor,
+/// which the pipelines need).
+const MAX_CONNECTIONS: usize = 128;
+/// A request's headers must arrive within this (slow-header clients hold nothing longer).
+const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// A connection is closed after this, whatever it does (a scraper opens a new one).
+const CONNECTION_LIFETIME: std::time::Duration = std::time::Duration::from_secs(60);
+/// The most a connection may buffer of a request: three GET routes need little.
+const MAX_REQUEST_BYTES: usize = 16 * 1024;
+
 /// Binds `addr` now (so a port in use is a start-up error naming the flag) and serves in the background.
 pub async fn serve(addr: SocketAddr, metrics: PrometheusHandle) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
@@ -90,12 +102,46 @@ pub async fn serve(addr: SocketAddr, metrics: PrometheusHandle) -> Result<()> {
         )
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz));
-    tokio::spawn(async move {
-        if let Err(error) = axum::serve(listener, app).await {
-            tracing::error!(%error, "the metrics endpoint stopped");
-        }
-    });
+    tokio::spawn(accept(listener, app));
     Ok(())
+}
+
+/// Serves each connection on a task of its own, within the limits above.
+async fn accept(listener: tokio::net::TcpListener, app: axum::Router) {
+    let connections = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut last_told: Option<tokio::time::Instant> = None;
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // Out of file descriptors, or a connection reset before it was accepted: try again soon.
+                tracing::debug!(%error, "the metrics endpoint could not accept a connection");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            // Said at most once a minute: under a flood this would be every connection.
+            if last_told.is_none_or(|at| at.elapsed() > std::time::Duration::from_secs(60)) {
+                last_told = Some(tokio::time::Instant::now());
+                tracing::warn!(
+                    limit = MAX_CONNECTIONS,
+                    "the metrics endpoint has as many connections as it takes; closing new ones until some end"
+                );
+            }
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .max_buf_size(MAX_REQUEST_BYTES)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
+        });
+    }
 }
 
 async fn readyz() -> impl IntoResponse {

@@ -141,3 +141,58 @@ async fn migrate_refuses_a_migrations_table_another_role_planted() {
         .unwrap();
     migrate(&pg);
 }
+
+/// Whoever reaches the metrics port opens 2,000 connections, half of them sending a header slowly and never
+/// ending it, half a 400 KB header: outboxd's open files stay bounded, `/readyz` answers, events flow
+/// (review M3: no header timeout, no connection limit, a large buffer per connection).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flood_of_slow_connections_to_the_metrics_port_takes_nothing_down() {
+    use std::io::Write;
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--metrics-addr", metrics_addr.as_str()]);
+    let outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let open_files = || {
+        std::fs::read_dir(format!("/proc/{}/fd", outboxd.pid()))
+            .map(|dir| dir.count())
+            .unwrap_or(0)
+    };
+    let before = open_files();
+    let flood: Vec<std::net::TcpStream> = (0..2_000)
+        .filter_map(|n| {
+            let mut stream = std::net::TcpStream::connect(&metrics_addr).ok()?;
+            let header = if n % 2 == 0 {
+                b"GET /metrics HTTP/1.1\r\nX: a".to_vec()
+            } else {
+                [b"GET / HTTP/1.1\r\nX: ".as_slice(), &[b'a'; 400_000]].concat()
+            };
+            stream.set_nonblocking(true).ok()?;
+            let _ = stream.write(&header);
+            Some(stream)
+        })
+        .collect();
+    assert!(
+        flood.len() > 1_000,
+        "the flood opened {} connections",
+        flood.len()
+    );
+    let most_open = open_files();
+    assert!(
+        most_open < before + 200,
+        "outboxd holds {most_open} files under the flood (before: {before})"
+    );
+    let addr = metrics_addr.clone();
+    wait_for(
+        "/readyz to answer under the flood",
+        Duration::from_secs(60),
+        || http_get(&addr, "/readyz").filter(|(status, _)| *status == 200),
+    );
+    let (committed, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    verify_delivery(&brokers, &committed, &[], 60, "under the flood");
+    drop(flood);
+}
