@@ -38,6 +38,10 @@ enum Outcome {
     Invalid(String),
 }
 
+/// How long a producer stopped by a refusal is given for the answers to requests already on their way
+/// before what it still holds is purged (see `PollWorker::await_reports`).
+const STOPPED_PRODUCER_GRACE: Duration = Duration::from_secs(2);
+
 /// At most this many events that failed before go alone ahead of their batch (see
 /// `Worker::send_retries_alone`).
 const ALONE_FIRST: usize = 8;
@@ -640,7 +644,11 @@ impl<K: Sinks> PollWorker<K> {
     }
 
     /// Waits for every delivery report (the caller renews the lease meanwhile). Past the delivery timeout
-    /// the producer is purged: every event it still holds reports a failure at once.
+    /// the producer is purged: every event it still holds reports a failure at once. A producer stopped by a
+    /// refusal (the gap-less guarantee) neither sends nor reports what it still holds (librdkafka has no
+    /// message timeout here): what it never sent is failed at once, and what is left is purged
+    /// [`STOPPED_PRODUCER_GRACE`] later, once the requests really on their way got their answers (purging
+    /// those at once re-sent events the broker had written).
     async fn await_reports(
         &self,
         publisher: &PollSink<K>,
@@ -649,13 +657,17 @@ impl<K: Sinks> PollWorker<K> {
         mut in_flight: usize,
         report: &mut BatchReport,
     ) {
-        let deadline = tokio::time::Instant::now() + self.delivery_timeout();
-        let mut purged = false;
+        let mut deadline = tokio::time::Instant::now() + self.delivery_timeout();
+        let (mut stopped, mut purged) = (false, false);
         while in_flight > 0 {
             let delivery = tokio::select! {
                 delivery = deliveries.recv() => delivery,
                 _ = tokio::time::sleep_until(deadline), if !purged => {
-                    tracing::warn!(in_flight, timeout = ?self.delivery_timeout(), "the broker acknowledged no more of the batch within the delivery timeout; purging the producer and retrying the rest");
+                    if stopped {
+                        tracing::debug!(in_flight, "the stopped producer's requests got no answer: purging it");
+                    } else {
+                        tracing::warn!(in_flight, timeout = ?self.delivery_timeout(), "the broker acknowledged no more of the batch within the delivery timeout; purging the producer and retrying the rest");
+                    }
                     publisher.purge();
                     purged = true;
                     report.producer_spent = true;
@@ -674,14 +686,13 @@ impl<K: Sinks> PollWorker<K> {
                 };
                 in_flight -= 1;
             }
-            // A producer stopped by a refusal (the gap-less guarantee) never sends nor reports what it had
-            // not sent yet (librdkafka has no message timeout here): that is failed now, not after the
-            // delivery timeout. Requests in flight keep their real report (the broker may write them).
-            if failed && in_flight > 0 && !report.producer_spent {
+            if failed && in_flight > 0 && !stopped {
                 if let Some(reason) = publisher.fatal_error() {
                     tracing::debug!(%reason, in_flight, "the producer stopped: failing what it never sent");
                     publisher.purge_unsent();
+                    stopped = true;
                     report.producer_spent = true;
+                    deadline = deadline.min(tokio::time::Instant::now() + STOPPED_PRODUCER_GRACE);
                 }
             }
         }
