@@ -148,6 +148,7 @@ async fn migrate_refuses_a_migrations_table_another_role_planted() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_flood_of_slow_connections_to_the_metrics_port_takes_nothing_down() {
     use std::io::Write;
+    raise_open_files_limit(4_096);
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
     let metrics_addr = format!("127.0.0.1:{}", free_port());
@@ -195,4 +196,21 @@ async fn a_flood_of_slow_connections_to_the_metrics_port_takes_nothing_down() {
     wait_all_published(&client, Duration::from_secs(60)).await;
     verify_delivery(&brokers, &committed, &[], 60, "under the flood");
     drop(flood);
+}
+
+/// Raises this process's soft limit of open files to `wanted` (at most the hard limit): the flood needs
+/// more than a fresh machine's 1,024.
+fn raise_open_files_limit(wanted: u64) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct given.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+        if limit.rlim_cur < wanted {
+            limit.rlim_cur = wanted.min(limit.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &limit), 0);
+        }
+    }
 }
