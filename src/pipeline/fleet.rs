@@ -51,18 +51,27 @@ fn poll_order_key(table: &TableName, order: PollOrder) -> String {
 /// application's exclusive lock on the same bigint does not count. A holder whose session has run no
 /// statement for [`liveness::SILENT_LEADER`] does not count: the connections holding these locks run a
 /// health query every [`liveness::HEALTH_INTERVAL`], so a silent one is a dead node or a partition. (Where
-/// the role may not see other sessions' state, every holder counts.)
-async fn held_by_another(client: &tokio_postgres::Client, key: &str) -> Result<bool> {
+/// the role may not see other sessions' state, every holder counts.) Only a session whose role may update
+/// `table` counts: any login can take an advisory lock (security review M4).
+async fn held_by_another(
+    client: &tokio_postgres::Client,
+    key: &str,
+    table: &TableName,
+) -> Result<bool> {
     let sql = format!(
-        "SELECT EXISTS (SELECT 1 FROM pg_locks l
-             WHERE (({}) OR ({} AND l.mode = 'ShareLock')) AND l.pid <> pg_backend_pid()
-               AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = l.pid
-                   AND a.state = 'idle' AND a.state_change < now() - make_interval(secs => $2)))",
+        "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE (({}) OR ({} AND l.mode = 'ShareLock')) AND l.pid <> pg_backend_pid() AND {}
+               AND coalesce(NOT (a.state = 'idle' AND a.state_change < now() - make_interval(secs => $2)), true))",
         LockSpace::Outboxd.lock_filter("$1"),
         LockSpace::Former.lock_filter("$1"),
+        liveness::may_publish("$3"),
     );
+    let tables = [table.quoted()];
     let row = client
-        .query_one(&sql, &[&key, &liveness::SILENT_LEADER.as_secs_f64()])
+        .query_one(
+            &sql,
+            &[&key, &liveness::SILENT_LEADER.as_secs_f64(), &&tables[..]],
+        )
         .await?;
     Ok(row.get(0))
 }
@@ -82,18 +91,27 @@ pub enum CdcLeader {
 
 /// The CDC leader of the table whose marker has key text `key`, as [`CdcLeader`] describes. The marker
 /// counts in either keyspace (a leader of an earlier version holds it in the former one) when its session
-/// names itself `outboxd active <slot>`, and is live as in [`held_by_another`].
-async fn cdc_leader(client: &tokio_postgres::Client, key: &str) -> Result<CdcLeader> {
+/// names itself `outboxd active <slot>` and its role may update `table`, and is live as in [`held_by_another`].
+async fn cdc_leader(client: &tokio_postgres::Client, table: &TableName) -> Result<CdcLeader> {
     let sql = format!(
         "SELECT count(*) > 0, coalesce(bool_or(s.active), false)
          FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
          LEFT JOIN pg_replication_slots s ON s.slot_name = substr(a.application_name, length('outboxd active ') + 1)
-         WHERE {} AND l.pid <> pg_backend_pid() AND a.application_name LIKE 'outboxd active %'
+         WHERE {} AND l.pid <> pg_backend_pid() AND a.application_name LIKE 'outboxd active %' AND {}
            AND coalesce(NOT (a.state = 'idle' AND a.state_change < now() - make_interval(secs => $2)), true)",
-        LockSpace::Either.lock_filter("$1")
+        LockSpace::Either.lock_filter("$1"),
+        liveness::may_publish("$3"),
     );
+    let tables = [table.quoted()];
     let row = client
-        .query_one(&sql, &[&key, &liveness::SILENT_LEADER.as_secs_f64()])
+        .query_one(
+            &sql,
+            &[
+                &cdc_marker_key(table),
+                &liveness::SILENT_LEADER.as_secs_f64(),
+                &&tables[..],
+            ],
+        )
         .await?;
     Ok(match (row.get::<_, bool>(0), row.get::<_, bool>(1)) {
         (false, _) => CdcLeader::None,
@@ -108,7 +126,7 @@ pub async fn led_by_another(
     settings: &RunSettings,
 ) -> Result<bool> {
     for table in &settings.database.tables {
-        if cdc_leader(client, &cdc_marker_key(&table.name)).await? != CdcLeader::None {
+        if cdc_leader(client, &table.name).await? != CdcLeader::None {
             return Ok(true);
         }
     }
@@ -179,7 +197,6 @@ impl Deference {
 /// each change logged once.
 pub struct LeaderWatch {
     table: TableName,
-    key: String,
     deference: Deference,
     deferring: bool,
     next_check: Instant,
@@ -190,7 +207,6 @@ impl LeaderWatch {
     pub fn new(table: &TableName) -> Self {
         LeaderWatch {
             table: table.clone(),
-            key: cdc_marker_key(table),
             deference: Deference::default(),
             deferring: false,
             next_check: Instant::now(),
@@ -204,7 +220,7 @@ impl LeaderWatch {
             return Ok(self.deferring);
         }
         self.next_check = Instant::now() + LEADER_CHECK;
-        let seen = cdc_leader(client, &self.key).await?;
+        let seen = cdc_leader(client, &self.table).await?;
         let defer = self.deference.defer(seen, Instant::now());
         if defer != self.deferring {
             if defer {
@@ -333,7 +349,9 @@ async fn announce(
     }
     for table in tables {
         for other in [PollOrder::PerAggregate, PollOrder::None] {
-            if other != order && held_by_another(&client, &poll_order_key(table, other)).await? {
+            if other != order
+                && held_by_another(&client, &poll_order_key(table, other), table).await?
+            {
                 return Ok(Err(format!(
                     "another outboxd instance claims rows of {table} with --poll-order {}, and this one has --poll-order {}: with mixed orders the unordered claims break the per-aggregate order for every instance",
                     order_name(other),

@@ -32,8 +32,8 @@ use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::http::READINESS;
 use crate::pipeline::liveness::{
-    former_lock_call, lock_call, session_settings, with_dead_peer_detection, LockSpace,
-    HEALTH_INTERVAL, HEALTH_TIMEOUT, SILENT_LEADER,
+    former_lock_call, lock_call, may_publish, session_settings, with_dead_peer_detection,
+    LockSpace, HEALTH_INTERVAL, HEALTH_TIMEOUT, SILENT_LEADER,
 };
 
 /// How often a standby asks for the lock.
@@ -126,22 +126,26 @@ enum FormerKey {
 
 async fn take_former_key(
     client: &tokio_postgres::Client,
-    key: &str,
-    slot: &str,
+    lock: &LeadershipLock,
 ) -> Result<FormerKey> {
     let take = format!("SELECT {}", former_lock_call("pg_try_advisory_lock", "$1"));
-    if client.query_one(&take, &[&key]).await?.get::<_, bool>(0) {
+    if client
+        .query_one(&take, &[&lock.key])
+        .await?
+        .get::<_, bool>(0)
+    {
         return Ok(FormerKey::Taken);
     }
     let holders = format!(
-        "SELECT l.pid, coalesce(a.application_name IN ($2, $3), false)
+        "SELECT l.pid, coalesce(a.application_name IN ($2, $3), false) AND {}
          FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
          WHERE {} AND l.pid <> pg_backend_pid() ORDER BY l.pid",
+        may_publish("$4"),
         LockSpace::Former.lock_filter("$1")
     );
-    let names = leadership_names(slot);
+    let names = lock.names();
     let rows = client
-        .query(&holders, &[&key, &names[0], &names[1]])
+        .query(&holders, &[&lock.key, &names[0], &names[1], &lock.tables])
         .await?;
     if rows.iter().any(|row| row.get::<_, bool>(1)) {
         return Ok(FormerKey::EarlierVersion);
@@ -149,6 +153,34 @@ async fn take_former_key(
     Ok(FormerKey::Foreign(
         rows.iter().map(|row| row.get(0)).collect(),
     ))
+}
+
+/// The leadership lock of one slot, and what proves a session holding it is an outboxd instance's: its
+/// `application_name` names it a leadership session of this slot, and its role may update the tables
+/// ([`liveness::may_publish`]).
+#[derive(Debug, Clone)]
+struct LeadershipLock {
+    /// The key text ([`key_text`]).
+    key: String,
+    slot: String,
+    /// The tables, quoted (`"schema"."name"`).
+    tables: Vec<String>,
+}
+
+impl LeadershipLock {
+    fn of(settings: &RunSettings) -> Self {
+        let tables = settings.database.tables.iter().map(|t| &t.name);
+        LeadershipLock {
+            key: key_text(tables.clone(), &settings.database.slot),
+            slot: settings.database.slot.clone(),
+            tables: tables.map(|t| t.quoted()).collect(),
+        }
+    }
+
+    /// The `application_name`s of the leadership sessions of the slot, active and standby.
+    fn names(&self) -> [String; 2] {
+        leadership_names(&self.slot)
+    }
 }
 
 /// The `application_name`s of the leadership sessions of `slot`, active and standby.
@@ -207,11 +239,10 @@ impl FormerLocksMissing {
     async fn take(
         &mut self,
         client: &tokio_postgres::Client,
-        key: &str,
-        slot: &str,
+        lock: &LeadershipLock,
     ) -> Result<Option<String>> {
         if self.leadership {
-            match take_former_key(client, key, slot).await? {
+            match take_former_key(client, lock).await? {
                 FormerKey::Taken => {
                     self.leadership = false;
                     tracing::info!("now also holding the leadership key of earlier versions (the application holding it let go)");
@@ -304,7 +335,7 @@ fn report(lost: &watch::Sender<Option<Lost>>, why: Lost) {
 /// ends (or is aborted with its `Leadership`) the connection closes.
 async fn watch_health(
     client: tokio_postgres::Client,
-    (key, slot): (String, String),
+    lock: LeadershipLock,
     mut missing: FormerLocksMissing,
     lost: watch::Sender<Option<Lost>>,
 ) {
@@ -314,7 +345,7 @@ async fn watch_health(
             _ = tokio::time::sleep(HEALTH_INTERVAL) => {}
             _ = ended.wait_for(Option::is_some) => return,
         }
-        match within(holds_lock(&client, &key)).await {
+        match within(holds_lock(&client, &lock.key)).await {
             Ok(true) => {}
             Ok(false) => return report(&lost, Lost::Pooler),
             Err(error) => {
@@ -327,7 +358,7 @@ async fn watch_health(
         if missing.is_empty() {
             continue;
         }
-        match within(missing.take(&client, &key, &slot)).await {
+        match within(missing.take(&client, &lock)).await {
             Ok(None) => {}
             Ok(Some(why)) => return report(&lost, Lost::Ended(why)),
             Err(error) => {
@@ -349,23 +380,26 @@ struct Impostor {
     application: String,
 }
 
-/// The sessions holding the leadership lock (outboxd's keyspace) without naming themselves as this slot's
-/// leadership sessions.
+/// The sessions holding the leadership lock (outboxd's keyspace) that are not proven to be this slot's
+/// leadership sessions ([`LeadershipLock`]): named otherwise, or named so by a role that may not update the
+/// tables.
 async fn impostors(
     client: &tokio_postgres::Client,
-    key: &str,
-    slot: &str,
+    lock: &LeadershipLock,
 ) -> Result<Vec<Impostor>> {
     let sql = format!(
         "SELECT l.pid, coalesce(a.usename::text, '?'), coalesce(a.application_name, '?')
          FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
          WHERE {} AND l.pid <> pg_backend_pid()
-           AND coalesce(a.application_name NOT IN ($2, $3), true)
+           AND NOT (coalesce(a.application_name IN ($2, $3), false) AND {})
          ORDER BY l.pid",
-        LockSpace::Outboxd.lock_filter("$1")
+        LockSpace::Outboxd.lock_filter("$1"),
+        may_publish("$4")
     );
-    let names = leadership_names(slot);
-    let rows = client.query(&sql, &[&key, &names[0], &names[1]]).await?;
+    let names = lock.names();
+    let rows = client
+        .query(&sql, &[&lock.key, &names[0], &names[1], &lock.tables])
+        .await?;
     Ok(rows
         .iter()
         .map(|row| Impostor {
@@ -396,7 +430,7 @@ fn report_impostors(found: &[Impostor], watch: &mut ForeignHolders, reported: &m
             .collect();
         tracing::error!(
             sessions = %sessions.join("; "),
-            "sessions that are not outboxd instances hold outboxd's leadership lock: no instance can lead (nothing is published by the CDC path, and the slot keeps WAL) while they do; find who took it, and end them with SELECT pg_terminate_backend(<pid>) (outboxd never ends a session that is not its own)"
+            "sessions that are not outboxd instances (not named as this slot's leadership sessions, or named so by a role that may not update the outbox tables) hold outboxd's leadership lock: no instance can lead (nothing is published by the CDC path, and the slot keeps WAL) while they do; find who took it, and end them with SELECT pg_terminate_backend(<pid>) (outboxd never ends a session that is not its own)"
         );
         *reported = pids;
     }
@@ -414,14 +448,14 @@ enum Fencing {
 }
 
 /// Ends the session of a leader whose lock session has run no statement for [`SILENT_LEADER`] (a dead
-/// node, a partition). Only a leadership session of this slot (`outboxd active|standby <slot>`) holding the
-/// key, in outboxd's keyspace or the former one, is ever ended: never an application's session that holds
-/// the same bigint key for a lock of its own. Needs the same role as that session (or `pg_signal_backend`
+/// node, a partition). Only a leadership session of this slot (`outboxd active|standby <slot>`, of a role
+/// that may update the tables) holding the key, in outboxd's keyspace or the former one, is ever ended:
+/// never an application's session that holds the same bigint key for a lock of its own, nor one that only
+/// names itself as outboxd's. Needs the same role as that session (or `pg_signal_backend`
 /// and `pg_read_all_stats`); without it, the server's keepalives end the session instead.
 async fn end_silent_leader(
     client: &tokio_postgres::Client,
-    key: &str,
-    slot: &str,
+    lock: &LeadershipLock,
 ) -> Result<Fencing> {
     let sql = format!(
         "SELECT a.pid, a.state IS NULL,
@@ -429,14 +463,21 @@ async fn end_silent_leader(
                      THEN pg_terminate_backend(a.pid) ELSE false END,
                 extract(epoch FROM now() - a.state_change)::float8
          FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-         WHERE {} AND l.pid <> pg_backend_pid() AND a.application_name IN ($3, $4)",
-        LockSpace::Either.lock_filter("$1")
+         WHERE {} AND l.pid <> pg_backend_pid() AND a.application_name IN ($3, $4) AND {}",
+        LockSpace::Either.lock_filter("$1"),
+        may_publish("$5")
     );
-    let names = leadership_names(slot);
+    let names = lock.names();
     let rows = client
         .query(
             &sql,
-            &[&key, &SILENT_LEADER.as_secs_f64(), &names[0], &names[1]],
+            &[
+                &lock.key,
+                &SILENT_LEADER.as_secs_f64(),
+                &names[0],
+                &names[1],
+                &lock.tables,
+            ],
         )
         .await?;
     let mut fencing = Fencing::NothingToEnd;
@@ -490,15 +531,6 @@ fn cannot_fence(reason: &str) {
     }
 }
 
-/// The leadership lock's key text (the lock is `(OUTBOXD_LOCK_CLASS, hashtext(key))`, and the former one
-/// `hashtext(key)`) for `settings`' tables and slot.
-fn lock_key(settings: &RunSettings) -> String {
-    key_text(
-        settings.database.tables.iter().map(|t| &t.name),
-        &settings.database.slot,
-    )
-}
-
 /// `outboxd.leader.<tables>.<slot>`, the tables named `schema.table`, sorted and joined with `, `. Stable
 /// across versions: for one table it is the key text every earlier version used (whose lock, in the former
 /// keyspace, this version holds too: a rolling upgrade never has two leaders), and it does not depend on the
@@ -544,7 +576,7 @@ pub async fn acquire(
     settings: &RunSettings,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<Option<Leadership>> {
-    let key = lock_key(settings);
+    let lock = LeadershipLock::of(settings);
     let url = with_dead_peer_detection(&settings.database.database_url);
     let mut standing_by = false;
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
@@ -580,7 +612,7 @@ pub async fn acquire(
         let contention = contend(
             client,
             settings,
-            key.clone(),
+            lock.clone(),
             (lost_tx, lost),
             &mut standing_by,
             shutdown,
@@ -613,7 +645,7 @@ enum Contention {
 async fn contend(
     client: tokio_postgres::Client,
     settings: &RunSettings,
-    key: String,
+    lock: LeadershipLock,
     (lost_tx, mut lost): (watch::Sender<Option<Lost>>, watch::Receiver<Option<Lost>>),
     standing_by: &mut bool,
     shutdown: &mut watch::Receiver<bool>,
@@ -629,14 +661,14 @@ async fn contend(
     let mut foreign = ForeignHolders::default();
     let (mut impostor_watch, mut reported) = (ForeignHolders::default(), Vec::new());
     loop {
-        let round = within(ask_for_leadership(&client, &key, slot, &mut foreign));
+        let round = within(ask_for_leadership(&client, &lock, &mut foreign));
         let round = match round.await {
             Ok(round) => round,
             Err(error) => return Ok(Contention::Trouble(error)),
         };
         match round {
             Round::Lead { former_key_held } => {
-                let missing = match take_over(&client, settings, &key, former_key_held).await {
+                let missing = match take_over(&client, settings, &lock.key, former_key_held).await {
                     Ok(missing) => missing,
                     Err(error @ Error::Setup { .. }) => return Err(error),
                     Err(error) => return Ok(Contention::Trouble(error)), // the lock goes with the session
@@ -644,9 +676,8 @@ async fn contend(
                 if *standing_by {
                     tracing::info!("took over as the active instance for this slot");
                 }
-                let watched = (key, slot.to_string());
                 let health =
-                    tokio::spawn(watch_health(client, watched, missing, lost_tx)).abort_handle();
+                    tokio::spawn(watch_health(client, lock, missing, lost_tx)).abort_handle();
                 return Ok(Contention::Leading(Leadership { lost, health }));
             }
             Round::Wait => {}
@@ -662,7 +693,7 @@ async fn contend(
                     READINESS.set_mode("standby");
                     *standing_by = true;
                 }
-                match within(end_silent_leader(&client, &key, slot)).await {
+                match within(end_silent_leader(&client, &lock)).await {
                     Ok(Fencing::Ended) => continue, // its lock goes as its backend exits: ask again at once
                     Ok(Fencing::NothingToEnd) => {}
                     Ok(Fencing::Blind) => cannot_fence(
@@ -673,7 +704,7 @@ async fn contend(
                     }
                     Err(error) => return Ok(Contention::Trouble(error)),
                 }
-                match within(impostors(&client, &key, slot)).await {
+                match within(impostors(&client, &lock)).await {
                     Ok(found) => report_impostors(&found, &mut impostor_watch, &mut reported),
                     Err(error) => return Ok(Contention::Trouble(error)),
                 }
@@ -705,15 +736,14 @@ enum Round {
 /// instance leads, so that it only ever marks a leader.
 async fn ask_for_leadership(
     client: &tokio_postgres::Client,
-    key: &str,
-    slot: &str,
+    lock: &LeadershipLock,
     foreign: &mut ForeignHolders,
 ) -> Result<Round> {
-    if !try_lock(client, key).await? {
+    if !try_lock(client, &lock.key).await? {
         foreign.forget();
         return Ok(Round::StandBy);
     }
-    let round = match take_former_key(client, key, slot).await? {
+    let round = match take_former_key(client, lock).await? {
         FormerKey::Taken => {
             return Ok(Round::Lead {
                 former_key_held: true,
@@ -722,7 +752,7 @@ async fn ask_for_leadership(
         FormerKey::Foreign(pids) if foreign.patience_over(&pids, Instant::now()) => {
             tracing::warn!(
                 ?pids,
-                key,
+                key = lock.key,
                 "the leadership key earlier versions used (pg_advisory_lock(hashtext(key)), the bigint keyspace applications use too) is held by a session that does not name itself as outboxd's, an application's lock: leading without it, and taking it as soon as it is free (until then an instance of an earlier version started now could lead beside this one)"
             );
             return Ok(Round::Lead {
@@ -741,7 +771,7 @@ async fn ask_for_leadership(
             Round::StandBy
         }
     };
-    unlock(client, key).await?;
+    unlock(client, &lock.key).await?;
     Ok(round)
 }
 

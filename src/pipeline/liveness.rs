@@ -80,6 +80,17 @@ fn former_key(key: &str) -> String {
     format!("l.objsubid = 1 AND ((l.classid::int8 << 32) | l.objid::int8) = hashtext({key})::int8")
 }
 
+/// A condition on the `pg_stat_activity a` row of a lock holder: its role may update every table named in
+/// `tables` (a SQL `text[]` expression of quoted names), as every outboxd instance of the fleet must. Any
+/// login can take an advisory lock and set its `application_name`; a session counts as an outboxd
+/// instance's only with both the name and this privilege (security review M4/L5), and a role that may
+/// update the outbox table gains nothing by posing as one.
+pub fn may_publish(tables: &str) -> String {
+    format!(
+        "coalesce((SELECT bool_and(has_table_privilege(a.usesysid, t, 'UPDATE')) FROM unnest({tables}::text[]) t), false)"
+    )
+}
+
 /// A call of the advisory-lock function `function` for key text `key` (a SQL expression) in outboxd's
 /// keyspace: `lock_call("pg_try_advisory_lock", "$1")` is `pg_try_advisory_lock(1869968482, hashtext($1))`.
 pub fn lock_call(function: &str, key: &str) -> String {

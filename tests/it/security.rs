@@ -43,6 +43,18 @@ async fn a_value_from_a_row_cannot_forge_a_log_line() {
 /// session it is and how to end it (review M4: it stood by silently, the slot keeping WAL).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_session_squatting_on_the_leadership_lock_is_named_and_never_ended() {
+    squat_on_the_leadership_lock("nightly report").await;
+}
+
+/// The same squatter naming its session as outboxd's leadership session (any login may set
+/// `application_name`): its role may not update the outbox table, so it is not taken for a silent leader and
+/// ended (outboxd runs as a superuser here, so it could), but named as above (review M4/L5).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_squatter_naming_itself_outboxd_is_named_and_never_ended() {
+    squat_on_the_leadership_lock("outboxd active outboxd").await;
+}
+
+async fn squat_on_the_leadership_lock(application_name: &str) {
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
     let client = pg.client().await;
@@ -52,9 +64,15 @@ async fn a_session_squatting_on_the_leadership_lock_is_named_and_never_ended() {
         .unwrap();
     let squatter = pg.client_as("reporting").await;
     squatter
+        .execute(
+            "SELECT set_config('application_name', $1, false)",
+            &[&application_name],
+        )
+        .await
+        .unwrap();
+    squatter
         .batch_execute(
-            "SET application_name = 'nightly report';
-             SELECT pg_advisory_lock(1869968482, hashtext('outboxd.leader.public.outbox_event.outboxd'))",
+            "SELECT pg_advisory_lock(1869968482, hashtext('outboxd.leader.public.outbox_event.outboxd'))",
         )
         .await
         .unwrap();
@@ -66,7 +84,7 @@ async fn a_session_squatting_on_the_leadership_lock_is_named_and_never_ended() {
     let mut args = run_args(&url, &brokers);
     args.extend(["--mode", "cdc"]);
     let outboxd = Outboxd::spawn(&args);
-    let named = format!("pid {pid} (user reporting, application_name \"nightly report\")");
+    let named = format!("pid {pid} (user reporting, application_name {application_name:?})");
     wait_for(
         "outboxd to name the session holding its lock",
         Duration::from_secs(60),
@@ -77,6 +95,19 @@ async fn a_session_squatting_on_the_leadership_lock_is_named_and_never_ended() {
                 .then_some(())
         },
     );
+    // Past the silence after which a standby ends a leader's session (liveness::SILENT_LEADER, 15 s), and
+    // a standby round after it.
+    let idle_for = "SELECT extract(epoch FROM now() - state_change)::float8 FROM pg_stat_activity WHERE pid = $1";
+    wait_for_async(
+        "the squatter to be idle for longer than a silent leader may be",
+        Duration::from_secs(60),
+        || async {
+            let row = client.query_opt(idle_for, &[&pid]).await.unwrap();
+            let idle: f64 = row.map_or(f64::MAX, |row| row.get(0));
+            (idle > 18.0).then_some(())
+        },
+    )
+    .await;
     let alive: i64 = client
         .query_one(
             "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
@@ -86,6 +117,43 @@ async fn a_session_squatting_on_the_leadership_lock_is_named_and_never_ended() {
         .unwrap()
         .get(0);
     assert_eq!(alive, 1, "outboxd ended a session that is not its own");
+    squatter.query_one("SELECT 1", &[]).await.unwrap();
+}
+
+/// A login without any privilege on the outbox table holds the fleet markers (any login may take an advisory
+/// lock and name its session): the `--poll-order none` marker of the table, and the CDC marker in a session
+/// named `outboxd active outboxd`. A poller neither stops (its peers' order differs) nor defers to that
+/// "leader": it publishes (review M4, fleet markers).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_login_holding_the_fleet_markers_neither_stops_nor_stalls_a_poller() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client
+        .batch_execute("CREATE ROLE reporting LOGIN")
+        .await
+        .unwrap();
+    let squatter = pg.client_as("reporting").await;
+    squatter
+        .batch_execute(
+            "SET application_name = 'outboxd active outboxd';
+             SELECT pg_advisory_lock_shared(1869968482, hashtext('outboxd.poll-order.public.outbox_event.none'));
+             SELECT pg_advisory_lock_shared(1869968482, hashtext('outboxd.cdc.public.outbox_event'));",
+        )
+        .await
+        .unwrap();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "poll"]);
+    let outboxd = Outboxd::spawn(&args);
+    let (committed, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    verify_delivery(&brokers, &committed, &[], 60, "poller beside a squatter");
+    assert!(
+        !outboxd
+            .log_text()
+            .contains("a CDC leader streams this table"),
+        "the poller deferred to a session that only names itself as a leader"
+    );
     squatter.query_one("SELECT 1", &[]).await.unwrap();
 }
 
