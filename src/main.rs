@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use outboxd::config::{Cli, Command, LogFormat, Options};
 use outboxd::pg::outbox::ReplayFilter;
-use outboxd::{logging, pg, pipeline, status};
+use outboxd::{config, logging, pg, pipeline, status};
 use tokio::sync::watch;
 
 fn init_tracing(format: LogFormat) {
@@ -25,6 +25,20 @@ fn init_tracing(format: LogFormat) {
 }
 
 fn main() -> ExitCode {
+    // Before any thread starts, so that setting the environment is sound.
+    let secrets = config::secret_files::resolve(
+        |name| std::env::var(name).ok(),
+        |path| std::fs::read_to_string(path),
+    );
+    match secrets {
+        Ok(secrets) => secrets
+            .into_iter()
+            .for_each(|(name, value)| std::env::set_var(name, value)),
+        Err(error) => {
+            eprintln!("error: {}", logging::escape_controls(&error.to_string()));
+            return ExitCode::from(2);
+        }
+    }
     let cli = Cli::parse();
     let options = match &cli.command {
         Command::Migrate(options) | Command::Run(options) => options.clone(),

@@ -5,11 +5,12 @@
 //! Rooms, each depending only on those before it: `parse` (single values), `settings` (the validated
 //! settings and their choices), `cli` (the command line and [`Options`]: a new option is one field there),
 //! `merge` (the `--config` file under flags and environment), `validate` (options to settings: a new
-//! option's check goes there).
+//! option's check goes there). `secret_files` stands apart: `*_FILE` variables, read before flags are parsed.
 
 mod cli;
 mod merge;
 mod parse;
+pub mod secret_files;
 mod settings;
 #[cfg(test)]
 mod tests;

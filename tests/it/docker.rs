@@ -102,12 +102,17 @@ fn dashboard_queries_only_exported_metrics() {
 fn compose_sets_only_variables_outboxd_reads() {
     use clap::CommandFactory;
     let cli = outboxd::config::Cli::command();
-    let known: std::collections::HashSet<String> = cli
+    let mut known: std::collections::HashSet<String> = cli
         .get_subcommands()
         .flat_map(|command| command.get_arguments())
         .filter_map(|arg| arg.get_env())
         .map(|env| env.to_string_lossy().into_owned())
         .collect();
+    known.extend(
+        outboxd::config::secret_files::SECRET_VARIABLES
+            .iter()
+            .map(|name| format!("{name}_FILE")),
+    );
     assert!(known.contains("OUTBOXD_DATABASE_URL"), "{known:?}");
     let compose = yaml("compose.yml");
     let mut checked = 0;

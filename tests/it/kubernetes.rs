@@ -180,15 +180,35 @@ fn the_deployment_fits_its_config_map_secret_and_outboxd() {
         "Kubernetes would kill outboxd before its --shutdown-timeout"
     );
 
-    // Every variable is one outboxd reads, from a key the Secret has.
+    // Every variable is one outboxd reads, from a key the Secret has: as a file the Secret's volume holds
+    // (`OUTBOXD_X_FILE`, the container convention) or as a reference to the key.
     use clap::CommandFactory;
-    let known: BTreeSet<String> = outboxd::config::Cli::command()
+    let mut known: BTreeSet<String> = outboxd::config::Cli::command()
         .get_subcommands()
         .flat_map(|command| command.get_arguments())
         .filter_map(|arg| arg.get_env())
         .map(|env| env.to_string_lossy().into_owned())
         .collect();
+    let secret_files: Vec<String> = outboxd::config::secret_files::SECRET_VARIABLES
+        .iter()
+        .map(|name| format!("{name}_FILE"))
+        .collect();
+    known.extend(secret_files.iter().cloned());
     let secret = manifest("secret.yaml");
+    let secret_name = secret["metadata"]["name"].as_str();
+    let secret_mount = pod["spec"]["volumes"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|volume| volume["secret"]["secretName"].as_str() == secret_name)
+        .and_then(|volume| {
+            container["volumeMounts"]
+                .as_vec()
+                .unwrap()
+                .iter()
+                .find(|mount| mount["name"] == volume["name"])
+        })
+        .and_then(|mount| mount["mountPath"].as_str());
     let env = container["env"].as_vec().unwrap();
     assert!(env.len() >= 2);
     for variable in env {
@@ -197,20 +217,29 @@ fn the_deployment_fits_its_config_map_secret_and_outboxd() {
             known.contains(name),
             "the Deployment sets {name}, which outboxd does not read"
         );
-        let reference = &variable["valueFrom"]["secretKeyRef"];
-        assert_eq!(
-            reference["name"].as_str(),
-            secret["metadata"]["name"].as_str()
-        );
-        let key = reference["key"].as_str().unwrap();
+        let key = if secret_files.iter().any(|file| file == name) {
+            let path = Path::new(variable["value"].as_str().expect("a path"));
+            let mount = secret_mount.expect("the Secret mounted as a volume");
+            path.strip_prefix(mount)
+                .unwrap_or_else(|_| {
+                    panic!("{name}: {} is not in the Secret's volume", path.display())
+                })
+                .to_str()
+                .unwrap()
+                .to_string()
+        } else {
+            let reference = &variable["valueFrom"]["secretKeyRef"];
+            assert_eq!(reference["name"].as_str(), secret_name);
+            reference["key"].as_str().unwrap().to_string()
+        };
         assert!(
-            secret["stringData"][key].as_str().is_some(),
+            secret["stringData"][key.as_str()].as_str().is_some(),
             "the Secret has no key {key}"
         );
     }
 }
 
-/// outboxd started the way the Deployment starts it (the ConfigMap's file, the URLs from the environment)
+/// outboxd started the way the Deployment starts it (the ConfigMap's file, the URLs from the Secret's files)
 /// answers the probes' paths and exports every metric the alert rules query.
 #[tokio::test(flavor = "multi_thread")]
 async fn outboxd_serves_the_probes_and_metrics_the_manifests_use() {
@@ -221,11 +250,16 @@ async fn outboxd_serves_the_probes_and_metrics_the_manifests_use() {
     let url = pg.url();
     let metrics_addr = format!("127.0.0.1:{}", free_port());
     let brokers = broker.addr();
+    // The URLs as the Secret's files, as the Deployment gives them (with a trailing newline, as an editor
+    // leaves it).
+    let url_file = scratch_dir("kubernetes").join("database-url");
+    std::fs::write(&url_file, format!("{url}\n")).unwrap();
+    let url_file = url_file.to_str().unwrap();
     let outboxd = Outboxd::spawn_with_env(
         &["run", "--config", file.to_str().unwrap()],
         &[
-            ("OUTBOXD_DATABASE_URL", url.as_str()),
-            ("OUTBOXD_REPLICATION_URL", url.as_str()),
+            ("OUTBOXD_DATABASE_URL_FILE", url_file),
+            ("OUTBOXD_REPLICATION_URL_FILE", url_file),
             // The cluster's addresses and replication factor, for this machine's single broker.
             ("OUTBOXD_BROKERS", brokers.as_str()),
             ("OUTBOXD_TOPIC_REPLICATION_FACTOR", "1"),

@@ -282,3 +282,39 @@ fn raise_open_files_limit(wanted: u64) {
         }
     }
 }
+
+/// A secret given both as a variable and as a file (`OUTBOXD_X` and `OUTBOXD_X_FILE`) is refused before
+/// anything starts, naming both and neither value; a file that cannot be read is named with the fix (review
+/// L4: secrets from files, the container convention).
+#[test]
+fn a_secret_given_twice_or_from_a_missing_file_is_refused_without_its_value() {
+    let file = scratch_dir("secrets").join("database-url");
+    std::fs::write(&file, "postgres://outboxd:from-the-file@127.0.0.1:1/app\n").unwrap();
+    let output = run_outboxd_with_env(
+        &["migrate"],
+        &[
+            (
+                "OUTBOXD_DATABASE_URL",
+                "postgres://outboxd:from-the-env@127.0.0.1:1/app",
+            ),
+            ("OUTBOXD_DATABASE_URL_FILE", file.to_str().unwrap()),
+        ],
+    );
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("OUTBOXD_DATABASE_URL_FILE"), "{stderr}");
+    assert!(
+        !stderr.contains("from-the-env") && !stderr.contains("from-the-file"),
+        "a password reached the message: {stderr}"
+    );
+    let output = run_outboxd_with_env(
+        &["migrate"],
+        &[("OUTBOXD_DATABASE_URL_FILE", "/run/secrets/nowhere")],
+    );
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("/run/secrets/nowhere") && stderr.contains("mount the secret"),
+        "{stderr}"
+    );
+}
