@@ -202,7 +202,8 @@ async fn status(
         if let Some(status) = &status {
             print!("{}", status.to_table());
         }
-        println!("{}: {}", verdict.level.as_str(), verdict.reason);
+        let reason = logging::escape_controls(&verdict.reason);
+        println!("{}: {reason}", verdict.level.as_str());
     }
     Ok(ExitCode::from(verdict.level as u8))
 }

@@ -213,7 +213,8 @@ pub async fn read(
     let tables = slot::inspect_all(&client, &settings.tables).await?;
     let state = slot::slot_state(&client, &settings.slot).await?;
     let backlog = outbox::backlog(&client, &tables).await?;
-    let (active_instances, standby_instances) = instances(&client, &settings.slot).await?;
+    let quoted: Vec<String> = tables.iter().map(|t| t.name.quoted()).collect();
+    let (active_instances, standby_instances) = instances(&client, &settings.slot, &quoted).await?;
     let retention = worst(crate::retention::read_states(&client, &settings.slot).await?);
     let mut dead_events = 0;
     for table in tables.iter().filter(|t| t.polling) {
@@ -250,16 +251,26 @@ fn worst(states: Vec<crate::retention::Health>) -> Option<RetentionStatus> {
     })
 }
 
-/// Counts instances by the `application_name` of their leadership connections.
-async fn instances(client: &tokio_postgres::Client, slot: &str) -> Result<(i64, i64)> {
+/// Counts instances by the `application_name` of their leadership connections, of roles that may update the
+/// tables (`tables`, quoted): a session that only names itself as outboxd's is not counted.
+async fn instances(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    tables: &[String],
+) -> Result<(i64, i64)> {
+    let sql = format!(
+        "SELECT count(*) FILTER (WHERE a.application_name = $1),
+                count(*) FILTER (WHERE a.application_name = $2)
+         FROM pg_stat_activity a WHERE a.application_name IN ($1, $2) AND {}",
+        crate::pipeline::liveness::may_publish("$3")
+    );
     let row = client
         .query_one(
-            "SELECT count(*) FILTER (WHERE application_name = $1),
-                    count(*) FILTER (WHERE application_name = $2)
-             FROM pg_stat_activity",
+            &sql,
             &[
                 &application_name(Role::Active, slot),
                 &application_name(Role::Standby, slot),
+                &tables,
             ],
         )
         .await?;

@@ -63,12 +63,22 @@ pub fn parse_table(text: &str) -> Result<TableName, ConfigError> {
     })
 }
 
-/// Whether a librdkafka property holds a secret (a password, a client secret, a JAAS configuration): its value
-/// is never shown.
+/// Whether a librdkafka property holds a secret (a password, a client secret, a JAAS or OAUTHBEARER
+/// configuration, a private key or its passphrase, a token): its value is never shown. Errs on the side of
+/// hiding: any property naming a key (`ssl.key.pem`, `ssl.key.location`, ...) counts.
 pub fn holds_secret(property: &str) -> bool {
-    ["password", "secret", "jaas"]
-        .iter()
-        .any(|word| property.to_ascii_lowercase().contains(word))
+    const WORDS: [&str; 8] = [
+        "password",
+        "secret",
+        "jaas",
+        "passphrase",
+        "key",
+        "private",
+        "token",
+        "oauthbearer.config",
+    ];
+    let property = property.to_ascii_lowercase();
+    WORDS.iter().any(|word| property.contains(word))
 }
 
 /// A URL with its password replaced, for logs and status output.

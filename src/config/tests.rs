@@ -497,11 +497,30 @@ fn a_debug_of_the_settings_never_shows_a_secret() {
         "security.protocol=SASL_SSL,sasl.password=S3cret-kafka",
         "--kafka-option",
         "ssl.key.password=S3cret-key",
+        // Review follow-up: a private key in PEM, an OAUTHBEARER assertion key and its passphrase, the
+        // unsecured OAUTHBEARER configuration.
+        "--kafka-option",
+        "ssl.key.pem=S3cret-pem",
+        "--kafka-option",
+        "sasl.oauthbearer.assertion.private.key.pem=S3cret-assertion",
+        "--kafka-option",
+        "sasl.oauthbearer.assertion.private.key.passphrase=S3cret-phrase",
+        "--kafka-option",
+        "sasl.oauthbearer.config=principal=admin S3cret-config",
     ]);
     let shown = format!("{given:?}");
     let run = given.run().unwrap();
     let shown = format!("{shown} {:?} {:?}", run.kafka, run.database);
-    for secret in ["S3cret-db", "S3cret-repl", "S3cret-kafka", "S3cret-key"] {
+    for secret in [
+        "S3cret-db",
+        "S3cret-repl",
+        "S3cret-kafka",
+        "S3cret-key",
+        "S3cret-pem",
+        "S3cret-assertion",
+        "S3cret-phrase",
+        "S3cret-config",
+    ] {
         assert!(!shown.contains(secret), "{secret} in {shown}");
     }
     assert!(shown.contains("b:9092"), "{shown}");

@@ -154,6 +154,10 @@ async fn a_login_holding_the_fleet_markers_neither_stops_nor_stalls_a_poller() {
             .contains("a CDC leader streams this table"),
         "the poller deferred to a session that only names itself as a leader"
     );
+    // Nor does `status` count it as an active instance.
+    let status = run_outboxd(&["status", "--json", "--database-url", &url]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(status["active_instances"], 0, "{status}");
     squatter.query_one("SELECT 1", &[]).await.unwrap();
 }
 
