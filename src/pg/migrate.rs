@@ -491,6 +491,11 @@ pub async fn migrate(
     // and one blocked in `pg_advisory_lock` behind the builder's own session would be a deadlock.
     // The former lock is waited for at most LOCK_PATIENCE: held longer, it is an application's lock on that
     // bigint (an earlier version's migrate is done well before), and migrate goes on without it.
+    // Every name migrate means is resolved in the system catalog or qualified: no object another role
+    // creates in a schema on the user's search_path stands in for one (security review M2).
+    client
+        .batch_execute("SET search_path = pg_catalog, pg_temp")
+        .await?;
     let lock = format!("SELECT {}", lock_call("pg_try_advisory_lock", "$1"));
     let mut held = false;
     let mut said = false;
@@ -550,12 +555,13 @@ pub async fn migrate(
 async fn check_migrations_table(client: &Client) -> Result<()> {
     let row = client
         .query_one(
-            // Trusted owners: this role; a superuser (no other role can create a table it owns); a role
-            // this one is a member of, unless this one is a superuser (who is a member of every role, and
-            // whose rights a trigger of that role's would run with).
+            // Trusted owners: those who hold this role's rights already, so that code of theirs running with
+            // them gains nothing: this role; a superuser; a role that is a member of this one, unless this
+            // one is a superuser (membership in a superuser role does not make a superuser). A role this one
+            // is a member of is not trusted: its code would run with rights it does not have.
             "SELECT pg_get_userbyid(c.relowner),
                     c.relowner = me.oid OR owner.rolsuper
-                        OR (NOT me.rolsuper AND pg_has_role(me.oid, c.relowner, 'MEMBER')),
+                        OR (NOT me.rolsuper AND pg_has_role(c.relowner, me.oid, 'MEMBER')),
                     c.relkind = 'r', c.relrowsecurity,
                     EXISTS (SELECT 1 FROM pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal),
                     EXISTS (SELECT 1 FROM pg_rewrite r WHERE r.ev_class = c.oid)
@@ -805,15 +811,18 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 /// Installs the statement-level trigger that wakes `--poll-notify` pollers (only when asked: NOTIFY takes a
-/// database-wide lock at commit and serialises every committing transaction that notifies).
+/// database-wide lock at commit and serialises every committing transaction that notifies). Its function runs
+/// in every inserting transaction, with the inserter's rights: its `search_path` is pinned, so that no object
+/// another role creates can stand in for the one it calls (security review M2).
 /// The trigger's creation locks the table against writes: it waits under `lock_timeout`, like a migration.
 pub async fn install_notify_trigger(client: &mut Client, table: &TableName) -> Result<()> {
     let channel = notify_channel(table);
     let function = format!("\"{}\".\"{channel}\"", table.schema);
     client
         .batch_execute(&format!(
-            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS
-                 $$ BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$"
+            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql
+                 SET search_path = pg_catalog, pg_temp AS
+                 $$ BEGIN PERFORM pg_catalog.pg_notify('{channel}', ''); RETURN NULL; END $$"
         ))
         .await?;
     run_locked(
