@@ -77,8 +77,9 @@ impl Readiness {
     }
 }
 
-/// At most this many connections at once; more are closed as they come (each costs a file descriptor,
-/// which the pipelines need).
+/// At most this many connections at once (each costs a file descriptor, which the pipelines need). A new
+/// connection beyond them closes the oldest: whoever holds connections open (kept alive with a request now
+/// and then) cannot keep a probe or a scraper out, which needs one for a few milliseconds.
 const MAX_CONNECTIONS: usize = 128;
 /// A request's headers must arrive within this (slow-header clients hold nothing longer).
 const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -108,7 +109,8 @@ pub async fn serve(addr: SocketAddr, metrics: PrometheusHandle) -> Result<()> {
 
 /// Serves each connection on a task of its own, within the limits above.
 async fn accept(listener: tokio::net::TcpListener, app: axum::Router) {
-    let connections = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    // The tasks serving connections, oldest first.
+    let mut open: std::collections::VecDeque<tokio::task::AbortHandle> = Default::default();
     let mut last_told: Option<tokio::time::Instant> = None;
     loop {
         let stream = match listener.accept().await {
@@ -120,20 +122,22 @@ async fn accept(listener: tokio::net::TcpListener, app: axum::Router) {
                 continue;
             }
         };
-        let Ok(permit) = connections.clone().try_acquire_owned() else {
+        open.retain(|task| !task.is_finished());
+        if open.len() >= MAX_CONNECTIONS {
+            if let Some(oldest) = open.pop_front() {
+                oldest.abort();
+            }
             // Said at most once a minute: under a flood this would be every connection.
             if last_told.is_none_or(|at| at.elapsed() > std::time::Duration::from_secs(60)) {
                 last_told = Some(tokio::time::Instant::now());
                 tracing::warn!(
                     limit = MAX_CONNECTIONS,
-                    "the metrics endpoint has as many connections as it takes; closing new ones until some end"
+                    "the metrics endpoint has as many connections as it takes; closing the oldest for each new one"
                 );
             }
-            continue;
-        };
+        }
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
+        let task = tokio::spawn(async move {
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT)
@@ -141,6 +145,7 @@ async fn accept(listener: tokio::net::TcpListener, app: axum::Router) {
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
             let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
         });
+        open.push_back(task.abort_handle());
     }
 }
 

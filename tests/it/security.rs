@@ -270,6 +270,56 @@ async fn a_flood_of_slow_connections_to_the_metrics_port_takes_nothing_down() {
     drop(flood);
 }
 
+/// Connections kept alive (each has had an answer and stays open, as a keep-alive client leaves it), more
+/// of them than the endpoint takes: a probe arriving next is still answered at once, the oldest of them
+/// closed to make room (review M3 follow-up: they held every place until their 60 s lifetime ran out).
+#[test]
+fn connections_kept_open_cannot_keep_a_probe_out() {
+    use std::io::{Read, Write};
+    raise_open_files_limit(4_096);
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    // Only the endpoint is needed: outboxd serves it while it waits for an unreachable database.
+    let outboxd = Outboxd::spawn(&[
+        "run",
+        "--database-url",
+        "postgres://outboxd@127.0.0.1:1/app",
+        "--brokers",
+        "127.0.0.1:1",
+        "--metrics-addr",
+        metrics_addr.as_str(),
+    ]);
+    let addr = metrics_addr.clone();
+    wait_for("the endpoint to answer", Duration::from_secs(60), || {
+        http_get(&addr, "/healthz")
+    });
+    let kept: Vec<std::net::TcpStream> = (0..300)
+        .map(|_| {
+            let mut stream = std::net::TcpStream::connect(&metrics_addr).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            stream
+                .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            let mut answer = [0u8; 512];
+            let read = stream.read(&mut answer).unwrap_or(0);
+            assert!(
+                answer[..read].starts_with(b"HTTP/1.1 200"),
+                "{}",
+                String::from_utf8_lossy(&answer[..read])
+            );
+            stream
+        })
+        .collect();
+    let probe = http_get(&metrics_addr, "/readyz");
+    assert!(
+        probe.is_some(),
+        "a probe found no place beside {} connections kept open",
+        kept.len()
+    );
+    drop((kept, outboxd));
+}
+
 /// Raises this process's soft limit of open files to `wanted` (at most the hard limit): the flood needs
 /// more than a fresh machine's 1,024.
 fn raise_open_files_limit(wanted: u64) {
