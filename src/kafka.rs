@@ -231,12 +231,73 @@ pub const PROBE_TOPIC: &str = "__outboxd_readiness_probe";
 /// Topics known to exist, shared by every session of the process.
 pub type KnownTopics = Arc<Mutex<HashSet<String>>>;
 
+/// Pure: the topics an event may not go to, whatever its row says (security review L1). Topic names come from
+/// rows (`{aggregate_type}`, `{event_type}`): a bug or user input writing many distinct values must not make
+/// outboxd create topics without end (each with its partitions, on the brokers' controller), nor address
+/// the topics of outboxd itself or of Kafka's own tools.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicLimits {
+    /// `--max-topics`: the most distinct topics one process publishes events to.
+    pub max_topics: usize,
+    /// outboxd's own topics (`--dead-letter-topic`, `--progress-topic`): never an event's.
+    pub reserved: Vec<String>,
+}
+
+impl TopicLimits {
+    fn of<Tables>(settings: &RunSettings<Tables>) -> Self {
+        let progress = settings
+            .kafka
+            .exactly_once
+            .as_ref()
+            .map(|e| &e.progress_topic);
+        TopicLimits {
+            max_topics: settings.kafka.max_topics,
+            reserved: progress
+                .into_iter()
+                .chain(settings.poll.dead_letter_topic.as_ref())
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// How many of the topics `known` to this process are events' (not outboxd's own).
+    fn events_topics(&self, known: &HashSet<String>) -> usize {
+        known.iter().filter(|t| !self.reserved.contains(t)).count()
+    }
+
+    /// Why an event may not go to `topic`, new to this process, which publishes events to `known` topics
+    /// already; `None` when it may. Refused: outboxd's own topics, names starting with `_` (Kafka's
+    /// internal topics and those of its tools: `__consumer_offsets`, `_schemas`, ...), and a new topic past
+    /// `--max-topics`.
+    pub fn refusal(&self, topic: &str, known: usize) -> Option<String> {
+        if self.reserved.iter().any(|reserved| reserved == topic) {
+            return Some(format!(
+                "topic {topic} is outboxd's own (--dead-letter-topic or --progress-topic), never an event's: fix the topic template (--topic) or the row's aggregate or event type"
+            ));
+        }
+        if topic.starts_with('_') {
+            return Some(format!(
+                "topic {topic} starts with '_', as Kafka's internal topics and those of its tools do (__consumer_offsets, _schemas): outboxd sends no event there; fix the topic template (--topic) or the row's aggregate or event type"
+            ));
+        }
+        if known >= self.max_topics {
+            return Some(format!(
+                "topic {topic} is new, and this process publishes to {known} topics already (--max-topics {}): the rows name more distinct topics than expected (an aggregate or event type from user input?); fix the rows, or raise --max-topics",
+                self.max_topics
+            ));
+        }
+        None
+    }
+}
+
 /// The Kafka producer (and admin client) that publishes outbox events and creates their topics.
 pub struct Publisher<T: Send + Sync + 'static> {
     producer: ThreadedProducer<DeliveryContext<T>>,
     admin: AdminClient<DefaultClientContext>,
     known_topics: KnownTopics,
     create_topics: bool,
+    /// Which topics events may go to, beyond what Kafka allows (`--max-topics`, reserved names).
+    topic_limits: TopicLimits,
     partitions: i32,
     replication_factor: i32,
     /// Header carrying the event id: `event_id`, or `id` for Debezium-style tables.
@@ -450,6 +511,7 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             admin,
             known_topics,
             create_topics: settings.kafka.create_topics,
+            topic_limits: TopicLimits::of(settings),
             partitions: settings.kafka.topic_partitions,
             replication_factor: settings.kafka.topic_replication_factor.unwrap_or(-1),
             event_id_header: settings.database.style.event_id_header(),
@@ -458,15 +520,26 @@ impl<T: Send + Sync + 'static> Publisher<T> {
     }
 
     /// Makes sure `topic` exists: created on first use, or checked when topic creation is off. A creation
-    /// refused for this topic alone is a [`PublishError::Rejected`] (see [`creation_refused`]).
-    async fn ensure_topic(&self, topic: &str) -> Result<(), PublishError> {
-        if self
-            .known_topics
-            .lock()
-            .map(|t| t.contains(topic))
-            .unwrap_or(false)
-        {
-            return Ok(());
+    /// refused for this topic alone is a [`PublishError::Rejected`] (see [`creation_refused`]), and so is a
+    /// topic an event may not go to ([`TopicLimits`]; `dead_letter`: a dead-letter record, whose topic is
+    /// outboxd's own and never refused so).
+    async fn ensure_topic(&self, topic: &str, dead_letter: bool) -> Result<(), PublishError> {
+        let known = match self.known_topics.lock() {
+            Ok(known) if known.contains(topic) => return Ok(()),
+            Ok(known) => self.topic_limits.events_topics(&known),
+            Err(_) => 0,
+        };
+        if !dead_letter {
+            if let Some(reason) = self.topic_limits.refusal(topic, known) {
+                return Err(PublishError::Rejected(Rejection {
+                    reason,
+                    permanent: true,
+                    producer_broken: false,
+                    topic_wide: true,
+                    of_the_event: false,
+                    topic: Some(topic.to_string()),
+                }));
+            }
         }
         if self.create_topics {
             let new_topic = NewTopic::new(
@@ -617,7 +690,7 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
         tag: T,
         error: Option<&str>,
     ) -> Result<(), PublishError> {
-        self.ensure_topic(topic)
+        self.ensure_topic(topic, error.is_some())
             .await
             .map_err(|error| match error {
                 // Named for the log line and the error that stops outboxd on a table without polling columns.
@@ -703,6 +776,32 @@ impl<T: Send + Sync + 'static> Sink<T> for Publisher<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn events_never_go_to_outboxds_own_or_underscore_topics_nor_past_the_topic_limit() {
+        let limits = TopicLimits {
+            max_topics: 2,
+            reserved: vec!["outbox.dead".into(), "outboxd.progress".into()],
+        };
+        assert_eq!(limits.refusal("outbox.Order", 0), None);
+        assert_eq!(limits.refusal("outbox.Order", 1), None);
+        let past = limits.refusal("outbox.Order", 2).unwrap();
+        assert!(past.contains("--max-topics 2"), "{past}");
+        for own in ["outbox.dead", "outboxd.progress"] {
+            let refused = limits.refusal(own, 0).unwrap();
+            assert!(refused.contains("outboxd's own"), "{refused}");
+        }
+        for internal in ["__consumer_offsets", "_schemas"] {
+            let refused = limits.refusal(internal, 0).unwrap();
+            assert!(refused.contains("starts with '_'"), "{refused}");
+        }
+        let known: HashSet<String> = ["outbox.dead", "outbox.A"].map(String::from).into();
+        assert_eq!(
+            limits.events_topics(&known),
+            1,
+            "the dead-letter topic is not an event's"
+        );
+    }
 
     #[test]
     fn options_cannot_undo_the_delivery_guarantees() {

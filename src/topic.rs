@@ -105,6 +105,15 @@ impl TopicTemplate {
         )
     }
 
+    /// Whether the topic name starts with a row's value (`{aggregate_type}` or `{event_type}`): the rows then
+    /// choose the whole name.
+    pub fn starts_with_row_value(&self) -> bool {
+        matches!(
+            self.parts.first(),
+            Some(Part::AggregateType | Part::EventType)
+        )
+    }
+
     /// Whether the template uses `{aggregate_type}` / `{event_type}`.
     pub fn uses_aggregate_type(&self) -> bool {
         self.parts.contains(&Part::AggregateType)

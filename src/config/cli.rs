@@ -182,6 +182,15 @@ pub struct Options {
     #[arg(long, env = "OUTBOXD_NO_CREATE_TOPICS")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_create_topics: bool,
+    /// The most distinct topics one process publishes events to; an event bound for one more is refused
+    /// like a topic Kafka refuses [default: 1000].
+    #[arg(long, env = "OUTBOXD_MAX_TOPICS")]
+    pub max_topics: Option<usize>,
+    /// Allow a --topic template that starts with {aggregate_type} or {event_type}: the rows then choose the
+    /// whole topic name, any topic outboxd may write.
+    #[arg(long, env = "OUTBOXD_ALLOW_UNPREFIXED_TOPIC")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_unprefixed_topic: bool,
     /// How long to retry unreachable PostgreSQL or brokers at first start [default: 60s].
     #[arg(long, env = "OUTBOXD_STARTUP_TIMEOUT")]
     pub startup_timeout: Option<String>,

@@ -197,6 +197,8 @@ pub struct KafkaSettings {
     pub topic_replication_factor: Option<i32>,
     /// False with `--no-create-topics`: a missing topic is then an error.
     pub create_topics: bool,
+    /// `--max-topics`: the most distinct topics one process publishes events to (at least 1).
+    pub max_topics: usize,
     /// `--delivery exactly-once`: how the CDC path's Kafka transactions are made; `None`: at least once.
     pub exactly_once: Option<ExactlyOnceSettings>,
     /// `--format` and its CloudEvents options: what a record's headers and value hold.
@@ -223,6 +225,7 @@ impl std::fmt::Debug for KafkaSettings {
             .field("topic_partitions", &self.topic_partitions)
             .field("topic_replication_factor", &self.topic_replication_factor)
             .field("create_topics", &self.create_topics)
+            .field("max_topics", &self.max_topics)
             .field("exactly_once", &self.exactly_once)
             .field("format", &self.format)
             .finish()

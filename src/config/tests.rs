@@ -484,6 +484,35 @@ fn a_header_column_never_takes_a_name_the_format_sets() {
 }
 
 #[test]
+fn a_topic_the_rows_choose_whole_is_refused_unless_asked_for() {
+    let base = [
+        "--database-url",
+        "postgres://u:p@h/db",
+        "--brokers",
+        "b:9092",
+    ];
+    for template in ["{aggregate_type}", "{event_type}.events"] {
+        let args = [&base[..], &["--topic", template]].concat();
+        let error = options(&args).run().unwrap_err().to_string();
+        assert!(error.contains("--allow-unprefixed-topic"), "{error}");
+        let allowed = [&args[..], &["--allow-unprefixed-topic"]].concat();
+        assert!(options(&allowed).run().is_ok(), "{template}");
+    }
+    for template in [
+        "outbox.{aggregate_type}",
+        "{schema}.{aggregate_type}",
+        "{table}",
+    ] {
+        let args = [&base[..], &["--topic", template]].concat();
+        assert!(options(&args).run().is_ok(), "{template}");
+    }
+    let run = options(&base).run().unwrap();
+    assert_eq!(run.kafka.max_topics, 1000);
+    let zero = [&base[..], &["--max-topics", "0"]].concat();
+    assert!(options(&zero).run().is_err());
+}
+
+#[test]
 fn a_debug_of_the_settings_never_shows_a_secret() {
     // Review L4: Options and KafkaSettings derived Debug, URL and sasl.password included.
     let given = options(&[

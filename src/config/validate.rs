@@ -117,6 +117,15 @@ impl Options {
                 .as_deref()
                 .unwrap_or(database.style.default_topic()),
         )?;
+        if topic.starts_with_row_value() && !self.allow_unprefixed_topic {
+            return Err(invalid(
+                "--topic starts with {aggregate_type} or {event_type}: the rows would choose the whole topic name, any topic outboxd may write (another service's, Kafka Connect's configuration); start it with a fixed prefix (e.g. outbox.{aggregate_type}), or pass --allow-unprefixed-topic",
+            ));
+        }
+        let max_topics = self.max_topics.unwrap_or(1000);
+        if max_topics < 1 {
+            return Err(invalid("--max-topics must be at least 1, got 0"));
+        }
         let kafka_options = split_kafka_options(self.kafka_option.iter().flatten())?;
         let topic_partitions = self.topic_partitions.unwrap_or(6);
         if topic_partitions < 1 {
@@ -200,6 +209,7 @@ impl Options {
                 topic_partitions,
                 topic_replication_factor: self.topic_replication_factor,
                 create_topics: !self.no_create_topics,
+                max_topics,
                 exactly_once,
                 format,
             },

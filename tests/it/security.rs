@@ -444,3 +444,84 @@ async fn the_notify_function_runs_with_a_pinned_search_path() {
     );
     assert!(body.contains("pg_catalog.pg_notify("), "{body}");
 }
+
+/// Topic names come from rows. With a template the rows choose whole (asked for with
+/// `--allow-unprefixed-topic`) and `--max-topics 2`: events of two aggregate types are published; a third
+/// type's (one topic too many), one naming the dead-letter topic and one naming `_schemas` (a tool's topic)
+/// are refused like a topic Kafka refuses, dead-lettered after `--max-attempts`, and nothing of theirs
+/// reaches those topics (review L1).
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_cannot_make_outboxd_create_topics_without_end_or_write_reserved_ones() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--mode",
+        "poll",
+        "--topic",
+        "{aggregate_type}",
+        "--allow-unprefixed-topic",
+        "--max-topics",
+        "2",
+        "--dead-letter-topic",
+        "dlq",
+        "--max-attempts",
+        "2",
+        "--retry-base",
+        "100ms",
+        "--retry-cap",
+        "200ms",
+    ]);
+    let _outboxd = Outboxd::spawn(&args);
+    let client = pg.client().await;
+    let insert = |aggregate_type: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES (gen_random_uuid(), $1, 'a-1', 'E', '{}')",
+                    &[&aggregate_type],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    insert("first").await;
+    insert("second").await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    for refused in ["third", "dlq", "_schemas"] {
+        insert(refused).await;
+    }
+    wait_settled(&client, Duration::from_secs(60)).await;
+    let rows = client
+        .query(
+            "SELECT aggregate_type, published_at IS NOT NULL, dead_at IS NOT NULL, coalesce(last_error, '')
+             FROM outbox_event ORDER BY position",
+            &[],
+        )
+        .await
+        .unwrap();
+    let outcome: Vec<(String, bool, bool, String)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    for (aggregate_type, published, dead, error) in &outcome {
+        let (want_published, want_error) = match aggregate_type.as_str() {
+            "first" | "second" => (true, ""),
+            "third" => (false, "--max-topics 2"),
+            "dlq" => (false, "outboxd's own"),
+            _ => (false, "starts with '_'"),
+        };
+        assert_eq!(
+            (*published, *dead),
+            (want_published, !want_published),
+            "{aggregate_type}: {error}"
+        );
+        assert!(error.contains(want_error), "{aggregate_type}: {error}");
+    }
+    assert_eq!(outcome.len(), 5);
+    // The dead-letter topic holds the three dead letters and nothing else.
+    let dead_letters = consume_all(&brokers, &["dlq"], 3, Duration::from_secs(60));
+    assert_eq!(dead_letters.len(), 3, "{dead_letters:?}");
+}
