@@ -525,3 +525,45 @@ async fn rows_cannot_make_outboxd_create_topics_without_end_or_write_reserved_on
     let dead_letters = consume_all(&brokers, &["dlq"], 3, Duration::from_secs(60));
     assert_eq!(dead_letters.len(), 3, "{dead_letters:?}");
 }
+
+/// Any login may emit a logical decoding message into every slot of its database. One of 200 MB, emitted
+/// by a role with no privilege beyond CONNECT, is skipped as it streams: outboxd never holds it in memory
+/// (it buffered all of it, and a pod's memory limit ended it on every start as the slot sent it again), and
+/// the event after it is published (adversarial review of issue 34, finding 1).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_huge_logical_decoding_message_from_any_login_is_skipped_unread() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "cdc"]);
+    let outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    client
+        .batch_execute("CREATE ROLE reporting LOGIN")
+        .await
+        .unwrap();
+    let reporting = pg.client_as("reporting").await;
+    reporting
+        .batch_execute("SELECT pg_logical_emit_message(true, 'x', repeat('a', 200 * 1024 * 1024))")
+        .await
+        .unwrap();
+    let (committed, _) = insert_events(&mut client, 0, 1, 3, 1, None).await;
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    verify_delivery(&brokers, &committed, &[], 60, "after a huge message");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", outboxd.pid())).unwrap();
+    let peak_kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    println!("outboxd's peak resident memory: {} MiB", peak_kib / 1024);
+    assert!(
+        peak_kib < 150 * 1024,
+        "outboxd held {} MiB at its peak: the message was read into memory",
+        peak_kib / 1024
+    );
+    assert!(outboxd
+        .log_text()
+        .contains("skipped a logical decoding message"));
+}

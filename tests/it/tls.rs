@@ -302,6 +302,8 @@ async fn forging_server(
     let task = tokio::spawn(async move {
         let mut sent = Vec::new();
         let (mut socket, _) = listener.accept().await.unwrap();
+        // One connection only: a retry finds the port closed.
+        drop(listener);
         let mut request = [0u8; 8];
         socket.read_exact(&mut request).await.unwrap();
         socket.write_all(b"S").await.unwrap();
@@ -416,6 +418,53 @@ async fn a_forging_server_on_the_replication_url_gets_nothing_past_authenticatio
             );
         }
         assert_mentions(&stderr, &[says]);
+        assert!(!stderr.contains("secret-pw"), "{stderr}");
+    }
+}
+
+/// The same forgeries on `--database-url` (ordinary SQL, tokio-postgres's authentication): outboxd never
+/// sends a query (from there forged rows could be claimed and published) nor a password in the clear.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forging_server_on_the_database_url_gets_nothing_past_authentication() {
+    let broker = Broker::start();
+    let brokers = broker.addr();
+    let certs = TestCertificates::make(&scratch_dir("certs"));
+    for forgery in [
+        Forgery::OkBeforeScramEnds,
+        Forgery::WrongSignature,
+        Forgery::Cleartext,
+        Forgery::HugeMessage,
+    ] {
+        let (port, server) = forging_server(&certs, forgery).await;
+        let database_url = format!(
+            "postgres://outboxd:secret-pw@127.0.0.1:{port}/postgres?sslmode=require&channel_binding=require"
+        );
+        let stderr = tokio::task::spawn_blocking({
+            let brokers = brokers.clone();
+            move || {
+                let mut args = run_args(&database_url, &brokers);
+                args.extend(["--startup-timeout", "5s"]);
+                stderr_of(&run_outboxd(&args))
+            }
+        })
+        .await
+        .unwrap();
+        let sent = server.await.unwrap();
+        eprintln!(
+            "{forgery:?}: outboxd sent {sent:?}; {}",
+            stderr.lines().last().unwrap_or_default()
+        );
+        assert!(
+            !sent.iter().any(|tag| matches!(tag, b'Q' | b'P')),
+            "{forgery:?}: outboxd sent a query after a forged authentication ({sent:?}): {stderr}"
+        );
+        if matches!(forgery, Forgery::Cleartext) {
+            assert!(
+                !sent.contains(&b'p'),
+                "{forgery:?}: the password went in the clear"
+            );
+        }
+        assert!(stderr.contains("error:"), "{forgery:?}: {stderr}");
         assert!(!stderr.contains("secret-pw"), "{stderr}");
     }
 }

@@ -315,7 +315,10 @@ impl ReplicationConnection {
                 let total = header.len() as usize + 1;
                 if header.tag() == b'W' && self.read_buf.len() >= total {
                     let _ = self.read_buf.split_to(total);
-                    return Ok(ReplicationStream { conn: self });
+                    return Ok(ReplicationStream {
+                        conn: self,
+                        skipping: 0,
+                    });
                 }
             }
             if let Some(message) = parse_message(&mut self.read_buf, MAX_MESSAGE_BYTES)? {
@@ -364,12 +367,32 @@ impl ReplicationConnection {
 /// The CopyBoth stream after START_REPLICATION.
 pub struct ReplicationStream {
     conn: ReplicationConnection,
+    /// Bytes still to discard of a logical decoding message too long to be outboxd's ([`oversize_message`]).
+    skipping: usize,
 }
 
 impl ReplicationStream {
     /// Waits for the next XLogData or keepalive. Cancel-safe (safe inside `tokio::select!`).
     pub async fn next_message(&mut self) -> Result<ServerMessage, ReplicationError> {
         loop {
+            if self.skipping > 0 {
+                let discard = self.skipping.min(self.conn.read_buf.len());
+                let _ = self.conn.read_buf.split_to(discard);
+                self.skipping -= discard;
+                if self.skipping > 0 {
+                    self.conn.read_buf.clear();
+                    self.conn.fill().await?;
+                    continue;
+                }
+            }
+            if let Some(total) = oversize_message(&self.conn.read_buf) {
+                tracing::warn!(
+                    bytes = total,
+                    "skipped a logical decoding message of {total} bytes without reading it into memory: outboxd's own are a few hundred bytes (any login may emit one with pg_logical_emit_message)"
+                );
+                self.skipping = total;
+                continue;
+            }
             if let Some(message) = parse_message(&mut self.conn.read_buf, MAX_COPY_DATA_BYTES)? {
                 match message {
                     backend::Message::CopyData(body) => {
@@ -519,6 +542,24 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, Repl
     }))
 }
 
+/// The longest logical decoding message (pgoutput `M`) outboxd reads: its own hand-off notices are a few
+/// hundred bytes. Any login may emit one (`pg_logical_emit_message`), of any size, into every slot of the
+/// database: a longer one is discarded as it arrives, never held in memory (security review follow-up).
+const MAX_LOGICAL_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// Pure: the length of the message at the head of `buf` (type byte included) when it is a CopyData holding
+/// XLogData whose pgoutput message is a logical decoding message (`M`) longer than
+/// [`MAX_LOGICAL_MESSAGE_BYTES`]; `None` for anything else, or before its first 31 bytes have arrived.
+fn oversize_message(buf: &[u8]) -> Option<usize> {
+    // 'd', Int32 length, 'w', Int64 start, Int64 end, Int64 clock, then the pgoutput message's type byte.
+    const PGOUTPUT_TYPE_AT: usize = 1 + 4 + 1 + 8 + 8 + 8;
+    let (&tag, rest) = buf.split_first()?;
+    let length = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    let is_message =
+        tag == b'd' && buf.get(5) == Some(&b'w') && buf.get(PGOUTPUT_TYPE_AT) == Some(&b'M');
+    (is_message && length > MAX_LOGICAL_MESSAGE_BYTES).then_some(length + 1)
+}
+
 /// The largest message outboxd takes from the server other than CopyData (errors, notices, command replies).
 const MAX_MESSAGE_BYTES: usize = 1 << 20;
 /// The largest CopyData: one decoded change, whose values PostgreSQL keeps under 1 GiB each.
@@ -582,6 +623,41 @@ fn server_error(body: &backend::ErrorResponseBody) -> ReplicationError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn copy_data(pgoutput_type: u8, length: u32) -> Vec<u8> {
+        let mut buf = vec![b'd'];
+        buf.extend_from_slice(&length.to_be_bytes());
+        buf.push(b'w');
+        buf.extend_from_slice(&[0; 24]);
+        buf.push(pgoutput_type);
+        buf
+    }
+
+    #[test]
+    fn only_a_long_logical_decoding_message_is_skipped_and_whole() {
+        assert_eq!(
+            oversize_message(&copy_data(b'M', 300 << 20)),
+            Some((300 << 20) + 1)
+        );
+        assert_eq!(
+            oversize_message(&copy_data(b'M', 200)),
+            None,
+            "a notice of outboxd's size"
+        );
+        assert_eq!(
+            oversize_message(&copy_data(b'I', 300 << 20)),
+            None,
+            "a row is never skipped"
+        );
+        let mut keepalive = copy_data(b'M', 300 << 20);
+        keepalive[5] = b'k';
+        assert_eq!(oversize_message(&keepalive), None);
+        assert_eq!(
+            oversize_message(&copy_data(b'M', 300 << 20)[..20]),
+            None,
+            "not all of its head yet"
+        );
+    }
 
     fn header(tag: u8, len: u32) -> BytesMut {
         let mut buf = BytesMut::new();
