@@ -97,10 +97,10 @@ pub struct Options {
     #[serde(skip)]
     pub config: Option<PathBuf>,
     /// PostgreSQL URL for ordinary SQL, e.g. postgres://user:pass@host:5432/db.
-    #[arg(long, env = "OUTBOXD_DATABASE_URL")]
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// PostgreSQL URL for the replication connection (default: --database-url); lets it bypass a pooler.
-    #[arg(long, env = "OUTBOXD_REPLICATION_URL")]
+    #[arg(long, env = "OUTBOXD_REPLICATION_URL", hide_env_values = true)]
     pub replication_url: Option<String>,
     /// Kafka bootstrap servers, comma-separated host:port list.
     #[arg(long, env = "OUTBOXD_BROKERS")]
@@ -145,7 +145,7 @@ pub struct Options {
     pub publication: Option<String>,
     /// librdkafka property passed through, key=value (repeatable), e.g. security.protocol=SASL_SSL.
     /// Several in one value are separated by commas; a comma inside a value stays (see `split_kafka_options`).
-    #[arg(long, env = "OUTBOXD_KAFKA_OPTION")]
+    #[arg(long, env = "OUTBOXD_KAFKA_OPTION", hide_env_values = true)]
     #[serde(default, deserialize_with = "one_or_many")]
     pub kafka_option: Option<Vec<String>>,
     /// Partitions of topics outboxd creates [default: 6].

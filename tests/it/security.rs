@@ -567,3 +567,20 @@ async fn a_huge_logical_decoding_message_from_any_login_is_skipped_unread() {
         .log_text()
         .contains("skipped a logical decoding message"));
 }
+
+/// `--help` says which variables are set, never the value of one holding a secret (clap prints
+/// `[env: NAME=value]` by default; `kubectl exec ... outboxd run --help` printed the database password).
+#[test]
+fn help_never_shows_a_secret_from_the_environment() {
+    let output = run_outboxd_with_env(
+        &["run", "--help"],
+        &[
+            ("OUTBOXD_DATABASE_URL", "postgres://u:S3cret-db@h/db"),
+            ("OUTBOXD_REPLICATION_URL", "postgres://u:S3cret-repl@h/db"),
+            ("OUTBOXD_KAFKA_OPTION", "sasl.password=S3cret-kafka"),
+        ],
+    );
+    let help = String::from_utf8_lossy(&output.stdout);
+    assert!(help.contains("OUTBOXD_DATABASE_URL"), "{help}");
+    assert!(!help.contains("S3cret"), "{help}");
+}

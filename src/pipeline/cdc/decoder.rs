@@ -226,7 +226,9 @@ impl TransactionDecoder {
     }
 
     /// `outboxd replay` re-queued a dead event (see [`HandOffNotice`]): in this transaction, at its place in
-    /// WAL order, the event's aggregate waits in the polling path. Other messages are not outboxd's.
+    /// WAL order, the event's aggregate waits in the polling path. Other messages are not outboxd's, and
+    /// neither is a notice for a table without a polling path (replay re-queues nothing there; any login may
+    /// emit a message with outboxd's prefix, and blocking such a table's aggregate would stop the stream).
     fn message(&self, message: &Message) -> Decoded {
         if !message.transactional || message.prefix != HANDOFF_MESSAGE || self.current.is_none() {
             return Decoded::Nothing;
@@ -240,11 +242,11 @@ impl TransactionDecoder {
             .iter()
             .position(|t| t.name.to_string() == notice.table)
         {
-            Some(table) => Decoded::WaitsInPollingPath {
+            Some(table) if self.can_hand_off[table] => Decoded::WaitsInPollingPath {
                 table,
                 aggregate: (notice.aggregate_type, notice.aggregate_id),
             },
-            None => Decoded::Nothing,
+            _ => Decoded::Nothing,
         }
     }
 
@@ -517,6 +519,34 @@ mod tests {
                 .unwrap(),
         );
         assert_eq!(pending.position.index, 0, "numbering starts again");
+    }
+
+    /// A hand-off notice (any login may emit one with outboxd's prefix) counts only for a table with a polling
+    /// path: on a table without one, blocking its aggregate stopped outboxd (review follow-up, finding 2).
+    #[test]
+    fn a_hand_off_notice_counts_only_for_a_table_with_a_polling_path() {
+        let notice = || {
+            PgOutputMessage::Message(Message {
+                transactional: true,
+                prefix: HANDOFF_MESSAGE.into(),
+                content: bytes::Bytes::from_static(
+                    br#"{"table":"public.outbox_event","aggregate_type":"Order","aggregate_id":"a"}"#,
+                ),
+            })
+        };
+        for (polling, blocks) in [(true, true), (false, false)] {
+            let mut watermark = Watermark::new(Lsn(100));
+            let mut decoder = decoder(table(true, polling), 0);
+            decoder
+                .decode(begin(200, 5_000, 42), &mut watermark)
+                .unwrap();
+            let decoded = decoder.decode(notice(), &mut watermark).unwrap();
+            assert_eq!(
+                matches!(decoded, Decoded::WaitsInPollingPath { .. }),
+                blocks,
+                "polling path: {polling}"
+            );
+        }
     }
 
     #[test]
