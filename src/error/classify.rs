@@ -67,6 +67,7 @@ impl Error {
             Error::SessionRestart(_) => true,
             // Not retried by a session: the whole pipeline starts over (see `pipeline::run_with`).
             Error::TablesChanged(_) => false,
+            Error::ConnectTimeout(_) => true,
         }
     }
 

@@ -13,13 +13,25 @@ pub use url::{Connection, PgUrl};
 
 use crate::error::Result;
 
+/// The longest an ordinary SQL connection may take to open, TLS and authentication included (or the URL's
+/// `connect_timeout`, which tokio-postgres applies to the TCP connect alone): a server, or a man in the middle,
+/// that accepts and then sends nothing, or announces a message it never sends, cannot hold outboxd forever.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl PgUrl {
     /// Opens a SQL connection; the caller drives `Connection`.
     pub async fn connect_raw(&self) -> Result<(tokio_postgres::Client, Connection)> {
-        self.config
-            .connect(self.connector())
-            .await
-            .map_err(|error| crate::error::connect_error(error, self.tls.mode))
+        let limit = self
+            .config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(HANDSHAKE_TIMEOUT);
+        match tokio::time::timeout(limit, self.config.connect(self.connector())).await {
+            Ok(connected) => {
+                connected.map_err(|error| crate::error::connect_error(error, self.tls.mode))
+            }
+            Err(_) => Err(crate::error::Error::ConnectTimeout(limit)),
+        }
     }
 }
 
