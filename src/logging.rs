@@ -71,7 +71,10 @@ mod tests {
 
     #[test]
     fn line_separators_and_bidi_overrides_are_escaped() {
-        assert_eq!(escape_controls("a\u{2028}b\u{2029}c"), "a\\u{2028}b\\u{2029}c");
+        assert_eq!(
+            escape_controls("a\u{2028}b\u{2029}c"),
+            "a\\u{2028}b\\u{2029}c"
+        );
         assert_eq!(escape_controls("x\u{202E}gpj.exe"), "x\\u{202e}gpj.exe");
         assert_eq!(escape_controls("zero\u{200B}width"), "zero\\u{200b}width");
     }

@@ -584,3 +584,23 @@ fn help_never_shows_a_secret_from_the_environment() {
     assert!(help.contains("OUTBOXD_DATABASE_URL"), "{help}");
     assert!(!help.contains("S3cret"), "{help}");
 }
+
+/// `hostaddr` is the address connected to on the replication connection too, as on the SQL connections
+/// (it resolved `host` by DNS instead: a spoofed name got exactly the connection that carries the events).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_replication_connection_goes_to_hostaddr_without_a_name_lookup() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let url = format!(
+        "host=outboxd-test.invalid hostaddr=127.0.0.1 port={} user=postgres dbname=postgres",
+        pg.port
+    );
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "cdc"]);
+    let _outboxd = Outboxd::spawn(&args);
+    let mut client = pg.client().await;
+    wait_slot_active(&client, "outboxd").await;
+    let (committed, _) = insert_events(&mut client, 0, 2, 2, 1, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    verify_delivery(&brokers, &committed, &[], 60, "through hostaddr");
+}

@@ -491,8 +491,15 @@ fn detect_dead_peer(stream: &TcpStream, config: &tokio_postgres::Config) -> std:
     Ok(())
 }
 
+/// Opens the socket to the first host that answers, as tokio-postgres does for SQL connections: `hostaddr`,
+/// where given, is the address connected to (no name lookup), `host` the name the certificate must carry.
 async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, ReplicationError> {
-    let default_host = [Host::Tcp("localhost".to_string())];
+    let addrs = config.get_hostaddrs();
+    let default_host = [Host::Tcp(
+        addrs
+            .first()
+            .map_or_else(|| "localhost".to_string(), |addr| addr.to_string()),
+    )];
     let hosts = if config.get_hosts().is_empty() {
         &default_host[..]
     } else {
@@ -509,16 +516,18 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, Repl
         let (target, result): (String, std::io::Result<OpenSocket>) = match host {
             Host::Tcp(name) => {
                 let target = format!("{name}:{port}");
-                let result = TcpStream::connect((name.as_str(), port))
-                    .await
-                    .and_then(|stream| {
-                        let _ = stream.set_nodelay(true);
-                        detect_dead_peer(&stream, config)?;
-                        Ok(OpenSocket::Tcp {
-                            stream,
-                            host: name.clone(),
-                        })
-                    });
+                let connected = match addrs.get(index) {
+                    Some(addr) => TcpStream::connect((*addr, port)).await,
+                    None => TcpStream::connect((name.as_str(), port)).await,
+                };
+                let result = connected.and_then(|stream| {
+                    let _ = stream.set_nodelay(true);
+                    detect_dead_peer(&stream, config)?;
+                    Ok(OpenSocket::Tcp {
+                        stream,
+                        host: name.clone(),
+                    })
+                });
                 (target, result)
             }
             #[cfg(unix)]
