@@ -210,7 +210,7 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
 /// when the polling path will publish what the slot missed (the next slot's snapshot hands those rows off).
 /// Rows marked published before outboxd that it may not have streamed are handed off first.
 pub async fn drop_if_lost(client: &Client, slot: &str, tables: &[OutboxTable]) -> Result<bool> {
-    let Some(state) = slot_state(client, slot).await? else {
+    let Some(state) = own_slot_state(client, slot).await? else {
         return Ok(false);
     };
     if state.wal_status.as_deref() != Some("lost") {
@@ -221,6 +221,23 @@ pub async fn drop_if_lost(client: &Client, slot: &str, tables: &[OutboxTable]) -
     crate::pg::outbox::republish_history_a_lost_slot_owed(client, tables, confirmed).await?;
     terminate_and_drop(client, slot, state.active_pid).await?;
     Ok(true)
+}
+
+/// The slot named `slot` when it is outboxd's to manage: a logical pgoutput slot of this database. Slot names
+/// are cluster-wide: a slot of the same name in another database (another application's, or another outboxd's)
+/// is never dropped, nor its walsender ended (`check_existing_slot` then refuses it, naming it).
+async fn own_slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>> {
+    let Some(state) = slot_state(client, slot).await? else {
+        return Ok(None);
+    };
+    let database: String = client
+        .query_one("SELECT current_database()::text", &[])
+        .await?
+        .get(0);
+    let own = state.slot_type == "logical"
+        && state.plugin.as_deref() == Some("pgoutput")
+        && state.database.as_deref() == Some(database.as_str());
+    Ok(own.then_some(state))
 }
 
 /// Ends the walsender holding `slot` (if any) and drops the slot.
@@ -283,11 +300,16 @@ pub async fn undo_interrupted_creation(client: &Client, slot: &str) -> Result<bo
     if slot_state(client, &creation_marker(slot)).await?.is_none() {
         return Ok(false);
     }
+    let own = own_slot_state(client, slot).await?;
+    if own.is_none() && slot_state(client, slot).await?.is_some() {
+        // Another database's slot of this name: the marker may be its creation's; neither is touched.
+        return Ok(false);
+    }
     tracing::warn!(
         slot,
         "a previous run died while creating the replication slot; creating it again"
     );
-    if let Some(state) = slot_state(client, slot).await? {
+    if let Some(state) = own {
         terminate_and_drop(client, slot, state.active_pid).await?;
     }
     finish_creation(client, slot).await?;

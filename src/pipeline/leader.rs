@@ -506,7 +506,7 @@ pub async fn end_silent_walsender(client: &tokio_postgres::Client, slot: &str) -
         .query(
             "SELECT r.pid, pg_terminate_backend(r.pid)
              FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
-             WHERE s.slot_name = $1
+             WHERE s.slot_name = $1 AND s.database = current_database()
                AND coalesce(r.reply_time, r.backend_start) < now() - make_interval(secs => $2)",
             &[&slot, &SILENT_WALSENDER.as_secs_f64()],
         )

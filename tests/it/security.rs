@@ -604,3 +604,51 @@ async fn the_replication_connection_goes_to_hostaddr_without_a_name_lookup() {
     wait_all_published(&client, Duration::from_secs(60)).await;
     verify_delivery(&brokers, &committed, &[], 60, "through hostaddr");
 }
+
+/// Slot names are cluster-wide. Another database's logical slot named like outboxd's, with a creation marker
+/// beside it (as while another outboxd there creates it): outboxd neither drops that slot nor its marker, and
+/// stops naming the slot's database (it dropped the slot as one of its own interrupted creations).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_of_the_same_name_in_another_database_is_never_dropped() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client.batch_execute("CREATE DATABASE other").await.unwrap();
+    let (other, connection) = tokio_postgres::connect(
+        &format!("postgres://postgres@127.0.0.1:{}/other", pg.port),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    other
+        .batch_execute(
+            "SELECT pg_create_logical_replication_slot('outboxd', 'pgoutput');
+             SELECT pg_create_physical_replication_slot('outboxd_creating');",
+        )
+        .await
+        .unwrap();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "cdc", "--startup-timeout", "5s"]);
+    let output = run_outboxd(&args);
+    let stderr = stderr_of(&output);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("belongs to database other"), "{stderr}");
+    let slots: Vec<(String, Option<String>)> = client
+        .query(
+            "SELECT slot_name::text, database::text FROM pg_replication_slots ORDER BY slot_name",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(
+        slots,
+        [
+            ("outboxd".to_string(), Some("other".to_string())),
+            ("outboxd_creating".to_string(), None)
+        ]
+    );
+}
