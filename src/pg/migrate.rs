@@ -602,6 +602,42 @@ async fn check_migrations_table(client: &Client) -> Result<()> {
     }
 }
 
+/// SQL: whether the role with oid `owner` (an expression) holds the rights of the role migrate runs as already,
+/// so that code of theirs running with migrate's rights gains nothing ([`check_migrations_table`]'s rule).
+fn trusted_owner(owner: &str) -> String {
+    format!(
+        "(SELECT {owner} = me.oid OR coalesce((SELECT rolsuper FROM pg_roles WHERE oid = {owner}), false)
+                OR (NOT me.rolsuper AND pg_has_role({owner}, me.oid, 'MEMBER'))
+          FROM pg_roles me WHERE me.rolname = current_user)"
+    )
+}
+
+/// Refuses an object migrate would use (alter, or have run in every insert) that a role without migrate's
+/// rights owns: created before migrate by a role that may create in its schema, it would be that role's (its
+/// triggers, its function's body) while outboxd publishes from it (security review M2). `owner_sql` selects
+/// the owner's oid for `$1` = `key`.
+async fn check_owner(
+    client: &impl GenericClient,
+    kind: &str,
+    name: &str,
+    owner_sql: &str,
+    key: &str,
+) -> Result<()> {
+    let sql = format!(
+        "SELECT pg_get_userbyid(o.owner), {} FROM ({owner_sql}) AS o(owner)",
+        trusted_owner("o.owner")
+    );
+    let row = client.query_one(&sql, &[&key]).await?;
+    let (owner, trusted): (String, bool) = (row.get(0), row.get(1));
+    if trusted {
+        return Ok(());
+    }
+    Err(Error::setup(
+        format!("{kind} {name} is owned by role {owner}, which does not hold the rights of the role migrate runs as: its code (triggers, a function's body) would run with them, and outboxd would publish from an object another role controls"),
+        format!("run outboxd migrate as role {owner} (or a role it is a member of), or, if {owner} is not yours, find out who created {name} and drop it (migrate creates it again)"),
+    ))
+}
+
 async fn migrate_under_lock(
     client: &mut Client,
     settings: &DatabaseSettings<TableSpec>,
@@ -621,6 +657,16 @@ async fn migrate_under_lock(
         let mut table = spec.as_created();
         let target = table.name.to_string();
         let created_here = !table_exists(&*client, &table.name).await?;
+        if !created_here {
+            check_owner(
+                &*client,
+                "table",
+                &table.name.to_string(),
+                "SELECT c.relowner FROM pg_class c WHERE c.oid = to_regclass($1)",
+                &table.name.quoted(),
+            )
+            .await?;
+        }
         // An earlier migrate added the polling columns: keep upgrading them.
         let has_polling_migrations: bool = client
             .query_one(
@@ -825,6 +871,14 @@ pub async fn install_notify_trigger(client: &mut Client, table: &TableName) -> R
                  $$ BEGIN PERFORM pg_catalog.pg_notify('{channel}', ''); RETURN NULL; END $$"
         ))
         .await?;
+    check_owner(
+        &*client,
+        "function",
+        &function,
+        "SELECT p.proowner FROM pg_proc p WHERE p.oid = to_regprocedure($1)",
+        &format!("{function}()"),
+    )
+    .await?;
     run_locked(
         client,
         table,

@@ -652,3 +652,59 @@ async fn a_slot_of_the_same_name_in_another_database_is_never_dropped() {
         ]
     );
 }
+
+/// A role that may create in `public` plants the outbox table before the first migrate (run as a
+/// superuser), or the function the `--poll-notify` trigger calls: migrate would adopt them (the table is
+/// hers, so are the events outboxd publishes from it; the function's body runs in every insert). migrate
+/// refuses each, naming the owner and the fix (adversarial review of issue 34, finding 3).
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_refuses_an_outbox_table_or_notify_function_another_role_planted() {
+    let pg = Postgres::start();
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE ROLE mallory LOGIN;
+             GRANT CREATE ON SCHEMA public TO mallory;",
+        )
+        .await
+        .unwrap();
+    let mallory = pg.client_as("mallory").await;
+    mallory
+        .batch_execute(
+            "CREATE TABLE public.outbox_event (event_id uuid PRIMARY KEY, aggregate_type text NOT NULL,
+                 aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb,
+                 created_at timestamptz NOT NULL DEFAULT now());",
+        )
+        .await
+        .unwrap();
+    let output = run_outboxd(&["migrate", "--database-url", &pg.url()]);
+    let stderr = stderr_of(&output);
+    assert!(!output.status.success(), "{stderr}");
+    for expected in ["public.outbox_event", "mallory"] {
+        assert!(stderr.contains(expected), "{expected:?} in {stderr}");
+    }
+
+    mallory
+        .batch_execute(
+            "DROP TABLE public.outbox_event;
+             CREATE FUNCTION public.outboxd_public_outbox_event_2843650bfe0a9fc4() RETURNS trigger
+                 LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;",
+        )
+        .await
+        .unwrap();
+    let output = run_outboxd(&["migrate", "--database-url", &pg.url(), "--poll-notify"]);
+    let stderr = stderr_of(&output);
+    assert!(!output.status.success(), "{stderr}");
+    for expected in ["outboxd_public_outbox_event_2843650bfe0a9fc4", "mallory"] {
+        assert!(stderr.contains(expected), "{expected:?} in {stderr}");
+    }
+    let triggers: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_trigger WHERE tgname = 'outboxd_notify'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(triggers, 0, "the trigger calls mallory's function");
+}
