@@ -48,8 +48,9 @@ pub enum Error {
     /// An error of an ordinary SQL connection (tokio-postgres).
     #[error("PostgreSQL: {}", postgres_error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
-    /// Opening an ordinary SQL connection (TCP, TLS, authentication) took longer than
-    /// `pg::HANDSHAKE_TIMEOUT`: a server, or something in between, that accepts and then says nothing.
+    /// Opening an ordinary SQL connection (TCP, TLS, authentication) took longer than its bound (the URL's
+    /// `connect_timeout` per host plus `pg::HANDSHAKE_TIMEOUT`): a server, or something in between, that
+    /// accepts and then says nothing.
     #[error("PostgreSQL: no connection within {0:?}: the server (or something in between) accepted the connection but did not finish the handshake")]
     ConnectTimeout(std::time::Duration),
     /// An error of the replication connection.

@@ -13,19 +13,28 @@ pub use url::{Connection, PgUrl};
 
 use crate::error::Result;
 
-/// The longest an ordinary SQL connection may take to open, TLS and authentication included (or the URL's
-/// `connect_timeout`, which tokio-postgres applies to the TCP connect alone): a server, or a man in the middle,
-/// that accepts and then sends nothing, or announces a message it never sends, cannot hold outboxd forever.
+/// How long an ordinary SQL connection may take to finish TLS and authentication once a host answered: a
+/// server, or a man in the middle, that accepts and then sends nothing, or announces a message it never sends,
+/// cannot hold outboxd forever (tokio-postgres bounds only the TCP connect, by the URL's `connect_timeout`).
 pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Pure: the bound on opening a SQL connection to `hosts` hosts tried in turn, each TCP connect bounded by
+/// `connect_timeout` (none: only the handshake bound applies).
+fn connect_limit(
+    connect_timeout: Option<std::time::Duration>,
+    hosts: usize,
+) -> std::time::Duration {
+    let tries = u32::try_from(hosts.max(1)).unwrap_or(u32::MAX);
+    connect_timeout.unwrap_or_default().saturating_mul(tries) + HANDSHAKE_TIMEOUT
+}
 
 impl PgUrl {
     /// Opens a SQL connection; the caller drives `Connection`.
     pub async fn connect_raw(&self) -> Result<(tokio_postgres::Client, Connection)> {
-        let limit = self
-            .config
-            .get_connect_timeout()
-            .copied()
-            .unwrap_or(HANDSHAKE_TIMEOUT);
+        let limit = connect_limit(
+            self.config.get_connect_timeout().copied(),
+            self.config.get_hosts().len(),
+        );
         match tokio::time::timeout(limit, self.config.connect(self.connector())).await {
             Ok(connected) => {
                 connected.map_err(|error| crate::error::connect_error(error, self.tls.mode))
@@ -100,5 +109,25 @@ pub async fn system_identifier(client: &tokio_postgres::Client) -> Result<Option
             Ok(None)
         }
         Err(error) => Err(error.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn every_host_gets_its_connect_timeout_and_the_handshake_its_own() {
+        assert_eq!(connect_limit(None, 1), HANDSHAKE_TIMEOUT);
+        assert_eq!(
+            connect_limit(Some(Duration::from_secs(15)), 2),
+            Duration::from_secs(30) + HANDSHAKE_TIMEOUT,
+            "a second host is still tried after the first one's connect timed out"
+        );
+        assert_eq!(
+            connect_limit(Some(Duration::from_secs(5)), 0),
+            Duration::from_secs(5) + HANDSHAKE_TIMEOUT
+        );
     }
 }
