@@ -230,14 +230,18 @@ async fn own_slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
     let Some(state) = slot_state(client, slot).await? else {
         return Ok(None);
     };
-    let database: String = client
-        .query_one("SELECT current_database()::text", &[])
-        .await?
-        .get(0);
+    let database = current_database(client).await?;
     let own = state.slot_type == "logical"
         && state.plugin.as_deref() == Some("pgoutput")
         && state.database.as_deref() == Some(database.as_str());
     Ok(own.then_some(state))
+}
+
+async fn current_database(client: &Client) -> Result<String> {
+    Ok(client
+        .query_one("SELECT current_database()::text", &[])
+        .await?
+        .get(0))
 }
 
 /// Ends the walsender holding `slot` (if any) and drops the slot.
@@ -321,10 +325,7 @@ pub async fn check_existing_slot(client: &Client, slot: &str) -> Result<Option<S
     let Some(state) = slot_state(client, slot).await? else {
         return Ok(None);
     };
-    let database: String = client
-        .query_one("SELECT current_database()::text", &[])
-        .await?
-        .get(0);
+    let database = current_database(client).await?;
     let drop_it =
         format!("pick another --slot, or drop it with SELECT pg_drop_replication_slot('{slot}')");
     if state.slot_type != "logical" || state.plugin.as_deref() != Some("pgoutput") {

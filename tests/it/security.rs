@@ -168,14 +168,7 @@ async fn a_login_holding_the_fleet_markers_neither_stops_nor_stalls_a_poller() {
 async fn migrate_refuses_a_migrations_table_another_role_planted() {
     let pg = Postgres::start();
     let client = pg.client().await;
-    client
-        .batch_execute(
-            "CREATE ROLE mallory LOGIN;
-             GRANT CREATE ON SCHEMA public TO mallory;",
-        )
-        .await
-        .unwrap();
-    let mallory = pg.client_as("mallory").await;
+    let mallory = mallory_who_may_create_in_public(&pg, &client).await;
     mallory
         .batch_execute(
             "CREATE TABLE public.outboxd_migrations (target text NOT NULL, version integer NOT NULL,
@@ -661,14 +654,7 @@ async fn a_slot_of_the_same_name_in_another_database_is_never_dropped() {
 async fn migrate_refuses_an_outbox_table_or_notify_function_another_role_planted() {
     let pg = Postgres::start();
     let client = pg.client().await;
-    client
-        .batch_execute(
-            "CREATE ROLE mallory LOGIN;
-             GRANT CREATE ON SCHEMA public TO mallory;",
-        )
-        .await
-        .unwrap();
-    let mallory = pg.client_as("mallory").await;
+    let mallory = mallory_who_may_create_in_public(&pg, &client).await;
     mallory
         .batch_execute(
             "CREATE TABLE public.outbox_event (event_id uuid PRIMARY KEY, aggregate_type text NOT NULL,
@@ -707,4 +693,19 @@ async fn migrate_refuses_an_outbox_table_or_notify_function_another_role_planted
         .unwrap()
         .get(0);
     assert_eq!(triggers, 0, "the trigger calls mallory's function");
+}
+
+/// Role `mallory`, who may create in schema `public` (as every role could before PostgreSQL 15), connected.
+async fn mallory_who_may_create_in_public(
+    pg: &Postgres,
+    client: &tokio_postgres::Client,
+) -> tokio_postgres::Client {
+    client
+        .batch_execute(
+            "CREATE ROLE mallory LOGIN;
+             GRANT CREATE ON SCHEMA public TO mallory;",
+        )
+        .await
+        .unwrap();
+    pg.client_as("mallory").await
 }
