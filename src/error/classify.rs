@@ -9,6 +9,7 @@ use tokio_postgres::error::SqlState;
 use super::{Error, ACCEPTING_CONNECTIONS, PROMOTION};
 use crate::pg::replication::auth::AuthError;
 use crate::pg::replication::ReplicationError;
+use crate::pg::require_auth::Refused;
 use crate::pg::tls::SslMode;
 
 /// SQLSTATE classes 08 (connection exception) and 57P (operator intervention: shutdown, crash, starting
@@ -108,6 +109,9 @@ fn is_driver_configuration(error: &tokio_postgres::Error) -> bool {
 
 /// Turns connection failures that retrying cannot fix into setup errors naming the fix.
 pub fn connect_error(error: tokio_postgres::Error, ssl_mode: SslMode) -> Error {
+    if let Some(refused) = refused_method(&error) {
+        return Error::setup(refused.to_string(), Refused::FIX);
+    }
     let Some(code) = error.code().cloned() else {
         return match tls_problem(&error_chain(&error), ssl_mode) {
             Some(setup) => setup,
@@ -147,6 +151,9 @@ pub fn replication_error(error: ReplicationError) -> Error {
             message,
             "where the server is set up for SCRAM over TLS this may be a man in the middle: have outboxd check the server's certificate (sslmode=verify-full with sslrootcert); otherwise authenticate replication connections with scram-sha-256 over TLS (a `hostssl ... scram-sha-256` line in pg_hba.conf, sslmode=require or stricter, a password stored as SCRAM), or drop channel_binding=require from the URL",
         );
+    }
+    if let ReplicationError::Auth(AuthError::MethodRefused(_)) = &error {
+        return Error::setup(message, Refused::FIX);
     }
     if let ReplicationError::Auth(AuthError::Scram(_)) = &error {
         return Error::setup(
@@ -197,6 +204,22 @@ pub fn replication_error(error: ReplicationError) -> Error {
 }
 
 /// An error and all its sources on one line.
+/// The `require_auth` refusal behind a failed SQL connection (see `pg::guarded_tls`), if that is what it is.
+fn refused_method(error: &tokio_postgres::Error) -> Option<&Refused> {
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(refused) = cause
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .and_then(|inner| inner.downcast_ref::<Refused>())
+        {
+            return Some(refused);
+        }
+        source = cause.source();
+    }
+    None
+}
+
 fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();

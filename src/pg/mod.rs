@@ -1,10 +1,12 @@
 //! Everything that talks to PostgreSQL: ordinary SQL (`connect`, `outbox`, `slot`, `migrate`) on
 //! tokio-postgres, and the replication protocol (`replication`, `pgoutput`) on postgres-protocol.
 
+pub mod guarded_tls;
 pub mod migrate;
 pub mod outbox;
 pub mod pgoutput;
 pub mod replication;
+pub mod require_auth;
 pub mod slot;
 pub mod tls;
 pub mod url;

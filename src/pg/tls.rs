@@ -11,6 +11,8 @@ use openssl::x509::X509;
 use postgres_openssl::MakeTlsConnector;
 use tokio_openssl::SslStream;
 
+use super::require_auth::RequireAuth;
+
 /// libpq's `sslmode` values outboxd supports (`allow` is refused: it is never what anyone wants).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SslMode {
@@ -67,6 +69,9 @@ pub struct TlsSettings {
     pub mode: SslMode,
     /// CA certificate(s) the server's certificate must chain to (libpq's `sslrootcert`).
     pub root_cert: Option<PathBuf>,
+    /// The authentication methods the server may ask for (libpq's `require_auth`): like `sslmode`, what
+    /// the server must prove is taken out of the URL here, since tokio-postgres cannot express it.
+    pub require_auth: RequireAuth,
 }
 
 impl TlsSettings {
@@ -222,6 +227,7 @@ pub fn split_tls_settings(url: &str) -> Result<(String, TlsSettings), String> {
         match key {
             "sslmode" => settings.mode = SslMode::parse(value)?,
             "sslrootcert" => settings.root_cert = Some(PathBuf::from(value)),
+            "require_auth" => settings.require_auth = RequireAuth::parse(value)?,
             _ => return Ok(false),
         }
         Ok(true)
@@ -289,6 +295,17 @@ mod tests {
         assert_eq!(rest, "host=db user=u dbname=app");
         assert_eq!(tls.mode, SslMode::VerifyCa);
         assert_eq!(tls.root_cert, Some(PathBuf::from("/ca.pem")));
+
+        let (rest, tls) =
+            split_tls_settings("postgres://u@db/app?require_auth=scram-sha-256&sslmode=require")
+                .unwrap();
+        assert_eq!(rest, "postgres://u@db/app");
+        assert!(tls.require_auth.is_given());
+        let err = split_tls_settings("postgres://u:secret@db/app?require_auth=scram").unwrap_err();
+        assert!(
+            err.contains("require_auth") && !err.contains("secret"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -304,6 +321,7 @@ mod tests {
         let with = |mode, root: Option<&str>| TlsSettings {
             mode,
             root_cert: root.map(PathBuf::from),
+            ..TlsSettings::default()
         };
         assert!(!with(SslMode::Prefer, Some("/ca")).verifies_chain());
         if default_root_cert().is_none_or(|path| !path.exists()) {
@@ -326,6 +344,7 @@ mod tests {
         let system = |mode| TlsSettings {
             mode,
             root_cert: Some(PathBuf::from(SYSTEM_ROOTS)),
+            ..TlsSettings::default()
         };
         assert!(system(SslMode::VerifyFull).ssl_connector().is_ok());
         for weak in [SslMode::VerifyCa, SslMode::Require] {

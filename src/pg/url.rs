@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::tls;
+use super::{guarded_tls, tls};
 
 /// A PostgreSQL connection target: tokio-postgres's config plus the TLS policy (libpq `sslmode`) that
 /// tokio-postgres cannot express, with its connector built once at start-up.
@@ -16,13 +16,13 @@ pub struct PgUrl {
     pub tls: tls::TlsSettings,
     /// Built once at start-up: the replication connection's TLS, and `connector`'s.
     pub ssl: openssl::ssl::SslConnector,
-    connector: postgres_openssl::MakeTlsConnector,
+    connector: guarded_tls::Connector,
 }
 
 /// A SQL connection's driver half, to be polled (or awaited) on a task of its own.
 pub type Connection = tokio_postgres::Connection<
     tokio_postgres::Socket,
-    postgres_openssl::TlsStream<tokio_postgres::Socket>,
+    guarded_tls::Stream<postgres_openssl::TlsStream<tokio_postgres::Socket>>,
 >;
 
 impl PgUrl {
@@ -33,12 +33,19 @@ impl PgUrl {
             format!("{setting} is not a valid PostgreSQL URL ({e}); expected postgres://user:password@host:5432/database[?sslmode=verify-full&sslrootcert=/path/ca.crt]")
         };
         let (rest, tls) = tls::split_tls_settings(url).map_err(|e| invalid(&e))?;
+        if tls.require_auth.is_given() && tls.mode.allows_plaintext() {
+            return Err(format!(
+                "{setting} gives require_auth with sslmode={}: outboxd checks the server's authentication method inside TLS, and without TLS a man in the middle could still read the session; fix: add sslmode=verify-full&sslrootcert=/path/to/ca.crt (or at least sslmode=require)",
+                tls.mode.as_str()
+            ));
+        }
         let mut config = rest
             .parse::<tokio_postgres::Config>()
             .map_err(|e| invalid(&e))?;
         config.ssl_mode(tls::driver_ssl_mode(tls.mode));
         let ssl = tls.ssl_connector().map_err(|e| format!("{setting}: {e}"))?;
-        let connector = tls.connector(ssl.clone());
+        let connector =
+            guarded_tls::Connector::new(tls.connector(ssl.clone()), tls.require_auth.clone());
         Ok(PgUrl {
             config,
             tls,
@@ -69,7 +76,7 @@ impl PgUrl {
     }
 
     /// The SQL connections' TLS connector for this target.
-    pub fn connector(&self) -> postgres_openssl::MakeTlsConnector {
+    pub fn connector(&self) -> guarded_tls::Connector {
         self.connector.clone()
     }
 

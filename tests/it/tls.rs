@@ -210,6 +210,47 @@ async fn channel_binding_is_enforced_on_the_replication_connection() {
     let stderr = fails_at_startup(&scram, Some(&url("plain_user", "pw-plain")), &brokers);
     assert_mentions(&stderr, &["channel_binding=require", "scram-sha-256"]);
     assert!(!stderr.contains("pw-plain"), "{stderr}");
+
+    // require_auth, on a real server: SCRAM passes on both connections, a password in the clear on either
+    // one is refused, with the fix.
+    let url = |user: &str, password: &str, require_auth: &str| {
+        format!("postgres://{user}:{password}@127.0.0.1:{port}/postgres?sslmode=require&require_auth={require_auth}")
+    };
+    streams_with_tls(
+        &url("scram_user", "pw-scram", "scram-sha-256"),
+        &brokers,
+        true,
+        &client,
+    )
+    .await;
+    streams_with_tls(
+        &url("plain_user", "pw-plain", "!md5"),
+        &brokers,
+        true,
+        &client,
+    )
+    .await;
+    let plain = url("plain_user", "pw-plain", "scram-sha-256");
+    for (database_url, replication_url) in
+        [(plain.clone(), None), (scram.clone(), Some(plain.as_str()))]
+    {
+        let stderr = fails_at_startup(&database_url, replication_url, &brokers);
+        assert_mentions(
+            &stderr,
+            &["require_auth=scram-sha-256", "in the clear", "pg_hba.conf"],
+        );
+        assert!(!stderr.contains("pw-plain"), "{stderr}");
+    }
+    let stderr = fails_at_startup(
+        &url("scram_user", "pw-scram", "scram-sha-256")
+            .replace("sslmode=require", "sslmode=prefer"),
+        None,
+        &brokers,
+    );
+    assert_mentions(
+        &stderr,
+        &["require_auth", "sslmode=prefer", "sslmode=verify-full"],
+    );
 }
 
 /// libpq's answer to the same settings, the oracle of the TLS tests: whether `psql` connects.
@@ -275,6 +316,10 @@ enum Forgery {
     WrongSignature,
     /// Asks for the password in the clear.
     Cleartext,
+    /// Asks for the password's MD5 hash.
+    Md5,
+    /// Lets the connection in without authentication.
+    NoAuthentication,
     /// Announces an authentication message of 1 GiB (review L8).
     HugeMessage,
 }
@@ -327,6 +372,8 @@ async fn forging_server(
         };
         let first = match forgery {
             Forgery::Cleartext => auth(3, b""),
+            Forgery::Md5 => auth(5, b"salt"),
+            Forgery::NoAuthentication => [auth(0, b""), message(b'Z', b"I")].concat(),
             Forgery::HugeMessage => {
                 let mut header = vec![b'R'];
                 header.extend_from_slice(&(1u32 << 30).to_be_bytes());
@@ -378,6 +425,49 @@ async fn forging_server(
         }
     });
     (port, task)
+}
+
+/// `require_auth=scram-sha-256` (libpq 16's setting, which tokio-postgres lacks) holds on both connections: a
+/// server, or a man in the middle, asking for the password in the clear or as MD5, or letting outboxd in
+/// without authentication, is refused before outboxd answers: no password, no query, no replication command.
+#[tokio::test(flavor = "multi_thread")]
+async fn require_auth_refuses_every_other_method_on_both_connections() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let certs = TestCertificates::make(&scratch_dir("certs"));
+    for (forgery, says) in [
+        (Forgery::Cleartext, "the password in the clear"),
+        (Forgery::Md5, "MD5"),
+        (Forgery::NoAuthentication, "without authentication"),
+    ] {
+        for replication_side in [false, true] {
+            let (port, server) = forging_server(&certs, forgery).await;
+            let forged = format!(
+                "postgres://outboxd:secret-pw@127.0.0.1:{port}/postgres?sslmode=require&require_auth=scram-sha-256"
+            );
+            let (database_url, replication_url) = if replication_side {
+                (pg.url(), Some(forged))
+            } else {
+                (forged, None)
+            };
+            let stderr = tokio::task::spawn_blocking({
+                let brokers = brokers.clone();
+                move || fails_at_startup(&database_url, replication_url.as_deref(), &brokers)
+            })
+            .await
+            .unwrap();
+            let sent = tokio::time::timeout(Duration::from_secs(60), server)
+                .await
+                .unwrap_or_else(|_| panic!("{forgery:?}: outboxd never connected: {stderr}"))
+                .unwrap();
+            assert!(
+                !sent.iter().any(|tag| matches!(tag, b'p' | b'Q' | b'P')),
+                "{forgery:?} (replication side: {replication_side}): outboxd answered ({sent:?}): {stderr}"
+            );
+            assert_mentions(&stderr, &["require_auth=scram-sha-256", says]);
+            assert!(!stderr.contains("secret-pw"), "{stderr}");
+        }
+    }
 }
 
 /// A man in the middle on the replication connection cannot get outboxd past authentication: it never

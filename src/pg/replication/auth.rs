@@ -10,6 +10,8 @@
 use postgres_protocol::authentication::{md5_hash, sasl};
 use tokio_postgres::config::ChannelBinding;
 
+use crate::pg::require_auth::{Method, Refused, RequireAuth};
+
 /// Why authentication was refused or could not go on.
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
@@ -23,6 +25,9 @@ pub enum AuthError {
     /// prove it knows the password. Holds what happened.
     #[error("the server broke SCRAM authentication off ({0}): refusing the replication connection, since the server never proved it knows the password (a man in the middle, or a proxy that does not speak SCRAM)")]
     Scram(String),
+    /// The server asks for a method the URL's `require_auth` does not allow.
+    #[error(transparent)]
+    MethodRefused(#[from] Refused),
     /// The server asks for a method outboxd does not support, or sent a message authentication has no place
     /// for.
     #[error("{0}")]
@@ -101,23 +106,26 @@ pub struct Authentication<'a> {
     user: &'a str,
     password: Option<&'a [u8]>,
     wanted: ChannelBinding,
+    allowed: &'a RequireAuth,
     channel: Channel,
     state: State,
 }
 
 impl<'a> Authentication<'a> {
     /// `channel`: the connection's TLS; `wanted`: the URL's `channel_binding` (libpq's: disable, prefer,
-    /// require).
+    /// require); `allowed`: its `require_auth`.
     pub fn new(
         user: &'a str,
         password: Option<&'a [u8]>,
         wanted: ChannelBinding,
+        allowed: &'a RequireAuth,
         channel: Channel,
     ) -> Self {
         Authentication {
             user,
             password,
             wanted,
+            allowed,
             channel,
             state: State::Start,
         }
@@ -134,6 +142,18 @@ impl<'a> Authentication<'a> {
 
     fn step(&mut self, request: Request<'_>) -> Result<Answer, AuthError> {
         let require = self.wanted == ChannelBinding::Require;
+        if matches!(self.state, State::Start) {
+            let method = match &request {
+                Request::Ok => Some(Method::None),
+                Request::Cleartext => Some(Method::Password),
+                Request::Md5(_) => Some(Method::Md5),
+                Request::Sasl(_) => Some(Method::ScramSha256),
+                Request::SaslContinue(_) | Request::SaslFinal(_) => None,
+            };
+            if let Some(method) = method {
+                self.allowed.check(method)?;
+            }
+        }
         let state = std::mem::replace(&mut self.state, State::Failed);
         match (state, request) {
             (State::ScramFinished { plus }, Request::Ok) => {
@@ -266,6 +286,8 @@ mod tests {
     use super::*;
 
     const BINDING: &[u8] = b"certificate hash";
+    static ANY_METHOD: std::sync::LazyLock<RequireAuth> =
+        std::sync::LazyLock::new(RequireAuth::default);
     const PASSWORD: &[u8] = b"secret";
 
     fn auth(wanted: ChannelBinding, tls: bool) -> Authentication<'static> {
@@ -276,7 +298,7 @@ mod tests {
         } else {
             Channel::Plain
         };
-        Authentication::new("outboxd", Some(PASSWORD), wanted, channel)
+        Authentication::new("outboxd", Some(PASSWORD), wanted, &ANY_METHOD, channel)
     }
 
     fn hmac(key: &[u8], data: &[u8]) -> Vec<u8> {
@@ -443,8 +465,13 @@ mod tests {
         // Adversarial review: a certificate without a hash made the client say "no TLS" ("n"), which a
         // server behind a man in the middle accepts; libpq says "y" (or fails when PLUS is offered).
         let no_hash = || Channel::Tls { end_point: None };
-        let mut client =
-            Authentication::new("u", Some(PASSWORD), ChannelBinding::Prefer, no_hash());
+        let mut client = Authentication::new(
+            "u",
+            Some(PASSWORD),
+            ChannelBinding::Prefer,
+            &ANY_METHOD,
+            no_hash(),
+        );
         let Answer::SaslInitial(mechanism, first) = client
             .answer(Request::Sasl(vec![sasl::SCRAM_SHA_256]))
             .unwrap()
@@ -458,7 +485,8 @@ mod tests {
             String::from_utf8_lossy(&first)
         );
         for wanted in [ChannelBinding::Prefer, ChannelBinding::Require] {
-            let mut client = Authentication::new("u", Some(PASSWORD), wanted, no_hash());
+            let mut client =
+                Authentication::new("u", Some(PASSWORD), wanted, &ANY_METHOD, no_hash());
             assert!(
                 client.answer(Request::Sasl(BOTH.to_vec())).is_err(),
                 "{wanted:?}"
@@ -526,8 +554,13 @@ mod tests {
             panic!()
         };
         assert!(hash.starts_with(b"md5"));
-        let mut without =
-            Authentication::new("outboxd", None, ChannelBinding::Prefer, Channel::Plain);
+        let mut without = Authentication::new(
+            "outboxd",
+            None,
+            ChannelBinding::Prefer,
+            &ANY_METHOD,
+            Channel::Plain,
+        );
         assert!(matches!(
             without.answer(Request::Cleartext),
             Err(AuthError::PasswordRequired)

@@ -15,6 +15,7 @@ use tokio_postgres::config::Host;
 use super::auth::{Answer, AuthError, Authentication, Channel, Request};
 use super::protocol::{self, ServerMessage};
 use crate::lsn::Lsn;
+use crate::pg::require_auth::RequireAuth;
 use crate::pg::tls::SslMode;
 use crate::pg::PgUrl;
 
@@ -134,7 +135,7 @@ impl ReplicationConnection {
             read_buf: BytesMut::with_capacity(64 * 1024),
             write_buf: BytesMut::with_capacity(1024),
         };
-        conn.startup(config, channel).await?;
+        conn.startup(config, &url.tls.require_auth, channel).await?;
         Ok(conn)
     }
 
@@ -144,6 +145,7 @@ impl ReplicationConnection {
     async fn startup(
         &mut self,
         config: &tokio_postgres::Config,
+        require_auth: &RequireAuth,
         channel: Channel,
     ) -> Result<(), ReplicationError> {
         let user = config.get_user().unwrap_or("postgres");
@@ -166,6 +168,7 @@ impl ReplicationConnection {
             user,
             config.get_password(),
             config.get_channel_binding(),
+            require_auth,
             channel,
         );
         loop {
