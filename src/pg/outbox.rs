@@ -553,6 +553,28 @@ pub async fn aggregates_pending_hand_off(
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// Whether `aggregate` has rows waiting in the polling path of `table` (as [`aggregates_pending_hand_off`]
+/// counts them).
+pub async fn aggregate_pending_hand_off(
+    client: &Client,
+    table: &OutboxTable,
+    aggregate: &AggregateKey,
+) -> Result<bool> {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT EXISTS (SELECT 1 FROM {} WHERE handoff_at IS NOT NULL AND published_at IS NULL
+                 AND dead_at IS NULL AND coalesce({}, '') = $1 AND coalesce({}::text, '') = $2)",
+                table.name.quoted(),
+                table.text_expr(Role::AggregateType, "''::text"),
+                table.col(Role::AggregateId),
+            ),
+            &[&aggregate.0, &aggregate.1],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
 /// The statements behind the periodic figures of one table (every 5 s on the instance that reports them, and in
 /// `outboxd status`), each matching a partial index of the polling migrations so that it reads the backlog, not
 /// the table: `(count, oldest created_at)` and, with the polling columns, the dead count. Dead events are not

@@ -565,3 +565,80 @@ async fn a_write_back_cut_off_by_the_server_is_retried() {
     .await;
     outboxd.stop().await.expect("outboxd kept running");
 }
+
+/// Any login may emit a logical decoding message with outboxd's hand-off prefix. One naming an aggregate that
+/// has nothing waiting in the polling path (forged, or sent again after its events drained) is ignored: it
+/// neither restarts the session while the aggregate has events in flight (duplicates, the aggregate sent
+/// through the polling path) nor holds the aggregate's later events back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forged_hand_off_notice_neither_restarts_the_session_nor_moves_its_aggregate() {
+    let broker = MemoryBroker::new();
+    let (pg, client, outboxd) = streaming(&broker, &[]).await;
+    client
+        .batch_execute("CREATE ROLE mallory LOGIN")
+        .await
+        .unwrap();
+    let mallory = pg.client_as("mallory").await;
+    broker.hold_reports(true);
+    let insert = |seq: i32| {
+        let client = &client;
+        async move {
+            let id = uuid::Uuid::new_v4();
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, 'Order', 'A', 'E', jsonb_build_object('seq', $2::int))",
+                    &[&id, &seq],
+                )
+                .await
+                .unwrap();
+            id
+        }
+    };
+    let first = insert(1).await;
+    wait_for("the first event in flight", Duration::from_secs(60), || {
+        (broker.held() == 1).then_some(())
+    });
+    let sinks = broker.sinks_made();
+    mallory
+        .execute(
+            "SELECT pg_logical_emit_message(true, 'outboxd.handoff',
+                 '{\"table\":\"public.outbox_event\",\"aggregate_type\":\"Order\",\"aggregate_id\":\"A\"}')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let second = insert(2).await;
+    wait_for(
+        "the second event in flight behind the notice",
+        Duration::from_secs(60),
+        || (broker.held() == 2).then_some(()),
+    );
+    broker.release(Release::InOrder);
+    broker.hold_reports(false);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    assert_eq!(
+        first_seen(&broker, "A"),
+        [first, second],
+        "A's events in order"
+    );
+    let handed_off: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE handoff_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        handed_off, 0,
+        "the forged notice sent A through the polling path"
+    );
+    assert_eq!(
+        broker.sinks_made(),
+        sinks,
+        "the forged notice restarted the session"
+    );
+    assert_eq!(broker.records().len(), 2, "{:?}", broker.records());
+    outboxd.stop().await.expect("clean stop");
+}

@@ -552,9 +552,16 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 tracing::debug!(table = %outbox_table.name, gained, "the stream describes columns the table no longer has (sent again from before they were dropped)");
             }
             Decoded::WaitsInPollingPath { table, aggregate } => {
-                // Written back by outboxd or re-queued by `outboxd replay`: later events of its aggregate
-                // must not overtake it.
-                self.block_met_in_stream((table, aggregate));
+                // Re-queued by `outboxd replay` (its UPDATE committed with the notice): later events of its
+                // aggregate must not overtake it. Any login may emit a notice, so it counts only while the
+                // aggregate has rows waiting in the polling path; one sent again after they drained, or a
+                // forged one, would otherwise restart the session or route the aggregate through polling.
+                let outbox_table = &self.settings.database.tables[table];
+                if outbox::aggregate_pending_hand_off(&self.sql, outbox_table, &aggregate).await? {
+                    self.block_met_in_stream((table, aggregate));
+                } else {
+                    tracing::debug!(table = %outbox_table.name, "a hand-off notice for an aggregate with nothing waiting in the polling path: ignored");
+                }
             }
             Decoded::Nothing => {}
         }
