@@ -612,30 +612,90 @@ fn trusted_owner(owner: &str) -> String {
     )
 }
 
+/// Who besides [`trusted_owner`]s may own an object migrate uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AlsoTrusted {
+    /// Nobody.
+    Nobody,
+    /// The database's owner, for a schema: it owns `public` on PostgreSQL 15+ (`pg_database_owner`) and
+    /// controls the database anyway, so a schema of its holds nothing another role planted.
+    DatabaseOwner,
+}
+
 /// Refuses an object migrate would use (alter, or have run in every insert) that a role without migrate's
 /// rights owns: created before migrate by a role that may create in its schema, it would be that role's (its
-/// triggers, its function's body) while outboxd publishes from it (security review M2). `owner_sql` selects
-/// the owner's oid for `$1` = `key`.
+/// triggers, its function's body, a schema's objects it may drop and replace) while outboxd publishes from
+/// it (security review M2). `owner_sql` selects the owner's oid for `$1` = `key`; no row: the object does
+/// not exist (migrate creates it, as its own).
 async fn check_owner(
     client: &impl GenericClient,
     kind: &str,
     name: &str,
-    owner_sql: &str,
-    key: &str,
+    (owner_sql, key): (&str, &str),
+    also: AlsoTrusted,
 ) -> Result<()> {
+    let database_owner = match also {
+        AlsoTrusted::Nobody => "false",
+        AlsoTrusted::DatabaseOwner => {
+            "o.owner = (SELECT datdba FROM pg_database WHERE datname = current_database())"
+        }
+    };
     let sql = format!(
-        "SELECT pg_get_userbyid(o.owner), {} FROM ({owner_sql}) AS o(owner)",
+        "SELECT pg_get_userbyid(o.owner), {} OR {database_owner} FROM ({owner_sql}) AS o(owner)",
         trusted_owner("o.owner")
     );
-    let row = client.query_one(&sql, &[&key]).await?;
+    let Some(row) = client.query_opt(&sql, &[&key]).await? else {
+        return Ok(());
+    };
     let (owner, trusted): (String, bool) = (row.get(0), row.get(1));
     if trusted {
         return Ok(());
     }
     Err(Error::setup(
         format!("{kind} {name} is owned by role {owner}, which does not hold the rights of the role migrate runs as: its code (triggers, a function's body) would run with them, and outboxd would publish from an object another role controls"),
-        format!("run outboxd migrate as role {owner} (or a role it is a member of), or, if {owner} is not yours, find out who created {name} and drop it (migrate creates it again)"),
+        format!("run outboxd migrate as role {owner} (or a role it is a member of), or, if {owner} is not yours, find out who created {name} and drop it (migrate creates it again) or give it to a role you trust (ALTER {} {name} OWNER TO ...)", kind.to_uppercase()),
     ))
+}
+
+/// The owner of relation `$1` (a quoted, qualified name).
+const RELATION_OWNER: &str = "SELECT c.relowner FROM pg_class c WHERE c.oid = to_regclass($1)";
+
+/// The owner of schema `$1`, `pg_database_owner` (PostgreSQL 15+) read as the database's owner.
+const SCHEMA_OWNER: &str = "SELECT CASE WHEN n.nspowner = (SELECT oid FROM pg_roles WHERE rolname = 'pg_database_owner')
+                 THEN (SELECT datdba FROM pg_database WHERE datname = current_database()) ELSE n.nspowner END
+             FROM pg_namespace n WHERE n.nspname = $1";
+
+/// Checks what migrate creates next to an outbox table only when it is missing (its schema, the inbox table
+/// `consumed_event`, the position sequence) the way [`check_owner`] checks the table: a role that may create
+/// in the schema could plant any of them first.
+async fn check_neighbours(client: &impl GenericClient, table: &TableName) -> Result<()> {
+    let schema = format!("\"{}\"", table.schema);
+    check_owner(
+        client,
+        "schema",
+        &schema,
+        (SCHEMA_OWNER, &table.schema),
+        AlsoTrusted::DatabaseOwner,
+    )
+    .await?;
+    let inbox = format!("{schema}.consumed_event");
+    check_owner(
+        client,
+        "table",
+        &inbox,
+        (RELATION_OWNER, &inbox),
+        AlsoTrusted::Nobody,
+    )
+    .await?;
+    let sequence = format!("{schema}.\"{}\"", derived_name(&table.name, "position_seq"));
+    check_owner(
+        client,
+        "sequence",
+        &sequence,
+        (RELATION_OWNER, &sequence),
+        AlsoTrusted::Nobody,
+    )
+    .await
 }
 
 async fn migrate_under_lock(
@@ -662,11 +722,12 @@ async fn migrate_under_lock(
                 &*client,
                 "table",
                 &table.name.to_string(),
-                "SELECT c.relowner FROM pg_class c WHERE c.oid = to_regclass($1)",
-                &table.name.quoted(),
+                (RELATION_OWNER, &table.name.quoted()),
+                AlsoTrusted::Nobody,
             )
             .await?;
         }
+        check_neighbours(&*client, &table.name).await?;
         // An earlier migrate added the polling columns: keep upgrading them.
         let has_polling_migrations: bool = client
             .query_one(
@@ -875,8 +936,11 @@ pub async fn install_notify_trigger(client: &mut Client, table: &TableName) -> R
         &*client,
         "function",
         &function,
-        "SELECT p.proowner FROM pg_proc p WHERE p.oid = to_regprocedure($1)",
-        &format!("{function}()"),
+        (
+            "SELECT p.proowner FROM pg_proc p WHERE p.oid = to_regprocedure($1)",
+            &format!("{function}()"),
+        ),
+        AlsoTrusted::Nobody,
     )
     .await?;
     run_locked(
