@@ -2,6 +2,7 @@
 //! topics, and reports every broker acknowledgement (or failure) through a channel, tagged with the
 //! transaction it belongs to. Owns the producer settings; what an ack means for the slot is the pipeline's.
 
+pub mod secrets;
 pub mod startup;
 mod transaction;
 
@@ -11,7 +12,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Message, OwnedHeaders};
@@ -136,6 +136,8 @@ pub struct DeliveryContext<T> {
     /// librdkafka took messages as delivered because a later batch of their partition was (see
     /// [`IMPLICIT_ACK`]): from then on this producer's acknowledgements are not trusted.
     implicit_ack_seen: Arc<AtomicBool>,
+    /// Taken out of librdkafka's messages.
+    secrets: secrets::SecretValues,
 }
 
 /// librdkafka's log facility for messages it reports delivered without an answer for their own batch,
@@ -165,28 +167,22 @@ impl<T> DeliveryContext<T> {
 }
 
 impl<T: Send + Sync + 'static> ClientContext for DeliveryContext<T> {
-    /// librdkafka's log, as rdkafka's default context writes it, without the warning that
-    /// `enable.gapless.guarantee` is experimental (outboxd depends on it, see [`client_config`]).
+    /// librdkafka's log, as rdkafka's default context writes it (secrets taken out), without the warning
+    /// that `enable.gapless.guarantee` is experimental (outboxd depends on it, see [`client_config`]).
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
-        use RDKafkaLogLevel::*;
         if fac == "CONFWARN" && log_message.contains("enable.gapless.guarantee") {
             return;
         }
         // librdkafka queues this line ahead of the reports concerned, on the queue the producer's polling
         // thread serves (rdkafka routes logs there), so `delivery` sees the flag for them.
         if fac == IMPLICIT_ACK && !self.implicit_ack_seen.swap(true, Ordering::SeqCst) {
-            tracing::warn!(target: "librdkafka", detail = log_message, "{IMPLICIT_ACK_REASON}");
+            tracing::warn!(target: "librdkafka", detail = %self.secrets.redact(log_message), "{IMPLICIT_ACK_REASON}");
         }
-        match level {
-            Emerg | Alert | Critical | Error => {
-                tracing::error!(target: "librdkafka", "librdkafka: {fac} {log_message}")
-            }
-            Warning => tracing::warn!(target: "librdkafka", "librdkafka: {fac} {log_message}"),
-            Notice | Info => {
-                tracing::info!(target: "librdkafka", "librdkafka: {fac} {log_message}")
-            }
-            Debug => tracing::debug!(target: "librdkafka", "librdkafka: {fac} {log_message}"),
-        }
+        secrets::log(&self.secrets, level, fac, log_message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        secrets::error(&self.secrets, &error, reason);
     }
 }
 
@@ -293,7 +289,7 @@ impl TopicLimits {
 /// The Kafka producer (and admin client) that publishes outbox events and creates their topics.
 pub struct Publisher<T: Send + Sync + 'static> {
     producer: ThreadedProducer<DeliveryContext<T>>,
-    admin: AdminClient<DefaultClientContext>,
+    admin: AdminClient<secrets::RedactingContext>,
     known_topics: KnownTopics,
     create_topics: bool,
     /// Which topics events may go to, beyond what Kafka allows (`--max-topics`, reserved names).
@@ -496,13 +492,18 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         deliveries: UnboundedSender<Delivery<T>>,
         transactions: Option<transaction::Transactions>,
     ) -> Result<Self> {
-        let admin = client_config(settings).create().map_err(config_error)?;
+        let admin_config = client_config(settings);
+        let admin = admin_config
+            .create_with_context(secrets::RedactingContext::for_config(&admin_config))
+            .map_err(config_error)?;
+        let secrets = secrets::SecretValues::of_config(&config);
         let producer = config
             .create_with_context(DeliveryContext {
                 deliveries,
                 held: transactions.as_ref().map(|_| Mutex::default()),
                 known_topics: known_topics.clone(),
                 implicit_ack_seen: Arc::default(),
+                secrets,
             })
             .map_err(config_error)?;
         Ok(Publisher {
@@ -893,6 +894,7 @@ mod tests {
             held: None,
             known_topics: KnownTopics::default(),
             implicit_ack_seen: Arc::default(),
+            secrets: secrets::SecretValues::default(),
         };
         context.log(
             RDKafkaLogLevel::Debug,

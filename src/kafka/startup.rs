@@ -84,44 +84,36 @@ impl Refusal {
             ),
         };
         Error::setup(
-            format!("{problem} ({})", redact(&reason, kafka_options)),
+            format!(
+                "{problem} ({})",
+                super::secrets::SecretValues::of(kafka_options).redact(&reason)
+            ),
             fix,
         )
     }
 }
 
-/// Replaces the value of every option that holds a secret (a password, a client secret) by a placeholder.
-/// librdkafka's messages do not quote them today; this keeps it so.
-fn redact(text: &str, kafka_options: &[(String, String)]) -> String {
-    kafka_options
-        .iter()
-        .filter(|(key, value)| !value.is_empty() && crate::config::holds_secret(key))
-        .fold(text.to_string(), |text, (_, value)| {
-            text.replace(value.as_str(), "<value not shown>")
-        })
-}
-
 /// Keeps the first refusal librdkafka reports; logs every other global error as rdkafka's default context
 /// does (same target, so `RUST_LOG` filters it alike), but for `AllBrokersDown`, which only sums up the errors
 /// before it (many times a second while TLS fails).
-#[derive(Default)]
 struct RefusalContext {
     refusal: Mutex<Option<Refusal>>,
+    secrets: super::secrets::SecretValues,
 }
 
 impl ClientContext for RefusalContext {
     fn error(&self, error: KafkaError, reason: &str) {
         match Refusal::of(&error, reason) {
             Some(refusal) => {
-                tracing::debug!(%error, reason, "the Kafka broker refused outboxd");
+                tracing::debug!(%error, reason = %self.secrets.redact(reason), "the Kafka broker refused outboxd");
                 if let Ok(mut first) = self.refusal.lock() {
                     first.get_or_insert(refusal);
                 }
             }
             None if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown) => {
-                tracing::debug!(target: "rdkafka::client", "librdkafka: {error}: {reason}")
+                tracing::debug!(target: "rdkafka::client", "librdkafka: {}", self.secrets.redact(&format!("{error}: {reason}")))
             }
-            None => tracing::error!(target: "rdkafka::client", "librdkafka: {error}: {reason}"),
+            None => super::secrets::error(&self.secrets, &error, reason),
         }
     }
 }
@@ -139,9 +131,13 @@ pub async fn check_brokers<Tables>(
     settings: &RunSettings<Tables>,
     timeout: Duration,
 ) -> Result<()> {
-    let producer: ThreadedProducer<RefusalContext> = client_config(settings)
-        .create_with_context(RefusalContext::default())
-        .map_err(config_error)?;
+    let config = client_config(settings);
+    let context = RefusalContext {
+        refusal: Mutex::default(),
+        secrets: super::secrets::SecretValues::of_config(&config),
+    };
+    let producer: ThreadedProducer<RefusalContext> =
+        config.create_with_context(context).map_err(config_error)?;
     let answered = ask_a_broker(producer.clone(), timeout).await;
     let refusal = producer
         .context()

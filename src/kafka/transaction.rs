@@ -441,15 +441,16 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
         .set("enable.partition.eof", "false")
         .set("group.id", "outboxd-progress-reader");
     let deadline = Instant::now() + START_TIMEOUT;
-    let uncommitted: BaseConsumer = config
+    let context = super::secrets::RedactingContext::for_config(&config);
+    let uncommitted: BaseConsumer<_> = config
         .clone()
         .set("isolation.level", "read_uncommitted")
-        .create()
+        .create_with_context(context.clone())
         .map_err(config_error)?;
     let (low, high) = watermarks(&uncommitted, topic).map_err(unreadable)?;
-    let consumer: BaseConsumer = config
+    let consumer: BaseConsumer<_> = config
         .set("isolation.level", "read_committed")
-        .create()
+        .create_with_context(context)
         .map_err(config_error)?;
     let (_, stable) = watermarks(&consumer, topic).map_err(unreadable)?;
     let mut pending_own = false;
@@ -489,7 +490,7 @@ fn read_last(mut config: ClientConfig, topic: &str, key: &str) -> Result<Option<
 /// every record of `key` to `each` (`None`: a tombstone); fails at `deadline` short of `end` (a record
 /// short of the end could be an older one: no answer rather than a wrong one).
 fn scan(
-    consumer: &BaseConsumer,
+    consumer: &BaseConsumer<super::secrets::RedactingContext>,
     topic: &str,
     key: &str,
     (start, end): (i64, i64),
@@ -539,7 +540,10 @@ fn unreadable(topic: &str, error: KafkaError) -> Error {
 
 /// Partition 0's low and high watermarks, as `consumer`'s isolation level counts them. A topic created a
 /// moment ago may have no leader yet: asked again until it answers.
-fn watermarks(consumer: &BaseConsumer, topic: &str) -> Result<(i64, i64), KafkaError> {
+fn watermarks(
+    consumer: &BaseConsumer<super::secrets::RedactingContext>,
+    topic: &str,
+) -> Result<(i64, i64), KafkaError> {
     let asked_until = Instant::now() + START_TIMEOUT;
     loop {
         match consumer.fetch_watermarks(topic, 0, Duration::from_secs(2)) {

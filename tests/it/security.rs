@@ -695,6 +695,68 @@ async fn migrate_refuses_an_outbox_table_or_notify_function_another_role_planted
     assert_eq!(triggers, 0, "the trigger calls mallory's function");
 }
 
+/// What migrate creates next to the table only when missing is checked like the table: a schema, the inbox
+/// table `consumed_event` or the position sequence that another role created first would be that role's (it
+/// could drop and replace the outbox table in its schema, read or forge the consumers' inbox, or move the
+/// polling path's order). A schema of the database's owner (`public` on PostgreSQL 15+, owned by
+/// `pg_database_owner`) is trusted: "the application owns the database, migrate runs as a superuser" works.
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_refuses_a_schema_inbox_table_or_sequence_another_role_planted() {
+    let pg = Postgres::start();
+    let client = pg.client().await;
+    let mallory = mallory_who_may_create_in_public(&pg, &client).await;
+    client
+        .batch_execute("GRANT CREATE ON DATABASE postgres TO mallory")
+        .await
+        .unwrap();
+    let refused = |args: &[&str], expected: &[&str]| {
+        let mut all = vec!["migrate", "--database-url"];
+        let url = pg.url();
+        all.push(&url);
+        all.extend(args);
+        let output = run_outboxd(&all);
+        let stderr = stderr_of(&output);
+        assert!(!output.status.success(), "{args:?}: {stderr}");
+        for expected in expected {
+            assert!(stderr.contains(expected), "{expected:?} in {stderr}");
+        }
+    };
+    mallory.batch_execute("CREATE SCHEMA shop").await.unwrap();
+    refused(
+        &["--table", "shop.outbox_event"],
+        &["schema \"shop\"", "mallory"],
+    );
+    mallory
+        .batch_execute("CREATE TABLE public.consumed_event (consumer_name text, event_id uuid)")
+        .await
+        .unwrap();
+    refused(&[], &["consumed_event", "mallory"]);
+    mallory
+        .batch_execute(
+            "DROP TABLE public.consumed_event; CREATE SEQUENCE public.outbox_event_position_seq",
+        )
+        .await
+        .unwrap();
+    refused(&[], &["outbox_event_position_seq", "mallory"]);
+    let tables: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_class WHERE relname IN ('outbox_event', 'consumed_event')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(tables, 0, "migrate created tables before refusing");
+
+    // The application owns a database (and so its schema public); a superuser migrates it.
+    for statement in ["CREATE ROLE app LOGIN", "CREATE DATABASE appdb OWNER app"] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    let appdb = format!("{}/appdb", pg.url().rsplit_once('/').unwrap().0);
+    let output = run_outboxd(&["migrate", "--database-url", &appdb]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+}
+
 /// Role `mallory`, who may create in schema `public` (as every role could before PostgreSQL 15), connected.
 async fn mallory_who_may_create_in_public(
     pg: &Postgres,
@@ -708,4 +770,40 @@ async fn mallory_who_may_create_in_public(
         .await
         .unwrap();
     pg.client_as("mallory").await
+}
+
+/// librdkafka checks `sasl.oauthbearer.config` only when it first needs a token, and then quotes what it
+/// could not parse, the rest of the value ("Unrecognized sasl.oauthbearer.config beginning at: ..."), in its
+/// log and errors: outboxd takes every secret option's value, and each part of it, out of what librdkafka says.
+#[test]
+fn librdkafka_never_gets_to_quote_a_secret_option() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--kafka-option",
+        "security.protocol=SASL_PLAINTEXT",
+        "--kafka-option",
+        "sasl.mechanism=OAUTHBEARER",
+        "--kafka-option",
+        "enable.sasl.oauthbearer.unsecure.jwt=true",
+        "--kafka-option",
+        "sasl.oauthbearer.config=principal=svc bogus=1 extension_traceId=Tr4ceS3cret",
+        "--startup-timeout",
+        "10s",
+    ]);
+    let output = run_outboxd_with_env(&args, &[("RUST_LOG", "debug")]);
+    let stderr = stderr_of(&output);
+    assert!(
+        stderr.contains("sasl.oauthbearer.config"),
+        "librdkafka did not complain about the value: {stderr}"
+    );
+    assert!(!stderr.contains("Tr4ceS3cret"), "{stderr}");
+    for line in stderr
+        .lines()
+        .filter(|l| l.contains("sasl.oauthbearer.config"))
+        .take(2)
+    {
+        eprintln!("{line}");
+    }
 }
