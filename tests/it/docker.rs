@@ -132,3 +132,35 @@ fn compose_sets_only_variables_outboxd_reads() {
     }
     assert!(checked >= 5, "only {checked} OUTBOXD_ variables found");
 }
+
+/// A tag can be moved to other contents, a digest cannot: every image compose pulls and every base image of
+/// the Dockerfile is named by a digest (outboxd's own image is built from the Dockerfile).
+#[test]
+fn every_image_pulled_is_pinned_by_digest() {
+    let pinned = |reference: &str| {
+        reference.split_once("@sha256:").is_some_and(|(_, digest)| {
+            digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit())
+        })
+    };
+    let compose = yaml("compose.yml");
+    let mut images = 0;
+    for (name, service) in compose["services"].as_hash().expect("services") {
+        if let Some(image) = service["image"].as_str() {
+            images += 1;
+            assert!(pinned(image), "{name:?}: {image} is not pinned by digest");
+        }
+    }
+    assert!(images >= 4, "{images} images in compose");
+    let dockerfile = docker_file("Dockerfile");
+    let bases: Vec<&str> = dockerfile
+        .lines()
+        .filter_map(|line| line.strip_prefix("FROM "))
+        .collect();
+    assert_eq!(bases.len(), 2, "{bases:?}");
+    for base in bases {
+        assert!(
+            pinned(base.split_whitespace().next().unwrap_or_default()),
+            "{base}"
+        );
+    }
+}
