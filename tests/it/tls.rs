@@ -325,14 +325,38 @@ enum Forgery {
 }
 
 /// A server that speaks PostgreSQL's protocol up to `forgery`, with the test certificate, on a port of its
-/// own; returns the port and a task that yields the type bytes of every message outboxd sent after its
-/// startup message.
-async fn forging_server(
-    certs: &TestCertificates,
-    forgery: Forgery,
-) -> (u16, tokio::task::JoinHandle<Vec<u8>>) {
+/// own, to every connection outboxd opens (the start-up check and the readiness probe may both connect).
+struct ForgingServer {
+    port: u16,
+    accepting: tokio::task::JoinHandle<()>,
+    connections: tokio::sync::mpsc::UnboundedReceiver<tokio::task::JoinHandle<Vec<u8>>>,
+}
+
+impl ForgingServer {
+    /// Once outboxd has exited: the type bytes of every message it sent after its startup messages, over
+    /// all its connections. Panics if it never connected.
+    async fn sent(mut self) -> Vec<u8> {
+        self.accepting.abort();
+        let mut sent = Vec::new();
+        let mut connections = 0;
+        while let Some(connection) = self.connections.recv().await {
+            connections += 1;
+            let tags = tokio::time::timeout(Duration::from_secs(60), connection)
+                .await
+                .expect("a forged connection outlived outboxd")
+                .unwrap();
+            sent.extend(tags);
+        }
+        assert!(
+            connections > 0,
+            "outboxd never connected to the forging server"
+        );
+        sent
+    }
+}
+
+async fn forging_server(certs: &TestCertificates, forgery: Forgery) -> ForgingServer {
     use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     let mut acceptor = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls_server()).unwrap();
     acceptor
@@ -344,87 +368,113 @@ async fn forging_server(
     let acceptor = acceptor.build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let task = tokio::spawn(async move {
-        let mut sent = Vec::new();
-        let (mut socket, _) = listener.accept().await.unwrap();
-        // One connection only: a retry finds the port closed.
-        drop(listener);
-        let mut request = [0u8; 8];
-        socket.read_exact(&mut request).await.unwrap();
-        socket.write_all(b"S").await.unwrap();
-        let ssl = openssl::ssl::Ssl::new(acceptor.context()).unwrap();
-        let mut tls = tokio_openssl::SslStream::new(ssl, socket).unwrap();
-        std::pin::Pin::new(&mut tls).accept().await.unwrap();
-        let mut length = [0u8; 4];
-        tls.read_exact(&mut length).await.unwrap();
-        let mut startup = vec![0u8; u32::from_be_bytes(length) as usize - 4];
-        tls.read_exact(&mut startup).await.unwrap();
-        let message = |tag: u8, body: &[u8]| {
-            let mut out = vec![tag];
-            out.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
-            out.extend_from_slice(body);
-            out
-        };
-        let auth = |code: u32, rest: &[u8]| {
-            let mut body = code.to_be_bytes().to_vec();
-            body.extend_from_slice(rest);
-            message(b'R', &body)
-        };
-        let first = match forgery {
-            Forgery::Cleartext => auth(3, b""),
-            Forgery::Md5 => auth(5, b"salt"),
-            Forgery::NoAuthentication => [auth(0, b""), message(b'Z', b"I")].concat(),
-            Forgery::HugeMessage => {
-                let mut header = vec![b'R'];
-                header.extend_from_slice(&(1u32 << 30).to_be_bytes());
-                header
-            }
-            Forgery::OkBeforeScramEnds | Forgery::WrongSignature => {
-                auth(10, b"SCRAM-SHA-256-PLUS\0SCRAM-SHA-256\0\0")
-            }
-        };
-        if tls.write_all(&first).await.is_err() {
-            return sent;
-        }
-        // What outboxd sends from now on: its type byte is recorded, and the forgery goes on.
-        loop {
-            let mut tag = [0u8; 1];
-            if tls.read_exact(&mut tag).await.is_err() {
-                return sent;
-            }
-            let mut length = [0u8; 4];
-            if tls.read_exact(&mut length).await.is_err() {
-                return sent;
-            }
-            let mut body = vec![0u8; (u32::from_be_bytes(length) as usize).saturating_sub(4)];
-            if tls.read_exact(&mut body).await.is_err() {
-                return sent;
-            }
-            sent.push(tag[0]);
-            let answer = match (forgery, sent.len()) {
-                (Forgery::OkBeforeScramEnds, 1) => [auth(0, b""), message(b'Z', b"I")].concat(),
-                (Forgery::WrongSignature, 1) => {
-                    // The client-first message: "<mechanism>\0<len><gs2 header>n=,r=<nonce>".
-                    let text = String::from_utf8_lossy(&body).into_owned();
-                    let nonce = text.split("r=").nth(1).unwrap_or_default().to_string();
-                    let server_first = format!("r={nonce}forged,s=c2FsdHNhbHQ=,i=4096");
-                    auth(11, server_first.as_bytes())
-                }
-                (Forgery::WrongSignature, 2) => [
-                    auth(12, b"v=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="),
-                    auth(0, b""),
-                    message(b'Z', b"I"),
-                ]
-                .concat(),
-                // A password in the clear is recorded ('p'); anything after the forgery ends is too.
-                _ => Vec::new(),
-            };
-            if !answer.is_empty() && tls.write_all(&answer).await.is_err() {
-                return sent;
+    let (connected, connections) = tokio::sync::mpsc::unbounded_channel();
+    let accepting = tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let connection = tokio::spawn(forge(acceptor.clone(), socket, forgery));
+            if connected.send(connection).is_err() {
+                return;
             }
         }
     });
-    (port, task)
+    ForgingServer {
+        port,
+        accepting,
+        connections,
+    }
+}
+
+/// One connection of [`forging_server`]: returns the type bytes of what outboxd sent.
+async fn forge(
+    acceptor: openssl::ssl::SslAcceptor,
+    mut socket: tokio::net::TcpStream,
+    forgery: Forgery,
+) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut sent = Vec::new();
+    // A connection outboxd drops before authentication (its process ended) is simply over.
+    let mut request = [0u8; 8];
+    if socket.read_exact(&mut request).await.is_err() || socket.write_all(b"S").await.is_err() {
+        return sent;
+    }
+    let ssl = openssl::ssl::Ssl::new(acceptor.context()).unwrap();
+    let mut tls = tokio_openssl::SslStream::new(ssl, socket).unwrap();
+    if std::pin::Pin::new(&mut tls).accept().await.is_err() {
+        return sent;
+    }
+    let mut length = [0u8; 4];
+    if tls.read_exact(&mut length).await.is_err() {
+        return sent;
+    }
+    let mut startup = vec![0u8; (u32::from_be_bytes(length) as usize).saturating_sub(4)];
+    if tls.read_exact(&mut startup).await.is_err() {
+        return sent;
+    }
+    let message = |tag: u8, body: &[u8]| {
+        let mut out = vec![tag];
+        out.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+        out.extend_from_slice(body);
+        out
+    };
+    let auth = |code: u32, rest: &[u8]| {
+        let mut body = code.to_be_bytes().to_vec();
+        body.extend_from_slice(rest);
+        message(b'R', &body)
+    };
+    let first = match forgery {
+        Forgery::Cleartext => auth(3, b""),
+        Forgery::Md5 => auth(5, b"salt"),
+        Forgery::NoAuthentication => [auth(0, b""), message(b'Z', b"I")].concat(),
+        Forgery::HugeMessage => {
+            let mut header = vec![b'R'];
+            header.extend_from_slice(&(1u32 << 30).to_be_bytes());
+            header
+        }
+        Forgery::OkBeforeScramEnds | Forgery::WrongSignature => {
+            auth(10, b"SCRAM-SHA-256-PLUS\0SCRAM-SHA-256\0\0")
+        }
+    };
+    if tls.write_all(&first).await.is_err() {
+        return sent;
+    }
+    // What outboxd sends from now on: its type byte is recorded, and the forgery goes on.
+    loop {
+        let mut tag = [0u8; 1];
+        if tls.read_exact(&mut tag).await.is_err() {
+            return sent;
+        }
+        let mut length = [0u8; 4];
+        if tls.read_exact(&mut length).await.is_err() {
+            return sent;
+        }
+        let mut body = vec![0u8; (u32::from_be_bytes(length) as usize).saturating_sub(4)];
+        if tls.read_exact(&mut body).await.is_err() {
+            return sent;
+        }
+        sent.push(tag[0]);
+        let answer = match (forgery, sent.len()) {
+            (Forgery::OkBeforeScramEnds, 1) => [auth(0, b""), message(b'Z', b"I")].concat(),
+            (Forgery::WrongSignature, 1) => {
+                // The client-first message: "<mechanism>\0<len><gs2 header>n=,r=<nonce>".
+                let text = String::from_utf8_lossy(&body).into_owned();
+                let nonce = text.split("r=").nth(1).unwrap_or_default().to_string();
+                let server_first = format!("r={nonce}forged,s=c2FsdHNhbHQ=,i=4096");
+                auth(11, server_first.as_bytes())
+            }
+            (Forgery::WrongSignature, 2) => [
+                auth(12, b"v=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="),
+                auth(0, b""),
+                message(b'Z', b"I"),
+            ]
+            .concat(),
+            // A password in the clear is recorded ('p'); anything after the forgery ends is too.
+            _ => Vec::new(),
+        };
+        if !answer.is_empty() && tls.write_all(&answer).await.is_err() {
+            return sent;
+        }
+    }
 }
 
 /// `require_auth=scram-sha-256` (libpq 16's setting, which tokio-postgres lacks) holds on both connections: a
@@ -441,9 +491,10 @@ async fn require_auth_refuses_every_other_method_on_both_connections() {
         (Forgery::NoAuthentication, "without authentication"),
     ] {
         for replication_side in [false, true] {
-            let (port, server) = forging_server(&certs, forgery).await;
+            let server = forging_server(&certs, forgery).await;
             let forged = format!(
-                "postgres://outboxd:secret-pw@127.0.0.1:{port}/postgres?sslmode=require&require_auth=scram-sha-256"
+                "postgres://outboxd:secret-pw@127.0.0.1:{}/postgres?sslmode=require&require_auth=scram-sha-256",
+                server.port
             );
             let (database_url, replication_url) = if replication_side {
                 (pg.url(), Some(forged))
@@ -456,10 +507,7 @@ async fn require_auth_refuses_every_other_method_on_both_connections() {
             })
             .await
             .unwrap();
-            let sent = tokio::time::timeout(Duration::from_secs(60), server)
-                .await
-                .unwrap_or_else(|_| panic!("{forgery:?}: outboxd never connected: {stderr}"))
-                .unwrap();
+            let sent = server.sent().await;
             assert!(
                 !sent.iter().any(|tag| matches!(tag, b'p' | b'Q' | b'P')),
                 "{forgery:?} (replication side: {replication_side}): outboxd answered ({sent:?}): {stderr}"
@@ -486,7 +534,8 @@ async fn a_forging_server_on_the_replication_url_gets_nothing_past_authenticatio
         (Forgery::Cleartext, "channel_binding=require"),
         (Forgery::HugeMessage, "more than the"),
     ] {
-        let (port, server) = forging_server(&certs, forgery).await;
+        let server = forging_server(&certs, forgery).await;
+        let port = server.port;
         let replication_url = format!(
             "postgres://outboxd:secret-pw@127.0.0.1:{port}/postgres?sslmode=require&channel_binding=require"
         );
@@ -496,7 +545,7 @@ async fn a_forging_server_on_the_replication_url_gets_nothing_past_authenticatio
         })
         .await
         .unwrap();
-        let sent = server.await.unwrap();
+        let sent = server.sent().await;
         assert!(
             !sent.contains(&b'Q'),
             "{forgery:?}: outboxd sent a replication command after a forged authentication: {stderr}"
@@ -525,7 +574,8 @@ async fn a_forging_server_on_the_database_url_gets_nothing_past_authentication()
         Forgery::Cleartext,
         Forgery::HugeMessage,
     ] {
-        let (port, server) = forging_server(&certs, forgery).await;
+        let server = forging_server(&certs, forgery).await;
+        let port = server.port;
         let database_url = format!(
             "postgres://outboxd:secret-pw@127.0.0.1:{port}/postgres?sslmode=require&channel_binding=require"
         );
@@ -539,7 +589,7 @@ async fn a_forging_server_on_the_database_url_gets_nothing_past_authentication()
         })
         .await
         .unwrap();
-        let sent = server.await.unwrap();
+        let sent = server.sent().await;
         eprintln!(
             "{forgery:?}: outboxd sent {sent:?}; {}",
             stderr.lines().last().unwrap_or_default()
