@@ -114,6 +114,13 @@ impl TopicTemplate {
         )
     }
 
+    /// Whether the template is one fixed name, with no placeholder.
+    pub fn is_literal(&self) -> bool {
+        self.parts
+            .iter()
+            .all(|part| matches!(part, Part::Literal(_)))
+    }
+
     /// Whether the template uses `{aggregate_type}` / `{event_type}`.
     pub fn uses_aggregate_type(&self) -> bool {
         self.parts.contains(&Part::AggregateType)

@@ -49,6 +49,33 @@ fn defaults_fill_everything_but_urls() {
 }
 
 #[test]
+fn a_dead_letter_topic_is_one_fixed_name() {
+    let with = |topic: &str| {
+        options(&[
+            "--database-url",
+            "postgres://u:p@localhost/db",
+            "--brokers",
+            "b:9092",
+            "--dead-letter-topic",
+            topic,
+        ])
+        .run()
+    };
+    let run = with("outbox.dead-letters").unwrap();
+    assert_eq!(
+        run.poll.dead_letter_topic.as_deref(),
+        Some("outbox.dead-letters")
+    );
+    for template in ["dlq.{aggregate_type}", "{table}.dead"] {
+        let err = with(template).unwrap_err().to_string();
+        assert!(
+            err.contains("--dead-letter-topic") && err.contains("fixed name"),
+            "{template}: {err}"
+        );
+    }
+}
+
+#[test]
 fn missing_required_options_are_named() {
     let err = options(&["--brokers", "b:9092"])
         .run()

@@ -383,8 +383,15 @@ impl Options {
             return Err(invalid("--retry-cap must not be shorter than --retry-base"));
         }
         if let Some(topic) = &self.dead_letter_topic {
-            TopicTemplate::parse(topic)
+            let template = TopicTemplate::parse(topic)
                 .map_err(|e| invalid(format!("--dead-letter-topic: {e}")))?;
+            // One topic for every dead letter, as Kafka Connect's errors.deadletterqueue.topic.name: the
+            // record's headers say which table and aggregate it came from.
+            if !template.is_literal() {
+                return Err(invalid(format!(
+                    "--dead-letter-topic {topic:?} has a placeholder, but it names one topic for every dead letter (its headers say where each came from): give a fixed name, e.g. outbox.dead-letters"
+                )));
+            }
         }
         Ok(PollSettings {
             interval,
