@@ -18,18 +18,32 @@ use crate::error::{Error, Result};
 pub struct Readiness {
     database: AtomicBool,
     broker: AtomicBool,
+    /// Set while the task that refreshes `database` and `broker` is down (it failed): they are stale.
+    checks_down: AtomicBool,
     /// 0 starting, 1 cdc, 2 poll, 3 standby, 4 reconnecting.
     mode: AtomicU8,
 }
 
 /// The process's readiness, set by `stats` and the pipelines, read by `/readyz`.
-pub static READINESS: Readiness = Readiness {
-    database: AtomicBool::new(false),
-    broker: AtomicBool::new(false),
-    mode: AtomicU8::new(0),
-};
+pub static READINESS: Readiness = Readiness::new();
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Readiness {
+    /// Starting: nothing checked yet.
+    pub const fn new() -> Self {
+        Readiness {
+            database: AtomicBool::new(false),
+            broker: AtomicBool::new(false),
+            checks_down: AtomicBool::new(false),
+            mode: AtomicU8::new(0),
+        }
+    }
+
     /// Records whether the last check reached PostgreSQL.
     pub fn set_database(&self, ok: bool) {
         self.database.store(ok, Ordering::Relaxed);
@@ -38,6 +52,12 @@ impl Readiness {
     /// Records whether the last check reached a broker.
     pub fn set_broker(&self, ok: bool) {
         self.broker.store(ok, Ordering::Relaxed);
+    }
+
+    /// Records whether the task that checks the database and the broker runs (`false` after it failed, until
+    /// it runs again): their last answers are not trusted meanwhile.
+    pub fn set_checks_running(&self, running: bool) {
+        self.checks_down.store(!running, Ordering::Relaxed);
     }
 
     /// Records the active pipeline (`cdc` or `poll`), `standby`, or `reconnecting` (the pipeline's session
@@ -61,6 +81,9 @@ impl Readiness {
 
     /// `Ok(mode)` when ready, else the reason.
     pub fn check(&self) -> std::result::Result<&'static str, &'static str> {
+        if self.checks_down.load(Ordering::Relaxed) {
+            return Err("the readiness checks failed (see the log) and are starting again");
+        }
         if !self.database.load(Ordering::Relaxed) {
             return Err("PostgreSQL is unreachable");
         }
@@ -159,5 +182,26 @@ async fn readyz() -> impl IntoResponse {
             StatusCode::SERVICE_UNAVAILABLE,
             format!("{{\"status\":\"not ready\",\"reason\":\"{reason}\"}}\n"),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Readiness;
+
+    #[test]
+    fn stale_checks_are_never_read_as_ready() {
+        let readiness = Readiness::new();
+        readiness.set_database(true);
+        readiness.set_broker(true);
+        readiness.set_mode("cdc");
+        assert_eq!(readiness.check(), Ok("cdc"));
+        readiness.set_checks_running(false);
+        let reason = readiness.check().unwrap_err();
+        assert!(reason.contains("checks failed"), "{reason}");
+        readiness.set_checks_running(true);
+        assert_eq!(readiness.check(), Ok("cdc"));
+        readiness.set_database(false);
+        assert_eq!(readiness.check(), Err("PostgreSQL is unreachable"));
     }
 }

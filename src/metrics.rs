@@ -23,6 +23,8 @@ pub const EVENTS_DEAD: &str = "outboxd_events_dead_total";
 pub const UNPUBLISHED_EVENTS: &str = "outboxd_unpublished_events";
 /// Gauge: age of the oldest unpublished row, in seconds (0 on a standby instance).
 pub const OLDEST_UNPUBLISHED_AGE: &str = "outboxd_oldest_unpublished_age_seconds";
+/// Gauge: dead-lettered rows waiting in the table (read from it, so it holds across restarts; 0 on a standby).
+pub const DEAD_EVENTS: &str = "outboxd_dead_events";
 /// Gauge: events handed to the broker and not yet finished.
 pub const INFLIGHT_EVENTS: &str = "outboxd_inflight_events";
 /// Histogram: seconds from the transaction's commit to the broker's acknowledgement.
@@ -41,7 +43,7 @@ pub const RETENTION_CONSECUTIVE_FAILURES: &str = "outboxd_retention_consecutive_
 pub const RETENTION_LAST_SUCCESS: &str = "outboxd_retention_last_success_timestamp_seconds";
 
 /// Every metric name `/metrics` exports (the Grafana dashboard may only use these).
-pub const ALL: [&str; 17] = [
+pub const ALL: [&str; 18] = [
     SLOT_LAG_BYTES,
     SLOT_RETAINED_WAL_BYTES,
     SLOT_SAFE_WAL_BYTES,
@@ -51,6 +53,7 @@ pub const ALL: [&str; 17] = [
     EVENTS_DEAD,
     UNPUBLISHED_EVENTS,
     OLDEST_UNPUBLISHED_AGE,
+    DEAD_EVENTS,
     INFLIGHT_EVENTS,
     COMMIT_TO_ACK,
     MODE,
@@ -115,6 +118,10 @@ pub fn install() -> Result<PrometheusHandle, String> {
     );
     describe_gauge!(OLDEST_UNPUBLISHED_AGE, "age of the oldest unpublished row");
     describe_gauge!(
+        DEAD_EVENTS,
+        "dead-lettered rows in the table (until replayed or removed)"
+    );
+    describe_gauge!(
         INFLIGHT_EVENTS,
         "events handed to the broker and not yet finished"
     );
@@ -155,6 +162,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         SLOT_SAFE_WAL_BYTES,
         UNPUBLISHED_EVENTS,
         OLDEST_UNPUBLISHED_AGE,
+        DEAD_EVENTS,
         INFLIGHT_EVENTS,
         RETENTION_CONSECUTIVE_FAILURES,
         RETENTION_LAST_SUCCESS,

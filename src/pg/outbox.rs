@@ -587,7 +587,10 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
     } else {
         "published_at IS NULL"
     };
-    let count = format!("SELECT count(*) FROM {t} WHERE {unpublished}");
+    // Bounded: a backlog of millions (a catch-up) costs the same as one of BACKLOG_COUNT_CAP.
+    let count = format!(
+        "SELECT count(*) FROM (SELECT FROM {t} WHERE {unpublished} LIMIT {BACKLOG_COUNT_CAP}) AS unpublished"
+    );
     // The oldest event is the first in claim order (the claim index's order), one index entry away.
     let oldest = table.column(Role::CreatedAt).map(|created_at| {
         let first = if table.polling {
@@ -609,6 +612,38 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
     }
 }
 
+/// What makes `table`'s backlog countable through an index.
+pub fn backlog_index_fix(table: &OutboxTable) -> String {
+    if table.polling {
+        return format!("run `outboxd migrate --add-polling-columns --table {}`: it builds the claim index the count reads", table.name);
+    }
+    let key = table.column(Role::CreatedAt).unwrap_or("published_at");
+    format!(
+        "CREATE INDEX CONCURRENTLY ON {} (\"{key}\") WHERE published_at IS NULL",
+        table.name.quoted()
+    )
+}
+
+/// The backlog is counted up to this many rows; beyond, the count reads this.
+pub const BACKLOG_COUNT_CAP: i64 = 1_000_000;
+
+/// Whether `sql` can only be answered by reading the whole table (no index serves it): the plan it gets
+/// with sequential scans ruled out as far as the planner can.
+pub async fn needs_a_table_scan(client: &Client, sql: &str) -> Result<bool> {
+    let explained = client
+        .simple_query(&format!(
+            // One implicit transaction (a failure leaves no transaction open), where SET LOCAL holds.
+            "SET LOCAL enable_seqscan = off; EXPLAIN (FORMAT JSON) {sql}"
+        ))
+        .await?;
+    Ok(explained.iter().any(|message| match message {
+        tokio_postgres::SimpleQueryMessage::Row(row) => row
+            .get(0)
+            .is_some_and(|plan| plan.contains("\"Node Type\": \"Seq Scan\"")),
+        _ => false,
+    }))
+}
+
 /// See [`backlog_statements`].
 #[derive(Debug, Clone)]
 pub struct BacklogStatements {
@@ -623,7 +658,7 @@ pub struct BacklogStatements {
 /// Dead-lettered events (needs the polling columns).
 pub async fn dead_count(client: &Client, table: &OutboxTable) -> Result<i64> {
     match backlog_statements(table).dead {
-        Some(sql) => Ok(client.query_one(&sql, &[]).await?.get(0)),
+        Some(sql) => Ok(client.query_one(&sql, &[]).await?.try_get(0)?),
         None => Ok(0),
     }
 }
@@ -646,9 +681,13 @@ pub async fn backlog(client: &Client, tables: &[OutboxTable]) -> Result<Backlog>
         total.unpublished_events += client
             .query_one(&statements.count, &[])
             .await?
-            .get::<_, i64>(0);
+            .try_get::<_, i64>(0)?;
         let oldest: Option<f64> = match &statements.oldest {
-            Some(sql) => client.query_opt(sql, &[]).await?.map(|row| row.get(0)),
+            // NULL when that row's created_at is NULL (a nullable column): its age is unknown.
+            Some(sql) => match client.query_opt(sql, &[]).await? {
+                Some(row) => row.try_get::<_, Option<f64>>(0)?,
+                None => None,
+            },
             None => None,
         };
         total.oldest_unpublished_age_seconds = match (total.oldest_unpublished_age_seconds, oldest)

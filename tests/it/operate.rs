@@ -570,3 +570,230 @@ async fn ages_of_timestamps_without_time_zone_are_read_as_utc() {
         "an event inserted just now is {age} s old"
     );
 }
+
+/// Review F2: an unpublished row whose `created_at` is NULL (a nullable column is allowed) panicked the
+/// figures task: the gauges froze and `/readyz` kept its last 200 after PostgreSQL went away; `status`
+/// exited 101. Now its age is unknown, the figures go on, and readiness follows the database.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_without_created_at_neither_freezes_readiness_nor_breaks_status() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.nullable_outbox (
+                 event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NULL)",
+        )
+        .await
+        .unwrap();
+    let table = ["--table", "public.nullable_outbox"];
+    let mut migrate = vec!["migrate", "--database-url", &url, "--add-polling-columns"];
+    migrate.extend(table);
+    let migrated = run_outboxd(&migrate);
+    assert!(migrated.status.success(), "{}", stderr_of(&migrated));
+    // Not claimable for an hour: it stays the first unpublished row.
+    client
+        .batch_execute(
+            "INSERT INTO public.nullable_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, created_at, available_at)
+             VALUES (gen_random_uuid(), 'Order', 'a', 'E', '{}', NULL, now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "poll", "--metrics-addr", metrics_addr.as_str()]);
+    args.extend(table);
+    let _outboxd = Outboxd::spawn(&args);
+    wait_for(
+        "the backlog gauge to count the row",
+        Duration::from_secs(60),
+        || {
+            let (_, text) = http_get(&metrics_addr, "/metrics")?;
+            (metric_value(&text, "outboxd_unpublished_events", "")? == 1.0).then_some(())
+        },
+    );
+    wait_for("/readyz to be 200", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
+    });
+    let mut status = vec!["status", "--database-url", &url, "--mode", "poll", "--json"];
+    status.extend(table);
+    let output = run_outboxd(&status);
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "status exited {:?} without JSON ({e}): {}",
+            output.status.code(),
+            stderr_of(&output)
+        )
+    });
+    assert_eq!(json["unpublished_events"], 1, "{json}");
+    pg.stop();
+    let (_, reason) = wait_for("/readyz to be 503", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 503)
+    });
+    assert!(
+        reason.contains("PostgreSQL") || reason.contains("reconnecting"),
+        "{reason}"
+    );
+}
+
+/// Review F7 (shape): a table with `published_at` but without the polling columns has no index for its
+/// backlog; the 5-s count read the whole table every time (and timed out on a big one, reading as
+/// "PostgreSQL is unreachable"). Now it is not counted, the log names the index that fixes it, and once
+/// that index exists the table is counted again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backlog_no_index_serves_is_not_counted_by_reading_the_table() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.marked_outbox (
+                 event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz);
+             INSERT INTO public.marked_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT gen_random_uuid(), 'Order', 'order-' || (i % 1000), 'E', '{}', now()
+             FROM generate_series(1, 1000000) AS i",
+        )
+        .await
+        .unwrap();
+    client
+        .batch_execute("VACUUM ANALYZE public.marked_outbox")
+        .await
+        .unwrap();
+    let table = ["--table", "public.marked_outbox"];
+    let mut migrate = vec!["migrate", "--database-url", &url];
+    migrate.extend(table);
+    let migrated = run_outboxd(&migrate);
+    assert!(migrated.status.success(), "{}", stderr_of(&migrated));
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "cdc", "--metrics-addr", metrics_addr.as_str()]);
+    args.extend(table);
+    let outboxd = Outboxd::spawn(&args);
+    wait_for("/readyz to be 200", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
+    });
+    wait_for(
+        "the log to name the missing index",
+        Duration::from_secs(60),
+        || {
+            let log = outboxd.log_text();
+            (log.contains("is not counted") && log.contains("CREATE INDEX CONCURRENTLY"))
+                .then_some(())
+        },
+    );
+    let seq_scans = || async {
+        client
+            .query_one(
+                "SELECT seq_scan FROM pg_stat_user_tables WHERE relid = 'public.marked_outbox'::regclass",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let refreshes = || outboxd.log_text().matches("readiness refreshed").count();
+    let (scans_before, refreshed_before) = (seq_scans().await, refreshes());
+    wait_for("three more refreshes", Duration::from_secs(60), || {
+        (refreshes() >= refreshed_before + 3).then_some(())
+    });
+    // A backend reports its scans at the end of its next statement a second or more later: the third
+    // refresh reports those of the first two.
+    assert_eq!(
+        seq_scans().await,
+        scans_before,
+        "a periodic query read the whole table"
+    );
+    assert_eq!(
+        http_get(&metrics_addr, "/readyz").map(|r| r.0),
+        Some(200),
+        "an uncounted backlog is no unreachable database"
+    );
+    client
+        .batch_execute(
+            "CREATE INDEX CONCURRENTLY ON public.marked_outbox (created_at) WHERE published_at IS NULL",
+        )
+        .await
+        .unwrap();
+    wait_for(
+        "the table to be counted again",
+        Duration::from_secs(60),
+        || outboxd.log_text().contains("counted again").then_some(()),
+    );
+}
+
+/// Review F7 (slow): figures that take longer than their 4 s (here: the table locked by another session)
+/// are a warning in the log; `/readyz` stays 200, since PostgreSQL answers (it said "PostgreSQL is
+/// unreachable").
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_figures_are_not_an_unreachable_database() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "cdc", "--metrics-addr", metrics_addr.as_str()]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_for("/readyz to be 200", Duration::from_secs(60), || {
+        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
+    });
+    let mut locker = pg.client().await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE outbox_event IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut answers = Vec::new();
+    wait_for(
+        "the log to say the figures could not be refreshed",
+        Duration::from_secs(60),
+        || {
+            answers.extend(http_get(&metrics_addr, "/readyz"));
+            let said = outboxd
+                .log_text()
+                .contains("backlog figures could not be refreshed");
+            (said || answers.iter().any(|(code, _)| *code != 200)).then_some(())
+        },
+    );
+    answers.extend(http_get(&metrics_addr, "/readyz"));
+    lock.rollback().await.unwrap();
+    let not_ready: Vec<_> = answers.iter().filter(|(code, _)| *code != 200).collect();
+    assert!(not_ready.is_empty(), "{not_ready:?}");
+    wait_for(
+        "the figures to be refreshed again",
+        Duration::from_secs(60),
+        || outboxd.log_text().contains("refreshed again").then_some(()),
+    );
+}
+
+/// Review F9: dead letters stay visible in `/metrics` for as long as they wait in the table, whichever
+/// process dead-lettered them (the only metric was a counter of this process's dead-letterings).
+#[tokio::test(flavor = "multi_thread")]
+async fn dead_letters_stay_visible_in_metrics_across_restarts() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    // Dead-lettered by an earlier process.
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, dead_at, attempts, last_error)
+             SELECT gen_random_uuid(), 'Order', 'order-' || i, 'E', '{}', now(), 10, 'refused'
+             FROM generate_series(1, 3) AS i",
+        )
+        .await
+        .unwrap();
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "poll", "--metrics-addr", metrics_addr.as_str()]);
+    let _outboxd = Outboxd::spawn(&args);
+    wait_for(
+        "outboxd_dead_events to be 3",
+        Duration::from_secs(60),
+        || {
+            let (_, text) = http_get(&metrics_addr, "/metrics")?;
+            (metric_value(&text, "outboxd_dead_events", "")? == 3.0).then_some(())
+        },
+    );
+}
