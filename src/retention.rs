@@ -331,6 +331,7 @@ async fn check_archive(
     archive: &TableName,
     publication: &str,
 ) -> Result<()> {
+    check_archive_owner(client, tables, archive).await?;
     let archive_oid: Option<u32> = client
         .query_one("SELECT to_regclass($1)::oid", &[&archive.quoted()])
         .await?
@@ -372,6 +373,59 @@ async fn check_archive(
             format!("--archive-table {archive} is in the publication {publication}: every archived row would be published again"),
             format!("ALTER PUBLICATION {publication} DROP TABLE {archive}"),
         ));
+    }
+    Ok(())
+}
+
+/// Refuses an archive table, or the schema it is (to be) created in, that a role outboxd does not trust owns:
+/// its triggers, rules or row security would run as outboxd's role (which holds REPLICATION and writes to
+/// the outbox) with every archived row, and a schema's owner may drop outboxd's archive and plant another.
+/// Trusted: outboxd's role and who holds its rights already (migrate's rule), the outbox tables' owners (their
+/// triggers run as outboxd already, and README tells them to create the archive), the database's owner for
+/// the schema.
+async fn check_archive_owner(
+    client: &Client,
+    tables: &[OutboxTable],
+    archive: &TableName,
+) -> Result<()> {
+    let outbox_tables: Vec<String> = tables.iter().map(|t| t.name.quoted()).collect();
+    let trusted = |owner: &str| {
+        format!(
+            "{} OR {owner} IN (SELECT c.relowner FROM pg_class c WHERE c.oid = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) AS t))",
+            pg::migrate::trusted_owner(owner)
+        )
+    };
+    let schema = client
+        .query_opt(
+            &format!(
+                "SELECT pg_get_userbyid(o.owner)::text,
+                        {} OR o.owner = (SELECT datdba FROM pg_database WHERE datname = current_database())
+                 FROM ({}) AS o(owner)",
+                trusted("o.owner"),
+                pg::migrate::SCHEMA_OWNER
+            ),
+            &[&archive.schema, &outbox_tables],
+        )
+        .await?;
+    let table = client
+        .query_opt(
+            &format!(
+                "SELECT pg_get_userbyid(c.relowner)::text, {} AND c.relkind IN ('r', 'p')
+                 FROM pg_class c WHERE c.oid = to_regclass($1)",
+                trusted("c.relowner")
+            ),
+            &[&archive.quoted(), &outbox_tables],
+        )
+        .await?;
+    for (what, row) in [("schema", schema), ("table", table)] {
+        let Some(row) = row else { continue };
+        let (owner, trusted): (String, bool) = (row.get(0), row.get(1));
+        if !trusted {
+            return Err(Error::setup(
+                format!("--archive-table {archive}: its {what} is owned by role {owner}, which outboxd does not trust (neither its own role, one holding its rights, nor the outbox table's owner): code of {owner}'s (a trigger, a rule) would run as outboxd with every archived row, or replace the archive"),
+                format!("find out who created it; if {owner} is not yours, drop it (outboxd creates the archive itself with CREATE on the schema) or give it to the outbox table's owner (ALTER {} ... OWNER TO ...); or name an archive in a schema you control", what.to_uppercase()),
+            ));
+        }
     }
     Ok(())
 }
@@ -523,6 +577,8 @@ async fn archive_plan(
         create_archive(client, table, archive).await?;
         archive_columns = columns_of(client, archive).await?;
     }
+    // Also after creating it: CREATE TABLE IF NOT EXISTS keeps one another role created meanwhile.
+    check_archive_owner(client, std::slice::from_ref(table), archive).await?;
     let outbox_columns = columns_of(client, &table.name).await?;
     plan_copy(table, archive, &outbox_columns, &archive_columns)
 }

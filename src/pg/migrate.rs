@@ -604,7 +604,7 @@ async fn check_migrations_table(client: &Client) -> Result<()> {
 
 /// SQL: whether the role with oid `owner` (an expression) holds the rights of the role migrate runs as already,
 /// so that code of theirs running with migrate's rights gains nothing ([`check_migrations_table`]'s rule).
-fn trusted_owner(owner: &str) -> String {
+pub(crate) fn trusted_owner(owner: &str) -> String {
     format!(
         "(SELECT {owner} = me.oid OR coalesce((SELECT rolsuper FROM pg_roles WHERE oid = {owner}), false)
                 OR (NOT me.rolsuper AND pg_has_role({owner}, me.oid, 'MEMBER'))
@@ -661,7 +661,7 @@ async fn check_owner(
 const RELATION_OWNER: &str = "SELECT c.relowner FROM pg_class c WHERE c.oid = to_regclass($1)";
 
 /// The owner of schema `$1`, `pg_database_owner` (PostgreSQL 15+) read as the database's owner.
-const SCHEMA_OWNER: &str = "SELECT CASE WHEN n.nspowner = (SELECT oid FROM pg_roles WHERE rolname = 'pg_database_owner')
+pub(crate) const SCHEMA_OWNER: &str = "SELECT CASE WHEN n.nspowner = (SELECT oid FROM pg_roles WHERE rolname = 'pg_database_owner')
                  THEN (SELECT datdba FROM pg_database WHERE datname = current_database()) ELSE n.nspowner END
              FROM pg_namespace n WHERE n.nspname = $1";
 

@@ -807,3 +807,96 @@ fn librdkafka_never_gets_to_quote_a_secret_option() {
         eprintln!("{line}");
     }
 }
+
+/// Adversarial review: an `--archive-table` another role created first (it may create in the schema,
+/// which README's set-up grants outboxd for creating the archive) had its trigger run as outboxd's role on
+/// every retention pass: with REPLICATION and UPDATE on the outbox. Refused at start-up (and every pass),
+/// as is an archive to be created in a schema such a role owns.
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_never_archives_into_a_table_another_role_planted() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let mallory = mallory_who_may_create_in_public(&pg, &client).await;
+    mallory
+        .batch_execute(
+            "CREATE TABLE public.loot (who text);
+             GRANT INSERT ON public.loot TO PUBLIC;
+             CREATE TABLE public.outbox_archive (event_id uuid, aggregate_type text, aggregate_id text,
+                 event_type text, payload jsonb, created_at timestamptz, published_at timestamptz);
+             GRANT INSERT, SELECT ON public.outbox_archive TO PUBLIC;
+             CREATE FUNCTION public.steal() RETURNS trigger LANGUAGE plpgsql
+                 AS $$ BEGIN INSERT INTO public.loot VALUES (current_user); RETURN NULL; END $$;
+             CREATE TRIGGER steal AFTER INSERT ON public.outbox_archive
+                 FOR EACH STATEMENT EXECUTE FUNCTION public.steal();",
+        )
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT gen_random_uuid(), 'Order', 'order-' || i, 'E', '{}', now() - interval '2 days'
+             FROM generate_series(1, 10) AS i",
+        )
+        .await
+        .unwrap();
+    let run = |archive: &'static str| {
+        let mut args: Vec<String> = run_args(&url, &brokers)
+            .into_iter()
+            .map(String::from)
+            .collect();
+        args.extend(
+            [
+                "--retention",
+                "1d",
+                "--retention-interval",
+                "1s",
+                "--archive-table",
+                archive,
+            ]
+            .map(String::from),
+        );
+        Outboxd::spawn(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let mut outboxd = run("public.outbox_archive");
+    let archived = || async {
+        client
+            .query_one("SELECT count(*) FROM public.outbox_archive", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            > 0
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while outboxd.try_wait().is_none() && !archived().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "outboxd neither refused the archive nor archived into it"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let loot: i64 = client
+        .query_one("SELECT count(*) FROM public.loot", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(loot, 0, "mallory's trigger ran as outboxd's role");
+    let status = outboxd.wait_exit();
+    let log = outboxd.log_text();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("--archive-table public.outbox_archive") && log.contains("mallory"),
+        "{log}"
+    );
+
+    client
+        .batch_execute("GRANT CREATE ON DATABASE postgres TO mallory")
+        .await
+        .unwrap();
+    mallory.batch_execute("CREATE SCHEMA shop").await.unwrap();
+    let mut outboxd = run("shop.archive");
+    let status = outboxd.wait_exit();
+    let log = outboxd.log_text();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("schema") && log.contains("mallory"), "{log}");
+}
