@@ -642,3 +642,124 @@ async fn a_forged_hand_off_notice_neither_restarts_the_session_nor_moves_its_agg
     assert_eq!(broker.records().len(), 2, "{:?}", broker.records());
     outboxd.stop().await.expect("clean stop");
 }
+
+/// Adversarial review 2: a commit is decoded once it is on disk, which can be before other sessions see
+/// it (while it waits for a synchronous standby). `outboxd replay`'s notice was then checked against rows
+/// not visible yet, ignored, and a later event of the aggregate overtook the replayed one. The check now
+/// waits for the notice's transaction to end.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_waiting_for_a_synchronous_standby_still_goes_before_later_events() {
+    use outboxd::pg::outbox::{self, ReplayFilter};
+    let broker = MemoryBroker::new();
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    // Every commit would wait for a standby that never comes; every session but the replay's commits locally.
+    for statement in [
+        "ALTER SYSTEM SET synchronous_standby_names = 'nobody'",
+        "ALTER DATABASE postgres SET synchronous_commit = local",
+        "SELECT pg_reload_conf()",
+        "SET synchronous_commit = local",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    let outboxd = InProcess::start(&pg, &broker, &[]);
+    wait_slot_active(&client, "outboxd").await;
+    let insert = |seq: i32| {
+        let client = &client;
+        async move {
+            let id = uuid::Uuid::new_v4();
+            client
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, 'Order', 'A', 'E', jsonb_build_object('seq', $2::int))",
+                    &[&id, &seq],
+                )
+                .await
+                .unwrap();
+            id
+        }
+    };
+    let first = insert(1).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    // Dead-lettered since, as the polling path does with an event refused for good.
+    client
+        .execute(
+            "UPDATE outbox_event SET published_at = NULL, dead_at = now(), attempts = 10, last_error = 'refused'
+             WHERE event_id = $1",
+            &[&first],
+        )
+        .await
+        .unwrap();
+    let table = outbox_event_table(&client).await;
+    let mut replayer = pg.client().await;
+    replayer
+        .batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
+    let replayer_pid: i32 = replayer
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let replay = tokio::spawn(async move {
+        outbox::replay_dead(&mut replayer, &table, &ReplayFilter::EventId(first)).await
+    });
+    wait_for_async(
+        "the replay's commit to wait for the standby",
+        Duration::from_secs(60),
+        || async {
+            let waits: bool = client
+                .query_one(
+                    "SELECT coalesce((SELECT wait_event = 'SyncRep' FROM pg_stat_activity WHERE pid = $1), false)",
+                    &[&replayer_pid],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            waits.then_some(())
+        },
+    )
+    .await;
+    let second = insert(2).await;
+    // Either the stream published the second event past the notice, or it waits for the replay to end.
+    wait_for_async(
+        "the second event published or the stream waiting for the replay",
+        Duration::from_secs(60),
+        || async {
+            let waiting: bool = client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                     WHERE query LIKE '%locktype = ''transactionid''%' AND pid <> pg_backend_pid())",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            let published = broker
+                .records()
+                .iter()
+                .any(|record| record.event_id == second);
+            (waiting || published).then_some(())
+        },
+    )
+    .await;
+    client
+        .execute("SELECT pg_cancel_backend($1)", &[&replayer_pid])
+        .await
+        .unwrap();
+    assert_eq!(replay.await.unwrap().unwrap(), 1, "one event re-queued");
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let records = broker.records();
+    let replayed = records.iter().rposition(|r| r.event_id == first).unwrap();
+    let later = records.iter().position(|r| r.event_id == second).unwrap();
+    assert!(
+        replayed < later,
+        "the second event of A went out before the replayed first: {:?}",
+        records
+            .iter()
+            .map(|r| (r.event_id == first, r.event_id == second))
+            .collect::<Vec<_>>()
+    );
+    outboxd.stop().await.expect("clean stop");
+}

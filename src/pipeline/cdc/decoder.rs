@@ -60,6 +60,9 @@ pub enum Decoded {
     WaitsInPollingPath {
         table: usize,
         aggregate: AggregateKey,
+        /// The transaction that says so: until it has ended on the server, what it wrote may not be visible
+        /// yet (a commit waiting for a synchronous standby is decoded before it is visible).
+        xid: u32,
     },
     /// Nothing to do (a commit, a relation, a row of another table or of a skipped re-sent transaction).
     Nothing,
@@ -245,6 +248,7 @@ impl TransactionDecoder {
             Some(table) if self.can_hand_off[table] => Decoded::WaitsInPollingPath {
                 table,
                 aggregate: (notice.aggregate_type, notice.aggregate_id),
+                xid: self.current.map_or(0, |current| current.xid),
             },
             _ => Decoded::Nothing,
         }
@@ -286,6 +290,7 @@ impl TransactionDecoder {
             return Ok(Decoded::WaitsInPollingPath {
                 table,
                 aggregate: mapping.aggregate_key(&insert),
+                xid: current.xid,
             });
         }
         let tag = CdcTag {

@@ -551,12 +551,19 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 }
                 tracing::debug!(table = %outbox_table.name, gained, "the stream describes columns the table no longer has (sent again from before they were dropped)");
             }
-            Decoded::WaitsInPollingPath { table, aggregate } => {
+            Decoded::WaitsInPollingPath {
+                table,
+                aggregate,
+                xid,
+            } => {
                 // Re-queued by `outboxd replay` (its UPDATE committed with the notice): later events of its
                 // aggregate must not overtake it. Any login may emit a notice, so it counts only while the
                 // aggregate has rows waiting in the polling path; one sent again after they drained, or a
                 // forged one, would otherwise restart the session or route the aggregate through polling.
+                // A commit is decoded once it is on disk, which can be before others see it (a synchronous
+                // standby it waits for): the check waits for the transaction to end first.
                 let outbox_table = &self.settings.database.tables[table];
+                outbox::wait_for_transaction_end(&self.sql, xid).await?;
                 if outbox::aggregate_pending_hand_off(&self.sql, outbox_table, &aggregate).await? {
                     self.block_met_in_stream((table, aggregate));
                 } else {
