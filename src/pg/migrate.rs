@@ -710,6 +710,9 @@ async fn migrate_under_lock(
         )
         .await?;
     check_migrations_table(client).await?;
+    // Before anything is created, and again right before the publication is used (created meanwhile).
+    let as_created: Vec<OutboxTable> = settings.tables.iter().map(TableSpec::as_created).collect();
+    slot::check_publication_owner(&*client, &settings.publication, &as_created).await?;
     let mut report = MigrationReport::default();
     let mut tables = Vec::with_capacity(settings.tables.len());
     for spec in &settings.tables {
@@ -794,6 +797,7 @@ async fn migrate_under_lock(
         }
         tables.push(table);
     }
+    slot::check_publication_owner(&*client, &settings.publication, &tables).await?;
     report.publication_created = ensure_publication(client, &settings.publication, &tables).await?;
     Ok(report)
 }

@@ -77,6 +77,39 @@ pub struct PublicationState {
     pub via_root: bool,
 }
 
+/// Refuses a publication owned by a role outboxd does not trust: its owner may change what it publishes (`SET
+/// (publish = 'update')`, `DROP TABLE`) without owning the outbox table, and the slot would then confirm past
+/// inserts it never streamed. Trusted: this role and who holds its rights already (migrate's rule), and the
+/// outbox tables' owners (migrate runs as one). No publication: nothing to check.
+pub async fn check_publication_owner(
+    client: &impl GenericClient,
+    publication: &str,
+    tables: &[OutboxTable],
+) -> Result<()> {
+    let outbox_tables: Vec<String> = tables.iter().map(|t| t.name.quoted()).collect();
+    let row = client
+        .query_opt(
+            &format!(
+                "SELECT pg_get_userbyid(p.pubowner)::text,
+                        {} OR p.pubowner IN (SELECT c.relowner FROM pg_class c
+                                             WHERE c.oid = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) AS t))
+                 FROM pg_publication p WHERE p.pubname = $1",
+                super::migrate::trusted_owner("p.pubowner")
+            ),
+            &[&publication, &outbox_tables],
+        )
+        .await?;
+    let Some(row) = row else { return Ok(()) };
+    let (owner, trusted): (String, bool) = (row.get(0), row.get(1));
+    if trusted {
+        return Ok(());
+    }
+    Err(Error::setup(
+        format!("publication {publication} is owned by role {owner}, which neither holds this role's rights nor owns the outbox table: it could change what the publication streams (publish, its tables) and the slot would confirm past events it never sent"),
+        format!("find out who created it; if {owner} is not yours, DROP PUBLICATION {publication} and run `outboxd migrate` (it creates it again), or ALTER PUBLICATION {publication} OWNER TO the outbox table's owner"),
+    ))
+}
+
 /// The publication's state relative to `table`; `None` when the publication does not exist.
 pub async fn publication_state(
     client: &impl GenericClient,
@@ -103,6 +136,7 @@ pub async fn publication_state(
 pub async fn check_publication(client: &Client, settings: &DatabaseSettings) -> Result<()> {
     let publication = &settings.publication;
     let names = crate::table::names(&settings.tables);
+    check_publication_owner(client, publication, &settings.tables).await?;
     for table in &settings.tables {
         let name = &table.name;
         let Some(state) = publication_state(client, publication, name).await? else {

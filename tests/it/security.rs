@@ -900,3 +900,66 @@ async fn retention_never_archives_into_a_table_another_role_planted() {
     assert_eq!(status.code(), Some(1), "{log}");
     assert!(log.contains("schema") && log.contains("mallory"), "{log}");
 }
+
+/// Adversarial review 2: a publication named like outboxd's that another role created first was adopted
+/// (a superuser's migrate added the outbox table to it); its owner could later stop it publishing inserts
+/// (`SET (publish = 'update')`) without owning the table, and the slot would confirm past events it never
+/// streamed. migrate and run refuse it, naming the owner and the fix.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_publication_another_role_created_is_never_adopted() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let mallory = mallory_who_may_create_in_public(&pg, &client).await;
+    client
+        .batch_execute("GRANT CREATE ON DATABASE postgres TO mallory")
+        .await
+        .unwrap();
+    mallory
+        .batch_execute(
+            "CREATE TABLE public.decoy (id int); CREATE PUBLICATION outboxd FOR TABLE public.decoy",
+        )
+        .await
+        .unwrap();
+    let output = run_outboxd(&["migrate", "--database-url", &url]);
+    let stderr = stderr_of(&output);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("publication outboxd is owned by role mallory")
+            && stderr.contains("DROP PUBLICATION outboxd"),
+        "{stderr}"
+    );
+    let adopted: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'outboxd' AND tablename = 'outbox_event'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        adopted, 0,
+        "migrate added the outbox table to mallory's publication"
+    );
+
+    // Made by an earlier migrate, then given away: run refuses it too.
+    client
+        .batch_execute("DROP PUBLICATION outboxd")
+        .await
+        .unwrap();
+    migrate(&pg);
+    client
+        .batch_execute("ALTER PUBLICATION outboxd OWNER TO mallory")
+        .await
+        .unwrap();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--startup-timeout", "10s"]);
+    let output = run_outboxd(&args);
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("publication outboxd is owned by role mallory"),
+        "{stderr}"
+    );
+}
