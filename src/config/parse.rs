@@ -96,9 +96,10 @@ pub fn redact_url(url: &str) -> String {
 }
 
 /// `--kafka-option` values as (property, value). One value may hold several options separated by commas
-/// (`OUTBOXD_KAFKA_OPTION=acks=all,linger.ms=5`); a comma starts a new option only where a property name and
-/// `=` follow, so values with commas (passwords, JAAS configurations) stay whole. Errors never repeat what
-/// was given: it may be a secret.
+/// (`OUTBOXD_KAFKA_OPTION=acks=all,linger.ms=5`) or line breaks (an option file's lines); either starts a new
+/// option only where a property name and `=` follow, so values with commas (JAAS configurations) stay whole,
+/// and a comma never ends a secret option's value (a password's `,x=y` is the password's, never an option
+/// librdkafka would name in an error). Errors never repeat what was given: it may be a secret.
 pub(super) fn split_kafka_options<'a>(
     values: impl Iterator<Item = &'a String>,
 ) -> Result<Vec<(String, String)>, ConfigError> {
@@ -110,31 +111,36 @@ pub(super) fn split_kafka_options<'a>(
                     .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
         })
     };
+    let property = |part: &str| {
+        part.split_once('=')
+            .filter(|_| is_property(part.trim_start()))
+            .map(|(key, v)| (key.trim().to_string(), v.to_string()))
+    };
     let mut options: Vec<(String, String)> = Vec::new();
     for (n, value) in values.enumerate() {
-        let mut parts = value.split(',');
-        let first = parts.next().unwrap_or_default();
-        let Some((key, v)) = first
-            .split_once('=')
-            .filter(|_| is_property(first.trim_start()))
-        else {
-            return Err(ConfigError::Invalid(format!(
-                "--kafka-option number {} is not property=value (e.g. compression.type=lz4); its text is not shown, as it may hold a secret",
-                n + 1
-            )));
-        };
-        options.push((key.trim().to_string(), v.to_string()));
-        for part in parts {
-            match part
-                .split_once('=')
-                .filter(|_| is_property(part.trim_start()))
-            {
-                Some((key, v)) => options.push((key.trim().to_string(), v.to_string())),
-                None => {
-                    // A comma inside the previous option's value.
-                    let last = options.last_mut().expect("an option was pushed above");
-                    last.1.push(',');
-                    last.1.push_str(part);
+        let first_of_value = options.len();
+        for (line_number, line) in value.split('\n').enumerate() {
+            for (at, part) in line.split(',').enumerate() {
+                let separator = if at == 0 { '\n' } else { ',' };
+                let continues_secret = separator == ','
+                    && options[first_of_value..]
+                        .last()
+                        .is_some_and(|(key, _)| holds_secret(key));
+                match property(part).filter(|_| !continues_secret) {
+                    Some(option) => options.push(option),
+                    None if options.len() > first_of_value => {
+                        // A comma (or line break) inside the previous option's value.
+                        let last = options.last_mut().expect("checked above");
+                        last.1.push(separator);
+                        last.1.push_str(part);
+                    }
+                    None if line_number == 0 && at == 0 => {
+                        return Err(ConfigError::Invalid(format!(
+                            "--kafka-option number {} is not property=value (e.g. compression.type=lz4); its text is not shown, as it may hold a secret",
+                            n + 1
+                        )));
+                    }
+                    None => unreachable!("the value's first part is an option or an error"),
                 }
             }
         }

@@ -190,6 +190,22 @@ fn kafka_option_values_keep_their_commas() {
         ]
         .map(|(k, v)| (k.to_string(), v.to_string()))
     );
+    // A secret's value keeps every comma: what follows one is never an option of its own (librdkafka
+    // would name it, a piece of the password, as an unknown property).
+    let after_a_secret = [
+        "sasl.password=Xy,z9=Q".to_string(),
+        "sasl.username=me\nsasl.password=a,b=c\nacks=all".to_string(),
+    ];
+    assert_eq!(
+        split_kafka_options(after_a_secret.iter()).unwrap(),
+        [
+            ("sasl.password", "Xy,z9=Q"),
+            ("sasl.username", "me"),
+            ("sasl.password", "a,b=c"),
+            ("acks", "all"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+    );
     let secret = ["hunter2,sasl.username=me".to_string()];
     let err = split_kafka_options(secret.iter()).unwrap_err().to_string();
     assert!(!err.contains("hunter2"), "{err}");

@@ -695,7 +695,47 @@ async fn check_neighbours(client: &impl GenericClient, table: &TableName) -> Res
         (RELATION_OWNER, &sequence),
         AlsoTrusted::Nobody,
     )
-    .await
+    .await?;
+    check_index_names(client, table).await
+}
+
+/// The names of the indexes migrate builds on an outbox table.
+const INDEX_SUFFIXES: [&str; 5] = [
+    "claim_idx",
+    "claim_idx_next",
+    "dead_idx",
+    "handoff_idx",
+    "published_idx",
+];
+
+/// `CREATE INDEX IF NOT EXISTS` goes by name: a relation of that name that is not an index of `table` (another
+/// table's index, one another role planted) would be taken for it, leaving the table without the index its
+/// queries need (a claim reading the whole table), and 0004 would drop the real claim index for it.
+async fn check_index_names(client: &impl GenericClient, table: &TableName) -> Result<()> {
+    let names: Vec<String> = INDEX_SUFFIXES
+        .iter()
+        .map(|suffix| derived_name(&table.name, suffix))
+        .collect();
+    let squatted = client
+        .query(
+            "SELECT c.relname::text, pg_get_userbyid(c.relowner)::text FROM pg_class c
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = $1 AND c.relname = ANY ($2)
+               AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = c.oid
+                               AND i.indrelid = to_regclass($3))",
+            &[&table.schema, &names, &table.quoted()],
+        )
+        .await?;
+    match squatted.first() {
+        None => Ok(()),
+        Some(row) => {
+            let (name, owner): (String, String) = (row.get(0), row.get(1));
+            Err(Error::setup(
+                format!("\"{}\".\"{name}\" (owner {owner}) is not an index of {table}, but has the name migrate gives one of its indexes: migrate would take it for its own and the table would lack the index its queries need", table.schema),
+                format!("find out who created it; drop or rename it (ALTER INDEX \"{}\".\"{name}\" RENAME TO ...), then run migrate again", table.schema),
+            ))
+        }
+    }
 }
 
 async fn migrate_under_lock(
@@ -791,6 +831,8 @@ async fn migrate_under_lock(
                 .await?;
             report.applied.push(format!("{target} {version:04}_{name}"));
         }
+        // Again: CREATE ... IF NOT EXISTS keeps what another role may have created since the first check.
+        check_neighbours(&*client, &table.name).await?;
         let table = slot::inspect(&*client, table.spec()).await?;
         if table.polling {
             record_history_streamed(client, &table, &settings.slot).await?;

@@ -963,3 +963,44 @@ async fn a_publication_another_role_created_is_never_adopted() {
         "{stderr}"
     );
 }
+
+/// Adversarial review 2: `CREATE INDEX IF NOT EXISTS` goes by name, so an index of that name on another
+/// table (planted by a role that may create in the schema) stood in for the outbox table's claim index: every
+/// claim then read the whole table. migrate refuses it, naming it.
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_never_takes_another_tables_index_for_its_own() {
+    let pg = Postgres::start();
+    let client = pg.client().await;
+    let mallory = mallory_who_may_create_in_public(&pg, &client).await;
+    mallory
+        .batch_execute(
+            "CREATE TABLE public.decoy (position bigint);
+             CREATE INDEX outbox_event_claim_idx ON public.decoy (position NULLS FIRST)",
+        )
+        .await
+        .unwrap();
+    let url = pg.url();
+    let output = run_outboxd(&["migrate", "--database-url", &url]);
+    let stderr = stderr_of(&output);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("outbox_event_claim_idx") && stderr.contains("mallory"),
+        "{stderr}"
+    );
+    mallory
+        .batch_execute("DROP INDEX public.outbox_event_claim_idx")
+        .await
+        .unwrap();
+    let output = run_outboxd(&["migrate", "--database-url", &url]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    let on_the_outbox: bool = client
+        .query_one(
+            "SELECT indrelid = 'public.outbox_event'::regclass FROM pg_index
+             WHERE indexrelid = 'public.outbox_event_claim_idx'::regclass",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(on_the_outbox);
+}
