@@ -227,6 +227,8 @@ pub(super) struct Session<'a, S> {
     owed_here: usize,
     /// `--delivery exactly-once`; `None`: at least once.
     exactly_once: Option<ExactlyOnce>,
+    /// The last transaction found ended on the server: its further hand-off notices need no wait.
+    ended_xid: Option<u32>,
 }
 
 impl<'a, S: Sink<CdcTag>> Session<'a, S> {
@@ -279,6 +281,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             refused_without_polling: None,
             owed_here: 0,
             exactly_once,
+            ended_xid: None,
         }
     }
 
@@ -563,7 +566,10 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 // A commit is decoded once it is on disk, which can be before others see it (a synchronous
                 // standby it waits for): the check waits for the transaction to end first.
                 let outbox_table = &self.settings.database.tables[table];
-                outbox::wait_for_transaction_end(&self.sql, xid).await?;
+                if self.ended_xid != Some(xid) {
+                    outbox::wait_for_transaction_end(&self.sql, xid).await?;
+                    self.ended_xid = Some(xid);
+                }
                 if outbox::aggregate_pending_hand_off(&self.sql, outbox_table, &aggregate).await? {
                     self.block_met_in_stream((table, aggregate));
                 } else {
