@@ -148,6 +148,22 @@ pub const POLLING_COLUMNS: [&str; 9] = [
     "position",
 ];
 
+/// The types the polling path reads and writes its columns as (migrate creates the first of each).
+const POLLING_COLUMN_TYPES: [(&str, &[&str]); 9] = {
+    const TIME: &[&str] = &["timestamp with time zone", "timestamp without time zone"];
+    [
+        ("published_at", TIME),
+        ("available_at", TIME),
+        ("attempts", &["integer"]),
+        ("lease_token", &["uuid"]),
+        ("lease_until", TIME),
+        ("last_error", &["text", "character varying"]),
+        ("dead_at", TIME),
+        ("handoff_at", TIME),
+        ("position", &["bigint"]),
+    ]
+};
+
 /// A schema-qualified table name whose parts are plain identifiers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableName {
@@ -391,6 +407,25 @@ impl OutboxTable {
         }
         self.marks_published = type_of("published_at").is_some();
         self.polling = POLLING_COLUMNS.iter().all(|c| type_of(c).is_some());
+        if self.polling {
+            // A column of that name the table had before migrate (which adds only missing ones) may have
+            // another type, which the polling path cannot read or count with.
+            for (column, accepted) in POLLING_COLUMN_TYPES {
+                let actual = type_of(column).unwrap_or_default();
+                if !accepted.contains(&without_modifier(actual).as_str()) {
+                    return Err(TableMismatch {
+                        problem: format!(
+                            "column {column} of {table} has type {actual}, but the polling path needs {}",
+                            accepted.join(" or ")
+                        ),
+                        fix: format!(
+                            "ALTER TABLE {table} ALTER COLUMN {column} TYPE {} (or rename your column and run `outboxd migrate --add-polling-columns`)",
+                            accepted[0]
+                        ),
+                    });
+                }
+            }
+        }
         self.partitioned = partitioned;
         Ok(())
     }
@@ -554,6 +589,51 @@ mod tests {
             .resolve(&bad, false)
             .unwrap_err();
         assert!(err.problem.contains("expected uuid"), "{err:?}");
+    }
+
+    #[test]
+    fn polling_columns_of_another_type_are_refused_with_the_fix() {
+        let mut polling = columns(&[
+            ("event_id", "uuid"),
+            ("aggregate_type", "text"),
+            ("aggregate_id", "text"),
+            ("event_type", "text"),
+            ("payload", "jsonb"),
+            ("created_at", "timestamp with time zone"),
+            ("published_at", "timestamp with time zone"),
+            ("available_at", "timestamp with time zone"),
+            ("attempts", "integer"),
+            ("lease_token", "uuid"),
+            ("lease_until", "timestamp with time zone"),
+            ("last_error", "text"),
+            ("dead_at", "timestamp with time zone"),
+            ("handoff_at", "timestamp with time zone"),
+            ("position", "bigint"),
+        ]);
+        let t = table(TableStyle::Standard, &[])
+            .resolve(&polling, false)
+            .unwrap();
+        assert!(t.polling);
+        for (column, wrong, needed) in [
+            ("attempts", "smallint", "integer"),
+            ("position", "integer", "bigint"),
+        ] {
+            let at = polling.iter().position(|(n, _)| n == column).unwrap();
+            let right = std::mem::replace(&mut polling[at].1, wrong.into());
+            let err = table(TableStyle::Standard, &[])
+                .resolve(&polling, false)
+                .unwrap_err();
+            assert!(
+                err.problem.contains(&format!("column {column}")) && err.problem.contains(wrong),
+                "{err:?}"
+            );
+            assert!(
+                err.fix
+                    .contains(&format!("ALTER COLUMN {column} TYPE {needed}")),
+                "{err:?}"
+            );
+            polling[at].1 = right;
+        }
     }
 
     #[test]

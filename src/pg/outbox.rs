@@ -961,7 +961,7 @@ impl PollSql {
             "WITH {picked},
              claimed AS (
                  UPDATE {t} e SET lease_token = $1, lease_until = clock_timestamp() + make_interval(secs => $2::float8),
-                                  attempts = e.attempts + 1
+                                  attempts = coalesce(e.attempts, 0) + 1
                  FROM picked WHERE e.{id} = picked.picked_id
                  RETURNING {event_columns}),
              locked_without_id AS (
