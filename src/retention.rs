@@ -70,13 +70,22 @@ pub async fn run(sweeper: Sweeper) {
                     Ok(Removed {
                         rows: 0,
                         partitions,
+                        gave_way,
                         ..
-                    }) if partitions.is_empty() => {}
+                    }) if partitions.is_empty() && gave_way.is_empty() => {}
                     Ok(Removed {
                         rows,
                         partitions,
                         not_archived,
+                        gave_way,
                     }) => {
+                        for (partition, why) in &gave_way {
+                            tracing::warn!(table = %table.name, %partition, reason = %why, "a partition past --retention could not be dropped this pass; trying again next pass (counted as a failed pass)");
+                        }
+                        if !gave_way.is_empty() {
+                            crate::metrics::retention_failed();
+                            failed = true;
+                        }
                         tracing::info!(table = %table.name, rows, partitions = ?partitions, archive = ?retention.archive_table.as_ref().map(|t| t.to_string()), "retention removed published rows");
                         if !not_archived.is_empty() {
                             tracing::warn!(table = %table.name, columns = ?not_archived, "the archive table lacks these columns of the outbox table: their values were not archived (add them to the archive with ALTER TABLE ... ADD COLUMN)");
@@ -465,6 +474,9 @@ pub struct Removed {
     pub partitions: Vec<String>,
     /// Columns of the outbox table the archive table lacks (their values are not archived).
     pub not_archived: Vec<String>,
+    /// Partitions due to be dropped that this pass could not drop (in use, or their check too slow), with
+    /// why: the pass did not do its work.
+    pub gave_way: Vec<(String, String)>,
 }
 
 /// One pass over one table: batches until no published row older than the window is left, or, for a
@@ -483,9 +495,11 @@ pub async fn sweep_once(
     }
     let history = horizon.history_may_go(crate::pg::outbox::history_mark(&client, table).await?);
     if table.partitioned && retention.archive_table.is_none() {
-        let partitions = drop_old_partitions(&client, table, retention, horizon, history).await?;
+        let (partitions, gave_way) =
+            drop_old_partitions(&client, table, retention, horizon, history).await?;
         return Ok(Removed {
             partitions,
+            gave_way,
             ..Removed::default()
         });
     }
@@ -528,6 +542,7 @@ pub async fn sweep_once(
                 rows: total,
                 partitions: Vec::new(),
                 not_archived: if total > 0 { not_archived } else { Vec::new() },
+                gave_way: Vec::new(),
             });
         }
     }
@@ -707,7 +722,7 @@ async fn drop_old_partitions(
     retention: &Retention,
     horizon: &Horizon,
     history: bool,
-) -> Result<Vec<String>> {
+) -> Result<(Vec<String>, Vec<(String, String)>)> {
     let table = &outbox.name;
     check_owner(client, table, table).await?;
     let rows = client
@@ -724,6 +739,7 @@ async fn drop_old_partitions(
         .await?;
     let keep = retention.keep.as_secs_f64();
     let mut dropped = Vec::new();
+    let mut gave_way = Vec::new();
     for row in rows {
         let (partition, upper): (String, Option<String>) = (row.get(0), row.get(1));
         let Some(upper) = upper else { continue };
@@ -743,7 +759,7 @@ async fn drop_old_partitions(
         }
         let unpublished: bool = client
             .query_one(
-                &kept_rows(&partition),
+                &kept_rows_statement(outbox, &partition),
                 &[&horizon.published_before, &history],
             )
             .await?
@@ -753,8 +769,9 @@ async fn drop_old_partitions(
             continue;
         }
         match detach_and_drop_if_published(client, outbox, &partition, horizon, history).await {
-            Ok(true) => dropped.push(partition),
-            Ok(false) => {}
+            Ok(Detached::Dropped) => dropped.push(partition),
+            Ok(Detached::Kept) => {}
+            Ok(Detached::GaveWay(why)) => gave_way.push((partition, why)),
             // Checked above, so only when ownership changed in between.
             Err(Error::Postgres(error))
                 if error.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) =>
@@ -767,15 +784,26 @@ async fn drop_old_partitions(
             Err(error) => return Err(error),
         }
     }
-    Ok(dropped)
+    Ok((dropped, gave_way))
+}
+
+/// What [`detach_and_drop_if_published`] did with a partition.
+enum Detached {
+    Dropped,
+    /// It holds a row retention keeps (arrived since the unlocked check).
+    Kept,
+    /// It could not be dropped now, for this reason.
+    GaveWay(String),
 }
 
 /// Detaches and drops `partition` unless, under its lock, it holds an unpublished row: a row committed (or
 /// re-queued) after the unlocked check above is never dropped. The partition is locked first and checked
-/// while only inserts routed to it wait (rows of an old range are rare); the parent's lock, which DETACH
-/// needs, is taken only for the detach itself. Either lock not granted within [`LOCK_TIMEOUT`] (shorter
-/// than `deadlock_timeout`, so outboxd, never the application, gives way) leaves the partition for the
-/// next pass; an application statement queued behind the wait waits at most that long.
+/// through its indexes (polling columns; the check may take at most [`LOCK_TIMEOUT`] too, so a statement
+/// that reaches the partition waits no longer behind it); the parent's lock, which DETACH needs, is taken
+/// only for the detach itself. Either lock not granted within [`LOCK_TIMEOUT`] (shorter than
+/// `deadlock_timeout`, so outboxd, never the application, gives way), or a check that takes longer, leaves
+/// the partition for the next pass, which counts as a failed pass; an application statement queued behind
+/// the wait waits at most that long.
 ///
 /// Not `DETACH PARTITION ... CONCURRENTLY` (PG 14+), which takes only SHARE UPDATE EXCLUSIVE on the parent:
 /// it cannot run in a transaction block, so the partition could not be locked and checked for unpublished
@@ -789,65 +817,90 @@ async fn detach_and_drop_if_published(
     partition: &str,
     horizon: &Horizon,
     history: bool,
-) -> Result<bool> {
+) -> Result<Detached> {
     let parent = table.name.quoted();
     client
-        .batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'; SET LOCAL statement_timeout = '{LOCK_TIMEOUT}'"
+        ))
         .await?;
     let partition_locked = client
         .batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
         .await;
-    if !lock_granted(client, partition, partition_locked).await? {
-        return Ok(false);
+    if let Some(gave_way) = gave_way(client, partition_locked, "the partition is in use").await? {
+        return Ok(gave_way);
     }
-    let written_since: bool = client
+    let written_since = client
         .query_one(
-            &kept_rows(partition),
+            &kept_rows_statement(table, partition),
             &[&horizon.published_before, &history],
         )
-        .await?
-        .get(0);
+        .await
+        .map(|row| row.get::<_, bool>(0));
+    let written_since = match written_since {
+        Ok(written_since) => written_since,
+        Err(error) => {
+            let why = "checking it for unpublished rows took too long (without the polling columns' indexes the check reads the partition)";
+            return gave_way(client, Err(error), why)
+                .await
+                .map(|gave_way| gave_way.unwrap_or(Detached::Kept));
+        }
+    };
     if written_since {
         client.batch_execute("ROLLBACK").await?;
         tracing::warn!(%partition, "an unpublished row arrived in the partition past --retention while it was checked; kept");
-        return Ok(false);
+        return Ok(Detached::Kept);
     }
     let parent_locked = client
         .batch_execute(&format!("LOCK TABLE {parent} IN ACCESS EXCLUSIVE MODE"))
         .await;
-    if !lock_granted(client, partition, parent_locked).await? {
-        return Ok(false);
+    if let Some(gave_way) = gave_way(client, parent_locked, "the parent table is in use").await? {
+        return Ok(gave_way);
     }
     client
         .batch_execute(&format!(
             "ALTER TABLE {parent} DETACH PARTITION {partition}; DROP TABLE {partition}; COMMIT"
         ))
         .await?;
-    Ok(true)
+    Ok(Detached::Dropped)
 }
 
-/// SQL: whether `partition` holds a row retention keeps: unpublished, or one the slot may still send.
-fn kept_rows(partition: &str) -> String {
+/// SQL: whether `partition` of `table` holds a row retention keeps: unpublished, or one the slot may still
+/// send (`$1`, `$2` as [`may_go`] takes them). With the polling columns each part reads an index of the
+/// polling migrations (claim, dead letters, published_at), never the partition itself.
+pub fn kept_rows_statement(table: &OutboxTable, partition: &str) -> String {
+    if !table.polling {
+        return format!(
+            "SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL OR NOT ({}))",
+            may_go("$1", "$2")
+        );
+    }
     format!(
-        "SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL OR NOT ({}))",
-        may_go("$1", "$2")
+        "SELECT EXISTS (SELECT 1 FROM {partition} WHERE published_at IS NULL AND dead_at IS NULL)
+             OR EXISTS (SELECT 1 FROM {partition} WHERE dead_at IS NOT NULL AND published_at IS NULL)
+             OR EXISTS (SELECT 1 FROM {partition} WHERE published_at >= to_timestamp($1::float8))
+             OR EXISTS (SELECT 1 FROM {partition} WHERE published_at = '-infinity' AND NOT $2::bool)"
     )
 }
 
-/// True when a LOCK TABLE succeeded; a lock timeout rolls back and says so (next pass), other errors
-/// propagate.
-async fn lock_granted(
+/// `None` when the statement succeeded; after a lock or statement timeout, the transaction rolled back and
+/// why the partition gave way. Other errors propagate.
+async fn gave_way(
     client: &Client,
-    partition: &str,
-    locked: std::result::Result<(), tokio_postgres::Error>,
-) -> Result<bool> {
-    let Err(error) = locked else {
-        return Ok(true);
+    outcome: std::result::Result<(), tokio_postgres::Error>,
+    why: &str,
+) -> Result<Option<Detached>> {
+    let Err(error) = outcome else {
+        return Ok(None);
     };
     client.batch_execute("ROLLBACK").await?;
-    if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
-        tracing::info!(%partition, "partition past --retention is in use (no lock within {LOCK_TIMEOUT}); trying again next pass");
-        return Ok(false);
+    if matches!(
+        error.code(),
+        Some(&SqlState::LOCK_NOT_AVAILABLE | &SqlState::QUERY_CANCELED)
+    ) {
+        return Ok(Some(Detached::GaveWay(format!(
+            "{why} (nothing within {LOCK_TIMEOUT})"
+        ))));
     }
     Err(error.into())
 }

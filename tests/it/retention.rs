@@ -524,3 +524,109 @@ async fn retention_keeps_published_rows_a_lagging_slot_would_send_again() {
         "rows retention removed were published again by the slot"
     );
 }
+
+/// Review F3: the check of an old partition for unpublished rows, made under its ACCESS EXCLUSIVE lock, read
+/// the whole partition (every statement reaching it waited that long, outboxd's own writes included); now
+/// it reads the polling migrations' indexes. And a pass that could not drop a partition due (the parent in
+/// use) was reported as a success ("retention ok") forever; now it is a failed pass until the drop succeeds.
+#[tokio::test(flavor = "multi_thread")]
+async fn partition_retention_never_reads_a_partition_under_its_lock_and_never_lies() {
+    let (pg, client) = partitioned().await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox_p (event_id, aggregate_type, aggregate_id, event_type, payload, created_at, published_at)
+             SELECT gen_random_uuid(), 'Order', 'order-' || (i % 1000), 'E', '{}',
+                    '2020-06-01'::timestamptz + make_interval(secs => i), '2020-06-02'
+             FROM generate_series(1, 1000000) AS i",
+        )
+        .await
+        .unwrap();
+    client
+        .batch_execute("VACUUM ANALYZE outbox_p_2020")
+        .await
+        .unwrap();
+    let table = outboxd::pg::slot::inspect(&client, &outbox("outbox_p"))
+        .await
+        .unwrap();
+    let check = outboxd::retention::kept_rows_statement(&table, "public.outbox_p_2020");
+    client
+        .batch_execute(&format!("PREPARE kept(float8, bool) AS {check}"))
+        .await
+        .unwrap();
+    let plan: Vec<String> = client
+        .query(
+            "EXPLAIN EXECUTE kept(extract(epoch from now()), false)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let plan = plan.join("\n");
+    assert!(
+        !plan.contains("Seq Scan"),
+        "the check reads the partition:\n{plan}"
+    );
+
+    // The parent in use by a transaction that stays open: every pass gives way.
+    let holder = pg.client().await;
+    holder
+        .batch_execute(
+            "BEGIN; INSERT INTO outbox_p (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'held', 'E', '{}')",
+        )
+        .await
+        .unwrap();
+    let broker = Broker::start();
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--table",
+        "outbox_p",
+        "--mode",
+        "poll",
+        "--retention",
+        "1d",
+        "--retention-interval",
+        "1s",
+        "--metrics-addr",
+        metrics_addr.as_str(),
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    let failures = || {
+        let (_, text) = http_get(&metrics_addr, "/metrics")?;
+        metric_value(&text, "outboxd_retention_consecutive_failures", "")
+    };
+    wait_for(
+        "a pass that gave way to count as failed",
+        Duration::from_secs(120),
+        || failures().filter(|n| *n >= 1.0),
+    );
+    assert!(
+        outboxd
+            .log_text()
+            .contains("could not be dropped this pass"),
+        "{}",
+        outboxd.log_text()
+    );
+    holder.batch_execute("COMMIT").await.unwrap();
+    wait_for_async(
+        "the partition to be dropped",
+        Duration::from_secs(120),
+        || async {
+            (count(
+                &client,
+                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'",
+            )
+            .await
+                == 0)
+                .then_some(())
+        },
+    )
+    .await;
+    wait_for("the failures to clear", Duration::from_secs(60), || {
+        failures().filter(|n| *n == 0.0)
+    });
+}
