@@ -81,6 +81,18 @@ pub fn holds_secret(property: &str) -> bool {
     WORDS.iter().any(|word| property.contains(word))
 }
 
+/// Whether librdkafka has a configuration property of this name (whatever a value of it may be).
+fn librdkafka_knows(property: &str) -> bool {
+    use rdkafka::error::KafkaError;
+    use rdkafka::types::RDKafkaConfRes;
+    !matches!(
+        rdkafka::ClientConfig::new()
+            .set(property, "")
+            .create_native_config(),
+        Err(KafkaError::ClientConfig(RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN, ..))
+    )
+}
+
 /// A URL with its password replaced, for logs and status output.
 pub fn redact_url(url: &str) -> String {
     match url.split_once("://") {
@@ -96,9 +108,9 @@ pub fn redact_url(url: &str) -> String {
 }
 
 /// `--kafka-option` values as (property, value). One value may hold several options separated by commas
-/// (`OUTBOXD_KAFKA_OPTION=acks=all,linger.ms=5`) or line breaks (an option file's lines); either starts a new
-/// option only where a property name and `=` follow, so values with commas (JAAS configurations) stay whole,
-/// and a comma never ends a secret option's value (a password's `,x=y` is the password's, never an option
+/// (`OUTBOXD_KAFKA_OPTION=acks=all,linger.ms=5`); a comma starts a new option only where a property name and
+/// `=` follow, so values with commas (JAAS configurations) stay whole; within a secret option's value, only
+/// where a property librdkafka knows follows (a password's `,z9=Q` stays the password's, never an option
 /// librdkafka would name in an error). Errors never repeat what was given: it may be a secret.
 pub(super) fn split_kafka_options<'a>(
     values: impl Iterator<Item = &'a String>,
@@ -118,29 +130,25 @@ pub(super) fn split_kafka_options<'a>(
     };
     let mut options: Vec<(String, String)> = Vec::new();
     for (n, value) in values.enumerate() {
-        let first_of_value = options.len();
-        for (line_number, line) in value.split('\n').enumerate() {
-            for (at, part) in line.split(',').enumerate() {
-                let separator = if at == 0 { '\n' } else { ',' };
-                let continues_secret = separator == ','
-                    && options[first_of_value..]
-                        .last()
-                        .is_some_and(|(key, _)| holds_secret(key));
-                match property(part).filter(|_| !continues_secret) {
-                    Some(option) => options.push(option),
-                    None if options.len() > first_of_value => {
-                        // A comma (or line break) inside the previous option's value.
-                        let last = options.last_mut().expect("checked above");
-                        last.1.push(separator);
-                        last.1.push_str(part);
-                    }
-                    None if line_number == 0 && at == 0 => {
-                        return Err(ConfigError::Invalid(format!(
-                            "--kafka-option number {} is not property=value (e.g. compression.type=lz4); its text is not shown, as it may hold a secret",
-                            n + 1
-                        )));
-                    }
-                    None => unreachable!("the value's first part is an option or an error"),
+        let mut parts = value.split(',');
+        let first = parts.next().unwrap_or_default();
+        let Some(option) = property(first) else {
+            return Err(ConfigError::Invalid(format!(
+                "--kafka-option number {} is not property=value (e.g. compression.type=lz4); its text is not shown, as it may hold a secret",
+                n + 1
+            )));
+        };
+        options.push(option);
+        for part in parts {
+            let last = options.last_mut().expect("an option was pushed above");
+            let new_option = property(part)
+                .filter(|(key, _)| !holds_secret(&last.0) || librdkafka_knows(key));
+            match new_option {
+                Some(option) => options.push(option),
+                None => {
+                    // A comma inside the previous option's value.
+                    last.1.push(',');
+                    last.1.push_str(part);
                 }
             }
         }

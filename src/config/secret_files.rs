@@ -53,15 +53,16 @@ pub fn resolve(
     Ok(resolved)
 }
 
-/// A Kafka option file's lines as one `OUTBOXD_KAFKA_OPTION` value: one option per line (a line break starts
-/// a new option where `name=` follows; a value keeps its own commas).
+/// A Kafka option file's lines as one `OUTBOXD_KAFKA_OPTION` value: options separated by commas (a comma
+/// starts a new option only where `name=` follows, and within a secret's value only where a property
+/// librdkafka knows follows, so a value keeps its own commas).
 fn kafka_options(contents: &str) -> String {
     contents
         .lines()
         .map(|line| line.trim_end_matches('\r'))
         .filter(|line| !line.trim().is_empty() && !line.trim_start().starts_with('#'))
         .collect::<Vec<_>>()
-        .join("\n")
+        .join(",")
 }
 
 #[cfg(test)]
@@ -120,7 +121,7 @@ mod tests {
             resolved,
             [(
                 "OUTBOXD_KAFKA_OPTION",
-                "sasl.username=outboxd\nsasl.password=a,b=c".into()
+                "sasl.username=outboxd,sasl.password=a,b=c".into()
             )]
         );
     }

@@ -190,19 +190,22 @@ fn kafka_option_values_keep_their_commas() {
         ]
         .map(|(k, v)| (k.to_string(), v.to_string()))
     );
-    // A secret's value keeps every comma: what follows one is never an option of its own (librdkafka
-    // would name it, a piece of the password, as an unknown property).
+    // Within a secret's value a comma starts a new option only where a property librdkafka knows follows:
+    // a password's ",z9=Q" is the password's (librdkafka would name "z9", a piece of it, as unknown).
     let after_a_secret = [
         "sasl.password=Xy,z9=Q".to_string(),
-        "sasl.username=me\nsasl.password=a,b=c\nacks=all".to_string(),
+        "sasl.username=u,sasl.password=p,ssl.ca.location=/x".to_string(),
+        "ssl.key.location=/k.pem,ssl.certificate.location=/c.pem".to_string(),
     ];
     assert_eq!(
         split_kafka_options(after_a_secret.iter()).unwrap(),
         [
             ("sasl.password", "Xy,z9=Q"),
-            ("sasl.username", "me"),
-            ("sasl.password", "a,b=c"),
-            ("acks", "all"),
+            ("sasl.username", "u"),
+            ("sasl.password", "p"),
+            ("ssl.ca.location", "/x"),
+            ("ssl.key.location", "/k.pem"),
+            ("ssl.certificate.location", "/c.pem"),
         ]
         .map(|(k, v)| (k.to_string(), v.to_string()))
     );
