@@ -89,7 +89,10 @@ fn librdkafka_knows(property: &str) -> bool {
         rdkafka::ClientConfig::new()
             .set(property, "")
             .create_native_config(),
-        Err(KafkaError::ClientConfig(RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN, ..))
+        Err(KafkaError::ClientConfig(
+            RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN,
+            ..
+        ))
     )
 }
 
@@ -141,8 +144,8 @@ pub(super) fn split_kafka_options<'a>(
         options.push(option);
         for part in parts {
             let last = options.last_mut().expect("an option was pushed above");
-            let new_option = property(part)
-                .filter(|(key, _)| !holds_secret(&last.0) || librdkafka_knows(key));
+            let new_option =
+                property(part).filter(|(key, _)| !holds_secret(&last.0) || librdkafka_knows(key));
             match new_option {
                 Some(option) => options.push(option),
                 None => {

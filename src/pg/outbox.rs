@@ -553,30 +553,18 @@ pub async fn aggregates_pending_hand_off(
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
-/// Returns once transaction `xid` has ended on the server, so that what it committed is visible: a commit
-/// is on disk (and decoded) before it is visible while it waits for a synchronous standby. Every transaction
-/// holds the lock on its own id until after it became visible; `pg_locks` shows it to every role.
-pub async fn wait_for_transaction_end(client: &Client, xid: u32) -> Result<()> {
-    let started = std::time::Instant::now();
-    let mut said = false;
-    loop {
-        let running: bool = client
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_locks
-                 WHERE locktype = 'transactionid' AND transactionid = $1::text::xid)",
-                &[&xid.to_string()],
-            )
-            .await?
-            .get(0);
-        if !running {
-            return Ok(());
-        }
-        if !said && started.elapsed() > std::time::Duration::from_secs(10) {
-            tracing::warn!(xid, "waiting for a committed transaction to become visible (a synchronous standby it waits for?) before reading what it handed to the polling path; the stream waits too");
-            said = true;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+/// Whether transaction `xid` is still running on the server. A commit is on disk (and decoded) before it
+/// is visible to other sessions while it waits for a synchronous standby; every transaction holds the lock
+/// on its own id until after it became visible, and `pg_locks` shows it to every role.
+pub async fn transaction_running(client: &Client, xid: u32) -> Result<bool> {
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_locks
+             WHERE locktype = 'transactionid' AND transactionid = $1::text::xid)",
+            &[&xid.to_string()],
+        )
+        .await?
+        .get(0))
 }
 
 /// Whether `aggregate` has rows waiting in the polling path of `table` (as [`aggregates_pending_hand_off`]

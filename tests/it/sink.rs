@@ -645,8 +645,8 @@ async fn a_forged_hand_off_notice_neither_restarts_the_session_nor_moves_its_agg
 
 /// Adversarial review 2: a commit is decoded once it is on disk, which can be before other sessions see
 /// it (while it waits for a synchronous standby). `outboxd replay`'s notice was then checked against rows
-/// not visible yet, ignored, and a later event of the aggregate overtook the replayed one. The check now
-/// waits for the notice's transaction to end.
+/// not visible yet, ignored, and a later event of the aggregate overtook the replayed one. Now the
+/// aggregate stays blocked until the notice's transaction has ended (without the stream waiting for it).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replay_waiting_for_a_synchronous_standby_still_goes_before_later_events() {
     use outboxd::pg::outbox::{self, ReplayFilter};
@@ -654,7 +654,7 @@ async fn a_replay_waiting_for_a_synchronous_standby_still_goes_before_later_even
     let pg = Postgres::start();
     migrate(&pg);
     let client = pg.client().await;
-    // Every commit would wait for a standby that never comes; every session but the replay's commits locally.
+    // Every commit waits for a standby that never comes, but outboxd's and this client's commit locally.
     for statement in [
         "ALTER SYSTEM SET synchronous_standby_names = 'nobody'",
         "ALTER DATABASE postgres SET synchronous_commit = local",
@@ -665,22 +665,15 @@ async fn a_replay_waiting_for_a_synchronous_standby_still_goes_before_later_even
     }
     let outboxd = InProcess::start(&pg, &broker, &[]);
     wait_slot_active(&client, "outboxd").await;
-    let insert = |seq: i32| {
-        let client = &client;
-        async move {
-            let id = uuid::Uuid::new_v4();
-            client
-                .execute(
-                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
-                     VALUES ($1, 'Order', 'A', 'E', jsonb_build_object('seq', $2::int))",
-                    &[&id, &seq],
-                )
-                .await
-                .unwrap();
-            id
-        }
-    };
-    let first = insert(1).await;
+    let first = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', 'A', 'E', '{\"seq\": 1}')",
+            &[&first],
+        )
+        .await
+        .unwrap();
     wait_all_published(&client, Duration::from_secs(60)).await;
     // Dead-lettered since, as the polling path does with an event refused for good.
     client
@@ -691,43 +684,68 @@ async fn a_replay_waiting_for_a_synchronous_standby_still_goes_before_later_even
         )
         .await
         .unwrap();
+    // Sessions whose commits wait for the standby, as the application's do under synchronous replication.
+    let waiting_session = || async {
+        let session = pg.client().await;
+        session
+            .batch_execute("SET synchronous_commit = on")
+            .await
+            .unwrap();
+        let pid: i32 = session
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (session, pid)
+    };
+    let waits_for_the_standby = |pid: i32| {
+        let client = &client;
+        async move {
+            let waits: bool = client
+                .query_one(
+                    "SELECT coalesce((SELECT wait_event = 'SyncRep' FROM pg_stat_activity WHERE pid = $1), false)",
+                    &[&pid],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            waits.then_some(())
+        }
+    };
     let table = outbox_event_table(&client).await;
-    let mut replayer = pg.client().await;
-    replayer
-        .batch_execute("SET synchronous_commit = on")
-        .await
-        .unwrap();
-    let replayer_pid: i32 = replayer
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let (mut replayer, replayer_pid) = waiting_session().await;
     let replay = tokio::spawn(async move {
         outbox::replay_dead(&mut replayer, &table, &ReplayFilter::EventId(first)).await
     });
     wait_for_async(
         "the replay's commit to wait for the standby",
         Duration::from_secs(60),
-        || async {
-            let waits: bool = client
-                .query_one(
-                    "SELECT coalesce((SELECT wait_event = 'SyncRep' FROM pg_stat_activity WHERE pid = $1), false)",
-                    &[&replayer_pid],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            waits.then_some(())
-        },
+        || waits_for_the_standby(replayer_pid),
     )
     .await;
-    let second = insert(2).await;
-    // Either the stream published the second event past the notice, or it waits for the replay to end.
+    let (writer, writer_pid) = waiting_session().await;
+    let second = uuid::Uuid::new_v4();
+    let insert = tokio::spawn(async move {
+        writer
+            .execute(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ($1, 'Order', 'A', 'E', '{\"seq\": 2}')",
+                &[&second],
+            )
+            .await
+    });
     wait_for_async(
-        "the second event published or the stream waiting for the replay",
+        "the second event's commit to wait for the standby",
+        Duration::from_secs(60),
+        || waits_for_the_standby(writer_pid),
+    )
+    .await;
+    // Either the stream published the second event past the notice, or it asked whether the replay ended.
+    wait_for_async(
+        "the second event published or the replay's end asked for",
         Duration::from_secs(60),
         || async {
-            let waiting: bool = client
+            let asked: bool = client
                 .query_one(
                     "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
                      WHERE query LIKE '%locktype = ''transactionid''%' AND pid <> pg_backend_pid())",
@@ -736,19 +754,20 @@ async fn a_replay_waiting_for_a_synchronous_standby_still_goes_before_later_even
                 .await
                 .unwrap()
                 .get(0);
-            let published = broker
-                .records()
-                .iter()
-                .any(|record| record.event_id == second);
-            (waiting || published).then_some(())
+            let published = broker.records().iter().any(|r| r.event_id == second);
+            (asked || published).then_some(())
         },
     )
     .await;
-    client
-        .execute("SELECT pg_cancel_backend($1)", &[&replayer_pid])
-        .await
-        .unwrap();
+    // The standby "answers" in commit order.
+    for pid in [replayer_pid, writer_pid] {
+        client
+            .execute("SELECT pg_cancel_backend($1)", &[&pid])
+            .await
+            .unwrap();
+    }
     assert_eq!(replay.await.unwrap().unwrap(), 1, "one event re-queued");
+    insert.await.unwrap().unwrap();
     wait_all_published(&client, Duration::from_secs(60)).await;
     let records = broker.records();
     let replayed = records.iter().rposition(|r| r.event_id == first).unwrap();

@@ -227,8 +227,12 @@ pub(super) struct Session<'a, S> {
     owed_here: usize,
     /// `--delivery exactly-once`; `None`: at least once.
     exactly_once: Option<ExactlyOnce>,
-    /// The last transaction found ended on the server: its further hand-off notices need no wait.
+    /// The last transaction found ended on the server: its further hand-off notices are checked at once.
     ended_xid: Option<u32>,
+    /// Aggregates blocked by a hand-off notice (or handed-off insert) whose transaction had not ended when
+    /// it was decoded (a commit waiting for a synchronous standby): what it wrote was not visible yet, so
+    /// they stay blocked until it ended, then as any other (see `unblock_drained_aggregates`).
+    awaiting_visibility: Vec<(u32, GateKey)>,
 }
 
 impl<'a, S: Sink<CdcTag>> Session<'a, S> {
@@ -282,6 +286,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             owed_here: 0,
             exactly_once,
             ended_xid: None,
+            awaiting_visibility: Vec::new(),
         }
     }
 
@@ -564,12 +569,18 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 // aggregate has rows waiting in the polling path; one sent again after they drained, or a
                 // forged one, would otherwise restart the session or route the aggregate through polling.
                 // A commit is decoded once it is on disk, which can be before others see it (a synchronous
-                // standby it waits for): the check waits for the transaction to end first.
+                // standby it waits for): then the aggregate is blocked until the transaction ended, without
+                // waiting here (the stream's replies, shutdown and reports go on).
                 let outbox_table = &self.settings.database.tables[table];
-                if self.ended_xid != Some(xid) {
-                    outbox::wait_for_transaction_end(&self.sql, xid).await?;
-                    self.ended_xid = Some(xid);
+                let running = self.ended_xid != Some(xid)
+                    && outbox::transaction_running(&self.sql, xid).await?;
+                if running {
+                    self.awaiting_visibility
+                        .push((xid, (table, aggregate.clone())));
+                    self.block_met_in_stream((table, aggregate));
+                    return Ok(());
                 }
+                self.ended_xid = Some(xid);
                 if outbox::aggregate_pending_hand_off(&self.sql, outbox_table, &aggregate).await? {
                     self.block_met_in_stream((table, aggregate));
                 } else {
@@ -929,6 +940,15 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         }
         // Aggregates with events owed to the polling path stay blocked until the slot sent those again.
         pending.extend(self.memory.owed.aggregates().cloned());
+        // And those a transaction not visible yet handed off, until it is.
+        let mut still_running = Vec::new();
+        for (xid, aggregate) in std::mem::take(&mut self.awaiting_visibility) {
+            if outbox::transaction_running(&self.sql, xid).await? {
+                pending.insert(aggregate.clone());
+                still_running.push((xid, aggregate));
+            }
+        }
+        self.awaiting_visibility = still_running;
         // Unblocked (or blocked again by a refusal among them): publish decides.
         for unblocked in self.gate.drained(&pending, &cut, &released) {
             self.publish(unblocked).await?;
