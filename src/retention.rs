@@ -389,9 +389,9 @@ async fn check_archive(
 /// Refuses an archive table, or the schema it is (to be) created in, that a role outboxd does not trust owns:
 /// its triggers, rules or row security would run as outboxd's role (which holds REPLICATION and writes to
 /// the outbox) with every archived row, and a schema's owner may drop outboxd's archive and plant another.
-/// Trusted: outboxd's role and who holds its rights already (migrate's rule), the outbox tables' owners (their
-/// triggers run as outboxd already, and README tells them to create the archive), the database's owner for
-/// the schema.
+/// Trusted: outboxd's role and who holds its rights already (migrate's rule), the outbox tables' owners and
+/// their members (their triggers run as outboxd already, and README tells them to create the archive), the
+/// database's owner for the schema.
 async fn check_archive_owner(
     client: &Client,
     tables: &[OutboxTable],
@@ -400,7 +400,9 @@ async fn check_archive_owner(
     let outbox_tables: Vec<String> = tables.iter().map(|t| t.name.quoted()).collect();
     let trusted = |owner: &str| {
         format!(
-            "{} OR {owner} IN (SELECT c.relowner FROM pg_class c WHERE c.oid = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) AS t))",
+            "({} OR EXISTS (SELECT 1 FROM pg_class outbox
+                            WHERE outbox.oid = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) AS t)
+                              AND pg_has_role({owner}, outbox.relowner, 'MEMBER')))",
             pg::migrate::trusted_owner(owner)
         )
     };
@@ -591,9 +593,10 @@ async fn archive_plan(
     if archive_columns.is_empty() {
         create_archive(client, table, archive).await?;
         archive_columns = columns_of(client, archive).await?;
+        // Checked at the start of every pass; again after creating it, as CREATE TABLE IF NOT EXISTS keeps
+        // one another role created meanwhile.
+        check_archive_owner(client, std::slice::from_ref(table), archive).await?;
     }
-    // Also after creating it: CREATE TABLE IF NOT EXISTS keeps one another role created meanwhile.
-    check_archive_owner(client, std::slice::from_ref(table), archive).await?;
     let outbox_columns = columns_of(client, &table.name).await?;
     plan_copy(table, archive, &outbox_columns, &archive_columns)
 }

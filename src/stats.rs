@@ -134,31 +134,38 @@ impl Figures {
             .await
             .map_err(failed)?;
         let mut counted: Vec<OutboxTable> = Vec::new();
+        let mut dead = 0;
         for table in tables.into_iter().filter(|t| t.marks_published) {
             let statements = outbox::backlog_statements(&table);
-            let mut scans = false;
+            let mut backlog_scans = false;
             for sql in std::iter::once(&statements.count).chain(&statements.oldest) {
-                scans |= outbox::needs_a_table_scan(client, sql)
+                backlog_scans |= outbox::needs_a_table_scan(client, sql)
                     .await
                     .map_err(failed)?;
             }
+            // The dead letters on their own: their index may serve where the backlog's does not.
+            let dead_scans = match &statements.dead {
+                Some(sql) => outbox::needs_a_table_scan(client, sql)
+                    .await
+                    .map_err(failed)?,
+                None => false,
+            };
+            if statements.dead.is_some() && !dead_scans {
+                dead += outbox::dead_count(client, &table).await.map_err(failed)?;
+            }
             let name = table.name.to_string();
-            if scans {
+            if backlog_scans || dead_scans {
                 if self.uncounted.insert(name) {
-                    tracing::warn!(table = %table.name, fix = %outbox::backlog_index_fix(&table), "the backlog of this table is not counted (outboxd_unpublished_events, outboxd_oldest_unpublished_age_seconds): no index serves the count, and reading the whole table every 5 s would load the database");
+                    tracing::warn!(table = %table.name, backlog_counted = !backlog_scans, dead_letters_counted = !dead_scans, fix = %outbox::backlog_index_fix(&table), "figures of this table are not counted (outboxd_unpublished_events and outboxd_oldest_unpublished_age_seconds, or outboxd_dead_events): no index serves them, and reading the whole table every 5 s would load the database");
                 }
-                continue;
+            } else if self.uncounted.remove(&name) {
+                tracing::info!(table = %table.name, "indexes serve the figures of this table: it is counted again");
             }
-            if self.uncounted.remove(&name) {
-                tracing::info!(table = %table.name, "an index serves the backlog of this table: it is counted again");
+            if !backlog_scans {
+                counted.push(table);
             }
-            counted.push(table);
         }
         let backlog = outbox::backlog(client, &counted).await.map_err(failed)?;
-        let mut dead = 0;
-        for table in &counted {
-            dead += outbox::dead_count(client, table).await.map_err(failed)?;
-        }
         gauge!(m::UNPUBLISHED_EVENTS).set(backlog.unpublished_events as f64);
         gauge!(m::OLDEST_UNPUBLISHED_AGE)
             .set(backlog.oldest_unpublished_age_seconds.unwrap_or(0.0));

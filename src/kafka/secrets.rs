@@ -71,7 +71,8 @@ impl SecretValues {
             text.replace(piece.as_str(), NOT_SHOWN)
         });
         for piece in &self.pieces {
-            let kept = text.trim_end().len();
+            // A cut inside a multi-byte character leaves a replacement character behind.
+            let kept = text.trim_end_matches(['\u{FFFD}', ' ', '\n', '\t']).len();
             let cut = (SHORTEST_CUT..piece.len())
                 .rev()
                 .filter(|&n| piece.is_char_boundary(n))

@@ -617,7 +617,7 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
         )
     });
     let dead = table.polling.then(|| {
-        format!("SELECT count(*) FROM {t} WHERE dead_at IS NOT NULL AND published_at IS NULL")
+        format!("SELECT count(*) FROM (SELECT FROM {t} WHERE dead_at IS NOT NULL AND published_at IS NULL LIMIT {BACKLOG_COUNT_CAP}) AS dead")
     });
     BacklogStatements {
         count,

@@ -80,7 +80,8 @@ pub struct PublicationState {
 /// Refuses a publication owned by a role outboxd does not trust: its owner may change what it publishes (`SET
 /// (publish = 'update')`, `DROP TABLE`) without owning the outbox table, and the slot would then confirm past
 /// inserts it never streamed. Trusted: this role and who holds its rights already (migrate's rule), and the
-/// outbox tables' owners (migrate runs as one). No publication: nothing to check.
+/// outbox tables' owners and their members (migrate runs as one; they may alter the table anyway). No
+/// publication: nothing to check.
 pub async fn check_publication_owner(
     client: &impl GenericClient,
     publication: &str,
@@ -91,8 +92,9 @@ pub async fn check_publication_owner(
         .query_opt(
             &format!(
                 "SELECT pg_get_userbyid(p.pubowner)::text,
-                        {} OR p.pubowner IN (SELECT c.relowner FROM pg_class c
-                                             WHERE c.oid = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) AS t))
+                        {} OR EXISTS (SELECT 1 FROM pg_class outbox
+                                      WHERE outbox.oid = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) AS t)
+                                        AND pg_has_role(p.pubowner, outbox.relowner, 'MEMBER'))
                  FROM pg_publication p WHERE p.pubname = $1",
                 super::migrate::trusted_owner("p.pubowner")
             ),

@@ -682,8 +682,7 @@ async fn a_backlog_no_index_serves_is_not_counted_by_reading_the_table() {
         Duration::from_secs(60),
         || {
             let log = outboxd.log_text();
-            (log.contains("is not counted") && log.contains("CREATE INDEX CONCURRENTLY"))
-                .then_some(())
+            (log.contains("not counted") && log.contains("CREATE INDEX CONCURRENTLY")).then_some(())
         },
     );
     let seq_scans = || async {
