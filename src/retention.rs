@@ -86,7 +86,9 @@ pub async fn run(sweeper: Sweeper) {
                             crate::metrics::retention_failed();
                             failed = true;
                         }
-                        tracing::info!(table = %table.name, rows, partitions = ?partitions, archive = ?retention.archive_table.as_ref().map(|t| t.to_string()), "retention removed published rows");
+                        if rows > 0 || !partitions.is_empty() {
+                            tracing::info!(table = %table.name, rows, partitions = ?partitions, archive = ?retention.archive_table.as_ref().map(|t| t.to_string()), "retention removed published rows");
+                        }
                         if !not_archived.is_empty() {
                             tracing::warn!(table = %table.name, columns = ?not_archived, "the archive table lacks these columns of the outbox table: their values were not archived (add them to the archive with ALTER TABLE ... ADD COLUMN)");
                         }
@@ -403,7 +405,7 @@ async fn check_archive_owner(
             "({} OR EXISTS (SELECT 1 FROM pg_class outbox
                             WHERE outbox.oid = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) AS t)
                               AND pg_has_role({owner}, outbox.relowner, 'MEMBER')))",
-            pg::migrate::trusted_owner(owner)
+            pg::ownership::trusted_owner(owner)
         )
     };
     let schema = client
@@ -413,7 +415,7 @@ async fn check_archive_owner(
                         {} OR o.owner = (SELECT datdba FROM pg_database WHERE datname = current_database())
                  FROM ({}) AS o(owner)",
                 trusted("o.owner"),
-                pg::migrate::SCHEMA_OWNER
+                pg::ownership::SCHEMA_OWNER
             ),
             &[&archive.schema, &outbox_tables],
         )

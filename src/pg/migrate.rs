@@ -12,6 +12,7 @@ use tokio_postgres::{Client, GenericClient};
 use crate::config::{DatabaseSettings, ExistingRows};
 use crate::error::{Error, Result};
 use crate::pg::outbox::HistoryMark;
+use crate::pg::ownership::{trusted_owner, SCHEMA_OWNER};
 use crate::pg::slot;
 use crate::pipeline::liveness::lock_call;
 use crate::table::TableName;
@@ -602,16 +603,6 @@ async fn check_migrations_table(client: &Client) -> Result<()> {
     }
 }
 
-/// SQL: whether the role with oid `owner` (an expression) holds the rights of the role migrate runs as already,
-/// so that code of theirs running with migrate's rights gains nothing ([`check_migrations_table`]'s rule).
-pub(crate) fn trusted_owner(owner: &str) -> String {
-    format!(
-        "(SELECT {owner} = me.oid OR coalesce((SELECT rolsuper FROM pg_roles WHERE oid = {owner}), false)
-                OR (NOT me.rolsuper AND pg_has_role({owner}, me.oid, 'MEMBER'))
-          FROM pg_roles me WHERE me.rolname = current_user)"
-    )
-}
-
 /// Who besides [`trusted_owner`]s may own an object migrate uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum AlsoTrusted {
@@ -659,11 +650,6 @@ async fn check_owner(
 
 /// The owner of relation `$1` (a quoted, qualified name).
 const RELATION_OWNER: &str = "SELECT c.relowner FROM pg_class c WHERE c.oid = to_regclass($1)";
-
-/// The owner of schema `$1`, `pg_database_owner` (PostgreSQL 15+) read as the database's owner.
-pub(crate) const SCHEMA_OWNER: &str = "SELECT CASE WHEN n.nspowner = (SELECT oid FROM pg_roles WHERE rolname = 'pg_database_owner')
-                 THEN (SELECT datdba FROM pg_database WHERE datname = current_database()) ELSE n.nspowner END
-             FROM pg_namespace n WHERE n.nspname = $1";
 
 /// Checks what migrate creates next to an outbox table only when it is missing (its schema, the inbox table
 /// `consumed_event`, the position sequence) the way [`check_owner`] checks the table: a role that may create

@@ -4,6 +4,7 @@
 pub mod guarded_tls;
 pub mod migrate;
 pub mod outbox;
+pub mod ownership;
 pub mod pgoutput;
 pub mod replication;
 pub mod require_auth;

@@ -96,7 +96,7 @@ pub async fn check_publication_owner(
                                       WHERE outbox.oid = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) AS t)
                                         AND pg_has_role(p.pubowner, outbox.relowner, 'MEMBER'))
                  FROM pg_publication p WHERE p.pubname = $1",
-                super::migrate::trusted_owner("p.pubowner")
+                super::ownership::trusted_owner("p.pubowner")
             ),
             &[&publication, &outbox_tables],
         )
