@@ -133,7 +133,7 @@ pub async fn serve(addr: SocketAddr, metrics: PrometheusHandle) -> Result<()> {
 /// Serves each connection on a task of its own, within the limits above.
 async fn accept(listener: tokio::net::TcpListener, app: axum::Router) {
     // The tasks serving connections, oldest first.
-    let mut open: std::collections::VecDeque<tokio::task::AbortHandle> = Default::default();
+    let mut open: std::collections::VecDeque<tokio::task::JoinHandle<()>> = Default::default();
     let mut last_told: Option<tokio::time::Instant> = None;
     loop {
         let stream = match listener.accept().await {
@@ -149,6 +149,10 @@ async fn accept(listener: tokio::net::TcpListener, app: axum::Router) {
         if open.len() >= MAX_CONNECTIONS {
             if let Some(oldest) = open.pop_front() {
                 oldest.abort();
+                // An aborted task keeps its connection (and file descriptor) until the runtime drops it,
+                // which a flood of accepts can put off indefinitely: wait until it is gone, so the limit
+                // holds for files too, not only for tasks.
+                let _ = oldest.await;
             }
             // Said at most once a minute: under a flood this would be every connection.
             if last_told.is_none_or(|at| at.elapsed() > std::time::Duration::from_secs(60)) {
@@ -168,7 +172,7 @@ async fn accept(listener: tokio::net::TcpListener, app: axum::Router) {
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
             let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
         });
-        open.push_back(task.abort_handle());
+        open.push_back(task);
     }
 }
 

@@ -222,12 +222,25 @@ async fn a_flood_of_slow_connections_to_the_metrics_port_takes_nothing_down() {
     let outboxd = Outboxd::spawn(&args);
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
-    let open_files = || {
-        std::fs::read_dir(format!("/proc/{}/fd", outboxd.pid()))
+    let fd_dir = format!("/proc/{}/fd", outboxd.pid());
+    let open_files = move || {
+        std::fs::read_dir(&fd_dir)
             .map(|dir| dir.count())
             .unwrap_or(0)
     };
     let before = open_files();
+    // The most files outboxd held at any moment of the flood, not only after it.
+    let flooding = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let peak = std::thread::spawn({
+        let (flooding, open_files) = (flooding.clone(), open_files.clone());
+        move || {
+            let mut peak = 0;
+            while flooding.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(open_files());
+            }
+            peak
+        }
+    });
     let flood: Vec<std::net::TcpStream> = (0..2_000)
         .filter_map(|n| {
             let mut stream = std::net::TcpStream::connect(&metrics_addr).ok()?;
@@ -246,7 +259,8 @@ async fn a_flood_of_slow_connections_to_the_metrics_port_takes_nothing_down() {
         "the flood opened {} connections",
         flood.len()
     );
-    let most_open = open_files();
+    flooding.store(false, std::sync::atomic::Ordering::Relaxed);
+    let most_open = peak.join().unwrap().max(open_files());
     assert!(
         most_open < before + 200,
         "outboxd holds {most_open} files under the flood (before: {before})"
