@@ -10,10 +10,7 @@ async fn metrics_and_readiness_follow_a_real_run() {
     migrate(&pg);
     let (_broker, proxy) = Broker::start_behind_proxy();
     let (url, brokers) = (pg.url(), Broker::proxied_addr(&proxy));
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend(["--metrics-addr", metrics_addr.as_str()]);
-    let mut outboxd = Outboxd::spawn(&args);
+    let (mut outboxd, metrics_addr) = spawn_serving_metrics(&url, &brokers, &[]);
 
     let first = wait_for("/metrics to answer", Duration::from_secs(60), || {
         http_get(&metrics_addr, "/metrics")
@@ -433,14 +430,7 @@ async fn periodic_queries_read_an_index_not_the_table() {
         ),
     ];
     for (what, sql) in queries {
-        let plan: Vec<String> = client
-            .query(&format!("EXPLAIN {sql}"), &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        let plan = plan.join("\n");
+        let plan = plan_of(&client, &sql).await;
         assert!(
             !plan.contains("Seq Scan"),
             "{what} scans the table:\n{sql}\n{plan}"
@@ -463,13 +453,8 @@ async fn periodic_queries_read_an_index_not_the_table() {
 async fn readyz_is_not_ready_while_the_pipeline_reconnects() {
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend(["--mode", "cdc", "--metrics-addr", metrics_addr.as_str()]);
-    let _outboxd = Outboxd::spawn(&args);
-    wait_for("/readyz to be 200", Duration::from_secs(60), || {
-        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
-    });
+    let (_outboxd, metrics_addr) = spawn_serving_metrics(&url, &brokers, &["--mode", "cdc"]);
+    wait_ready(&metrics_addr);
     let client = pg.client().await;
     let reason = wait_for_async("/readyz to be 503", Duration::from_secs(60), || async {
         client
@@ -501,13 +486,8 @@ async fn readyz_notices_a_database_that_stopped_answering() {
         pg.port,
     )));
     let (url, brokers) = (pg.url_via(proxy.port), broker.addr());
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend(["--mode", "poll", "--metrics-addr", metrics_addr.as_str()]);
-    let _outboxd = Outboxd::spawn(&args);
-    wait_for("/readyz to be 200", Duration::from_secs(60), || {
-        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
-    });
+    let (_outboxd, metrics_addr) = spawn_serving_metrics(&url, &brokers, &["--mode", "poll"]);
+    wait_ready(&metrics_addr);
     proxy.stall();
     let (_, reason) = wait_for("/readyz to be 503", Duration::from_secs(60), || {
         http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 503)
@@ -601,11 +581,8 @@ async fn a_row_without_created_at_neither_freezes_readiness_nor_breaks_status() 
         )
         .await
         .unwrap();
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend(["--mode", "poll", "--metrics-addr", metrics_addr.as_str()]);
-    args.extend(table);
-    let _outboxd = Outboxd::spawn(&args);
+    let (_outboxd, metrics_addr) =
+        spawn_serving_metrics(&url, &brokers, &[&["--mode", "poll"][..], &table].concat());
     wait_for(
         "the backlog gauge to count the row",
         Duration::from_secs(60),
@@ -614,9 +591,7 @@ async fn a_row_without_created_at_neither_freezes_readiness_nor_breaks_status() 
             (metric_value(&text, "outboxd_unpublished_events", "")? == 1.0).then_some(())
         },
     );
-    wait_for("/readyz to be 200", Duration::from_secs(60), || {
-        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
-    });
+    wait_ready(&metrics_addr);
     let mut status = vec!["status", "--database-url", &url, "--mode", "poll", "--json"];
     status.extend(table);
     let output = run_outboxd(&status);
@@ -669,14 +644,9 @@ async fn a_backlog_no_index_serves_is_not_counted_by_reading_the_table() {
     migrate.extend(table);
     let migrated = run_outboxd(&migrate);
     assert!(migrated.status.success(), "{}", stderr_of(&migrated));
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend(["--mode", "cdc", "--metrics-addr", metrics_addr.as_str()]);
-    args.extend(table);
-    let outboxd = Outboxd::spawn(&args);
-    wait_for("/readyz to be 200", Duration::from_secs(60), || {
-        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
-    });
+    let (outboxd, metrics_addr) =
+        spawn_serving_metrics(&url, &brokers, &[&["--mode", "cdc"][..], &table].concat());
+    wait_ready(&metrics_addr);
     wait_for(
         "the log to name the missing index",
         Duration::from_secs(60),
@@ -732,13 +702,8 @@ async fn a_backlog_no_index_serves_is_not_counted_by_reading_the_table() {
 async fn slow_figures_are_not_an_unreachable_database() {
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend(["--mode", "cdc", "--metrics-addr", metrics_addr.as_str()]);
-    let outboxd = Outboxd::spawn(&args);
-    wait_for("/readyz to be 200", Duration::from_secs(60), || {
-        http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 200)
-    });
+    let (outboxd, metrics_addr) = spawn_serving_metrics(&url, &brokers, &["--mode", "cdc"]);
+    wait_ready(&metrics_addr);
     let mut locker = pg.client().await;
     let lock = locker.transaction().await.unwrap();
     lock.batch_execute("LOCK TABLE outbox_event IN ACCESS EXCLUSIVE MODE")
@@ -783,10 +748,7 @@ async fn dead_letters_stay_visible_in_metrics_across_restarts() {
         )
         .await
         .unwrap();
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend(["--mode", "poll", "--metrics-addr", metrics_addr.as_str()]);
-    let _outboxd = Outboxd::spawn(&args);
+    let (_outboxd, metrics_addr) = spawn_serving_metrics(&url, &brokers, &["--mode", "poll"]);
     wait_for(
         "outboxd_dead_events to be 3",
         Duration::from_secs(60),

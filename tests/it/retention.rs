@@ -553,17 +553,7 @@ async fn partition_retention_never_reads_a_partition_under_its_lock_and_never_li
         .batch_execute(&format!("PREPARE kept(float8, bool) AS {check}"))
         .await
         .unwrap();
-    let plan: Vec<String> = client
-        .query(
-            "EXPLAIN EXECUTE kept(extract(epoch from now()), false)",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
-    let plan = plan.join("\n");
+    let plan = plan_of(&client, "EXECUTE kept(extract(epoch from now()), false)").await;
     assert!(
         !plan.contains("Seq Scan"),
         "the check reads the partition:\n{plan}"

@@ -216,10 +216,7 @@ async fn a_flood_of_slow_connections_to_the_metrics_port_takes_nothing_down() {
     raise_open_files_limit(4_096);
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend(["--metrics-addr", metrics_addr.as_str()]);
-    let outboxd = Outboxd::spawn(&args);
+    let (outboxd, metrics_addr) = spawn_serving_metrics(&url, &brokers, &[]);
     let mut client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
     let fd_dir = format!("/proc/{}/fd", outboxd.pid());

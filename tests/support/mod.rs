@@ -1019,6 +1019,34 @@ pub fn run_args<'a>(pg: &'a str, brokers: &'a str) -> Vec<&'a str> {
     ]
 }
 
+/// `outboxd run` (with `run_args` and `extra`) serving its endpoint on a free port; returns it and the address.
+pub fn spawn_serving_metrics(url: &str, brokers: &str, extra: &[&str]) -> (Outboxd, String) {
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(url, brokers);
+    args.extend(["--metrics-addr", metrics_addr.as_str()]);
+    args.extend(extra);
+    (Outboxd::spawn(&args), metrics_addr)
+}
+
+/// Waits until `/readyz` at `metrics_addr` says 200.
+pub fn wait_ready(metrics_addr: &str) {
+    wait_for("/readyz to be 200", Duration::from_secs(60), || {
+        http_get(metrics_addr, "/readyz").filter(|r| r.0 == 200)
+    });
+}
+
+/// The plan PostgreSQL would follow for `sql`, as `EXPLAIN` prints it.
+pub async fn plan_of(client: &tokio_postgres::Client, sql: &str) -> String {
+    let lines: Vec<String> = client
+        .query(&format!("EXPLAIN {sql}"), &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    lines.join("\n")
+}
+
 /// `outbox_p`, partitioned by `created_at`: an old 2020 partition (past any retention window) and one for
 /// everything since.
 pub const PARTITIONED_TABLE: &str = "CREATE TABLE public.outbox_p (
