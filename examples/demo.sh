@@ -61,6 +61,9 @@ bash "$support/broker.sh" start "$work/broker" "$broker_port"
 echo "== outboxd migrate"
 "$bin"/outboxd migrate --database-url "$db"
 
+echo "== outboxd doctor (every check run needs, each with its fix; exit 0: nothing to fix)"
+"$bin"/outboxd doctor --database-url "$db" --brokers "$brokers" --topic-replication-factor 1
+
 echo "== outboxd run (log: $work/outboxd.log)"
 "$bin"/outboxd run --database-url "$db" --brokers "$brokers" --topic-replication-factor 1 \
   --metrics-addr "127.0.0.1:$metrics_port" >"$work/outboxd.log" 2>&1 &

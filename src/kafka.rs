@@ -6,6 +6,8 @@ pub mod secrets;
 pub mod startup;
 mod transaction;
 
+pub use transaction::check_transactions;
+
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -4,6 +4,7 @@
 
 pub mod backoff;
 pub mod config;
+pub mod doctor;
 pub mod error;
 pub mod event;
 pub mod http;

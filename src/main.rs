@@ -1,4 +1,4 @@
-//! The `outboxd` binary: parse options, set up logging, dispatch to migrate / run / status, and report
+//! The `outboxd` binary: parse options, set up logging, dispatch to migrate / run / status / doctor, and report
 //! errors once, with their fix, at the edge.
 
 use std::process::ExitCode;
@@ -42,7 +42,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let options = match &cli.command {
         Command::Migrate(options) | Command::Run(options) => options.clone(),
-        Command::Status { options, .. } | Command::Replay { options, .. } => options.clone(),
+        Command::Status { options, .. }
+        | Command::Replay { options, .. }
+        | Command::Doctor { options, .. } => options.clone(),
     };
     let options = match options.with_file() {
         Ok(options) => options,
@@ -86,6 +88,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
         Command::Status {
             json, thresholds, ..
         } => status(&options, json, &thresholds).await,
+        Command::Doctor { json, .. } => doctor(&options, json).await,
     }
 }
 
@@ -163,6 +166,18 @@ async fn replay(
     }
     println!("re-queued {count} dead event(s)");
     Ok(ExitCode::SUCCESS)
+}
+
+/// `outboxd doctor`: every check, each with its fix, and the exit code of the worst.
+async fn doctor(options: &Options, json: bool) -> outboxd::Result<ExitCode> {
+    let settings = options.run()?;
+    let report = outboxd::doctor::examine(settings).await;
+    if json {
+        println!("{}", report.to_json());
+    } else {
+        print!("{}", report.to_text());
+    }
+    Ok(ExitCode::from(report.level() as u8))
 }
 
 /// `outboxd status`: slot, backlog and instances, with a verdict and its exit code.

@@ -131,6 +131,36 @@ impl TopicTemplate {
         self.parts.contains(&Part::EventType)
     }
 
+    /// Whether `topic` is a name this template renders for `table` with some row values (each at least one
+    /// character): how `outboxd doctor` finds the existing topics outboxd writes to.
+    pub fn could_render(&self, table: &TableName, topic: &str) -> bool {
+        // Literal text (the table's names filled in) and wildcards for the rows' values, in order.
+        let mut pieces: Vec<Option<String>> = Vec::new();
+        for part in &self.parts {
+            pieces.push(match part {
+                Part::Literal(text) => Some(text.clone()),
+                Part::Schema => Some(table.schema.clone()),
+                Part::Table => Some(table.name.clone()),
+                Part::AggregateType | Part::EventType => None,
+            });
+        }
+        fn matches(pieces: &[Option<String>], rest: &str) -> bool {
+            match pieces.split_first() {
+                None => rest.is_empty(),
+                Some((Some(literal), more)) => rest
+                    .strip_prefix(literal.as_str())
+                    .is_some_and(|rest| matches(more, rest)),
+                Some((None, more)) => rest
+                    .char_indices()
+                    .skip(1)
+                    .map(|(at, _)| at)
+                    .chain(std::iter::once(rest.len()).filter(|&end| end > 0))
+                    .any(|at| matches(more, &rest[at..])),
+            }
+        }
+        matches(&pieces, topic)
+    }
+
     /// Renders the topic for one event. Characters Kafka does not allow in topic names are replaced by `_`
     /// (as Debezium does), so no event is ever unroutable; the name is cut at Kafka's 249-character limit.
     pub fn render(&self, table: &TableName, aggregate_type: &str, event_type: &str) -> String {
@@ -229,5 +259,28 @@ mod tests {
         assert_eq!(render(&t, "", "e"), "_");
         assert_eq!(render(&t, "..", "e"), ".._");
         assert_eq!(render(&t, &"a".repeat(300), "e").len(), 249);
+    }
+
+    #[test]
+    fn could_render_matches_the_names_a_template_makes_and_no_others() {
+        let table = TableName {
+            schema: "shop".into(),
+            name: "outbox_event".into(),
+        };
+        let template = TopicTemplate::parse("outbox.{aggregate_type}").unwrap();
+        assert!(template.could_render(&table, "outbox.Order"));
+        assert!(
+            !template.could_render(&table, "outbox."),
+            "a row value is never empty"
+        );
+        assert!(!template.could_render(&table, "other.Order"));
+        let template = TopicTemplate::parse("{schema}.{aggregate_type}.{event_type}").unwrap();
+        assert!(template.could_render(&table, "shop.Order.Created"));
+        assert!(template.could_render(&table, "shop.a.b.c"));
+        assert!(!template.could_render(&table, "shop.Order"));
+        assert!(!template.could_render(&table, "public.Order.Created"));
+        let literal = TopicTemplate::parse("orders").unwrap();
+        assert!(literal.could_render(&table, "orders"));
+        assert!(!literal.could_render(&table, "orders2"));
     }
 }

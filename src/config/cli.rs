@@ -25,7 +25,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// What `outboxd` is asked to do: migrate, run, replay or status.
+/// What `outboxd` is asked to do: migrate, run, replay, status or doctor.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Create or upgrade the outbox table, the inbox table and the publication (idempotent; needs no broker).
@@ -46,6 +46,16 @@ pub enum Command {
         /// Re-queue every dead event.
         #[arg(long, group = "which")]
         all_dead: bool,
+    },
+    /// Check everything `run` needs of PostgreSQL and Kafka, and what would hurt it, each with its fix (reads
+    /// only). Exit code 0: ok, 1: warnings, 2: a check failed, 3: a check could not be made.
+    Doctor {
+        /// Every option, as `run` is given them.
+        #[command(flatten)]
+        options: Options,
+        /// Print only JSON on stdout.
+        #[arg(long)]
+        json: bool,
     },
     /// Show the slot and the backlog (needs no broker).
     Status {

@@ -133,6 +133,12 @@ impl ClientContext for RedactingContext {
 
 impl ConsumerContext for RedactingContext {}
 
+impl rdkafka::producer::ProducerContext for RedactingContext {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, _: &rdkafka::producer::DeliveryResult<'_>, _: Self::DeliveryOpaque) {}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

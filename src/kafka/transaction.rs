@@ -145,6 +145,20 @@ fn transactional_config<Tables>(
     config
 }
 
+/// Whether the brokers let outboxd's principal use Kafka transactions (`--delivery exactly-once`), tried
+/// with a transactional id of its own (`outboxd-doctor-<slot>`), so that a running outboxd is never fenced.
+pub async fn check_transactions(settings: &RunSettings, timeout: Duration) -> Result<()> {
+    let transactional_id = format!("outboxd-doctor-{}", settings.database.slot);
+    let config = transactional_config(settings, &transactional_id);
+    let producer: rdkafka::producer::BaseProducer<super::secrets::RedactingContext> = config
+        .create_with_context(super::secrets::RedactingContext::for_config(&config))
+        .map_err(config_error)?;
+    tokio::task::spawn_blocking(move || producer.init_transactions(timeout))
+        .await
+        .map_err(|e| Error::bug(format!("the transactions check failed: {e}")))?
+        .map_err(|error| start_error("initialising Kafka transactions", error, &transactional_id))
+}
+
 /// The progress reader's configuration: the brokers and the user's options (credentials, TLS); producer
 /// properties among them are ignored by librdkafka (with a warning).
 fn reader_config(settings: &RunSettings) -> ClientConfig {

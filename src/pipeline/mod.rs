@@ -27,7 +27,7 @@ use crate::pg::outbox::ClaimScope;
 use crate::pg::replication::ReplicationConnection;
 use crate::pg::{self, slot};
 use crate::sink::Sinks;
-use crate::table::{OutboxTable, Role, TableSpec};
+use crate::table::{OutboxTable, TableSpec};
 
 /// A running pipeline's patience with its database: after a failover, restore or switchover the server
 /// behind the URL may refuse connections for a while, lack the database, or still be a standby in recovery.
@@ -80,24 +80,6 @@ async fn preflight_database(settings: &RunSettings<TableSpec>) -> Result<Vec<Out
         }
     }
     Ok(tables)
-}
-
-/// The topic template names only columns every table has.
-fn check_topic_template(settings: &RunSettings) -> Result<()> {
-    for table in &settings.database.tables {
-        for (used, role) in [
-            (settings.topic.uses_aggregate_type(), Role::AggregateType),
-            (settings.topic.uses_event_type(), Role::EventType),
-        ] {
-            if used && table.column(role).is_none() {
-                return Err(Error::setup(
-                    format!("--topic uses {{{}}}, but {} has no {} column", role.name(), table.name, role.name()),
-                    format!("map it with --column {}=<column>, or give a --topic without {{{}}} (e.g. --topic outbox.{{table}})", role.name(), role.name()),
-                ));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Whether the CDC path can run here.
@@ -203,18 +185,17 @@ async fn start_up(
     let timeout = configured.startup_timeout;
     let deadline = Instant::now() + timeout;
     let tables = retry_until(timeout, deadline, || preflight_database(&configured)).await?;
-    let mut mode = configured.mode;
+    let mode = crate::doctor::effective_mode(configured.mode, &tables);
     if mode != Mode::Poll && !tables.iter().all(|t| t.polling) {
         tracing::warn!(
             tables = %crate::table::names(tables.iter().filter(|t| !t.polling)),
             "running CDC only: without the polling columns there is no backfill of rows older than the slot, no polling fallback, no retry queue or dead letters{}; add them with `outboxd migrate --add-polling-columns`",
             if tables.iter().any(|t| !t.marks_published) { ", and no published_at (rows re-sent after a restart are published again)" } else { "" }
         );
-        mode = Mode::Cdc;
     }
     let inspected = configured.inspected(tables, mode);
     let settings = &inspected;
-    check_topic_template(settings)?;
+    crate::doctor::check_topic_template(settings)?;
     let can_sweep = has_polling_columns(settings);
     match settings.mode {
         Mode::Cdc => {
@@ -260,6 +241,11 @@ async fn start_up(
     // Every instance that may claim rows says in which order; a peer of another order is refused.
     let announcement =
         retry_until(timeout, deadline, || fleet::announce_poll_order(settings)).await?;
+    // What the start-up checks above do not stop on, said once (see `outboxd doctor` for every check).
+    tokio::spawn({
+        let settings = settings.clone();
+        async move { crate::doctor::log_advisories(&settings).await }
+    });
     let retention = settings.retention.as_ref().map(|retention| {
         tokio::spawn(crate::retention::run(crate::retention::Sweeper {
             database_url: settings.database.database_url.clone(),

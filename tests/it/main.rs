@@ -10,6 +10,7 @@ mod cdc;
 mod chaos;
 mod cloudevents;
 mod docker;
+mod doctor;
 mod errors;
 mod exactly_once;
 mod failover;

@@ -1,0 +1,294 @@
+//! The Kafka half of `outboxd doctor`: the brokers accept outboxd (the check `run` makes), and each existing
+//! topic outboxd writes to takes what outboxd sends: record batches up to the producer's `batch.size`, the
+//! largest event waiting in the backlog, acknowledgements from enough replicas; Kafka transactions where
+//! `--delivery exactly-once` needs them. Reads only (the transactions check uses an id of its own).
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+use rdkafka::config::FromClientConfigAndContext;
+
+use super::report::{Finding, Outcome};
+use crate::config::RunSettings;
+use crate::kafka::secrets::RedactingContext;
+
+/// How long each broker request may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// librdkafka's default `batch.size`: the most one record batch (of one partition) holds.
+const DEFAULT_BATCH_SIZE: i64 = 1_000_000;
+
+/// What the backlog says about the events still to send, for the topic checks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Waiting {
+    /// The largest payload among the unpublished events (bytes, as text); `None`: none, or not read.
+    pub largest_payload: Option<i64>,
+    /// Age of the oldest unpublished event (seconds).
+    pub oldest_age_seconds: Option<f64>,
+}
+
+/// Every Kafka check, in order: the brokers, transactions where needed, ACLs, each existing topic.
+pub async fn examine(settings: &RunSettings, waiting: Waiting) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    match crate::kafka::startup::check_brokers(settings, Duration::from_secs(5)).await {
+        Ok(()) => findings.push(Finding::ok(
+            "kafka.brokers",
+            format!("{} answered and accepted outboxd", settings.kafka.brokers),
+        )),
+        Err(error) => {
+            findings.push(Finding::of_error("kafka.brokers", &error));
+            return findings;
+        }
+    }
+    if settings.kafka.exactly_once.is_some() {
+        findings.push(
+            match crate::kafka::check_transactions(settings, REQUEST_TIMEOUT).await {
+                Ok(()) => Finding::ok(
+                    "kafka.transactions",
+                    "the brokers let outboxd use Kafka transactions",
+                ),
+                Err(error) => Finding::of_error("kafka.transactions", &error),
+            },
+        );
+    }
+    findings.push(Finding::with_fix(
+        "kafka.acls",
+        Outcome::Note,
+        "not checked: outboxd's Kafka client cannot describe ACLs; a missing permission shows at start-up or as TOPIC_AUTHORIZATION_FAILED in the log",
+        "grant outboxd's principal WRITE and DESCRIBE on its topics (and CREATE, unless --no-create-topics)",
+    ));
+    match topics(settings, waiting).await {
+        Ok(topic_findings) => findings.extend(topic_findings),
+        Err(detail) => findings.push(Finding {
+            check: "kafka.topics".into(),
+            outcome: Outcome::Unknown,
+            detail: format!("could not check: {detail}"),
+            fix: None,
+        }),
+    }
+    findings
+}
+
+/// One finding per existing topic outboxd writes to (by `--topic` and `--dead-letter-topic`); topics not
+/// there yet are created by outboxd with `--topic-replication-factor`.
+async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>, String> {
+    let config = crate::kafka::client_config(settings);
+    let admin =
+        AdminClient::from_config_and_context(&config, RedactingContext::for_config(&config))
+            .map_err(|e| e.to_string())?;
+    let metadata =
+        tokio::task::block_in_place(|| admin.inner().fetch_metadata(None, REQUEST_TIMEOUT))
+            .map_err(|e| format!("the brokers' metadata: {e}"))?;
+    let dead_letter_topic = settings.poll.dead_letter_topic.as_deref();
+    let ours: Vec<(String, i64)> = metadata
+        .topics()
+        .iter()
+        .filter(|topic| {
+            Some(topic.name()) == dead_letter_topic
+                || settings
+                    .database
+                    .tables
+                    .iter()
+                    .any(|table| settings.topic.could_render(&table.name, topic.name()))
+        })
+        .map(|topic| {
+            let replicas = topic.partitions().first().map(|p| p.replicas().len());
+            (topic.name().to_string(), replicas.unwrap_or(0) as i64)
+        })
+        .collect();
+    if ours.is_empty() {
+        return Ok(vec![Finding::ok(
+            "kafka.topics",
+            "no topic of --topic exists yet: outboxd creates them as events arrive",
+        )]);
+    }
+    let specifiers: Vec<ResourceSpecifier> = ours
+        .iter()
+        .map(|(name, _)| ResourceSpecifier::Topic(name))
+        .collect();
+    let described = admin
+        .describe_configs(
+            &specifiers,
+            &AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT)),
+        )
+        .await
+        .map_err(|e| format!("describing the topics: {e}"))?;
+    let batch_size = settings
+        .kafka
+        .options
+        .iter()
+        .rev()
+        .find(|(key, _)| key == "batch.size")
+        .and_then(|(_, value)| value.trim().parse().ok())
+        .unwrap_or(DEFAULT_BATCH_SIZE);
+    let mut findings = Vec::new();
+    for ((name, replicas), result) in ours.iter().zip(described) {
+        let check = format!("kafka.topic {name}");
+        let resource = match result {
+            Ok(resource) => resource,
+            Err(error) => {
+                findings.push(Finding {
+                    check,
+                    outcome: Outcome::Unknown,
+                    detail: format!("could not describe it: {error}"),
+                    fix: None,
+                });
+                continue;
+            }
+        };
+        let setting = |key: &str| -> Option<i64> {
+            resource
+                .get(key)
+                .and_then(|entry| entry.value.as_deref())
+                .and_then(|value| value.parse().ok())
+        };
+        let topic = TopicFacts {
+            replicas: *replicas,
+            min_insync_replicas: setting("min.insync.replicas").unwrap_or(1),
+            max_message_bytes: setting("max.message.bytes"),
+            retention_ms: setting("retention.ms"),
+        };
+        findings.push(judge_topic(
+            check,
+            name,
+            &topic,
+            batch_size,
+            waiting,
+            settings.topic.is_literal(),
+        ));
+    }
+    Ok(findings)
+}
+
+/// A topic's settings that decide whether it takes outboxd's records.
+#[derive(Debug, Clone, Copy)]
+struct TopicFacts {
+    replicas: i64,
+    min_insync_replicas: i64,
+    max_message_bytes: Option<i64>,
+    retention_ms: Option<i64>,
+}
+
+/// The worst of what a topic's settings mean for outboxd's records. Pure. `one_topic`: every event goes to
+/// this topic (a literal `--topic`), so the backlog's largest event surely does.
+fn judge_topic(
+    check: String,
+    name: &str,
+    topic: &TopicFacts,
+    batch_size: i64,
+    waiting: Waiting,
+    one_topic: bool,
+) -> Finding {
+    let TopicFacts {
+        replicas,
+        min_insync_replicas: min_insync,
+        ..
+    } = *topic;
+    if min_insync > replicas {
+        return Finding::with_fix(
+            check,
+            Outcome::Failed,
+            format!("min.insync.replicas = {min_insync} but the topic has {replicas} replicas: the brokers refuse every write with acks=all (NOT_ENOUGH_REPLICAS)"),
+            format!("kafka-configs --alter --entity-type topics --entity-name {name} --add-config min.insync.replicas={replicas} (or add replicas)"),
+        );
+    }
+    if let (Some(max), Some(largest)) = (topic.max_message_bytes, waiting.largest_payload) {
+        if largest > max {
+            return Finding::with_fix(
+                check,
+                if one_topic { Outcome::Failed } else { Outcome::Warning },
+                format!("an event of {largest} bytes waits in the backlog, and {name} takes records of at most {max} bytes (max.message.bytes): {} refused for good (dead-lettered)", if one_topic { "it will be" } else { "if it goes to this topic, it will be" }),
+                format!("kafka-configs --alter --entity-type topics --entity-name {name} --add-config max.message.bytes={}", largest + 1024),
+            );
+        }
+    }
+    if let Some(max) = topic.max_message_bytes.filter(|max| *max < batch_size) {
+        return Finding::with_fix(
+            check,
+            Outcome::Warning,
+            format!("max.message.bytes = {max} is below the producer's batch.size = {batch_size}: a full batch of small events is refused (MSG_SIZE_TOO_LARGE) and retried"),
+            format!("--kafka-option batch.size={max}, or raise the topic's max.message.bytes"),
+        );
+    }
+    if let (Some(retention), Some(age)) = (topic.retention_ms, waiting.oldest_age_seconds) {
+        if retention >= 0 && age * 1000.0 > retention as f64 {
+            return Finding::with_fix(
+                check,
+                Outcome::Warning,
+                format!("the oldest unpublished event has waited {age:.0} s, longer than {name} keeps records (retention.ms = {retention}): a consumer as far behind as outboxd is would find records deleted before it read them"),
+                format!("raise retention.ms of {name}, or let outboxd catch up (outboxd status)"),
+            );
+        }
+    }
+    if replicas > 1 && min_insync == replicas {
+        return Finding::with_fix(
+            check,
+            Outcome::Warning,
+            format!("min.insync.replicas = {min_insync} = its {replicas} replicas: one broker down stops every write"),
+            format!("kafka-configs --alter --entity-type topics --entity-name {name} --add-config min.insync.replicas={}", replicas - 1),
+        );
+    }
+    let detail = format!(
+        "{replicas} replicas, min.insync.replicas = {min_insync}, max.message.bytes = {}, retention.ms = {}",
+        topic.max_message_bytes.map_or("?".into(), |v| v.to_string()),
+        topic.retention_ms.map_or("?".into(), |v| v.to_string()),
+    );
+    if replicas == 1 {
+        return Finding::with_fix(
+            check,
+            Outcome::Note,
+            format!("{detail}: one broker's loss loses its records"),
+            "for production, topics of 3 replicas with min.insync.replicas = 2 (--topic-replication-factor 3 for topics outboxd creates)",
+        );
+    }
+    Finding::ok(check, detail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(replicas: i64, min_insync: i64, max: i64) -> TopicFacts {
+        TopicFacts {
+            replicas,
+            min_insync_replicas: min_insync,
+            max_message_bytes: Some(max),
+            retention_ms: Some(604_800_000),
+        }
+    }
+
+    fn judge(topic: TopicFacts, waiting: Waiting) -> Outcome {
+        judge_topic(
+            "kafka.topic t".into(),
+            "t",
+            &topic,
+            DEFAULT_BATCH_SIZE,
+            waiting,
+            true,
+        )
+        .outcome
+    }
+
+    #[test]
+    fn topic_settings_that_refuse_outboxds_records_fail_and_risky_ones_warn() {
+        let none = Waiting::default();
+        assert_eq!(judge(facts(3, 2, 1_048_588), none), Outcome::Ok);
+        assert_eq!(judge(facts(1, 2, 1_048_588), none), Outcome::Failed);
+        assert_eq!(judge(facts(3, 3, 1_048_588), none), Outcome::Warning);
+        assert_eq!(judge(facts(1, 1, 1_048_588), none), Outcome::Note);
+        assert_eq!(
+            judge(facts(3, 2, 500_000), none),
+            Outcome::Warning,
+            "batch.size"
+        );
+        let large = Waiting {
+            largest_payload: Some(2_000_000),
+            oldest_age_seconds: None,
+        };
+        assert_eq!(judge(facts(3, 2, 1_048_588), large), Outcome::Failed);
+        let old = Waiting {
+            largest_payload: None,
+            oldest_age_seconds: Some(700_000.0),
+        };
+        assert_eq!(judge(facts(3, 2, 1_048_588), old), Outcome::Warning);
+    }
+}

@@ -1,0 +1,472 @@
+//! The PostgreSQL half of `outboxd doctor`, over one SQL connection (and one replication connection for
+//! the replication permission): each check is a function returning its finding, with the SQL or setting
+//! that fixes it. The checks `run` must pass are the same functions `run`'s start-up calls (`pg::slot`,
+//! `retention::check`), so the two never disagree; the others are what operators otherwise learn the hard
+//! way. Reads only: nothing here changes the database.
+
+use tokio_postgres::Client;
+
+use super::report::{Finding, Outcome};
+use crate::config::{Mode, RunSettings};
+use crate::error::{replication_error, Result};
+use crate::pg::outbox;
+use crate::pg::replication::ReplicationConnection;
+use crate::pg::slot;
+use crate::table::OutboxTable;
+
+/// PostgreSQL 18 adds `idle_replication_slot_timeout`; 17 adds `invalidation_reason`.
+const PG_18: i32 = 180_000;
+const PG_17: i32 = 170_000;
+
+/// Every PostgreSQL check, in the order they are read: the server, the tables, replication, the slot, the
+/// sessions, the figures' indexes, retention.
+pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    let version = match server_version(client).await {
+        Ok((version, finding)) => {
+            findings.push(finding);
+            version
+        }
+        Err(error) => {
+            findings.push(Finding::of_error("postgres.server", &error));
+            return findings;
+        }
+    };
+    for table in &settings.database.tables {
+        findings.push(polling_columns(table, settings.mode));
+        findings.push(Finding::from_result(
+            "postgres.row_level_security",
+            row_level_security(client, table).await,
+        ));
+        findings.push(Finding::from_result(
+            "postgres.indexes",
+            figures_indexes(client, table).await,
+        ));
+        if table.polling {
+            findings.push(Finding::from_result(
+                "postgres.positions",
+                rows_without_position(client, table).await,
+            ));
+        }
+    }
+    if settings.mode != Mode::Poll {
+        findings.push(Finding::from_result(
+            "postgres.wal_level",
+            wal_level(client).await,
+        ));
+        findings.push(replication_permission(settings).await);
+        findings.push(Finding::from_result(
+            "postgres.publication",
+            publication(client, settings).await,
+        ));
+        findings.push(Finding::from_result(
+            "postgres.slot",
+            replication_slot(client, &settings.database.slot, version).await,
+        ));
+        findings.push(Finding::from_result(
+            "postgres.wal_headroom",
+            wal_headroom(client, &settings.database.slot).await,
+        ));
+        if version >= PG_18 {
+            findings.push(Finding::from_result(
+                "postgres.idle_slot_timeout",
+                idle_slot_timeout(client, settings).await,
+            ));
+        }
+    }
+    findings.push(Finding::from_result(
+        "postgres.session",
+        one_session(client).await,
+    ));
+    findings.push(Finding::from_result(
+        "postgres.synchronous_commit",
+        synchronous_commit(client).await,
+    ));
+    if let Some(retention) = &settings.retention {
+        let checked = crate::retention::check(
+            client,
+            &settings.database.tables,
+            retention,
+            &settings.database.publication,
+        )
+        .await;
+        findings.push(Finding::from_result(
+            "postgres.retention",
+            checked.map(|()| {
+                Finding::ok(
+                    "postgres.retention",
+                    "retention can drop, delete or archive as configured",
+                )
+            }),
+        ));
+    }
+    findings
+}
+
+/// The checks `run`'s start-up does not make itself (it stops on the others), for it to log: what hides rows
+/// from outboxd, a pooler between it and PostgreSQL, how close the slot is to being invalidated.
+pub async fn advisories(client: &Client, settings: &RunSettings) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    for table in &settings.database.tables {
+        findings.push(Finding::from_result(
+            "postgres.row_level_security",
+            row_level_security(client, table).await,
+        ));
+    }
+    findings.push(Finding::from_result(
+        "postgres.session",
+        one_session(client).await,
+    ));
+    if settings.mode != Mode::Poll {
+        let slot_name = &settings.database.slot;
+        findings.push(Finding::from_result(
+            "postgres.wal_headroom",
+            wal_headroom(client, slot_name).await,
+        ));
+        let version = server_version(client).await.map(|(version, _)| version);
+        if version.is_ok_and(|version| version >= PG_18) {
+            findings.push(Finding::from_result(
+                "postgres.idle_slot_timeout",
+                idle_slot_timeout(client, settings).await,
+            ));
+        }
+    }
+    findings
+}
+
+/// The server answers, as a primary; its version decides which later checks apply.
+async fn server_version(client: &Client) -> Result<(i32, Finding)> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('server_version_num')::int, current_setting('server_version'), pg_is_in_recovery()",
+            &[],
+        )
+        .await?;
+    let (number, version, standby): (i32, String, bool) = (row.get(0), row.get(1), row.get(2));
+    let finding = if standby {
+        Finding::with_fix(
+            "postgres.server",
+            Outcome::Failed,
+            format!("PostgreSQL {version} is a standby in recovery: outboxd needs the primary (a standby cannot take its writes)"),
+            "point --database-url at the primary (or promote this server)",
+        )
+    } else {
+        Finding::ok("postgres.server", format!("PostgreSQL {version}, primary"))
+    };
+    Ok((number, finding))
+}
+
+/// The polling columns are there where the mode needs them (the column types themselves were checked when
+/// the table was inspected).
+fn polling_columns(table: &OutboxTable, mode: Mode) -> Finding {
+    let check = format!("postgres.table {}", table.name);
+    match (table.polling, mode) {
+        (true, _) => Finding::ok(check, "every column outboxd maps, and the polling columns"),
+        (false, Mode::Poll) => match slot::check_polling_columns(table) {
+            Err(error) => Finding::of_error(check, &error),
+            Ok(()) => Finding::ok(check, "every column outboxd maps, and the polling columns"),
+        },
+        (false, _) => Finding::with_fix(
+            check,
+            Outcome::Warning,
+            "no polling columns: CDC only (no backfill of rows older than the slot, no polling fallback, no retries or dead letters)",
+            format!("outboxd migrate --table {} --add-polling-columns", table.name),
+        ),
+    }
+}
+
+/// A table that enforces row level security on outboxd's role hides rows from the polling path and the
+/// backlog figures (logical decoding does not apply it): events would wait unseen.
+async fn row_level_security(client: &Client, table: &OutboxTable) -> Result<Finding> {
+    let row = client
+        .query_one(
+            "SELECT c.relrowsecurity AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))
+                    AND NOT r.rolbypassrls AND NOT r.rolsuper,
+                    current_user::text
+             FROM pg_class c, pg_roles r
+             WHERE c.oid = $1::text::regclass AND r.rolname = current_user",
+            &[&table.name.quoted()],
+        )
+        .await?;
+    let (hidden, role): (bool, String) = (row.get(0), row.get(1));
+    let check = "postgres.row_level_security";
+    if !hidden {
+        return Ok(Finding::ok(
+            check,
+            format!("{} shows every row to {role}", table.name),
+        ));
+    }
+    Ok(Finding::with_fix(
+        check,
+        if table.polling { Outcome::Failed } else { Outcome::Warning },
+        format!("{} has row level security that applies to {role}: the polling path, retention and the backlog figures see only the rows its policies let {role} see, and would leave the others unpublished", table.name),
+        format!("ALTER ROLE {role} BYPASSRLS (as a superuser), or a policy letting {role} see every row: CREATE POLICY outboxd ON {} TO {role} USING (true)", table.name),
+    ))
+}
+
+/// Each periodic figure of the table reads an index, not the whole table.
+async fn figures_indexes(client: &Client, table: &OutboxTable) -> Result<Finding> {
+    let check = "postgres.indexes";
+    if !table.marks_published {
+        return Ok(Finding::ok(
+            check,
+            format!(
+                "{} has no published_at: no backlog to count (slot lag is the measure)",
+                table.name
+            ),
+        ));
+    }
+    let statements = outbox::backlog_statements(table);
+    let mut scanned = Vec::new();
+    for (what, sql) in [
+        ("backlog", Some(&statements.count)),
+        ("oldest age", statements.oldest.as_ref()),
+        ("dead letters", statements.dead.as_ref()),
+    ] {
+        if let Some(sql) = sql {
+            if outbox::needs_a_table_scan(client, sql).await? {
+                scanned.push(what);
+            }
+        }
+    }
+    if scanned.is_empty() {
+        return Ok(Finding::ok(
+            check,
+            format!("an index serves every figure of {}", table.name),
+        ));
+    }
+    Ok(Finding::with_fix(
+        check,
+        Outcome::Warning,
+        format!("no index serves the {} of {}: those figures are not counted (reading the whole table every 5 s would load the database)", scanned.join(", "), table.name),
+        outbox::backlog_index_fix(table),
+    ))
+}
+
+/// Unpublished rows without a `position` are numbered when the polling path starts; a statement timeout
+/// set for the role would cut that numbering short on a large table.
+async fn rows_without_position(client: &Client, table: &OutboxTable) -> Result<Finding> {
+    let check = "postgres.positions";
+    let unnumbered: bool = client
+        .query_one(
+            &format!(
+                "SELECT EXISTS (SELECT FROM {} WHERE position IS NULL AND published_at IS NULL AND dead_at IS NULL)",
+                table.name.quoted()
+            ),
+            &[],
+        )
+        .await?
+        .get(0);
+    if !unnumbered {
+        return Ok(Finding::ok(
+            check,
+            format!("every unpublished row of {} has its position", table.name),
+        ));
+    }
+    let timeout: String = client
+        .query_one("SHOW statement_timeout", &[])
+        .await?
+        .get(0);
+    if timeout == "0" {
+        return Ok(Finding::with_fix(
+            check,
+            Outcome::Note,
+            format!("{} has unpublished rows without a position (from before the polling columns): the polling path numbers them in insert order when it starts", table.name),
+            "nothing to do",
+        ));
+    }
+    Ok(Finding::with_fix(
+        check,
+        Outcome::Warning,
+        format!("{} has unpublished rows without a position, and outboxd's sessions have statement_timeout = {timeout}: numbering them when the polling path starts is one statement, which that timeout may cut short", table.name),
+        "ALTER ROLE <outboxd's role> SET statement_timeout = 0 (outboxd bounds its own statements)",
+    ))
+}
+
+/// `wal_level = logical`, through the check `run` makes.
+async fn wal_level(client: &Client) -> Result<Finding> {
+    slot::check_wal_level(client).await?;
+    Ok(Finding::ok("postgres.wal_level", "logical"))
+}
+
+/// The role may open a replication connection (tried, as managed services grant it through roles), on
+/// `--replication-url`.
+async fn replication_permission(settings: &RunSettings) -> Finding {
+    let check = "postgres.replication";
+    let identified = async {
+        let mut connection =
+            ReplicationConnection::connect(&settings.database.replication_url).await?;
+        connection.identify_system().await
+    };
+    match identified.await.map_err(replication_error) {
+        Ok(_) => Finding::ok(
+            check,
+            "the replication connection is allowed (IDENTIFY_SYSTEM answered)",
+        ),
+        Err(error) => Finding::of_error(check, &error),
+    }
+}
+
+/// The publication exists, is trusted, publishes inserts and covers every table: the check `run` makes.
+async fn publication(client: &Client, settings: &RunSettings) -> Result<Finding> {
+    slot::check_publication(client, &settings.database).await?;
+    Ok(Finding::ok(
+        "postgres.publication",
+        format!(
+            "{} publishes the inserts of {}",
+            settings.database.publication,
+            crate::table::names(&settings.database.tables)
+        ),
+    ))
+}
+
+/// The slot, when it exists: pgoutput, this database's, not lost (the check `run` makes), and how much of
+/// its WAL is still reserved.
+async fn replication_slot(client: &Client, slot_name: &str, version: i32) -> Result<Finding> {
+    let check = "postgres.slot";
+    let Some(state) = slot::check_existing_slot(client, slot_name).await? else {
+        return Ok(Finding::ok(
+            check,
+            format!("{slot_name} does not exist yet: outboxd creates it"),
+        ));
+    };
+    let invalidated = if version >= PG_17 {
+        client
+            .query_one(
+                "SELECT invalidation_reason::text FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot_name],
+            )
+            .await?
+            .get::<_, Option<String>>(0)
+    } else {
+        None
+    };
+    if let Some(reason) = invalidated {
+        return Ok(Finding::with_fix(
+            check,
+            Outcome::Failed,
+            format!("{slot_name} is invalidated ({reason}): it can never stream again"),
+            format!("drop it (SELECT pg_drop_replication_slot('{slot_name}')) and restart outboxd; see README 'When the slot is lost'"),
+        ));
+    }
+    let used = if state.active { "in use" } else { "not in use" };
+    let lag = state.lag_bytes.unwrap_or(0);
+    Ok(match state.wal_status.as_deref() {
+        Some("unreserved") => Finding::with_fix(
+            check,
+            Outcome::Warning,
+            format!("{slot_name} ({used}, {lag} bytes behind) has wal_status = unreserved: it is lost at the next checkpoint unless it catches up"),
+            "start outboxd now (or raise max_slot_wal_keep_size); if it is lost anyway, see README 'When the slot is lost'",
+        ),
+        status => Finding::ok(
+            check,
+            format!("{slot_name}: pgoutput, {used}, {lag} bytes behind, wal_status = {}", status.unwrap_or("unknown")),
+        ),
+    })
+}
+
+/// How much WAL the slot may keep before PostgreSQL invalidates it (`max_slot_wal_keep_size`), and how
+/// much of that is left.
+async fn wal_headroom(client: &Client, slot_name: &str) -> Result<Finding> {
+    let check = "postgres.wal_headroom";
+    let limit: String = client
+        .query_one("SHOW max_slot_wal_keep_size", &[])
+        .await?
+        .get(0);
+    if limit == "-1" {
+        return Ok(Finding::with_fix(
+            check,
+            Outcome::Note,
+            "max_slot_wal_keep_size = -1: a slot nothing consumes keeps WAL until the disk is full",
+            "ALTER SYSTEM SET max_slot_wal_keep_size = '<a size your disk holds>'; SELECT pg_reload_conf(); (a slot then lost is recovered by the polling path: README 'When the slot is lost')",
+        ));
+    }
+    let state = slot::slot_state(client, slot_name).await?;
+    let limit_bytes: i64 = client
+        .query_one(
+            "SELECT pg_size_bytes(setting || unit) FROM pg_settings WHERE name = 'max_slot_wal_keep_size'",
+            &[],
+        )
+        .await?
+        .get(0);
+    match state.and_then(|s| s.safe_wal_bytes) {
+        Some(safe) if safe < limit_bytes / 4 => Ok(Finding::with_fix(
+            check,
+            Outcome::Warning,
+            format!("slot {slot_name} may fall {safe} more bytes behind before PostgreSQL invalidates it (max_slot_wal_keep_size = {limit})"),
+            "make sure outboxd runs and keeps up (outboxd status), or raise max_slot_wal_keep_size",
+        )),
+        Some(safe) => Ok(Finding::ok(check, format!("max_slot_wal_keep_size = {limit}; slot {slot_name} has {safe} bytes of headroom"))),
+        None => Ok(Finding::ok(check, format!("max_slot_wal_keep_size = {limit}"))),
+    }
+}
+
+/// PostgreSQL 18 invalidates a slot nobody streamed from for `idle_replication_slot_timeout`.
+async fn idle_slot_timeout(client: &Client, settings: &RunSettings) -> Result<Finding> {
+    let check = "postgres.idle_slot_timeout";
+    let timeout: String = client
+        .query_one("SHOW idle_replication_slot_timeout", &[])
+        .await?
+        .get(0);
+    if timeout == "0" {
+        return Ok(Finding::ok(
+            check,
+            "idle_replication_slot_timeout = 0: an idle slot is kept",
+        ));
+    }
+    let covered = settings.database.tables.iter().all(|t| t.polling);
+    Ok(Finding::with_fix(
+        check,
+        if covered { Outcome::Note } else { Outcome::Warning },
+        format!(
+            "idle_replication_slot_timeout = {timeout}: while outboxd is stopped longer than that, PostgreSQL invalidates slot {}{}",
+            settings.database.slot,
+            if covered { " (the polling path then publishes what it missed)" } else { ", and tables without the polling columns have no way to publish what it missed" }
+        ),
+        "ALTER SYSTEM SET idle_replication_slot_timeout = 0; SELECT pg_reload_conf(); or keep outboxd's downtime shorter",
+    ))
+}
+
+/// Statements on one connection reach one server session: the leadership lock and the lease renewals are
+/// session state, which a transaction-mode pooler (pgbouncer `pool_mode = transaction`) hands to others.
+async fn one_session(client: &Client) -> Result<Finding> {
+    let check = "postgres.session";
+    let first: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0);
+    for _ in 0..3 {
+        let next: i32 = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await?
+            .get(0);
+        if next != first {
+            return Ok(Finding::with_fix(
+                check,
+                Outcome::Failed,
+                "statements of one connection reached different server sessions: a transaction-mode pooler is between outboxd and PostgreSQL, and outboxd's session locks (leadership, claims) would be held by, and released with, other clients' sessions",
+                "point --database-url at PostgreSQL itself or at a session-mode pool (pgbouncer pool_mode = session)",
+            ));
+        }
+    }
+    Ok(Finding::ok(
+        check,
+        "one server session per connection (no transaction-mode pooler)",
+    ))
+}
+
+/// outboxd's own commits are durable whatever the server's default (see `pg::connect`): said, so that a
+/// server-wide `synchronous_commit = off` does not look like a risk to outboxd.
+async fn synchronous_commit(client: &Client) -> Result<Finding> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('synchronous_commit'), (SELECT reset_val FROM pg_settings WHERE name = 'synchronous_commit')",
+            &[],
+        )
+        .await?;
+    let (session, server): (String, String) = (row.get(0), row.get(1));
+    Ok(Finding::ok(
+        "postgres.synchronous_commit",
+        format!("outboxd's sessions commit with synchronous_commit = {session} (the server's default for its role: {server})"),
+    ))
+}

@@ -1,0 +1,277 @@
+//! `outboxd doctor` against real servers: a healthy set-up passes every check; each broken set-up fails its
+//! check with the fix, while the other checks still run; what cannot be reached is UNKNOWN, never a pass.
+
+use std::time::Duration;
+
+use crate::support::*;
+
+/// `outboxd doctor --json` with `run`'s arguments (and `extra`): its exit code and report.
+fn doctor(url: &str, brokers: &str, extra: &[&str]) -> (i32, serde_json::Value) {
+    let mut args = run_args(url, brokers);
+    args[0] = "doctor";
+    args.push("--json");
+    args.extend(extra);
+    let output = run_outboxd(&args);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let report = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}\n{}", stderr_of(&output)));
+    (output.status.code().unwrap_or(-1), report)
+}
+
+/// The finding of `check`; fails the test when there is none.
+fn finding<'a>(report: &'a serde_json::Value, check: &str) -> &'a serde_json::Value {
+    report["findings"]
+        .as_array()
+        .and_then(|all| all.iter().find(|f| f["check"] == check))
+        .unwrap_or_else(|| panic!("no finding {check}: {report:#}"))
+}
+
+fn outcomes_other_than_ok(report: &serde_json::Value) -> Vec<String> {
+    report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["outcome"] != "ok" && f["outcome"] != "note")
+        .map(|f| f.to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_healthy_set_up_passes_and_each_broken_part_fails_with_its_fix() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let (code, report) = doctor(&url, &brokers, &[]);
+    assert!(outcomes_other_than_ok(&report).is_empty(), "{report:#}");
+    assert_eq!(
+        (code, report["level"].as_str()),
+        (0, Some("OK")),
+        "{report:#}"
+    );
+    for check in [
+        "postgres.connection",
+        "postgres.server",
+        "postgres.wal_level",
+        "postgres.replication",
+        "postgres.publication",
+        "postgres.slot",
+        "postgres.session",
+        "postgres.indexes",
+        "kafka.brokers",
+    ] {
+        assert_eq!(
+            finding(&report, check)["outcome"],
+            "ok",
+            "{check}: {report:#}"
+        );
+    }
+
+    assert_eq!(finding(&report, "postgres.wal_headroom")["outcome"], "note");
+    // A bound on the WAL a slot keeps: then said, with the headroom left once the slot exists.
+    let client = pg.client().await;
+    client
+        .batch_execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1GB'")
+        .await
+        .unwrap();
+    client
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+    create_slot_then_stop(&url, &brokers, &client).await;
+    let (code, report) = doctor(&url, &brokers, &[]);
+    let headroom = finding(&report, "postgres.wal_headroom");
+    assert_eq!(
+        (code, headroom["outcome"].as_str()),
+        (0, Some("ok")),
+        "{report:#}"
+    );
+    assert!(
+        headroom["detail"]
+            .as_str()
+            .unwrap()
+            .contains("= 1GB; slot outboxd has"),
+        "{headroom}"
+    );
+
+    // A topic that refuses every write with acks=all, and a publication gone.
+    create_topic(
+        &brokers,
+        rdkafka::admin::NewTopic::new(
+            "outbox.Order",
+            1,
+            rdkafka::admin::TopicReplication::Fixed(1),
+        )
+        .set("min.insync.replicas", "2"),
+    )
+    .await;
+    client
+        .batch_execute("DROP PUBLICATION outboxd")
+        .await
+        .unwrap();
+    let (code, report) = doctor(&url, &brokers, &[]);
+    assert_eq!(
+        (code, report["level"].as_str()),
+        (2, Some("CRITICAL")),
+        "{report:#}"
+    );
+    let topic = finding(&report, "kafka.topic outbox.Order");
+    assert_eq!(topic["outcome"], "failed", "{topic}");
+    assert!(
+        topic["detail"]
+            .as_str()
+            .unwrap()
+            .contains("min.insync.replicas = 2")
+            && topic["fix"]
+                .as_str()
+                .unwrap()
+                .contains("min.insync.replicas=1"),
+        "{topic}"
+    );
+    let publication = finding(&report, "postgres.publication");
+    assert_eq!(publication["outcome"], "failed", "{publication}");
+    assert!(
+        publication["fix"]
+            .as_str()
+            .unwrap()
+            .contains("outboxd migrate"),
+        "{publication}"
+    );
+    // The other checks ran all the same.
+    assert_eq!(finding(&report, "kafka.brokers")["outcome"], "ok");
+    assert_eq!(finding(&report, "postgres.session")["outcome"], "ok");
+
+    // The text form says the same, each fix under its finding.
+    let mut args = run_args(&url, &brokers);
+    args[0] = "doctor";
+    let output = run_outboxd(&args);
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("FAILED") && l.contains("postgres.publication"))
+            && text
+                .lines()
+                .any(|l| l.trim_start().starts_with("fix:") && l.contains("outboxd migrate"))
+            && text
+                .lines()
+                .last()
+                .is_some_and(|l| l.starts_with("CRITICAL: 2 failed")),
+        "{text}"
+    );
+}
+
+/// Row level security that hides rows from outboxd's role fails the check (the polling path and the
+/// figures would not see them); the role's `BYPASSRLS` fixes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn row_level_security_hiding_rows_from_outboxd_fails() {
+    let (pg, broker) = migrated_stack();
+    let url = readme_role(&pg, "Rls-pass-1", "outbox_event", "").await;
+    let admin = pg.client().await;
+    admin
+        .batch_execute(
+            "ALTER TABLE outbox_event ENABLE ROW LEVEL SECURITY;
+             ALTER TABLE outbox_event FORCE ROW LEVEL SECURITY;
+             CREATE POLICY tenant ON outbox_event USING (aggregate_type = current_setting('app.tenant', true))",
+        )
+        .await
+        .unwrap();
+    let (code, report) = doctor(&url, &broker.addr(), &["--mode", "poll"]);
+    let rls = finding(&report, "postgres.row_level_security");
+    assert_eq!(
+        (code, rls["outcome"].as_str()),
+        (2, Some("failed")),
+        "{report:#}"
+    );
+    assert!(rls["fix"].as_str().unwrap().contains("BYPASSRLS"), "{rls}");
+    // `run` starts (nothing it must stop on), and says so in its log, with the fix.
+    let brokers = broker.addr();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", "poll"]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_for("run to log the finding", Duration::from_secs(60), || {
+        let log = outboxd.log_text();
+        (log.contains("row level security") && log.contains("BYPASSRLS")).then_some(())
+    });
+    drop(outboxd);
+    admin
+        .batch_execute("ALTER ROLE outboxd_app BYPASSRLS")
+        .await
+        .unwrap();
+    let (_, report) = doctor(&url, &broker.addr(), &["--mode", "poll"]);
+    assert_eq!(
+        finding(&report, "postgres.row_level_security")["outcome"],
+        "ok",
+        "{report:#}"
+    );
+}
+
+/// A server without logical replication fails `postgres.wal_level` with the setting that fixes it; an
+/// event larger than its one topic takes fails that topic's check.
+#[tokio::test(flavor = "multi_thread")]
+async fn wal_level_and_an_event_too_large_for_its_topic_fail() {
+    let pg = Postgres::start_with_wal_level("replica");
+    migrate(&pg);
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    create_topic(
+        &brokers,
+        rdkafka::admin::NewTopic::new("orders", 1, rdkafka::admin::TopicReplication::Fixed(1))
+            .set("max.message.bytes", "20000"),
+    )
+    .await;
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('blob', repeat('x', 50000)))",
+        )
+        .await
+        .unwrap();
+    let (code, report) = doctor(&url, &brokers, &["--topic", "orders"]);
+    assert_eq!(code, 2, "{report:#}");
+    let wal_level = finding(&report, "postgres.wal_level");
+    assert_eq!(wal_level["outcome"], "failed", "{wal_level}");
+    assert!(
+        wal_level["fix"]
+            .as_str()
+            .unwrap()
+            .contains("wal_level = logical"),
+        "{wal_level}"
+    );
+    let topic = finding(&report, "kafka.topic orders");
+    assert_eq!(topic["outcome"], "failed", "{topic}");
+    assert!(
+        topic["detail"]
+            .as_str()
+            .unwrap()
+            .contains("max.message.bytes"),
+        "{topic}"
+    );
+}
+
+/// Nothing reachable: every check says it could not be made (UNKNOWN, exit 3), none passes.
+#[test]
+fn unreachable_servers_are_unknown_not_ok() {
+    let (code, report) = doctor(
+        "postgres://outboxd@127.0.0.1:1/app",
+        "127.0.0.1:1",
+        &["--startup-timeout", "1s"],
+    );
+    assert_eq!(
+        (code, report["level"].as_str()),
+        (3, Some("UNKNOWN")),
+        "{report:#}"
+    );
+    assert_eq!(
+        finding(&report, "postgres.connection")["outcome"],
+        "unknown"
+    );
+    assert_eq!(finding(&report, "kafka.brokers")["outcome"], "unknown");
+    assert!(
+        !report["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["check"].as_str().unwrap().starts_with("postgres.") && f["outcome"] == "ok"),
+        "{report:#}"
+    );
+}
