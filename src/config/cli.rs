@@ -218,7 +218,7 @@ pub struct Options {
     /// Most events handed to the broker but not yet finished [default: 10000].
     #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT_EVENTS")]
     pub max_in_flight_events: Option<usize>,
-    /// Most payload bytes in flight [default: 16MiB, written in bytes].
+    /// Most payload bytes in flight, 16 MiB by default [default: 16777216].
     #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT_BYTES")]
     pub max_in_flight_bytes: Option<usize>,
     /// Interval of standby status updates; keep it well under wal_sender_timeout/2 [default: 1s].

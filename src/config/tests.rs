@@ -253,6 +253,15 @@ archive-table = "file.archive"
 retention-interval = "2m"
 metrics-addr = "127.0.0.1:9999"
 log-format = "json"
+delivery = "exactly-once"
+format = "cloudevents"
+cloudevents-mode = "structured"
+cloudevents-source = "/file/source"
+progress-topic = "file.progress"
+transaction-interval = "250ms"
+max-topics = 9
+allow-unprefixed-topic = true
+auto-drop-slot-after = "3m"
 "#;
 
 /// Every option, as a TOML table (how the merge sees it).
@@ -599,4 +608,119 @@ fn a_debug_of_the_settings_never_shows_a_secret() {
         assert!(!shown.contains(secret), "{secret} in {shown}");
     }
     assert!(shown.contains("b:9092"), "{shown}");
+}
+
+/// README's options table, as (option cell, default cell) of each row whose option starts with `--` or names a
+/// subcommand's own flag (`status --json`).
+fn readme_options() -> Vec<(String, String)> {
+    let readme = include_str!("../../README.md");
+    let table = readme
+        .split("| option | default | meaning |")
+        .nth(1)
+        .expect("README has the options table");
+    table
+        .lines()
+        .skip(2)
+        .take_while(|line| line.starts_with('|'))
+        .map(|line| {
+            let cells: Vec<&str> = line.split(" | ").collect();
+            (
+                cells[0].trim_start_matches("| ").to_string(),
+                cells[1].replace('`', ""),
+            )
+        })
+        .collect()
+}
+
+/// `--name` as clap has it.
+fn long_flags(command: &clap::Command) -> Vec<&clap::Arg> {
+    command
+        .get_arguments()
+        .filter(|arg| {
+            arg.get_long()
+                .is_some_and(|l| l != "help" && l != "version")
+        })
+        .collect()
+}
+
+/// README's options table and the CLI cannot drift: every flag of `run` (and of `status` and `doctor`) has a
+/// row and every row a flag; each option's environment variable is `OUTBOXD_` + its name in upper snake
+/// case, as README says; each is a key of the `--config` file but `config` itself; and where `--help` states
+/// a default, README states the same.
+#[test]
+fn readme_options_table_matches_the_cli() {
+    use clap::CommandFactory;
+    let cli = Cli::command();
+    let rows = readme_options();
+    let run = cli.find_subcommand("run").unwrap();
+    let mut named = Vec::new();
+    for arg in long_flags(run) {
+        let long = arg.get_long().unwrap();
+        let cell = format!("`--{long}`");
+        named.push(cell.clone());
+        let Some((_, default)) = rows.iter().find(|(option, _)| *option == cell) else {
+            panic!("README's options table has no row {cell}");
+        };
+        let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+        let expected_env = format!("OUTBOXD_{}", long.to_uppercase().replace('-', "_"));
+        assert_eq!(env.as_deref(), Some(expected_env.as_str()), "--{long}");
+        if long != "config" {
+            assert!(
+                EVERY_OPTION
+                    .lines()
+                    .any(|line| line.starts_with(&format!("{long} ="))),
+                "--{long} is no key of the --config file (EVERY_OPTION)"
+            );
+        }
+        let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        if let Some(stated) = help.split("[default: ").nth(1) {
+            let stated = stated.split([']', ';']).next().unwrap_or_default();
+            assert_eq!(
+                default, stated,
+                "--{long}: README's default against --help's"
+            );
+        }
+    }
+    for (option, _) in &rows {
+        let subcommand_flag = ["status ", "doctor "].iter().find_map(|sub| {
+            option
+                .strip_prefix(&format!("`{sub}"))
+                .map(|rest| (sub.trim(), rest))
+        });
+        match subcommand_flag {
+            Some((sub, rest)) => {
+                let command = cli.find_subcommand(sub).unwrap();
+                for flag in rest
+                    .split(" / ")
+                    .map(|f| f.trim_matches('`').trim_start_matches("--"))
+                {
+                    assert!(
+                        long_flags(command)
+                            .iter()
+                            .any(|a| a.get_long() == Some(flag)),
+                        "README names {sub} --{flag}, which {sub} does not have"
+                    );
+                }
+            }
+            None => assert!(
+                named.contains(option),
+                "README names {option}, which is no option of run"
+            ),
+        }
+    }
+    for sub in ["status", "doctor"] {
+        let command = cli.find_subcommand(sub).unwrap();
+        for arg in long_flags(command) {
+            let long = arg.get_long().unwrap();
+            if long_flags(run).iter().any(|a| a.get_long() == Some(long)) {
+                continue;
+            }
+            assert!(
+                rows.iter()
+                    .any(|(option, _)| option.starts_with(&format!("`{sub} "))
+                        && option.contains(&format!("--{long}"))),
+                "README's options table has no row for {sub} --{long}"
+            );
+        }
+    }
 }
