@@ -332,6 +332,7 @@ pub async fn hand_off_rows_older_than_slot(
         .await?;
     tx.batch_execute(&format!("SET TRANSACTION SNAPSHOT '{snapshot_name}'"))
         .await?;
+    tx.batch_execute(WITHOUT_STATEMENT_TIMEOUT).await?;
     let mut marked = 0;
     for table in tables.iter().filter(|t| t.polling) {
         // A slot created while an earlier one still owed the rows marked published before outboxd (replaced
@@ -493,13 +494,20 @@ pub async fn republish_history_a_lost_slot_owed(
     Ok(handed_off)
 }
 
+/// Lifts a `statement_timeout` (set for the role, or by the server) for the rest of the transaction:
+/// outboxd's one-off maintenance statements over the whole backlog (numbering, the slot's hand-off) must
+/// finish, however large the backlog; outboxd bounds its other statements itself.
+pub const WITHOUT_STATEMENT_TIMEOUT: &str = "SET LOCAL statement_timeout = 0";
+
 /// Gives the unpublished rows that have no `position` (older than the polling migration, or in a table given
 /// `migrate --add-polling-columns`) one in insert order, before every sequence-filled row: by `created_at`
 /// (the transaction's start), then the inserting transaction's id and the command id within it (one per
 /// INSERT statement), then physical order (rows of one multi-row INSERT). xmin and cmin are the insert's only
 /// while the row was never updated, so this runs before outboxd first touches them: when the polling path
 /// starts and inside the slot's hand-off. Reads the claim index (`position NULLS FIRST`), not the table.
-/// Returns the rows numbered (none once done).
+/// Returns the rows numbered (none once done). Callers run it in a transaction after
+/// [`WITHOUT_STATEMENT_TIMEOUT`]: on a large history it takes longer than a role's `statement_timeout` may
+/// allow, and cut short it would fail again at every try.
 pub async fn number_rows_without_position(
     client: &impl GenericClient,
     table: &OutboxTable,

@@ -320,7 +320,7 @@ impl<K: Sinks> PollWorker<K> {
     /// once every row of the table has a position.
     async fn open(&self) -> Result<(tokio_postgres::Client, PollSql)> {
         // A silent server must end the session (it may hold the claim lock every claimer waits for).
-        let client = pg::connect(&super::liveness::with_dead_peer_detection(
+        let mut client = pg::connect(&super::liveness::with_dead_peer_detection(
             &self.settings.database.database_url,
         ))
         .await?;
@@ -333,7 +333,12 @@ impl<K: Sinks> PollWorker<K> {
             .await?;
         // Rows older than the polling columns have no position; the sweeper may meet them too (handed off by
         // `migrate --existing-rows unpublished`).
-        let numbered = outbox::number_rows_without_position(&client, self.table()).await?;
+        let numbering = client.transaction().await?;
+        numbering
+            .batch_execute(outbox::WITHOUT_STATEMENT_TIMEOUT)
+            .await?;
+        let numbered = outbox::number_rows_without_position(&numbering, self.table()).await?;
+        numbering.commit().await?;
         if numbered > 0 {
             tracing::info!(table = %self.table().name, rows = numbered, "gave rows without a position one, in insert order");
         }

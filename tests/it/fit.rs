@@ -1143,3 +1143,59 @@ async fn a_row_without_event_id_is_dead_lettered_by_the_per_aggregate_claim() {
 async fn a_row_without_event_id_is_dead_lettered_by_the_unordered_claim() {
     a_polled_row_without_event_id_is_dead_lettered_and_the_rest_flows("none").await;
 }
+
+/// Review F15: a role-level `statement_timeout` (as DBAs set for application roles) shorter than numbering a
+/// large history of rows without a position: outboxd lifts it for that one piece of maintenance, on the
+/// polling path and in the slot's hand-off, instead of failing and retrying it forever.
+async fn a_role_statement_timeout_never_stops_the_numbering(mode: &str) {
+    let (pg, broker, client) = stack_with(CDC_ONLY_TABLE).await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'order-' || i % 1000, 'E', '{}'
+             FROM generate_series(1, 300000) AS i",
+        )
+        .await
+        .unwrap();
+    migrate_with(
+        &pg.url(),
+        &["--add-polling-columns", "--existing-rows", "unpublished"],
+    );
+    let url = readme_role(&pg, "Timeout-pass-1", "outbox_event", "").await;
+    client
+        .batch_execute("ALTER ROLE outboxd_app SET statement_timeout = '200ms'")
+        .await
+        .unwrap();
+    let brokers = broker.addr();
+    let mut args = run_args(&url, &brokers);
+    args.extend(["--mode", mode]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_for_async(
+        "every row to have a position",
+        Duration::from_secs(120),
+        || async {
+            let unnumbered: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE position IS NULL AND published_at IS NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (unnumbered == 0).then_some(())
+        },
+    )
+    .await;
+    let log = outboxd.log_text();
+    assert!(!log.contains("statement timeout"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_role_statement_timeout_never_stops_the_polling_paths_numbering() {
+    a_role_statement_timeout_never_stops_the_numbering("poll").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_role_statement_timeout_never_stops_the_hand_offs_numbering() {
+    a_role_statement_timeout_never_stops_the_numbering("cdc").await;
+}
