@@ -56,6 +56,7 @@ pub async fn examine(settings: &RunSettings, waiting: Waiting) -> Vec<Finding> {
         "not checked: outboxd's Kafka client cannot describe ACLs; a missing permission shows at start-up or as TOPIC_AUTHORIZATION_FAILED in the log",
         "grant outboxd's principal WRITE and DESCRIBE on its topics (and CREATE, unless --no-create-topics)",
     ));
+    findings.push(record_size(settings, waiting));
     match topics(settings, waiting).await {
         Ok(topic_findings) => findings.extend(topic_findings),
         Err(detail) => findings.push(Finding {
@@ -66,6 +67,38 @@ pub async fn examine(settings: &RunSettings, waiting: Waiting) -> Vec<Finding> {
         }),
     }
     findings
+}
+
+/// librdkafka's default `message.max.bytes`: it refuses a larger record itself, before any broker sees it.
+const DEFAULT_MESSAGE_MAX_BYTES: i64 = 1_000_000;
+/// What a record carries besides its payload (key, headers, framing), as a margin for the size checks.
+const RECORD_OVERHEAD: i64 = 1024;
+
+/// The last value `--kafka-option` gives `property`, as a number.
+fn numeric_option(settings: &RunSettings, property: &str) -> Option<i64> {
+    settings
+        .kafka
+        .options
+        .iter()
+        .rev()
+        .find(|(key, _)| key == property)
+        .and_then(|(_, value)| value.trim().parse().ok())
+}
+
+/// The largest event waiting against the producer's own limit (`message.max.bytes`), whatever its topic.
+fn record_size(settings: &RunSettings, waiting: Waiting) -> Finding {
+    let check = "kafka.record_size";
+    let limit = numeric_option(settings, "message.max.bytes").unwrap_or(DEFAULT_MESSAGE_MAX_BYTES);
+    match waiting.largest_payload {
+        Some(largest) if largest + RECORD_OVERHEAD > limit => Finding::with_fix(
+            check,
+            Outcome::Failed,
+            format!("an event of {largest} bytes waits in the backlog, and outboxd's producer refuses records over message.max.bytes = {limit} (key and headers included): it will be dead-lettered"),
+            format!("--kafka-option message.max.bytes={} (and a topic max.message.bytes at least as large)", largest + 2 * RECORD_OVERHEAD),
+        ),
+        Some(largest) => Finding::ok(check, format!("the largest waiting event ({largest} bytes) is within the producer's message.max.bytes = {limit}")),
+        None => Finding::ok(check, format!("no event waits; the producer takes records up to message.max.bytes = {limit}")),
+    }
 }
 
 /// One finding per existing topic outboxd writes to (by `--topic` and `--dead-letter-topic`); topics not
@@ -79,12 +112,19 @@ async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>
         tokio::task::block_in_place(|| admin.inner().fetch_metadata(None, REQUEST_TIMEOUT))
             .map_err(|e| format!("the brokers' metadata: {e}"))?;
     let dead_letter_topic = settings.poll.dead_letter_topic.as_deref();
+    let progress_topic = settings
+        .kafka
+        .exactly_once
+        .as_ref()
+        .map(|e| e.progress_topic.as_str());
     let ours: Vec<(String, i64)> = metadata
         .topics()
         .iter()
         .filter(|topic| {
             Some(topic.name()) == dead_letter_topic
-                || settings
+                // Kafka's own topics (`__consumer_offsets`) and outboxd's progress topic are never events'.
+                || !topic.name().starts_with('_') && Some(topic.name()) != progress_topic
+                && settings
                     .database
                     .tables
                     .iter()
@@ -95,11 +135,41 @@ async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>
             (topic.name().to_string(), replicas.unwrap_or(0) as i64)
         })
         .collect();
+    let mut findings = Vec::new();
+    if !settings.kafka.create_topics {
+        let literal = settings.topic.is_literal().then(|| {
+            settings
+                .database
+                .tables
+                .iter()
+                .map(|table| settings.topic.render(&table.name, "", ""))
+                .collect::<Vec<_>>()
+        });
+        let needed = literal
+            .into_iter()
+            .flatten()
+            .chain(dead_letter_topic.map(String::from));
+        for topic in needed {
+            if !ours.iter().any(|(name, _)| *name == topic) {
+                findings.push(Finding::with_fix(
+                    format!("kafka.topic {topic}"),
+                    Outcome::Failed,
+                    format!("topic {topic} does not exist, and --no-create-topics keeps outboxd from creating it: its events would wait"),
+                    format!("create it (kafka-topics --create --topic {topic} ...), or drop --no-create-topics"),
+                ));
+            }
+        }
+    }
     if ours.is_empty() {
-        return Ok(vec![Finding::ok(
+        findings.push(Finding::ok(
             "kafka.topics",
-            "no topic of --topic exists yet: outboxd creates them as events arrive",
-        )]);
+            if settings.kafka.create_topics {
+                "no topic of --topic exists yet: outboxd creates them as events arrive"
+            } else {
+                "no topic of --topic exists yet (with --no-create-topics, each must exist before its first event)"
+            },
+        ));
+        return Ok(findings);
     }
     let specifiers: Vec<ResourceSpecifier> = ours
         .iter()
@@ -112,15 +182,7 @@ async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>
         )
         .await
         .map_err(|e| format!("describing the topics: {e}"))?;
-    let batch_size = settings
-        .kafka
-        .options
-        .iter()
-        .rev()
-        .find(|(key, _)| key == "batch.size")
-        .and_then(|(_, value)| value.trim().parse().ok())
-        .unwrap_or(DEFAULT_BATCH_SIZE);
-    let mut findings = Vec::new();
+    let batch_size = numeric_option(settings, "batch.size").unwrap_or(DEFAULT_BATCH_SIZE);
     for ((name, replicas), result) in ours.iter().zip(described) {
         let check = format!("kafka.topic {name}");
         let resource = match result {

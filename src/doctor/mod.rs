@@ -59,6 +59,13 @@ pub async fn examine(configured: RunSettings<TableSpec>) -> Report {
         check_topic_template(&settings)
             .map(|()| Finding::ok("config.topic", "--topic names only columns every table has")),
     ));
+    if settings.retention.is_some() {
+        report.push(Finding::from_result(
+            "config.retention",
+            check_retention_columns(&settings)
+                .map(|()| Finding::ok("config.retention", "every table has published_at")),
+        ));
+    }
     let mut waiting = kafka::Waiting::default();
     if let (Some(client), true) = (&client, tables_read) {
         for finding in postgres::examine(client, &settings).await {
@@ -114,6 +121,20 @@ pub fn check_topic_template(settings: &RunSettings) -> Result<()> {
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// `--retention` needs `published_at` on every table, to know what was published.
+pub fn check_retention_columns(settings: &RunSettings) -> Result<()> {
+    if let (Some(_), Some(table)) = (
+        &settings.retention,
+        settings.database.tables.iter().find(|t| !t.marks_published),
+    ) {
+        return Err(Error::setup(
+            format!("--retention needs the published_at column to know what was published, and {} has none", table.name),
+            "run `outboxd migrate --add-polling-columns`, or drop --retention",
+        ));
     }
     Ok(())
 }

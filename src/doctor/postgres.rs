@@ -50,18 +50,24 @@ pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
         }
     }
     if settings.mode != Mode::Poll {
-        findings.push(Finding::from_result(
-            "postgres.wal_level",
-            wal_level(client).await,
-        ));
-        findings.push(replication_permission(settings).await);
-        findings.push(Finding::from_result(
-            "postgres.publication",
-            publication(client, settings).await,
-        ));
+        let replication = [
+            Finding::from_result("postgres.wal_level", wal_level(client).await),
+            replication_permission(settings).await,
+        ];
+        let available = replication.iter().all(|f| f.outcome == Outcome::Ok);
+        for finding in replication {
+            findings.push(polled_instead(finding, settings.mode));
+        }
+        if available || settings.mode == Mode::Cdc {
+            findings.push(Finding::from_result(
+                "postgres.publication",
+                publication(client, settings).await,
+            ));
+        }
+        let can_sweep = settings.database.tables.iter().all(|t| t.polling);
         findings.push(Finding::from_result(
             "postgres.slot",
-            replication_slot(client, &settings.database.slot, version).await,
+            replication_slot(client, &settings.database.slot, version, can_sweep).await,
         ));
         findings.push(Finding::from_result(
             "postgres.wal_headroom",
@@ -101,6 +107,22 @@ pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
         ));
     }
     findings
+}
+
+/// Under `--mode auto` (every table has the polling columns), replication that is not available is no
+/// failure: `run` polls the table instead, and switches to the slot once it is.
+fn polled_instead(finding: Finding, mode: Mode) -> Finding {
+    if mode != Mode::Auto || finding.outcome != Outcome::Failed {
+        return finding;
+    }
+    Finding {
+        outcome: Outcome::Warning,
+        detail: format!(
+            "{}; --mode auto polls the table instead (later events wait up to --poll-interval) and streams once it is fixed",
+            finding.detail
+        ),
+        ..finding
+    }
 }
 
 /// The checks `run`'s start-up does not make itself (it stops on the others), for it to log: what hides rows
@@ -180,12 +202,19 @@ fn polling_columns(table: &OutboxTable, mode: Mode) -> Finding {
 async fn row_level_security(client: &Client, table: &OutboxTable) -> Result<Finding> {
     let row = client
         .query_one(
-            "SELECT c.relrowsecurity AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))
-                    AND NOT r.rolbypassrls AND NOT r.rolsuper,
-                    current_user::text
-             FROM pg_class c, pg_roles r
-             WHERE c.oid = $1::text::regclass AND r.rolname = current_user",
-            &[&table.name.quoted()],
+            // Hidden: row security applies to this role, and its policies do not plainly let it read and
+            // update every row (a permissive `USING (true)` for SELECT and UPDATE, no restrictive policy).
+            "WITH applying AS (
+                 SELECT p.permissive, p.cmd, p.qual FROM pg_policies p
+                 WHERE p.schemaname = $2 AND p.tablename = $3
+                   AND EXISTS (SELECT FROM unnest(p.roles) AS r
+                               WHERE r = 'public' OR pg_has_role(current_user, r, 'MEMBER')))
+             SELECT row_security_active($1::text::regclass)
+                    AND NOT (EXISTS (SELECT FROM applying WHERE permissive = 'PERMISSIVE' AND cmd IN ('ALL', 'SELECT') AND qual = 'true')
+                             AND EXISTS (SELECT FROM applying WHERE permissive = 'PERMISSIVE' AND cmd IN ('ALL', 'UPDATE') AND qual = 'true')
+                             AND NOT EXISTS (SELECT FROM applying WHERE permissive = 'RESTRICTIVE')),
+                    current_user::text",
+            &[&table.name.quoted(), &table.name.schema, &table.name.name],
         )
         .await?;
     let (hidden, role): (bool, String) = (row.get(0), row.get(1));
@@ -235,10 +264,16 @@ async fn figures_indexes(client: &Client, table: &OutboxTable) -> Result<Finding
             format!("an index serves every figure of {}", table.name),
         ));
     }
+    // With the polling columns the figures read the claim index: without it, every claim reads the table.
+    let (outcome, claims) = if table.polling {
+        (Outcome::Failed, "; the claim index is missing or invalid, so every claim of the polling path and the sweeper reads the whole table too")
+    } else {
+        (Outcome::Warning, "")
+    };
     Ok(Finding::with_fix(
         check,
-        Outcome::Warning,
-        format!("no index serves the {} of {}: those figures are not counted (reading the whole table every 5 s would load the database)", scanned.join(", "), table.name),
+        outcome,
+        format!("no index serves the {} of {}: those figures are not counted (reading the whole table every 5 s would load the database){claims}", scanned.join(", "), table.name),
         outbox::backlog_index_fix(table),
     ))
 }
@@ -311,8 +346,24 @@ async fn publication(client: &Client, settings: &RunSettings) -> Result<Finding>
 
 /// The slot, when it exists: pgoutput, this database's, not lost (the check `run` makes), and how much of
 /// its WAL is still reserved.
-async fn replication_slot(client: &Client, slot_name: &str, version: i32) -> Result<Finding> {
+async fn replication_slot(
+    client: &Client,
+    slot_name: &str,
+    version: i32,
+    can_sweep: bool,
+) -> Result<Finding> {
     let check = "postgres.slot";
+    let lost = slot::slot_state(client, slot_name)
+        .await?
+        .is_some_and(|state| state.wal_status.as_deref() == Some("lost"));
+    if lost && can_sweep {
+        return Ok(Finding::with_fix(
+            check,
+            Outcome::Warning,
+            format!("{slot_name} is lost (wal_status = lost): outboxd drops and replaces it at start, and the polling path publishes what it missed (some events again)"),
+            "nothing to do before starting outboxd; to keep slots from being lost, keep outboxd running or raise max_slot_wal_keep_size",
+        ));
+    }
     let Some(state) = slot::check_existing_slot(client, slot_name).await? else {
         return Ok(Finding::ok(
             check,

@@ -151,15 +151,18 @@ impl Report {
             .max()
             .unwrap_or(0);
         let mut text = String::new();
+        // Names in details come from catalogs other roles write: a line break or a terminal escape in one
+        // must not forge a line.
+        let escape = crate::logging::escape_controls;
         for finding in &self.findings {
             text.push_str(&format!(
                 "{:<8} {:<width$}  {}\n",
                 finding.outcome.as_str(),
-                finding.check,
-                finding.detail
+                escape(&finding.check),
+                escape(&finding.detail)
             ));
             if let Some(fix) = &finding.fix {
-                text.push_str(&format!("{:<8} {:<width$}  fix: {fix}\n", "", ""));
+                text.push_str(&format!("{:<8} {:<width$}  fix: {}\n", "", "", escape(fix)));
             }
         }
         text.push_str(&format!(
@@ -246,5 +249,19 @@ mod tests {
         assert_eq!(json["findings"][1]["outcome"], "failed");
         assert_eq!(json["findings"][1]["fix"], "do this");
         assert_eq!(json["findings"][0]["fix"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn a_name_with_a_line_break_cannot_forge_a_line() {
+        let mut report = Report::default();
+        report.push(Finding::with_fix(
+            "postgres.publication",
+            Outcome::Failed,
+            "owned by role x\nok       postgres.everything  fine",
+            "drop it\u{1b}[2K",
+        ));
+        let text = report.to_text();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        assert!(!text.contains('\u{1b}'), "{text}");
     }
 }

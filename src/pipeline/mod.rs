@@ -215,15 +215,7 @@ async fn start_up(
         }
         Mode::Poll => {}
     }
-    if let (Some(_), Some(table)) = (
-        &settings.retention,
-        settings.database.tables.iter().find(|t| !t.marks_published),
-    ) {
-        return Err(Error::setup(
-            format!("--retention needs the published_at column to know what was published, and {} has none", table.name),
-            "run `outboxd migrate --add-polling-columns`, or drop --retention",
-        ));
-    }
+    crate::doctor::check_retention_columns(settings)?;
     if let Some(retention) = &settings.retention {
         retry_until(timeout, deadline, || async {
             let client = crate::pg::connect(&settings.database.database_url).await?;

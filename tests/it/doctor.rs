@@ -192,8 +192,19 @@ async fn row_level_security_hiding_rows_from_outboxd_fails() {
         (log.contains("row level security") && log.contains("BYPASSRLS")).then_some(())
     });
     drop(outboxd);
+    // Either fix: a policy letting the role see and update every row, or BYPASSRLS.
     admin
-        .batch_execute("ALTER ROLE outboxd_app BYPASSRLS")
+        .batch_execute("CREATE POLICY outboxd ON outbox_event TO outboxd_app USING (true)")
+        .await
+        .unwrap();
+    let (_, report) = doctor(&url, &broker.addr(), &["--mode", "poll"]);
+    assert_eq!(
+        finding(&report, "postgres.row_level_security")["outcome"],
+        "ok",
+        "{report:#}"
+    );
+    admin
+        .batch_execute("DROP POLICY outboxd ON outbox_event; ALTER ROLE outboxd_app BYPASSRLS")
         .await
         .unwrap();
     let (_, report) = doctor(&url, &broker.addr(), &["--mode", "poll"]);
@@ -204,10 +215,12 @@ async fn row_level_security_hiding_rows_from_outboxd_fails() {
     );
 }
 
-/// A server without logical replication fails `postgres.wal_level` with the setting that fixes it; an
-/// event larger than its one topic takes fails that topic's check.
+/// A server without logical replication: `--mode cdc` fails `postgres.wal_level` with the setting that
+/// fixes it, `--mode auto` (the table has the polling columns) only warns, since it polls instead. An event
+/// larger than its one topic takes, or than the producer's `message.max.bytes`, fails; so does a topic
+/// `--no-create-topics` keeps from being created.
 #[tokio::test(flavor = "multi_thread")]
-async fn wal_level_and_an_event_too_large_for_its_topic_fail() {
+async fn replication_off_and_events_kafka_would_refuse_are_named() {
     let pg = Postgres::start_with_wal_level("replica");
     migrate(&pg);
     let broker = Broker::start();
@@ -226,15 +239,24 @@ async fn wal_level_and_an_event_too_large_for_its_topic_fail() {
         )
         .await
         .unwrap();
-    let (code, report) = doctor(&url, &brokers, &["--topic", "orders"]);
+    let (code, report) = doctor(
+        &url,
+        &brokers,
+        &[
+            "--topic",
+            "orders",
+            "--kafka-option",
+            "message.max.bytes=30000",
+        ],
+    );
     assert_eq!(code, 2, "{report:#}");
     let wal_level = finding(&report, "postgres.wal_level");
-    assert_eq!(wal_level["outcome"], "failed", "{wal_level}");
+    assert_eq!(wal_level["outcome"], "warning", "{wal_level}");
     assert!(
-        wal_level["fix"]
+        wal_level["detail"]
             .as_str()
             .unwrap()
-            .contains("wal_level = logical"),
+            .contains("polls the table instead"),
         "{wal_level}"
     );
     let topic = finding(&report, "kafka.topic orders");
@@ -245,6 +267,40 @@ async fn wal_level_and_an_event_too_large_for_its_topic_fail() {
             .unwrap()
             .contains("max.message.bytes"),
         "{topic}"
+    );
+    let record = finding(&report, "kafka.record_size");
+    assert_eq!(record["outcome"], "failed", "{record}");
+    assert!(
+        record["fix"]
+            .as_str()
+            .unwrap()
+            .contains("message.max.bytes="),
+        "{record}"
+    );
+
+    let (code, report) = doctor(
+        &url,
+        &brokers,
+        &["--mode", "cdc", "--topic", "missing", "--no-create-topics"],
+    );
+    assert_eq!(code, 2, "{report:#}");
+    let wal_level = finding(&report, "postgres.wal_level");
+    assert_eq!(wal_level["outcome"], "failed", "{wal_level}");
+    assert!(
+        wal_level["fix"]
+            .as_str()
+            .unwrap()
+            .contains("wal_level = logical"),
+        "{wal_level}"
+    );
+    let missing = finding(&report, "kafka.topic missing");
+    assert_eq!(missing["outcome"], "failed", "{missing}");
+    assert!(
+        missing["fix"]
+            .as_str()
+            .unwrap()
+            .contains("--no-create-topics"),
+        "{missing}"
     );
 }
 
