@@ -74,9 +74,9 @@ impl Readiness {
         crate::metrics::set_mode(mode);
     }
 
-    /// True while a pipeline runs here (cdc or poll), not while starting or standing by.
-    pub fn is_active(&self) -> bool {
-        matches!(self.mode.load(Ordering::Relaxed), 1 | 2)
+    /// True while another instance is active for this slot and this one waits to take over.
+    pub fn is_standby(&self) -> bool {
+        self.mode.load(Ordering::Relaxed) == 3
     }
 
     /// `Ok(mode)` when ready, else the reason.

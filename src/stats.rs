@@ -65,14 +65,15 @@ async fn check_forever(settings: std::sync::Arc<RunSettings<TableSpec>>) {
         });
         READINESS.set_database(database_ok);
         match &client {
-            // The backlog is the fleet's, not this instance's: the active instance reports it, standbys do
-            // not add the load (they report 0).
-            Some(client) if database_ok && READINESS.is_active() => {
+            // The backlog is the fleet's, not this instance's: standbys do not add the load (they report 0).
+            // Every other instance reports it, also while it starts or reconnects: a backlog growing while
+            // the pipeline cannot stream is what the alerts are for.
+            Some(client) if database_ok && !READINESS.is_standby() => {
                 let refreshed =
                     tokio::time::timeout(REFRESH_TIMEOUT, figures.refresh(client, &settings)).await;
                 figures.report(refreshed.unwrap_or_else(|_| Err("took longer than 4 s".into())));
             }
-            _ if !READINESS.is_active() => {
+            _ if READINESS.is_standby() => {
                 for name in [
                     m::UNPUBLISHED_EVENTS,
                     m::OLDEST_UNPUBLISHED_AGE,

@@ -558,34 +558,10 @@ async fn slot_held_by_another_client_is_a_clear_error_after_startup_timeout() {
         .await
         .unwrap();
     // Another client streams from the slot.
-    let mut other = std::process::Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &pg.port.to_string(),
-            "-U",
-            "postgres",
-            "-d",
-            "postgres",
-        ])
-        .args([
-            "--slot",
-            "outboxd",
-            "--start",
-            "-f",
-            "/dev/null",
-            "-o",
-            "proto_version=1",
-            "-o",
-            "publication_names=outboxd",
-        ])
-        .spawn()
-        .expect("pg_recvlogical");
+    let other = OtherSlotClient::start(&pg, "outboxd");
     let client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
     let stderr = run_expecting_failure(&pg.url(), &broker.addr(), &[]);
-    let _ = other.kill();
-    let _ = other.wait();
+    drop(other);
     assert_mentions(&stderr, &["in use by another client", "--slot"]);
 }

@@ -758,3 +758,41 @@ async fn dead_letters_stay_visible_in_metrics_across_restarts() {
         },
     );
 }
+
+/// Adversarial review of readiness (1): while the pipeline cannot stream (another client holds the slot, so
+/// its session retries), the backlog grows and `/metrics` says so; it said 0 whenever the instance was not
+/// streaming, which kept the backlog alerts from ever firing.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_backlog_shows_while_the_pipeline_cannot_stream() {
+    let (pg, broker) = migrated_stack();
+    let client = pg.client().await;
+    client
+        .batch_execute("SELECT pg_create_logical_replication_slot('outboxd', 'pgoutput')")
+        .await
+        .unwrap();
+    let _other = OtherSlotClient::start(&pg, "outboxd");
+    wait_slot_active(&client, "outboxd").await;
+    let (url, brokers) = (pg.url(), broker.addr());
+    let (outboxd, metrics_addr) = spawn_serving_metrics(
+        &url,
+        &brokers,
+        &["--mode", "cdc", "--startup-timeout", "10m"],
+    );
+    let mut client = client;
+    insert_events(&mut client, 0, 5, 1, 5, None).await;
+    wait_for(
+        "outboxd_unpublished_events to count the 5 waiting events",
+        Duration::from_secs(60),
+        || {
+            let (_, text) = http_get(&metrics_addr, "/metrics")?;
+            (metric_value(&text, "outboxd_unpublished_events", "")? == 5.0).then_some(())
+        },
+    );
+    let (_, text) = http_get(&metrics_addr, "/metrics").unwrap();
+    assert_eq!(
+        metric_value(&text, "outboxd_events_published_total", "path=\"cdc\"").unwrap_or(0.0),
+        0.0,
+        "{text}"
+    );
+    drop(outboxd);
+}

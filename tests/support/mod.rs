@@ -1047,6 +1047,38 @@ pub async fn plan_of(client: &tokio_postgres::Client, sql: &str) -> String {
     lines.join("\n")
 }
 
+/// Another client (`pg_recvlogical`) streaming from `slot` of `pg`, until dropped.
+pub struct OtherSlotClient(std::process::Child);
+
+impl OtherSlotClient {
+    /// Starts it; the slot must exist.
+    pub fn start(pg: &Postgres, slot: &str) -> Self {
+        let child = Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &pg.port.to_string(),
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+            ])
+            .args(["--slot", slot, "--start", "-f", "/dev/null"])
+            .args(["-o", "proto_version=1", "-o", "publication_names=outboxd"])
+            .spawn()
+            .expect("pg_recvlogical");
+        OtherSlotClient(child)
+    }
+}
+
+impl Drop for OtherSlotClient {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// `outbox_p`, partitioned by `created_at`: an old 2020 partition (past any retention window) and one for
 /// everything since.
 pub const PARTITIONED_TABLE: &str = "CREATE TABLE public.outbox_p (
