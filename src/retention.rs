@@ -157,11 +157,14 @@ impl SlotHorizon {
             }
             _ => None,
         };
-        let horizon = self.horizon(now, wal_end, confirmed);
+        let mut horizon = self.horizon(now, wal_end, confirmed);
         // Not while a slot is being created: its hand-off reads the history mark (and republishes a pending
-        // one); a slot created since the mark has confirmed past it without ever streaming those rows.
+        // one); a slot created since the mark has confirmed past it without ever streaming those rows. Read
+        // after the slot: a new slot seen above was marked as being created before it existed, and stays so
+        // until its hand-off committed.
         if let Some(confirmed) = confirmed {
-            if !slot::creation_in_progress(&client, &sweeper.slot).await? {
+            horizon.slot_being_created = slot::creation_in_progress(&client, &sweeper.slot).await?;
+            if !horizon.slot_being_created {
                 for table in sweeper.tables.iter().filter(|t| t.polling) {
                     crate::pg::outbox::record_history_streamed(&client, table, confirmed).await?;
                 }
@@ -191,6 +194,7 @@ impl SlotHorizon {
         Horizon {
             published_before: self.passed.unwrap_or(f64::NEG_INFINITY),
             slot_confirmed: Some(confirmed),
+            slot_being_created: false,
         }
     }
 }
@@ -203,6 +207,8 @@ pub struct Horizon {
     pub published_before: f64,
     /// The slot's confirmed position; `None` without a slot.
     pub slot_confirmed: Option<Lsn>,
+    /// A slot is being created: its hand-off may still republish rows marked published before outboxd.
+    pub slot_being_created: bool,
 }
 
 impl Horizon {
@@ -210,13 +216,17 @@ impl Horizon {
     pub const NO_SLOT: Horizon = Horizon {
         published_before: f64::INFINITY,
         slot_confirmed: None,
+        slot_being_created: false,
     };
 
     /// Whether rows marked published before outboxd ('-infinity') may go: no slot owes them (see
     /// [`crate::pg::outbox::HistoryMark`]). Without a slot, a pending mark keeps them: the next slot hands
-    /// them to the polling path.
+    /// them to the polling path; so does a slot being created, whose hand-off may republish them (its
+    /// position says nothing of rows it never streamed).
     pub fn history_may_go(&self, mark: Option<crate::pg::outbox::HistoryMark>) -> bool {
-        mark.is_none_or(|mark| mark.streamed || mark.owed_by_none(self.slot_confirmed))
+        mark.is_none_or(|mark| {
+            mark.streamed || (!self.slot_being_created && mark.owed_by_none(self.slot_confirmed))
+        })
     }
 }
 
@@ -1117,6 +1127,7 @@ mod tests {
         let behind = Horizon {
             published_before: 0.0,
             slot_confirmed: Some(Lsn(900)),
+            slot_being_created: false,
         };
         let past = Horizon {
             slot_confirmed: Some(Lsn(1_000)),
@@ -1125,6 +1136,12 @@ mod tests {
         assert!(Horizon::NO_SLOT.history_may_go(None));
         assert!(!behind.history_may_go(Some(pending)));
         assert!(past.history_may_go(Some(pending)));
+        // A slot whose hand-off has not committed yet: past the mark, but it may still republish them.
+        let creating = Horizon {
+            slot_being_created: true,
+            ..past
+        };
+        assert!(!creating.history_may_go(Some(pending)));
         // Without a slot a pending mark keeps them: the next slot hands them to the polling path.
         assert!(!Horizon::NO_SLOT.history_may_go(Some(pending)));
         let streamed = HistoryMark {
