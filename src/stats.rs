@@ -137,21 +137,11 @@ impl Figures {
         let mut counted: Vec<OutboxTable> = Vec::new();
         let mut dead = 0;
         for table in tables.into_iter().filter(|t| t.marks_published) {
-            let statements = outbox::backlog_statements(&table);
-            let mut backlog_scans = false;
-            for sql in std::iter::once(&statements.count).chain(&statements.oldest) {
-                backlog_scans |= outbox::needs_a_table_scan(client, sql)
-                    .await
-                    .map_err(failed)?;
-            }
+            let countable = outbox::countable(client, &table).await.map_err(failed)?;
+            let (backlog_scans, dead_scans) =
+                (!countable.backlog, table.polling && !countable.dead);
             // The dead letters on their own: their index may serve where the backlog's does not.
-            let dead_scans = match &statements.dead {
-                Some(sql) => outbox::needs_a_table_scan(client, sql)
-                    .await
-                    .map_err(failed)?,
-                None => false,
-            };
-            if statements.dead.is_some() && !dead_scans {
+            if countable.dead {
                 dead += outbox::dead_count(client, &table).await.map_err(failed)?;
             }
             let name = table.name.to_string();

@@ -212,14 +212,22 @@ pub async fn read(
     let client = pg::connect_for_figures(&settings.database_url, STATEMENT_TIMEOUT).await?;
     let tables = slot::inspect_all(&client, &settings.tables).await?;
     let state = slot::slot_state(&client, &settings.slot).await?;
-    let backlog = outbox::backlog(&client, &tables).await?;
+    // Only what an index serves: a table no index serves is not read whole at every monitoring run.
+    let mut counted = Vec::new();
+    let mut dead_events = 0;
+    for table in tables.iter().filter(|t| t.marks_published) {
+        let countable = outbox::countable(&client, table).await?;
+        if countable.backlog {
+            counted.push(table.clone());
+        }
+        if countable.dead {
+            dead_events += outbox::dead_count(&client, table).await?;
+        }
+    }
+    let backlog = outbox::backlog(&client, &counted).await?;
     let quoted: Vec<String> = tables.iter().map(|t| t.name.quoted()).collect();
     let (active_instances, standby_instances) = instances(&client, &settings.slot, &quoted).await?;
     let retention = worst(crate::retention::read_states(&client, &settings.slot).await?);
-    let mut dead_events = 0;
-    for table in tables.iter().filter(|t| t.polling) {
-        dead_events += outbox::dead_count(&client, table).await?;
-    }
     Ok(Status {
         table: crate::table::names(&tables),
         slot_name: settings.slot.clone(),

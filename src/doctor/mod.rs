@@ -151,8 +151,7 @@ async fn waiting_events(
     let mut waiting = kafka::Waiting::default();
     let mut counted = Vec::new();
     for table in tables.iter().filter(|t| t.marks_published) {
-        let statements = outbox::backlog_statements(table);
-        if outbox::needs_a_table_scan(client, &statements.count).await? {
+        if !outbox::countable(client, table).await?.backlog {
             continue;
         }
         counted.push(table.clone());

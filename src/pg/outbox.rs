@@ -666,6 +666,30 @@ pub async fn needs_a_table_scan(client: &Client, sql: &str) -> Result<bool> {
     }))
 }
 
+/// Which of a table's figures an index serves (see [`needs_a_table_scan`]): only those are read, by the
+/// periodic figures, `outboxd status` and `outboxd doctor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Countable {
+    /// The backlog's count and oldest age.
+    pub backlog: bool,
+    /// The dead letters (false without the polling columns).
+    pub dead: bool,
+}
+
+/// [`Countable`] for `table`, by the plans of its [`backlog_statements`].
+pub async fn countable(client: &Client, table: &OutboxTable) -> Result<Countable> {
+    let statements = backlog_statements(table);
+    let mut backlog = true;
+    for sql in std::iter::once(&statements.count).chain(&statements.oldest) {
+        backlog &= !needs_a_table_scan(client, sql).await?;
+    }
+    let dead = match &statements.dead {
+        Some(sql) => !needs_a_table_scan(client, sql).await?,
+        None => false,
+    };
+    Ok(Countable { backlog, dead })
+}
+
 /// See [`backlog_statements`].
 #[derive(Debug, Clone)]
 pub struct BacklogStatements {

@@ -682,6 +682,35 @@ async fn a_backlog_no_index_serves_is_not_counted_by_reading_the_table() {
         Some(200),
         "an uncounted backlog is no unreachable database"
     );
+    // Nor do `outboxd status` and `outboxd doctor` (status read the whole table at every monitoring run).
+    let scans_before = seq_scans().await;
+    for command in ["status", "doctor"] {
+        let mut args = vec![
+            command,
+            "--database-url",
+            &url,
+            "--brokers",
+            &brokers,
+            "--mode",
+            "cdc",
+        ];
+        args.extend(table);
+        let output = run_outboxd(&args);
+        assert!(
+            output.status.code().is_some_and(|code| code < 3),
+            "{command}: {}",
+            stderr_of(&output)
+        );
+    }
+    let refreshed_before = refreshes();
+    wait_for("two more refreshes", Duration::from_secs(60), || {
+        (refreshes() >= refreshed_before + 2).then_some(())
+    });
+    assert_eq!(
+        seq_scans().await,
+        scans_before,
+        "status or doctor read the whole table"
+    );
     client
         .batch_execute(
             "CREATE INDEX CONCURRENTLY ON public.marked_outbox (created_at) WHERE published_at IS NULL",
