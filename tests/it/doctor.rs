@@ -26,6 +26,18 @@ fn finding<'a>(report: &'a serde_json::Value, check: &str) -> &'a serde_json::Va
         .unwrap_or_else(|| panic!("no finding {check}: {report:#}"))
 }
 
+/// Asserts that `check` came out as `outcome` and that its `field` (`detail` or `fix`) says `needle`.
+fn expect(report: &serde_json::Value, check: &str, outcome: &str, field: &str, needle: &str) {
+    let found = finding(report, check);
+    assert_eq!(found["outcome"], outcome, "{found}");
+    assert!(
+        found[field]
+            .as_str()
+            .is_some_and(|text| text.contains(needle)),
+        "{check}: no {needle:?} in its {field}: {found}"
+    );
+}
+
 fn outcomes_other_than_ok(report: &serde_json::Value) -> Vec<String> {
     report["findings"]
         .as_array()
@@ -78,18 +90,13 @@ async fn a_healthy_set_up_passes_and_each_broken_part_fails_with_its_fix() {
         .unwrap();
     create_slot_then_stop(&url, &brokers, &client).await;
     let (code, report) = doctor(&url, &brokers, &[]);
-    let headroom = finding(&report, "postgres.wal_headroom");
-    assert_eq!(
-        (code, headroom["outcome"].as_str()),
-        (0, Some("ok")),
-        "{report:#}"
-    );
-    assert!(
-        headroom["detail"]
-            .as_str()
-            .unwrap()
-            .contains("= 1GB; slot outboxd has"),
-        "{headroom}"
+    assert_eq!(code, 0, "{report:#}");
+    expect(
+        &report,
+        "postgres.wal_headroom",
+        "ok",
+        "detail",
+        "= 1GB; slot outboxd has",
     );
 
     // A topic that refuses every write with acks=all, and a publication gone.
@@ -113,27 +120,21 @@ async fn a_healthy_set_up_passes_and_each_broken_part_fails_with_its_fix() {
         (2, Some("CRITICAL")),
         "{report:#}"
     );
-    let topic = finding(&report, "kafka.topic outbox.Order");
-    assert_eq!(topic["outcome"], "failed", "{topic}");
-    assert!(
-        topic["detail"]
-            .as_str()
-            .unwrap()
-            .contains("min.insync.replicas = 2")
-            && topic["fix"]
-                .as_str()
-                .unwrap()
-                .contains("min.insync.replicas=1"),
-        "{topic}"
+    let topic = "kafka.topic outbox.Order";
+    expect(
+        &report,
+        topic,
+        "failed",
+        "detail",
+        "min.insync.replicas = 2",
     );
-    let publication = finding(&report, "postgres.publication");
-    assert_eq!(publication["outcome"], "failed", "{publication}");
-    assert!(
-        publication["fix"]
-            .as_str()
-            .unwrap()
-            .contains("outboxd migrate"),
-        "{publication}"
+    expect(&report, topic, "failed", "fix", "min.insync.replicas=1");
+    expect(
+        &report,
+        "postgres.publication",
+        "failed",
+        "fix",
+        "outboxd migrate",
     );
     // The other checks ran all the same.
     assert_eq!(finding(&report, "kafka.brokers")["outcome"], "ok");
@@ -250,32 +251,26 @@ async fn replication_off_and_events_kafka_would_refuse_are_named() {
         ],
     );
     assert_eq!(code, 2, "{report:#}");
-    let wal_level = finding(&report, "postgres.wal_level");
-    assert_eq!(wal_level["outcome"], "warning", "{wal_level}");
-    assert!(
-        wal_level["detail"]
-            .as_str()
-            .unwrap()
-            .contains("polls the table instead"),
-        "{wal_level}"
+    expect(
+        &report,
+        "postgres.wal_level",
+        "warning",
+        "detail",
+        "polls the table instead",
     );
-    let topic = finding(&report, "kafka.topic orders");
-    assert_eq!(topic["outcome"], "failed", "{topic}");
-    assert!(
-        topic["detail"]
-            .as_str()
-            .unwrap()
-            .contains("max.message.bytes"),
-        "{topic}"
+    expect(
+        &report,
+        "kafka.topic orders",
+        "failed",
+        "detail",
+        "max.message.bytes",
     );
-    let record = finding(&report, "kafka.record_size");
-    assert_eq!(record["outcome"], "failed", "{record}");
-    assert!(
-        record["fix"]
-            .as_str()
-            .unwrap()
-            .contains("message.max.bytes="),
-        "{record}"
+    expect(
+        &report,
+        "kafka.record_size",
+        "failed",
+        "fix",
+        "message.max.bytes=",
     );
 
     let (code, report) = doctor(
@@ -284,23 +279,19 @@ async fn replication_off_and_events_kafka_would_refuse_are_named() {
         &["--mode", "cdc", "--topic", "missing", "--no-create-topics"],
     );
     assert_eq!(code, 2, "{report:#}");
-    let wal_level = finding(&report, "postgres.wal_level");
-    assert_eq!(wal_level["outcome"], "failed", "{wal_level}");
-    assert!(
-        wal_level["fix"]
-            .as_str()
-            .unwrap()
-            .contains("wal_level = logical"),
-        "{wal_level}"
+    expect(
+        &report,
+        "postgres.wal_level",
+        "failed",
+        "fix",
+        "wal_level = logical",
     );
-    let missing = finding(&report, "kafka.topic missing");
-    assert_eq!(missing["outcome"], "failed", "{missing}");
-    assert!(
-        missing["fix"]
-            .as_str()
-            .unwrap()
-            .contains("--no-create-topics"),
-        "{missing}"
+    expect(
+        &report,
+        "kafka.topic missing",
+        "failed",
+        "fix",
+        "--no-create-topics",
     );
 }
 
