@@ -5,7 +5,7 @@
 //! is `stats` and the pipelines.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
@@ -22,6 +22,11 @@ pub struct Readiness {
     checks_down: AtomicBool,
     /// 0 starting, 1 cdc, 2 poll, 3 standby, 4 reconnecting.
     mode: AtomicU8,
+    /// Poll workers whose session ended and is being retried (one table's worker may be down while the
+    /// others claim: the mode alone would say whichever spoke last).
+    workers_reconnecting: AtomicUsize,
+    /// Set while events wait and none has been delivered for a while (the watchdog in `stats` judges it).
+    stalled: AtomicBool,
 }
 
 /// The process's readiness, set by `stats` and the pipelines, read by `/readyz`.
@@ -41,7 +46,21 @@ impl Readiness {
             broker: AtomicBool::new(false),
             checks_down: AtomicBool::new(false),
             mode: AtomicU8::new(0),
+            workers_reconnecting: AtomicUsize::new(0),
+            stalled: AtomicBool::new(false),
         }
+    }
+
+    /// Records the watchdog's judgement: events wait and none was settled for a while.
+    pub fn set_stalled(&self, stalled: bool) {
+        self.stalled.store(stalled, Ordering::Relaxed);
+    }
+
+    /// True while the instance should be delivering: a pipeline streams or claims (it is not starting,
+    /// standing by or reconnecting).
+    pub fn should_deliver(&self) -> bool {
+        matches!(self.mode.load(Ordering::Relaxed), 1 | 2)
+            && self.workers_reconnecting.load(Ordering::Relaxed) == 0
     }
 
     /// Records whether the last check reached PostgreSQL.
@@ -90,12 +109,66 @@ impl Readiness {
         if !self.broker.load(Ordering::Relaxed) {
             return Err("no Kafka broker answers");
         }
-        match self.mode.load(Ordering::Relaxed) {
-            1 => Ok("cdc"),
-            2 => Ok("poll"),
-            3 => Err("standby: another outboxd instance is active for this slot"),
-            4 => Err("reconnecting: the pipeline's database session ended and is being retried (see the log)"),
-            _ => Err("starting: no pipeline is active yet"),
+        let mode = match self.mode.load(Ordering::Relaxed) {
+            1 => "cdc",
+            2 => "poll",
+            3 => return Err("standby: another outboxd instance is active for this slot"),
+            4 => return Err(RECONNECTING),
+            _ => return Err("starting: no pipeline is active yet"),
+        };
+        if self.workers_reconnecting.load(Ordering::Relaxed) > 0 {
+            return Err(RECONNECTING);
+        }
+        if self.stalled.load(Ordering::Relaxed) {
+            return Err("stalled: events wait and none has been delivered for over a minute (a lock held on the outbox table, a broker that refuses them, or a slow server: see the log)");
+        }
+        Ok(mode)
+    }
+}
+
+const RECONNECTING: &str =
+    "reconnecting: the pipeline's database session ended and is being retried (see the log)";
+
+/// One poll worker's part in readiness: down while its session is being retried. Dropping it (the worker
+/// ended) takes its part back.
+#[derive(Default)]
+pub struct WorkerReadiness {
+    reconnecting: bool,
+}
+
+impl WorkerReadiness {
+    /// The worker's session ended and is being retried.
+    pub fn reconnecting(&mut self) {
+        if !self.reconnecting {
+            self.reconnecting = true;
+            READINESS
+                .workers_reconnecting
+                .fetch_add(1, Ordering::Relaxed);
+            crate::metrics::set_mode("reconnecting");
+        }
+    }
+
+    /// The worker claims again.
+    pub fn working(&mut self, mode: &str) {
+        if self.reconnecting {
+            self.reconnecting = false;
+            if READINESS
+                .workers_reconnecting
+                .fetch_sub(1, Ordering::Relaxed)
+                == 1
+            {
+                READINESS.set_mode(mode);
+            }
+        }
+    }
+}
+
+impl Drop for WorkerReadiness {
+    fn drop(&mut self) {
+        if self.reconnecting {
+            READINESS
+                .workers_reconnecting
+                .fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -191,7 +264,7 @@ async fn readyz() -> impl IntoResponse {
 
 #[cfg(test)]
 mod tests {
-    use super::Readiness;
+    use super::{Readiness, WorkerReadiness};
 
     #[test]
     fn stale_checks_are_never_read_as_ready() {
@@ -207,5 +280,26 @@ mod tests {
         assert_eq!(readiness.check(), Ok("cdc"));
         readiness.set_database(false);
         assert_eq!(readiness.check(), Err("PostgreSQL is unreachable"));
+    }
+
+    /// One poll worker reconnecting makes the instance not ready, whatever the others say after it.
+    #[test]
+    fn one_reconnecting_worker_of_several_is_not_hidden_by_the_others() {
+        let readiness = &super::READINESS;
+        readiness.set_database(true);
+        readiness.set_broker(true);
+        readiness.set_mode("poll");
+        let (mut first, mut second) = (WorkerReadiness::default(), WorkerReadiness::default());
+        first.reconnecting();
+        second.working("poll");
+        assert_eq!(readiness.check(), Err(super::RECONNECTING));
+        second.reconnecting();
+        first.working("poll");
+        assert_eq!(readiness.check(), Err(super::RECONNECTING));
+        drop(second); // its worker ended
+        assert_eq!(readiness.check(), Ok("poll"));
+        readiness.set_stalled(true);
+        assert!(readiness.check().unwrap_err().starts_with("stalled"));
+        readiness.set_stalled(false);
     }
 }

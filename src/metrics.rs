@@ -2,6 +2,8 @@
 //! on (counters at 0, gauges at their initial value). Owns no I/O; `http` serves the rendered text and
 //! `stats` fills the gauges that need SQL.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
@@ -202,9 +204,19 @@ pub fn set_wal_status(status: Option<&str>) {
     }
 }
 
+/// Events this process has settled (acknowledged by the broker or dead-lettered): the stall watchdog's
+/// sign of progress (see `stats`), which cannot read the counters back from the recorder.
+static SETTLED: AtomicU64 = AtomicU64::new(0);
+
+/// Events settled since the process started.
+pub fn settled_so_far() -> u64 {
+    SETTLED.load(Ordering::Relaxed)
+}
+
 /// Counts `events` acknowledged by the broker on `path` (cdc or poll).
 pub fn published(path: &'static str, events: u64) {
     counter!(EVENTS_PUBLISHED, "path" => path).increment(events);
+    SETTLED.fetch_add(events, Ordering::Relaxed);
 }
 
 /// Counts one failed publish attempt of `kind` (one of [`ERROR_KINDS`]).
@@ -215,6 +227,7 @@ pub fn publish_error(kind: &'static str) {
 /// Counts `events` dead-lettered.
 pub fn dead(events: u64) {
     counter!(EVENTS_DEAD).increment(events);
+    SETTLED.fetch_add(events, Ordering::Relaxed);
 }
 
 /// Counts one change of the server history behind the URL.

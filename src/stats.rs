@@ -27,6 +27,10 @@ pub const INTERVAL: Duration = Duration::from_secs(5);
 /// have as long again, on their own.
 const REFRESH_TIMEOUT: Duration = Duration::from_secs(4);
 
+/// Events may wait this long with none delivered (by this process or, as the backlog shows, another)
+/// before `/readyz` says the pipeline stalled.
+pub const STALL_AFTER: Duration = Duration::from_secs(60);
+
 /// Refreshes the gauges and readiness every [`INTERVAL`] until the process ends. Should the checks fail
 /// (a bug), `/readyz` says so until they run again, [`INTERVAL`] later.
 pub async fn run(settings: std::sync::Arc<RunSettings<TableSpec>>) {
@@ -46,6 +50,7 @@ async fn check_forever(settings: std::sync::Arc<RunSettings<TableSpec>>) {
     let publisher = Publisher::new(&settings, KnownTopics::default(), deliveries).ok();
     let mut client: Option<tokio_postgres::Client> = None;
     let mut figures = Figures::default();
+    let mut watchdog = Watchdog::default();
     loop {
         let reached = tokio::time::timeout(REFRESH_TIMEOUT, async {
             if client.as_ref().is_none_or(|c| c.is_closed()) {
@@ -71,9 +76,20 @@ async fn check_forever(settings: std::sync::Arc<RunSettings<TableSpec>>) {
             Some(client) if database_ok && !READINESS.is_standby() => {
                 let refreshed =
                     tokio::time::timeout(REFRESH_TIMEOUT, figures.refresh(client, &settings)).await;
-                figures.report(refreshed.unwrap_or_else(|_| Err("took longer than 4 s".into())));
+                let backlog = figures
+                    .report(refreshed.unwrap_or_else(|_| Err("took longer than 4 s".into())));
+                // Unknown figures leave the last judgement standing.
+                if let Some(backlog) = backlog {
+                    let sample = READINESS.should_deliver().then(|| Sample {
+                        settled: m::settled_so_far(),
+                        waiting: backlog.unpublished_events,
+                        oldest_age: backlog.oldest_unpublished_age_seconds,
+                    });
+                    judge_stall(&mut watchdog, sample);
+                }
             }
             _ if READINESS.is_standby() => {
+                judge_stall(&mut watchdog, None);
                 for name in [
                     m::UNPUBLISHED_EVENTS,
                     m::OLDEST_UNPUBLISHED_AGE,
@@ -129,7 +145,7 @@ impl Figures {
         &mut self,
         client: &tokio_postgres::Client,
         settings: &RunSettings<TableSpec>,
-    ) -> Result<(), String> {
+    ) -> Result<outbox::Backlog, String> {
         let failed = |e: crate::Error| e.to_string();
         let tables = slot::inspect_all(client, &settings.database.tables)
             .await
@@ -161,21 +177,141 @@ impl Figures {
         gauge!(m::OLDEST_UNPUBLISHED_AGE)
             .set(backlog.oldest_unpublished_age_seconds.unwrap_or(0.0));
         gauge!(m::DEAD_EVENTS).set(dead as f64);
-        Ok(())
+        Ok(backlog)
     }
 
     /// Logs a failure when it starts and when it ends; the gauges keep their last values meanwhile.
-    fn report(&mut self, refreshed: Result<(), String>) {
+    fn report(&mut self, refreshed: Result<outbox::Backlog, String>) -> Option<outbox::Backlog> {
         match (refreshed, self.failing.is_some()) {
-            (Ok(()), true) => {
-                self.failing = None;
-                tracing::info!("the backlog figures are refreshed again");
+            (Ok(backlog), failing) => {
+                if failing {
+                    self.failing = None;
+                    tracing::info!("the backlog figures are refreshed again");
+                }
+                Some(backlog)
             }
             (Err(error), false) => {
                 tracing::warn!(%error, "the backlog figures could not be refreshed; their gauges keep their last values (readiness is not affected: PostgreSQL answers)");
                 self.failing = Some(error);
+                None
             }
-            _ => {}
+            (Err(_), true) => None,
         }
+    }
+}
+
+/// Feeds the watchdog and tells readiness and the log when a stall begins and ends.
+fn judge_stall(watchdog: &mut Watchdog, sample: Option<Sample>) {
+    let was = watchdog.stalled;
+    let stalled = watchdog.observe(std::time::Instant::now(), sample);
+    READINESS.set_stalled(stalled);
+    match (was, stalled, sample) {
+        (false, true, Some(sample)) => {
+            tracing::warn!(waiting = sample.waiting, oldest_unpublished_age_seconds = ?sample.oldest_age, stalled_for = ?STALL_AFTER, "the pipeline stalled: events wait and none has been delivered; /readyz reports it until one is (look for a lock on the outbox table in pg_locks, a broker refusing events in the log, or a slow server)")
+        }
+        (true, false, _) => tracing::info!("events are delivered again: the stall is over"),
+        _ => {}
+    }
+}
+
+/// What the watchdog looks at, every [`INTERVAL`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Sample {
+    /// Events this process settled so far ([`m::settled_so_far`]).
+    settled: u64,
+    /// Unpublished events (the fleet's backlog, counted tables only).
+    waiting: i64,
+    /// The oldest unpublished event's age.
+    oldest_age: Option<f64>,
+}
+
+/// Judges whether the pipeline stalls: events wait, and for [`STALL_AFTER`] this process settled none and
+/// the backlog neither shrank nor moved its head (another instance delivering them). Pure.
+#[derive(Debug, Default)]
+struct Watchdog {
+    last: Option<Sample>,
+    /// When progress was last seen (or the watch began).
+    progress_at: Option<std::time::Instant>,
+    stalled: bool,
+}
+
+impl Watchdog {
+    /// `sample` is `None` while the pipeline is not meant to deliver (starting, standing by, reconnecting):
+    /// the watch starts over. Returns whether the pipeline stalls.
+    fn observe(&mut self, now: std::time::Instant, sample: Option<Sample>) -> bool {
+        let Some(sample) = sample else {
+            *self = Watchdog::default();
+            return false;
+        };
+        let progressed = match self.last {
+            None => true,
+            Some(last) => {
+                sample.settled != last.settled
+                    || sample.waiting < last.waiting
+                    || matches!((sample.oldest_age, last.oldest_age), (Some(now), Some(then)) if now < then)
+            }
+        };
+        if progressed || sample.waiting == 0 {
+            self.progress_at = Some(now);
+        }
+        self.last = Some(sample);
+        self.stalled = self
+            .progress_at
+            .is_some_and(|at| now.duration_since(at) >= STALL_AFTER);
+        self.stalled
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::{Sample, Watchdog, STALL_AFTER};
+
+    fn sample(settled: u64, waiting: i64, oldest_age: f64) -> Option<Sample> {
+        Some(Sample {
+            settled,
+            waiting,
+            oldest_age: Some(oldest_age),
+        })
+    }
+
+    #[test]
+    fn waiting_events_with_nothing_settled_stall_after_the_limit() {
+        let start = Instant::now();
+        let mut watchdog = Watchdog::default();
+        assert!(!watchdog.observe(start, sample(5, 10, 1.0)));
+        assert!(!watchdog.observe(start + STALL_AFTER / 2, sample(5, 10, 31.0)));
+        assert!(watchdog.observe(start + STALL_AFTER, sample(5, 10, 61.0)));
+        // One event settled: the watch starts over.
+        assert!(!watchdog.observe(start + STALL_AFTER * 2, sample(6, 12, 121.0)));
+        assert!(watchdog.observe(start + STALL_AFTER * 3, sample(6, 12, 181.0)));
+    }
+
+    #[test]
+    fn an_empty_backlog_or_one_another_instance_drains_never_stalls() {
+        let start = Instant::now();
+        let at = |seconds| start + Duration::from_secs(seconds);
+        let mut watchdog = Watchdog::default();
+        for step in 0..10 {
+            assert!(!watchdog.observe(at(step * 60), sample(0, 0, 0.0)));
+        }
+        // Another instance settles them: the backlog shrinks, or its head moves while new events come.
+        let mut watchdog = Watchdog::default();
+        assert!(!watchdog.observe(at(0), sample(0, 100, 5.0)));
+        assert!(!watchdog.observe(at(60), sample(0, 90, 65.0)));
+        assert!(!watchdog.observe(at(120), sample(0, 95, 3.0)));
+        assert!(watchdog.observe(at(180), sample(0, 95, 63.0)));
+    }
+
+    #[test]
+    fn a_pipeline_that_is_not_meant_to_deliver_starts_the_watch_over() {
+        let start = Instant::now();
+        let mut watchdog = Watchdog::default();
+        assert!(!watchdog.observe(start, sample(0, 10, 1.0)));
+        assert!(watchdog.observe(start + STALL_AFTER, sample(0, 10, 61.0)));
+        assert!(!watchdog.observe(start + STALL_AFTER, None));
+        assert!(!watchdog.observe(start + STALL_AFTER * 2, sample(0, 10, 121.0)));
+        assert!(watchdog.observe(start + STALL_AFTER * 3, sample(0, 10, 181.0)));
     }
 }

@@ -17,6 +17,7 @@ use crate::backoff::{retry_delay, Backoff};
 use crate::config::{PollOrder, RunSettings};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
+use crate::http::WorkerReadiness;
 use crate::pg;
 use crate::pg::outbox::{self, BlockedAggregate, ClaimScope, ClaimedRow, PollSql};
 use crate::sink::{Delivery, PublishError, Rejection, Sink, Sinks};
@@ -289,13 +290,16 @@ impl<K: Sinks> PollWorker<K> {
     pub async fn run(&self, mut shutdown: watch::Receiver<bool>) -> Result<()> {
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         let mut outage = super::DatabaseOutage::new(self.settings.reconnect_timeout);
+        let mut readiness = WorkerReadiness::default();
         loop {
-            let result = self.session(&mut shutdown, &mut backoff, &mut outage).await;
+            let result = self
+                .session(&mut shutdown, &mut backoff, &mut outage, &mut readiness)
+                .await;
             match result {
                 Ok(()) => return Ok(()),
                 Err(error) if error.is_transient() || error.awaited_database().is_some() => {
                     if self.scope == ClaimScope::All {
-                        crate::http::READINESS.set_mode("reconnecting");
+                        readiness.reconnecting();
                     }
                     let delay = backoff.next_delay();
                     match outage.judge(&error)? {
@@ -355,6 +359,7 @@ impl<K: Sinks> PollWorker<K> {
         shutdown: &mut watch::Receiver<bool>,
         backoff: &mut Backoff,
         outage: &mut super::DatabaseOutage,
+        readiness: &mut WorkerReadiness,
     ) -> Result<()> {
         let poll = &self.settings.poll;
         let (mut client, sql) = self.open().await?;
@@ -411,7 +416,7 @@ impl<K: Sinks> PollWorker<K> {
             backoff.reset();
             outage.ended();
             if self.scope == ClaimScope::All {
-                crate::http::READINESS.set_mode("poll");
+                readiness.working("poll");
             }
             // Nothing claimable, but aggregates newly found blocked (left out) or rows without an event id
             // dead-lettered: that frees the next claim's prefix for rows behind them.

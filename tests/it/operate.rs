@@ -477,6 +477,63 @@ async fn readyz_is_not_ready_while_the_pipeline_reconnects() {
     assert!(ready.contains("\"mode\":\"cdc\""), "{ready}");
 }
 
+/// A lock holds the pipeline back while events wait (here every UPDATE of the outbox table waits for a
+/// lock the test holds: the claim's lease and the write-back of `published_at` alike): `/readyz` says the
+/// pipeline stalled, on both paths, and is ready again once the events are delivered. It said 200 before.
+#[tokio::test(flavor = "multi_thread")]
+async fn readyz_says_stalled_while_a_lock_holds_events_back() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.wait_for_the_test() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NEW; END $$;
+             CREATE TRIGGER wait_for_the_test BEFORE UPDATE ON outbox_event
+                 FOR EACH ROW EXECUTE FUNCTION public.wait_for_the_test();",
+        )
+        .await
+        .unwrap();
+    for (round, mode) in ["poll", "cdc"].into_iter().enumerate() {
+        let (outboxd, metrics_addr) = spawn_serving_metrics(&url, &brokers, &["--mode", mode]);
+        wait_ready(&metrics_addr);
+        let holder = pg.client().await;
+        holder
+            .execute("SELECT pg_advisory_lock(4242)", &[])
+            .await
+            .unwrap();
+        insert_events(&mut client, round * 10, 3, 2, 2, None).await;
+        let (_, reason) = wait_for(
+            &format!("/readyz to say the {mode} pipeline stalled"),
+            Duration::from_secs(180),
+            || {
+                http_get(&metrics_addr, "/readyz")
+                    .filter(|(status, body)| *status == 503 && body.contains("stalled"))
+            },
+        );
+        assert!(
+            reason.contains("a lock held on the outbox table"),
+            "{reason}"
+        );
+        assert!(unpublished(&client).await > 0, "the events were published");
+        holder
+            .execute("SELECT pg_advisory_unlock(4242)", &[])
+            .await
+            .unwrap();
+        wait_for_async(
+            "every event published",
+            Duration::from_secs(120),
+            || async { (unpublished(&client).await == 0).then_some(()) },
+        )
+        .await;
+        wait_ready(&metrics_addr);
+        let log = outboxd.log_text();
+        assert!(log.contains("the pipeline stalled"), "{log}");
+        assert!(log.contains("the stall is over"), "{log}");
+        drop(outboxd);
+    }
+}
+
 /// A database that stops answering without closing the connection (a blackholed network): `/readyz` says
 /// PostgreSQL is unreachable instead of keeping the last answer (the periodic queries had no timeout).
 #[tokio::test(flavor = "multi_thread")]

@@ -122,6 +122,7 @@ impl<K: Sinks> CdcPipeline<K> {
             };
             match lost {
                 Some(Ok(_)) => {
+                    crate::http::READINESS.set_mode("reconnecting");
                     tracing::info!(
                         "stopped streaming after losing the leadership lock; asking for it again"
                     );
@@ -249,7 +250,6 @@ impl<K: Sinks> CdcPipeline<K> {
     async fn session(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<()> {
         let settings = self.settings.clone();
         let (mut stream, boot) = self.bootstrap().await?;
-        crate::http::READINESS.set_mode("cdc");
         self.ever_streamed = true;
         self.reached_streaming = true;
 
@@ -264,6 +264,9 @@ impl<K: Sinks> CdcPipeline<K> {
                 (publisher, Some(eos))
             }
         };
+        // Ready only now: an exactly-once start (fencing earlier producers, reading the progress record) can
+        // take a while, and delivers nothing meanwhile.
+        crate::http::READINESS.set_mode("cdc");
         let hand_off_rows = backfill::HandOffRows::default();
         let backfill = tokio::spawn(backfill::run(
             settings.database.database_url.clone(),
