@@ -27,7 +27,8 @@ use crate::table::{OutboxTable, Role, TableSpec};
 /// Rows per statement: small enough to hold locks only briefly.
 const BATCH: i64 = 1_000;
 
-/// How long the partition detach waits for a lock before it gives way (and tries again next pass). An
+/// How long a retention statement (the partition detach, a batch of deletes) waits for a lock before it gives
+/// way (the pass fails, saying so, and the next one tries again). An
 /// application's statement that queues behind the wait waits at most this long, so this stays below
 /// `deadlock_timeout` (1 s by default) and below any `lock_timeout` an application is likely to use.
 const LOCK_TIMEOUT: &str = "500ms";
@@ -502,6 +503,11 @@ pub async fn sweep_once(
     horizon: &Horizon,
 ) -> Result<Removed> {
     let client = pg::connect(database_url).await?;
+    // Rows it cannot lock now are skipped; a table (or archive) another session locked is given way to, the
+    // pass failing with the reason, rather than waited for without end.
+    client
+        .batch_execute(&format!("SET lock_timeout = '{LOCK_TIMEOUT}'"))
+        .await?;
     let table = &slot::inspect(&client, table).await?;
     if !table.marks_published {
         tracing::warn!(table = %table.name, "--retention needs the published_at column to know what was published; nothing removed (run `outboxd migrate --add-polling-columns`)");
@@ -540,7 +546,10 @@ pub async fn sweep_once(
         }
         None => format!("DELETE FROM {t} WHERE {id} IN ({pick})"),
     };
-    let statement = client.prepare(&statement).await?;
+    let statement = client
+        .prepare(&statement)
+        .await
+        .map_err(|e| gave_way_to_a_lock(e, table, retention))?;
     let keep = retention.keep.as_secs_f64();
     let mut total = 0;
     loop {
@@ -549,7 +558,8 @@ pub async fn sweep_once(
                 &statement,
                 &[&keep, &BATCH, &horizon.published_before, &history],
             )
-            .await?;
+            .await
+            .map_err(|e| gave_way_to_a_lock(e, table, retention))?;
         total += removed;
         if removed < BATCH as u64 {
             return Ok(Removed {
@@ -560,6 +570,29 @@ pub async fn sweep_once(
             });
         }
     }
+}
+
+/// A lock retention's statement waited for longer than [`LOCK_TIMEOUT`] is this pass's failure, named;
+/// other errors as they are.
+fn gave_way_to_a_lock(
+    error: tokio_postgres::Error,
+    table: &OutboxTable,
+    retention: &Retention,
+) -> Error {
+    if error.code() != Some(&SqlState::LOCK_NOT_AVAILABLE) {
+        return error.into();
+    }
+    let archive = match &retention.archive_table {
+        Some(archive) => format!(" or {archive}"),
+        None => String::new(),
+    };
+    Error::setup(
+        format!(
+            "another session holds a lock on {}{archive} that retention needs (nothing within {LOCK_TIMEOUT}): retention gave way and tries again next pass",
+            table.name
+        ),
+        "nothing, if it passes; if it lasts, find the session in pg_locks joined with pg_stat_activity",
+    )
 }
 
 /// SQL true for a published row the slot will not send again (see [`Horizon`]): published before

@@ -385,6 +385,68 @@ async fn an_application_insert_with_lock_timeout_is_never_failed_by_retention() 
     );
 }
 
+/// Another session locks the archive (a lock retention's statement needs): each pass gives way within its
+/// lock timeout and counts as a failure naming the lock, and the rows go once the lock is gone. The pass
+/// waited without end before (nothing was counted and `status` kept the last success).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lock_retention_needs_fails_the_pass_with_the_reason_instead_of_waiting() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute("CREATE TABLE outbox_archive (LIKE outbox_event)")
+        .await
+        .unwrap();
+    insert_old_and_recent(&client).await;
+    let mut holder = pg.client().await;
+    let lock = holder.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE outbox_archive IN SHARE MODE")
+        .await
+        .unwrap();
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--retention",
+        "10m",
+        "--retention-interval",
+        "200ms",
+        "--archive-table",
+        "outbox_archive",
+        "--metrics-addr",
+        metrics_addr.as_str(),
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_for(
+        "retention failures to be counted",
+        Duration::from_secs(60),
+        || {
+            let (_, text) = http_get(&metrics_addr, "/metrics")?;
+            let consecutive = metric_value(&text, "outboxd_retention_consecutive_failures", "")?;
+            (consecutive >= 2.0).then_some(())
+        },
+    );
+    let log = outboxd.log_text();
+    assert!(
+        log.contains(
+            "another session holds a lock on public.outbox_event or public.outbox_archive"
+        ),
+        "{log}"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM outbox_archive").await,
+        0
+    );
+    lock.commit().await.unwrap();
+    wait_for_async(
+        "the old rows to be archived",
+        Duration::from_secs(60),
+        || async {
+            (count(&client, "SELECT count(*) FROM outbox_archive").await == 3).then_some(())
+        },
+    )
+    .await;
+}
+
 /// A retention pass that fails (the archive refuses rows) is counted in `/metrics` and shown by `outboxd
 /// status` (WARNING), and both clear once a pass succeeds.
 #[tokio::test(flavor = "multi_thread")]
