@@ -82,7 +82,12 @@ async fn check_forever(settings: std::sync::Arc<RunSettings<TableSpec>>) {
                 if let Some(backlog) = backlog {
                     let sample = READINESS.should_deliver().then(|| Sample {
                         settled: m::settled_so_far(),
-                        waiting: backlog.unpublished_events,
+                        // Events waiting only for their retry are not held back by a stall.
+                        waiting: if backlog.due {
+                            backlog.unpublished_events
+                        } else {
+                            0
+                        },
                         oldest_age: backlog.oldest_unpublished_age_seconds,
                     });
                     judge_stall(&mut watchdog, sample);

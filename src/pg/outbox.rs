@@ -613,15 +613,31 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
     let count = format!(
         "SELECT count(*) FROM (SELECT FROM {t} WHERE {unpublished} LIMIT {BACKLOG_COUNT_CAP}) AS unpublished"
     );
-    // The oldest event is the first in claim order (the claim index's order), one index entry away.
+    // The oldest events are the first in claim order (the claim index's order), a few index entries away.
+    // The oldest age among the first HEAD_ROWS: a first row without created_at (its age unknown) does not
+    // hide how long the rows behind it wait. With the polling columns, whether any of them is due (not
+    // waiting for a retry).
     let oldest = table.column(Role::CreatedAt).map(|created_at| {
-        let first = if table.polling {
-            format!("ORDER BY position NULLS FIRST, {}", table.order_key())
+        let (columns, first, due) = if table.polling {
+            (
+                format!("\"{created_at}\", available_at"),
+                format!(
+                    "ORDER BY position NULLS FIRST, {} LIMIT {HEAD_ROWS}",
+                    table.order_key()
+                ),
+                "bool_or(available_at <= now())",
+            )
         } else {
-            format!("ORDER BY \"{created_at}\"")
+            // NULLs sort last: the first row has an age whenever any row has one.
+            (
+                format!("\"{created_at}\""),
+                format!("ORDER BY \"{created_at}\" LIMIT 1"),
+                "true",
+            )
         };
         format!(
-            "SELECT EXTRACT(EPOCH FROM now() - \"{created_at}\")::float8 FROM {t} WHERE {unpublished} {first} LIMIT 1"
+            "SELECT max(EXTRACT(EPOCH FROM now() - \"{created_at}\"))::float8, {due}
+             FROM (SELECT {columns} FROM {t} WHERE {unpublished} {first}) AS head"
         )
     });
     let dead = table.polling.then(|| {
@@ -645,6 +661,9 @@ pub fn backlog_index_fix(table: &OutboxTable) -> String {
         table.name.quoted()
     )
 }
+
+/// How many of the first unpublished rows the oldest age is read from.
+const HEAD_ROWS: i64 = 100;
 
 /// The backlog is counted up to this many rows; beyond, the count reads this.
 pub const BACKLOG_COUNT_CAP: i64 = 1_000_000;
@@ -716,6 +735,10 @@ pub struct Backlog {
     pub unpublished_events: i64,
     /// Age of the oldest unpublished row in seconds; `None` without rows, or without `created_at` columns.
     pub oldest_unpublished_age_seconds: Option<f64>,
+    /// Some unpublished row is due now (not waiting for its retry), as far as the first rows in claim order
+    /// show.
+    #[serde(skip)]
+    pub due: bool,
 }
 
 /// The backlog of every table that records what was published (tables without `published_at` have no
@@ -724,18 +747,23 @@ pub async fn backlog(client: &Client, tables: &[OutboxTable]) -> Result<Backlog>
     let mut total = Backlog::default();
     for table in tables.iter().filter(|t| t.marks_published) {
         let statements = backlog_statements(table);
-        total.unpublished_events += client
+        let unpublished = client
             .query_one(&statements.count, &[])
             .await?
             .try_get::<_, i64>(0)?;
-        let oldest: Option<f64> = match &statements.oldest {
-            // NULL when that row's created_at is NULL (a nullable column): its age is unknown.
-            Some(sql) => match client.query_opt(sql, &[]).await? {
-                Some(row) => row.try_get::<_, Option<f64>>(0)?,
-                None => None,
-            },
-            None => None,
+        total.unpublished_events += unpublished;
+        let (oldest, due) = match &statements.oldest {
+            // NULL when none of those rows has a created_at (a nullable column): their age is unknown.
+            Some(sql) => {
+                let row = client.query_one(sql, &[]).await?;
+                (
+                    row.try_get::<_, Option<f64>>(0)?,
+                    row.try_get::<_, Option<bool>>(1)?.unwrap_or(false),
+                )
+            }
+            None => (None, true),
         };
+        total.due |= due && unpublished > 0;
         total.oldest_unpublished_age_seconds = match (total.oldest_unpublished_age_seconds, oldest)
         {
             (Some(a), Some(b)) => Some(a.max(b)),

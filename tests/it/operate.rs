@@ -649,6 +649,25 @@ async fn a_row_without_created_at_neither_freezes_readiness_nor_breaks_status() 
         },
     );
     wait_ready(&metrics_addr);
+    // A row an hour old behind it: the oldest age is its, not 0 for the first row's unknown age (review
+    // finding 14: the gauge read 0).
+    client
+        .batch_execute(
+            "INSERT INTO public.nullable_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, created_at, available_at)
+             VALUES (gen_random_uuid(), 'Order', 'b', 'E', '{}', now() - interval '1 hour', now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    wait_for(
+        "the oldest age to be the hour-old row's",
+        Duration::from_secs(60),
+        || {
+            let (_, text) = http_get(&metrics_addr, "/metrics")?;
+            let oldest = metric_value(&text, "outboxd_oldest_unpublished_age_seconds", "")?;
+            (metric_value(&text, "outboxd_unpublished_events", "")? == 2.0 && oldest >= 3600.0)
+                .then_some(())
+        },
+    );
     let mut status = vec!["status", "--database-url", &url, "--mode", "poll", "--json"];
     status.extend(table);
     let output = run_outboxd(&status);
@@ -659,7 +678,11 @@ async fn a_row_without_created_at_neither_freezes_readiness_nor_breaks_status() 
             stderr_of(&output)
         )
     });
-    assert_eq!(json["unpublished_events"], 1, "{json}");
+    assert_eq!(json["unpublished_events"], 2, "{json}");
+    assert!(
+        json["oldest_unpublished_age_seconds"].as_f64() >= Some(3600.0),
+        "{json}"
+    );
     pg.stop();
     let (_, reason) = wait_for("/readyz to be 503", Duration::from_secs(60), || {
         http_get(&metrics_addr, "/readyz").filter(|r| r.0 == 503)
