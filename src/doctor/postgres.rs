@@ -35,6 +35,10 @@ pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
     for table in &settings.database.tables {
         findings.push(polling_columns(table, settings.mode));
         findings.push(Finding::from_result(
+            "postgres.privileges",
+            privileges(client, table).await,
+        ));
+        findings.push(Finding::from_result(
             "postgres.row_level_security",
             row_level_security(client, table).await,
         ));
@@ -49,7 +53,12 @@ pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
             ));
         }
     }
-    if settings.mode != Mode::Poll {
+    if settings.mode == Mode::Poll {
+        findings.push(Finding::from_result(
+            "postgres.slot",
+            slot_left_behind(client, &settings.database.slot).await,
+        ));
+    } else {
         let replication = [
             Finding::from_result("postgres.wal_level", wal_level(client).await),
             replication_permission(settings).await,
@@ -130,6 +139,10 @@ fn polled_instead(finding: Finding, mode: Mode) -> Finding {
 pub async fn advisories(client: &Client, settings: &RunSettings) -> Vec<Finding> {
     let mut findings = Vec::new();
     for table in &settings.database.tables {
+        findings.push(Finding::from_result(
+            "postgres.privileges",
+            privileges(client, table).await,
+        ));
         findings.push(Finding::from_result(
             "postgres.row_level_security",
             row_level_security(client, table).await,
@@ -365,10 +378,7 @@ async fn replication_slot(
         ));
     }
     let Some(state) = slot::check_existing_slot(client, slot_name).await? else {
-        return Ok(Finding::ok(
-            check,
-            format!("{slot_name} does not exist yet: outboxd creates it"),
-        ));
+        return free_slots(client, slot_name).await;
     };
     let invalidated = if version >= PG_17 {
         client
@@ -403,6 +413,101 @@ async fn replication_slot(
             format!("{slot_name}: pgoutput, {used}, {lag} bytes behind, wal_status = {}", status.unwrap_or("unknown")),
         ),
     })
+}
+
+/// Under `--mode poll` nothing reads the slot: one left from an earlier CDC run keeps WAL without end.
+async fn slot_left_behind(client: &Client, slot_name: &str) -> Result<Finding> {
+    let check = "postgres.slot";
+    let retained: Option<Option<i64>> = client
+        .query_opt(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 FROM pg_replication_slots
+             WHERE slot_name = $1 AND database = current_database()",
+            &[&slot_name],
+        )
+        .await?
+        .map(|row| row.get(0));
+    Ok(match retained {
+        None => Finding::ok(check, format!("no slot {slot_name}: --mode poll needs none")),
+        Some(retained) => Finding::with_fix(
+            check,
+            Outcome::Warning,
+            format!(
+                "{slot_name} exists, but --mode poll never reads it: it keeps WAL ({} bytes so far) until the disk is full",
+                retained.unwrap_or(0)
+            ),
+            format!("if no other outboxd streams from it: SELECT pg_drop_replication_slot('{slot_name}')"),
+        ),
+    })
+}
+
+/// A slot to create needs a free one of `max_replication_slots`.
+async fn free_slots(client: &Client, slot_name: &str) -> Result<Finding> {
+    let check = "postgres.slot";
+    let row = client
+        .query_one(
+            "SELECT current_setting('max_replication_slots')::int8, (SELECT count(*) FROM pg_replication_slots)",
+            &[],
+        )
+        .await?;
+    let (max, used): (i64, i64) = (row.get(0), row.get(1));
+    if used < max {
+        return Ok(Finding::ok(
+            check,
+            format!("{slot_name} does not exist yet: outboxd creates it ({used} of max_replication_slots = {max} in use)"),
+        ));
+    }
+    Ok(Finding::with_fix(
+        check,
+        Outcome::Failed,
+        format!("{slot_name} does not exist yet, and every one of max_replication_slots = {max} is in use: outboxd cannot create it"),
+        "drop a slot nothing reads (see pg_replication_slots WHERE NOT active), or raise max_replication_slots (ALTER SYSTEM SET max_replication_slots = ...; needs a restart)",
+    ))
+}
+
+/// Outboxd's role reads the table, writes `published_at` (and the polling columns) back, and numbers rows
+/// from the table's position sequence.
+async fn privileges(client: &Client, table: &OutboxTable) -> Result<Finding> {
+    let check = "postgres.privileges";
+    let (quoted, name) = (table.name.quoted(), &table.name);
+    let row = client
+        .query_one(
+            "SELECT has_table_privilege($1::text::regclass, 'SELECT'), has_table_privilege($1::text::regclass, 'UPDATE'), current_user::text",
+            &[&quoted],
+        )
+        .await?;
+    let (select, update, role): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
+    let mut missing = Vec::new();
+    if !select {
+        missing.push(format!("GRANT SELECT ON {name} TO {role}"));
+    }
+    if table.marks_published && !update {
+        missing.push(format!("GRANT UPDATE ON {name} TO {role}"));
+    }
+    if table.polling {
+        let sequence: Option<(String, bool)> = client
+            .query_one(
+                "SELECT s, has_sequence_privilege(s, 'USAGE') FROM pg_get_serial_sequence($1, 'position') AS s WHERE s IS NOT NULL",
+                &[&quoted],
+            )
+            .await
+            .ok()
+            .map(|row| (row.get(0), row.get(1)));
+        if let Some((sequence, false)) = sequence {
+            missing.push(format!("GRANT USAGE ON SEQUENCE {sequence} TO {role}"));
+        }
+    }
+    if missing.is_empty() {
+        return Ok(Finding::ok(
+            check,
+            format!("{role} may read {name} and write back what it published"),
+        ));
+    }
+    Ok(Finding::with_fix(
+        check,
+        Outcome::Failed,
+        format!("{role} lacks privileges outboxd needs on {name} (reading events, writing published_at and the polling columns back, numbering rows)"),
+        missing.join("; "),
+    ))
 }
 
 /// How much WAL the slot may keep before PostgreSQL invalidates it (`max_slot_wal_keep_size`), and how

@@ -322,3 +322,118 @@ fn unreachable_servers_are_unknown_not_ok() {
         "{report:#}"
     );
 }
+
+/// Privileges outboxd's role lacks, no free replication slot for the one to create, and a slot `--mode poll`
+/// leaves behind (keeping WAL without end) are each named with the statement that fixes them, and pass once
+/// fixed (review findings 8e, 8f, 8h: doctor said nothing of them).
+#[tokio::test(flavor = "multi_thread")]
+async fn missing_privileges_no_free_slot_and_a_slot_left_behind_are_named() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE ROLE doctor_reader LOGIN REPLICATION; GRANT SELECT ON outbox_event TO doctor_reader;",
+        )
+        .await
+        .unwrap();
+    let reader = pg.url_for("doctor_reader", None);
+    let (_, report) = doctor(&reader, &brokers, &[]);
+    let check = "postgres.privileges";
+    expect(
+        &report,
+        check,
+        "failed",
+        "fix",
+        "GRANT UPDATE ON public.outbox_event TO doctor_reader",
+    );
+    expect(
+        &report,
+        check,
+        "failed",
+        "fix",
+        "GRANT USAGE ON SEQUENCE public.outbox_event_position_seq TO doctor_reader",
+    );
+    client
+        .batch_execute(
+            "GRANT UPDATE ON outbox_event TO doctor_reader;
+             GRANT USAGE ON SEQUENCE outbox_event_position_seq TO doctor_reader;",
+        )
+        .await
+        .unwrap();
+    let (_, report) = doctor(&reader, &brokers, &[]);
+    expect(&report, check, "ok", "detail", "doctor_reader may read");
+
+    // Every slot taken: the one outboxd would create cannot be.
+    let free: i64 = client
+        .query_one(
+            "SELECT current_setting('max_replication_slots')::int8 - count(*) FROM pg_replication_slots",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    for i in 0..free {
+        client
+            .execute(
+                "SELECT pg_create_physical_replication_slot($1)",
+                &[&format!("filler_{i}")],
+            )
+            .await
+            .unwrap();
+    }
+    let (code, report) = doctor(&url, &brokers, &[]);
+    assert_eq!(code, 2, "{report:#}");
+    expect(
+        &report,
+        "postgres.slot",
+        "failed",
+        "fix",
+        "max_replication_slots",
+    );
+    client
+        .batch_execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'filler_%'",
+        )
+        .await
+        .unwrap();
+    let (_, report) = doctor(&url, &brokers, &[]);
+    expect(
+        &report,
+        "postgres.slot",
+        "ok",
+        "detail",
+        "outboxd creates it",
+    );
+
+    // A slot --mode poll never reads.
+    client
+        .execute(
+            "SELECT pg_create_logical_replication_slot('outboxd', 'pgoutput')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (code, report) = doctor(&url, &brokers, &["--mode", "poll"]);
+    assert_eq!(code, 1, "{report:#}");
+    expect(
+        &report,
+        "postgres.slot",
+        "warning",
+        "fix",
+        "SELECT pg_drop_replication_slot('outboxd')",
+    );
+    client
+        .execute("SELECT pg_drop_replication_slot('outboxd')", &[])
+        .await
+        .unwrap();
+    let (code, report) = doctor(&url, &brokers, &["--mode", "poll"]);
+    assert_eq!(code, 0, "{report:#}");
+    expect(
+        &report,
+        "postgres.slot",
+        "ok",
+        "detail",
+        "--mode poll needs none",
+    );
+}
