@@ -781,7 +781,8 @@ async fn drop_old_partitions(
                     current_user::text
              FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
              JOIN pg_namespace n ON n.oid = c.relnamespace
-             WHERE i.inhparent = $1::text::regclass",
+             WHERE i.inhparent = $1::text::regclass
+             ORDER BY 2",
             &[&table.quoted()],
         )
         .await?;
@@ -816,7 +817,11 @@ async fn drop_old_partitions(
             tracing::warn!(%partition, "partition is past --retention but still holds unpublished rows (or rows the slot may still send); kept");
             continue;
         }
-        match detach_and_drop_if_published(client, outbox, &partition, horizon, history).await {
+        // After one give-way the pass only takes locks that are free at once (NOWAIT): each wait may have
+        // made an application statement wait behind it, and one pass makes it wait at most once.
+        let wait = gave_way.is_empty();
+        match detach_and_drop_if_published(client, outbox, &partition, horizon, history, wait).await
+        {
             Ok(Detached::Dropped) => dropped.push(partition),
             Ok(Detached::Kept) => {}
             Ok(Detached::GaveWay(why)) => gave_way.push((partition, why)),
@@ -865,17 +870,27 @@ async fn detach_and_drop_if_published(
     partition: &str,
     horizon: &Horizon,
     history: bool,
+    wait: bool,
 ) -> Result<Detached> {
     let parent = table.name.quoted();
+    let (nowait, waited) = if wait {
+        ("", LOCK_TIMEOUT)
+    } else {
+        (" NOWAIT", "0 s: an earlier partition of this pass gave way")
+    };
     client
         .batch_execute(&format!(
             "BEGIN; SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'; SET LOCAL statement_timeout = '{LOCK_TIMEOUT}'"
         ))
         .await?;
     let partition_locked = client
-        .batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
+        .batch_execute(&format!(
+            "LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE{nowait}"
+        ))
         .await;
-    if let Some(gave_way) = gave_way(client, partition_locked, "the partition is in use").await? {
+    if let Some(gave_way) =
+        gave_way(client, partition_locked, "the partition is in use", waited).await?
+    {
         return Ok(gave_way);
     }
     let written_since = client
@@ -889,7 +904,7 @@ async fn detach_and_drop_if_published(
         Ok(written_since) => written_since,
         Err(error) => {
             let why = "checking it for unpublished rows took too long (without the polling columns' indexes the check reads the partition)";
-            return gave_way(client, Err(error), why)
+            return gave_way(client, Err(error), why, LOCK_TIMEOUT)
                 .await
                 .map(|gave_way| gave_way.unwrap_or(Detached::Kept));
         }
@@ -900,9 +915,13 @@ async fn detach_and_drop_if_published(
         return Ok(Detached::Kept);
     }
     let parent_locked = client
-        .batch_execute(&format!("LOCK TABLE {parent} IN ACCESS EXCLUSIVE MODE"))
+        .batch_execute(&format!(
+            "LOCK TABLE {parent} IN ACCESS EXCLUSIVE MODE{nowait}"
+        ))
         .await;
-    if let Some(gave_way) = gave_way(client, parent_locked, "the parent table is in use").await? {
+    if let Some(gave_way) =
+        gave_way(client, parent_locked, "the parent table is in use", waited).await?
+    {
         return Ok(gave_way);
     }
     client
@@ -937,6 +956,7 @@ async fn gave_way(
     client: &Client,
     outcome: std::result::Result<(), tokio_postgres::Error>,
     why: &str,
+    waited: &str,
 ) -> Result<Option<Detached>> {
     let Err(error) = outcome else {
         return Ok(None);
@@ -947,7 +967,7 @@ async fn gave_way(
         Some(&SqlState::LOCK_NOT_AVAILABLE | &SqlState::QUERY_CANCELED)
     ) {
         return Ok(Some(Detached::GaveWay(format!(
-            "{why} (nothing within {LOCK_TIMEOUT})"
+            "{why} (nothing within {waited})"
         ))));
     }
     Err(error.into())

@@ -587,6 +587,65 @@ async fn retention_keeps_published_rows_a_lagging_slot_would_send_again() {
     );
 }
 
+/// Review finding 3: each partition that gave way could make an application statement wait behind its lock
+/// request, so a pass over several old partitions in use made it wait again and again. After the first
+/// give-way a pass only takes locks that are free at once; a partition not in use is still dropped.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_waits_for_a_lock_at_most_once() {
+    let (pg, client) = partitioned().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.outbox_p_2018 PARTITION OF outbox_p
+                 FOR VALUES FROM ('2018-01-01 00:00:00+00') TO ('2019-01-01 00:00:00+00');
+             CREATE TABLE public.outbox_p_2019 PARTITION OF outbox_p
+                 FOR VALUES FROM ('2019-01-01 00:00:00+00') TO ('2020-01-01 00:00:00+00');",
+        )
+        .await
+        .unwrap();
+    let holder = pg.client().await;
+    holder
+        .batch_execute(
+            "BEGIN; LOCK TABLE outbox_p_2018 IN ACCESS SHARE MODE; LOCK TABLE outbox_p_2019 IN ACCESS SHARE MODE",
+        )
+        .await
+        .unwrap();
+    let removed = sweep_once(
+        &pg_url(&pg),
+        &outbox("outbox_p"),
+        &retention(None),
+        &Horizon::NO_SLOT,
+    )
+    .await
+    .unwrap();
+    let reasons: Vec<(&str, &str)> = removed
+        .gave_way
+        .iter()
+        .map(|(partition, why)| (partition.as_str(), why.as_str()))
+        .collect();
+    // The holder's locks keep the parent in use too: no partition can go this pass.
+    assert_eq!(reasons.len(), 3, "{reasons:?}");
+    assert!(
+        reasons[0].0 == "public.outbox_p_2018" && reasons[0].1.contains("within 500ms"),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[1..]
+            .iter()
+            .all(|(_, why)| why.contains("an earlier partition of this pass gave way")),
+        "a later partition waited as well: {reasons:?}"
+    );
+    holder.batch_execute("COMMIT").await.unwrap();
+    let removed = sweep_once(
+        &pg_url(&pg),
+        &outbox("outbox_p"),
+        &retention(None),
+        &Horizon::NO_SLOT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(removed.partitions.len(), 3, "{removed:?}");
+}
+
 /// Review F3: the check of an old partition for unpublished rows, made under its ACCESS EXCLUSIVE lock, read
 /// the whole partition (every statement reaching it waited that long, outboxd's own writes included); now
 /// it reads the polling migrations' indexes. And a pass that could not drop a partition due (the parent in
