@@ -1102,10 +1102,18 @@ pub fn migrate_with(url: &str, args: &[&str]) -> String {
 
 /// The default table `public.outbox_event`, inspected, for tests that call the library's SQL directly.
 pub async fn outbox_event_table(client: &tokio_postgres::Client) -> outboxd::table::OutboxTable {
+    outbox_table(client, "outbox_event").await
+}
+
+/// The table `public.<name>` (standard column names), inspected.
+pub async fn outbox_table(
+    client: &tokio_postgres::Client,
+    name: &str,
+) -> outboxd::table::OutboxTable {
     let spec = outboxd::table::TableSpec::new(
         outboxd::table::TableName {
             schema: "public".into(),
-            name: "outbox_event".into(),
+            name: name.into(),
         },
         Default::default(),
         &[],
@@ -1113,7 +1121,7 @@ pub async fn outbox_event_table(client: &tokio_postgres::Client) -> outboxd::tab
     );
     outboxd::pg::slot::inspect(client, &spec)
         .await
-        .expect("cannot inspect public.outbox_event")
+        .unwrap_or_else(|e| panic!("cannot inspect public.{name}: {e}"))
 }
 
 pub fn migrate(pg: &Postgres) {
