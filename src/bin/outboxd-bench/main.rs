@@ -10,7 +10,7 @@
 //! backlog through `--mode poll` with 1 and 4 instances; steady insert rates in each mode (latency
 //! percentiles, CPU per event of every component); one big transaction (duration, peak RSS); the sweep
 //! (`sweep`: how the cost per event grows with payload size, aggregates, events per transaction, backlog and
-//! outbox tables). Each drain reports the whole system's cost per event (CPU of outboxd, PostgreSQL and the
+//! outbox tables); the takeover (`takeover`: a standby leading after the leader is SIGKILLed). Each drain reports the whole system's cost per event (CPU of outboxd, PostgreSQL and the
 //! broker, WAL bytes) next to the limits' own, after the stack was warmed up.
 //!
 //!     cargo run --release --bin outboxd-bench -- --soak  # memory over 10 million events per run (`soak`)
@@ -102,6 +102,8 @@ enum Part {
     Big,
     /// How cost grows along each axis of a backlog's shape.
     Sweep,
+    /// A standby taking over after the leader is SIGKILLed.
+    Takeover,
 }
 
 #[tokio::main]
@@ -164,6 +166,11 @@ async fn run(mut args: Args) -> BenchResult<()> {
     }
     if runs(Part::Sweep) {
         results.sweep = sweep::run(&bench, args.sweep_events, args.quick).await?;
+    }
+    if runs(Part::Takeover) {
+        let rounds = if args.quick { 2 } else { 5 };
+        eprintln!("takeover: {rounds} SIGKILLs of the leader ...");
+        results.takeovers = bench.takeover(rounds).await?;
     }
     let table = results.table(&machine)?;
     println!("{table}");
@@ -312,6 +319,7 @@ struct Results {
     /// Events, seconds from commit to confirmed, outboxd's usage.
     big: Option<(usize, f64, stack::Usage)>,
     sweep: Vec<(sweep::Axis, Vec<sweep::Point>)>,
+    takeovers: Vec<scenarios::Takeover>,
 }
 
 /// The drain scenarios with the limits measured on their backlog.
@@ -357,6 +365,31 @@ impl Results {
         }
         for (axis, points) in &self.sweep {
             writeln!(table, "\n```\n{}```", sweep::chart(*axis, points))?;
+        }
+        if !self.takeovers.is_empty() {
+            let seconds = |of: fn(&scenarios::Takeover) -> f64| {
+                let all: Vec<String> = self
+                    .takeovers
+                    .iter()
+                    .map(|t| format!("{:.2}", of(t)))
+                    .collect();
+                all.join(", ")
+            };
+            writeln!(
+                table,
+                "\n| takeover after a SIGKILL of the leader | seconds, each round |"
+            )?;
+            writeln!(table, "| --- | --- |")?;
+            writeln!(
+                table,
+                "| the standby's /readyz is 200 | {} |",
+                seconds(|t| t.ready_after)
+            )?;
+            writeln!(
+                table,
+                "| an event inserted right after the kill is published | {} |",
+                seconds(|t| t.published_after)
+            )?;
         }
         Ok(table)
     }

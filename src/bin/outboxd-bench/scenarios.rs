@@ -107,6 +107,15 @@ pub struct Limits {
     pub backfill_cost: SystemCost,
 }
 
+/// One takeover after a SIGKILL of the leader (see [`Bench::takeover`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Takeover {
+    /// Seconds from the SIGKILL until the standby's `/readyz` said 200.
+    pub ready_after: f64,
+    /// Seconds from the SIGKILL until an event inserted right after it had `published_at`.
+    pub published_after: f64,
+}
+
 /// One steady run. Latencies are seconds, as p50 / p99 / p99.9.
 #[derive(Debug, Clone)]
 pub struct Steady {
@@ -868,6 +877,66 @@ impl Bench {
 
     /// One transaction of `events` rows: seconds from its commit until the slot is confirmed past it, and
     /// outboxd's peak RSS.
+    /// Takeover: two `cdc` instances on one slot, one leading and one standing by. Each round SIGKILLs the
+    /// leader, inserts one event at once and measures until the standby is ready and until that event is
+    /// published; the killed instance is started again as the next standby.
+    pub async fn takeover(&self, rounds: usize) -> BenchResult<Vec<Takeover>> {
+        self.reset().await?;
+        let addrs = [
+            format!("127.0.0.1:{}", free_port()?),
+            format!("127.0.0.1:{}", free_port()?),
+        ];
+        let spawn = |i: usize, round: usize| {
+            self.spawn(
+                "cdc",
+                &["--metrics-addr", &addrs[i]],
+                &format!("takeover-{i}-{round}.log"),
+            )
+        };
+        let mut instances = [Some(spawn(0, 0)?), Some(spawn(1, 0)?)];
+        let mut takeovers = Vec::new();
+        for round in 1..=rounds {
+            wait_until(
+                "a leader and a standby",
+                Duration::from_secs(120),
+                Duration::from_millis(50),
+                || async {
+                    (ready(&addrs[0]).await && standing_by(&addrs[1]).await)
+                        || (ready(&addrs[1]).await && standing_by(&addrs[0]).await)
+                },
+            )
+            .await?;
+            let leader = if ready(&addrs[0]).await { 0 } else { 1 };
+            let standby = &addrs[1 - leader];
+            let killed_at = Instant::now();
+            if let Some(mut killed) = instances[leader].take() {
+                killed.kill();
+            }
+            self.insert_backlog(1).await?;
+            wait_until(
+                "the standby to lead",
+                Duration::from_secs(120),
+                Duration::from_millis(10),
+                || ready(standby),
+            )
+            .await?;
+            let ready_after = killed_at.elapsed().as_secs_f64();
+            wait_until(
+                "the event inserted after the kill",
+                Duration::from_secs(120),
+                Duration::from_millis(10),
+                || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
+            )
+            .await?;
+            takeovers.push(Takeover {
+                ready_after,
+                published_after: killed_at.elapsed().as_secs_f64(),
+            });
+            instances[leader] = Some(spawn(leader, round)?);
+        }
+        Ok(takeovers)
+    }
+
     pub async fn big_transaction(&self, events: usize) -> BenchResult<(f64, Usage)> {
         self.reset().await?;
         let outboxd = self.spawn("cdc", &[], "big.log")?;
@@ -1077,6 +1146,13 @@ async fn write_at_rate(
         txn += 1;
     }
     Ok(commits)
+}
+
+/// `/readyz` answers 503 `standby`.
+async fn standing_by(addr: &str) -> bool {
+    soak::http_get(addr, "/readyz")
+        .await
+        .is_some_and(|answer| answer.contains("standby"))
 }
 
 /// `/readyz` answers 200.

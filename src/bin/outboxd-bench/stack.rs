@@ -256,8 +256,17 @@ impl Outboxd {
         usage(self.child.id())
     }
 
-    /// SIGTERM, then wait (SIGKILL after 30 s).
+    /// SIGKILL (a crash, an OOM kill), and wait until it is gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then wait (SIGKILL after 30 s); nothing when it has exited already.
     pub fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
