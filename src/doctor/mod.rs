@@ -7,6 +7,7 @@
 pub mod kafka;
 pub mod postgres;
 pub mod report;
+pub mod startup;
 
 use crate::config::{Mode, RunSettings};
 use crate::error::{Error, Result};

@@ -19,15 +19,14 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::backoff::Backoff;
 use crate::config::{Mode, RunSettings};
-use crate::error::{replication_error, Error, Result};
+use crate::doctor;
+use crate::error::{Error, Result};
 use crate::kafka::KafkaSinks;
 use crate::pg::outbox::ClaimScope;
-use crate::pg::replication::ReplicationConnection;
 use crate::pg::{self, slot};
 use crate::sink::Sinks;
-use crate::table::{OutboxTable, TableSpec};
+use crate::table::TableSpec;
 
 /// A running pipeline's patience with its database: after a failover, restore or switchover the server
 /// behind the URL may refuse connections for a while, lack the database, or still be a standby in recovery.
@@ -68,112 +67,15 @@ impl DatabaseOutage {
     }
 }
 
-/// Database checks every mode needs: it answers, and every table has the columns its mapping names.
-/// Returns the tables as the database has them.
-async fn preflight_database(settings: &RunSettings<TableSpec>) -> Result<Vec<OutboxTable>> {
-    let db = &settings.database;
-    let sql = pg::connect(&db.database_url).await?;
-    let tables = slot::inspect_all(&sql, &db.tables).await?;
-    if settings.mode == Mode::Poll {
-        for table in &tables {
-            slot::check_polling_columns(table)?;
-        }
-    }
-    Ok(tables)
-}
-
-/// Whether the CDC path can run here.
-enum Availability {
-    Available,
-    /// The server does not allow logical replication for us (wal_level, permission, pg_hba): `auto` polls.
-    Unavailable(Error),
-}
-
-/// Can the CDC path run? Configuration mistakes (missing publication, a slot of another plugin) are errors;
-/// what `auto` may work around by polling is `Unavailable`. A lost slot is dropped when the polling path
-/// can cover what it missed (`can_sweep`).
-async fn replication_availability(settings: &RunSettings, can_sweep: bool) -> Result<Availability> {
-    let db = &settings.database;
-    let sql = pg::connect(&db.database_url).await?;
-    if let Err(error) = slot::check_wal_level(&sql).await {
-        return unavailable(error);
-    }
-    slot::check_publication(&sql, db).await?;
-    if can_sweep {
-        slot::drop_if_lost(&sql, &db.slot, &db.tables).await?;
-    }
-    slot::check_existing_slot(&sql, &db.slot).await?;
-    // Replication permission is tested by trying it: managed services grant it through roles.
-    let identified = async {
-        let mut conn = ReplicationConnection::connect(&db.replication_url).await?;
-        conn.identify_system().await
-    };
-    match identified.await.map_err(replication_error) {
-        Ok(_) => Ok(Availability::Available),
-        Err(error) => unavailable(error),
-    }
-}
-
-fn unavailable(error: Error) -> Result<Availability> {
-    match error {
-        Error::ReplicationUnavailable { .. } => Ok(Availability::Unavailable(error)),
-        other => Err(other),
-    }
-}
-
-/// `--mode cdc` (or `auto` without polling columns): replication must be available.
-async fn require_replication(settings: &RunSettings, can_sweep: bool) -> Result<()> {
-    match replication_availability(settings, can_sweep).await? {
-        Availability::Available => Ok(()),
-        Availability::Unavailable(error) => Err(error),
-    }
-}
 
 /// True when every table has the polling columns (so the sweeper and the polling fallback can run).
 fn has_polling_columns(settings: &RunSettings) -> bool {
     settings.database.tables.iter().all(|t| t.polling)
 }
 
-/// Runs `check` until it succeeds, retrying transient failures until `deadline` (`--startup-timeout`
-/// from start).
-async fn retry_until<T, F, Fut>(
-    startup_timeout: Duration,
-    deadline: Instant,
-    mut check: F,
-) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T>>,
-{
-    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(5));
-    loop {
-        match check().await {
-            Ok(value) => return Ok(value),
-            Err(error) if error.is_transient() && Instant::now() < deadline => {
-                let delay = backoff
-                    .next_delay()
-                    .min(deadline.saturating_duration_since(Instant::now()));
-                tracing::warn!(%error, retry_in = ?delay, "start-up check failed; retrying");
-                tokio::time::sleep(delay).await;
-            }
-            Err(error) if error.is_transient() => {
-                return Err(Error::setup(
-                    format!(
-                        "gave up after --startup-timeout {:?}: {error}",
-                        startup_timeout
-                    ),
-                    "make PostgreSQL and the brokers reachable, or raise --startup-timeout",
-                ))
-            }
-            Err(error) => return Err(error),
-        }
-    }
-}
-
-/// The start-up checks of `run`, each retried while transient for `--startup-timeout`: the tables against
-/// the database (what each supports), the mode the server allows (`auto` on tables without polling columns
-/// becomes `cdc`), retention, the brokers and the fleet's poll order; then retention starts. Returns the
-/// settings the pipeline runs with, the poll-order announcement (held while it runs) and the retention task.
+/// `run`'s start-up: the checks that must pass ([`doctor::startup::must_pass`]), the fleet's poll order, the
+/// advisories logged, retention started. Returns the settings the pipeline runs with, the poll-order
+/// announcement (held while it runs) and the retention task.
 async fn start_up(
     configured: RunSettings<TableSpec>,
     sinks: &impl Sinks,
@@ -182,61 +84,17 @@ async fn start_up(
     Option<fleet::PollOrderAnnouncement>,
     Option<tokio::task::JoinHandle<()>>,
 )> {
-    let timeout = configured.startup_timeout;
-    let deadline = Instant::now() + timeout;
-    let tables = retry_until(timeout, deadline, || preflight_database(&configured)).await?;
-    let mode = crate::doctor::effective_mode(configured.mode, &tables);
-    if mode != Mode::Poll && !tables.iter().all(|t| t.polling) {
-        tracing::warn!(
-            tables = %crate::table::names(tables.iter().filter(|t| !t.polling)),
-            "running CDC only: without the polling columns there is no backfill of rows older than the slot, no polling fallback, no retry queue or dead letters{}; add them with `outboxd migrate --add-polling-columns`",
-            if tables.iter().any(|t| !t.marks_published) { ", and no published_at (rows re-sent after a restart are published again)" } else { "" }
-        );
-    }
-    let inspected = configured.inspected(tables, mode);
-    let settings = &inspected;
-    crate::doctor::check_topic_template(settings)?;
-    let can_sweep = has_polling_columns(settings);
-    match settings.mode {
-        Mode::Cdc => {
-            retry_until(timeout, deadline, || {
-                require_replication(settings, can_sweep)
-            })
-            .await?
-        }
-        // Configuration mistakes (missing publication, a slot of another plugin) stop `auto` too.
-        Mode::Auto => {
-            retry_until(timeout, deadline, || async {
-                replication_availability(settings, can_sweep)
-                    .await
-                    .map(|_| ())
-            })
-            .await?
-        }
-        Mode::Poll => {}
-    }
-    crate::doctor::check_retention_columns(settings)?;
-    if let Some(retention) = &settings.retention {
-        retry_until(timeout, deadline, || async {
-            let client = crate::pg::connect(&settings.database.database_url).await?;
-            crate::retention::check(
-                &client,
-                &settings.database.tables,
-                retention,
-                &settings.database.publication,
-            )
-            .await
-        })
-        .await?;
-    }
-    retry_until(timeout, deadline, || sinks.check_ready(settings)).await?;
+    let deadline = Instant::now() + configured.startup_timeout;
+    let settings = doctor::startup::must_pass(configured, sinks, deadline).await?;
     // Every instance that may claim rows says in which order; a peer of another order is refused.
-    let announcement =
-        retry_until(timeout, deadline, || fleet::announce_poll_order(settings)).await?;
-    // What the start-up checks above do not stop on, said once (see `outboxd doctor` for every check).
+    let announcement = doctor::startup::retry_until(settings.startup_timeout, deadline, || {
+        fleet::announce_poll_order(&settings)
+    })
+    .await?;
+    // What the start-up checks do not stop on, said once (see `outboxd doctor` for every check).
     tokio::spawn({
         let settings = settings.clone();
-        async move { crate::doctor::log_advisories(&settings).await }
+        async move { doctor::log_advisories(&settings).await }
     });
     let retention = settings.retention.as_ref().map(|retention| {
         tokio::spawn(crate::retention::run(crate::retention::Sweeper {
@@ -247,7 +105,7 @@ async fn start_up(
             slot: settings.database.slot.clone(),
         }))
     });
-    Ok((inspected, announcement, retention))
+    Ok((settings, announcement, retention))
 }
 
 /// A task that ends with its owner (the retention sweeper of one pipeline run).
@@ -359,8 +217,8 @@ async fn run_auto(
 ) -> Result<()> {
     let mut cdc = cdc::CdcPipeline::new(settings.clone(), sinks.clone());
     loop {
-        let reason = match replication_availability(&settings, true).await {
-            Ok(Availability::Available) => {
+        let reason = match doctor::startup::replication_availability(&settings, true).await {
+            Ok(doctor::startup::Availability::Available) => {
                 tracing::info!(
                     mode = "cdc",
                     "mode switch: streaming from the replication slot"
@@ -379,7 +237,7 @@ async fn run_auto(
                 }
             }
             Err(error) => return Err(error),
-            Ok(Availability::Unavailable(error)) => error,
+            Ok(doctor::startup::Availability::Unavailable(error)) => error,
         };
         tracing::warn!(mode = "poll", reason = %reason, "mode switch: replication unavailable, polling the outbox table");
         crate::http::READINESS.set_mode("poll");
@@ -398,7 +256,7 @@ async fn run_auto(
                 }
                 _ = stopped(&mut shutdown) => break true,
                 _ = tokio::time::sleep(REPLICATION_RECHECK) => {
-                    if matches!(replication_availability(&settings, true).await, Ok(Availability::Available)) {
+                    if matches!(doctor::startup::replication_availability(&settings, true).await, Ok(doctor::startup::Availability::Available)) {
                         break false;
                     }
                     unconsumed_slot.drop_when_due(&settings).await;
