@@ -96,7 +96,10 @@ pub enum Availability {
 /// Can the CDC path run? Configuration mistakes (missing publication, a slot of another plugin) are errors;
 /// what `auto` may work around by polling is `Unavailable`. A lost slot is dropped when the polling path
 /// can cover what it missed (`can_sweep`).
-pub async fn replication_availability(settings: &RunSettings, can_sweep: bool) -> Result<Availability> {
+pub async fn replication_availability(
+    settings: &RunSettings,
+    can_sweep: bool,
+) -> Result<Availability> {
     let db = &settings.database;
     let sql = pg::connect(&db.database_url).await?;
     if let Err(error) = slot::check_wal_level(&sql).await {

@@ -67,7 +67,6 @@ impl DatabaseOutage {
     }
 }
 
-
 /// True when every table has the polling columns (so the sweeper and the polling fallback can run).
 fn has_polling_columns(settings: &RunSettings) -> bool {
     settings.database.tables.iter().all(|t| t.polling)
