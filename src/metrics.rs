@@ -204,19 +204,19 @@ pub fn set_wal_status(status: Option<&str>) {
     }
 }
 
-/// Events this process has settled (acknowledged by the broker or dead-lettered): the stall watchdog's
-/// sign of progress (see `stats`), which cannot read the counters back from the recorder.
-static SETTLED: AtomicU64 = AtomicU64::new(0);
+/// Events this process has published (acknowledged by the broker; dead letters are not): the stall
+/// watchdog's sign of progress (see `stats`), which cannot read the counters back from the recorder.
+static PUBLISHED: AtomicU64 = AtomicU64::new(0);
 
-/// Events settled since the process started.
-pub fn settled_so_far() -> u64 {
-    SETTLED.load(Ordering::Relaxed)
+/// Events published since the process started.
+pub fn published_so_far() -> u64 {
+    PUBLISHED.load(Ordering::Relaxed)
 }
 
 /// Counts `events` acknowledged by the broker on `path` (cdc or poll).
 pub fn published(path: &'static str, events: u64) {
     counter!(EVENTS_PUBLISHED, "path" => path).increment(events);
-    SETTLED.fetch_add(events, Ordering::Relaxed);
+    PUBLISHED.fetch_add(events, Ordering::Relaxed);
 }
 
 /// Counts one failed publish attempt of `kind` (one of [`ERROR_KINDS`]).
@@ -227,7 +227,6 @@ pub fn publish_error(kind: &'static str) {
 /// Counts `events` dead-lettered.
 pub fn dead(events: u64) {
     counter!(EVENTS_DEAD).increment(events);
-    SETTLED.fetch_add(events, Ordering::Relaxed);
 }
 
 /// Counts one change of the server history behind the URL.

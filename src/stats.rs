@@ -78,20 +78,23 @@ async fn check_forever(settings: std::sync::Arc<RunSettings<TableSpec>>) {
                     tokio::time::timeout(REFRESH_TIMEOUT, figures.refresh(client, &settings)).await;
                 let backlog = figures
                     .report(refreshed.unwrap_or_else(|_| Err("took longer than 4 s".into())));
-                // Unknown figures leave the last judgement standing.
-                if let Some(backlog) = backlog {
-                    let sample = READINESS.should_deliver().then(|| Sample {
-                        settled: m::settled_so_far(),
-                        // Events waiting only for their retry are not held back by a stall.
-                        waiting: if backlog.due {
-                            backlog.unpublished_events
-                        } else {
-                            0
-                        },
-                        oldest_age: backlog.oldest_unpublished_age_seconds,
-                    });
-                    judge_stall(&mut watchdog, sample);
-                }
+                // Figures that could not be read (slow, or a lock on the table) are taken as unchanged:
+                // only this instance's own publishing then counts as progress.
+                let last = watchdog.last;
+                let sample = READINESS.should_deliver().then(|| Sample {
+                    published: m::published_so_far(),
+                    // Only rows that could be claimed now wait for the pipeline (not those waiting for
+                    // their retry, leased, or behind such a row of their aggregate).
+                    waiting: backlog
+                        .as_ref()
+                        .map_or(last.is_some_and(|l| l.waiting), |b| b.due),
+                    newest_published: backlog
+                        .as_ref()
+                        .map_or(last.and_then(|l| l.newest_published), |b| {
+                            b.newest_published
+                        }),
+                });
+                judge_stall(&mut watchdog, sample);
             }
             _ if READINESS.is_standby() => {
                 judge_stall(&mut watchdog, None);
@@ -210,11 +213,11 @@ fn judge_stall(watchdog: &mut Watchdog, sample: Option<Sample>) {
     let was = watchdog.stalled;
     let stalled = watchdog.observe(std::time::Instant::now(), sample);
     READINESS.set_stalled(stalled);
-    match (was, stalled, sample) {
-        (false, true, Some(sample)) => {
-            tracing::warn!(waiting = sample.waiting, oldest_unpublished_age_seconds = ?sample.oldest_age, stalled_for = ?STALL_AFTER, "the pipeline stalled: events wait and none has been delivered; /readyz reports it until one is (look for a lock on the outbox table in pg_locks, a broker refusing events in the log, or a slow server)")
+    match (was, stalled) {
+        (false, true) => {
+            tracing::warn!(stalled_for = ?STALL_AFTER, "the pipeline stalled: events could be claimed and none has been published, by this instance or another; /readyz reports it until one is (look for a lock on the outbox table in pg_locks, a broker refusing events in the log, or a slow server)")
         }
-        (true, false, _) => tracing::info!("events are delivered again: the stall is over"),
+        (true, false) => tracing::info!("events are published again: the stall is over"),
         _ => {}
     }
 }
@@ -222,16 +225,16 @@ fn judge_stall(watchdog: &mut Watchdog, sample: Option<Sample>) {
 /// What the watchdog looks at, every [`INTERVAL`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Sample {
-    /// Events this process settled so far ([`m::settled_so_far`]).
-    settled: u64,
-    /// Unpublished events (the fleet's backlog, counted tables only).
-    waiting: i64,
-    /// The oldest unpublished event's age.
-    oldest_age: Option<f64>,
+    /// Events this process published so far ([`m::published_so_far`]).
+    published: u64,
+    /// An event of a table with the polling columns could be claimed now.
+    waiting: bool,
+    /// When the newest event was published, by any instance (seconds since the epoch).
+    newest_published: Option<f64>,
 }
 
-/// Judges whether the pipeline stalls: events wait, and for [`STALL_AFTER`] this process settled none and
-/// the backlog neither shrank nor moved its head (another instance delivering them). Pure.
+/// Judges whether the pipeline stalls: events could be claimed, and for [`STALL_AFTER`] none was published
+/// by this process nor, as the newest `published_at` shows, by another instance. Pure.
 #[derive(Debug, Default)]
 struct Watchdog {
     last: Option<Sample>,
@@ -251,12 +254,14 @@ impl Watchdog {
         let progressed = match self.last {
             None => true,
             Some(last) => {
-                sample.settled != last.settled
-                    || sample.waiting < last.waiting
-                    || matches!((sample.oldest_age, last.oldest_age), (Some(now), Some(then)) if now < then)
+                sample.published != last.published
+                    || matches!(
+                        (sample.newest_published, last.newest_published),
+                        (Some(newest), then) if then.is_none_or(|then| newest > then)
+                    )
             }
         };
-        if progressed || sample.waiting == 0 {
+        if progressed || !sample.waiting {
             self.progress_at = Some(now);
         }
         self.last = Some(sample);
@@ -273,50 +278,51 @@ mod tests {
 
     use super::{Sample, Watchdog, STALL_AFTER};
 
-    fn sample(settled: u64, waiting: i64, oldest_age: f64) -> Option<Sample> {
+    fn sample(published: u64, waiting: bool, newest_published: f64) -> Option<Sample> {
         Some(Sample {
-            settled,
+            published,
             waiting,
-            oldest_age: Some(oldest_age),
+            newest_published: Some(newest_published),
         })
     }
 
     #[test]
-    fn waiting_events_with_nothing_settled_stall_after_the_limit() {
+    fn claimable_events_with_nothing_published_stall_after_the_limit() {
         let start = Instant::now();
         let mut watchdog = Watchdog::default();
-        assert!(!watchdog.observe(start, sample(5, 10, 1.0)));
-        assert!(!watchdog.observe(start + STALL_AFTER / 2, sample(5, 10, 31.0)));
-        assert!(watchdog.observe(start + STALL_AFTER, sample(5, 10, 61.0)));
-        // One event settled: the watch starts over.
-        assert!(!watchdog.observe(start + STALL_AFTER * 2, sample(6, 12, 121.0)));
-        assert!(watchdog.observe(start + STALL_AFTER * 3, sample(6, 12, 181.0)));
+        assert!(!watchdog.observe(start, sample(5, true, 100.0)));
+        assert!(!watchdog.observe(start + STALL_AFTER / 2, sample(5, true, 100.0)));
+        assert!(watchdog.observe(start + STALL_AFTER, sample(5, true, 100.0)));
+        // One event published here: the watch starts over.
+        assert!(!watchdog.observe(start + STALL_AFTER * 2, sample(6, true, 100.0)));
+        assert!(watchdog.observe(start + STALL_AFTER * 3, sample(6, true, 100.0)));
     }
 
     #[test]
-    fn an_empty_backlog_or_one_another_instance_drains_never_stalls() {
+    fn nothing_claimable_or_another_instance_publishing_never_stalls() {
         let start = Instant::now();
         let at = |seconds| start + Duration::from_secs(seconds);
         let mut watchdog = Watchdog::default();
         for step in 0..10 {
-            assert!(!watchdog.observe(at(step * 60), sample(0, 0, 0.0)));
+            // Rows waiting for their retry (or leased, or behind those of their aggregate) only.
+            assert!(!watchdog.observe(at(step * 60), sample(0, false, 100.0)));
         }
-        // Another instance settles them: the backlog shrinks, or its head moves while new events come.
+        // Another instance publishes: the newest published_at moves.
         let mut watchdog = Watchdog::default();
-        assert!(!watchdog.observe(at(0), sample(0, 100, 5.0)));
-        assert!(!watchdog.observe(at(60), sample(0, 90, 65.0)));
-        assert!(!watchdog.observe(at(120), sample(0, 95, 3.0)));
-        assert!(watchdog.observe(at(180), sample(0, 95, 63.0)));
+        for step in 0..10 {
+            assert!(!watchdog.observe(at(step * 60), sample(0, true, 100.0 + step as f64)));
+        }
+        assert!(watchdog.observe(at(600), sample(0, true, 109.0)));
     }
 
     #[test]
     fn a_pipeline_that_is_not_meant_to_deliver_starts_the_watch_over() {
         let start = Instant::now();
         let mut watchdog = Watchdog::default();
-        assert!(!watchdog.observe(start, sample(0, 10, 1.0)));
-        assert!(watchdog.observe(start + STALL_AFTER, sample(0, 10, 61.0)));
+        assert!(!watchdog.observe(start, sample(0, true, 1.0)));
+        assert!(watchdog.observe(start + STALL_AFTER, sample(0, true, 1.0)));
         assert!(!watchdog.observe(start + STALL_AFTER, None));
-        assert!(!watchdog.observe(start + STALL_AFTER * 2, sample(0, 10, 121.0)));
-        assert!(watchdog.observe(start + STALL_AFTER * 3, sample(0, 10, 181.0)));
+        assert!(!watchdog.observe(start + STALL_AFTER * 2, sample(0, true, 1.0)));
+        assert!(watchdog.observe(start + STALL_AFTER * 3, sample(0, true, 1.0)));
     }
 }

@@ -618,27 +618,36 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
     // hide how long the rows behind it wait. With the polling columns, whether any of them is due (not
     // waiting for a retry).
     let oldest = table.column(Role::CreatedAt).map(|created_at| {
-        let (columns, first, due) = if table.polling {
-            (
-                format!("\"{created_at}\", available_at"),
-                format!(
-                    "ORDER BY position NULLS FIRST, {} LIMIT {HEAD_ROWS}",
-                    table.order_key()
-                ),
-                "bool_or(available_at <= now())",
+        let first = if table.polling {
+            format!(
+                "ORDER BY position NULLS FIRST, {} LIMIT {HEAD_ROWS}",
+                table.order_key()
             )
         } else {
             // NULLs sort last: the first row has an age whenever any row has one.
-            (
-                format!("\"{created_at}\""),
-                format!("ORDER BY \"{created_at}\" LIMIT 1"),
-                "true",
-            )
+            format!("ORDER BY \"{created_at}\" LIMIT 1")
         };
         format!(
-            "SELECT max(EXTRACT(EPOCH FROM now() - \"{created_at}\"))::float8, {due}
-             FROM (SELECT {columns} FROM {t} WHERE {unpublished} {first}) AS head"
+            "SELECT max(EXTRACT(EPOCH FROM now() - \"{created_at}\"))::float8
+             FROM (SELECT \"{created_at}\" FROM {t} WHERE {unpublished} {first}) AS head"
         )
+    });
+    // Whether one of the first rows in claim order could be claimed now: due, not leased, and no earlier row
+    // of its aggregate among them waiting for a retry or leased (per-aggregate order holds it back).
+    let claimable_now = "available_at <= now() AND (lease_until IS NULL OR lease_until < now())";
+    let due = table.polling.then(|| {
+        format!(
+            "SELECT coalesce(bool_or(claimable), false) FROM (
+                 SELECT bool_and({claimable_now}) OVER (PARTITION BY {aggregate} ORDER BY position NULLS FIRST, {order}) AS claimable
+                 FROM (SELECT * FROM {t} WHERE {unpublished} ORDER BY position NULLS FIRST, {order} LIMIT {HEAD_ROWS}) AS head
+             ) AS head",
+            aggregate = table.aggregate_key(),
+            order = table.order_key(),
+        )
+    });
+    // The newest publication by any instance (the published index, one entry): the fleet's progress.
+    let newest_published = table.polling.then(|| {
+        format!("SELECT EXTRACT(EPOCH FROM max(published_at))::float8 FROM {t} WHERE published_at IS NOT NULL")
     });
     let dead = table.polling.then(|| {
         format!("SELECT count(*) FROM (SELECT FROM {t} WHERE dead_at IS NOT NULL AND published_at IS NULL LIMIT {BACKLOG_COUNT_CAP}) AS dead")
@@ -646,6 +655,8 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
     BacklogStatements {
         count,
         oldest,
+        due,
+        newest_published,
         dead,
     }
 }
@@ -699,7 +710,11 @@ pub struct Countable {
 pub async fn countable(client: &Client, table: &OutboxTable) -> Result<Countable> {
     let statements = backlog_statements(table);
     let mut backlog = true;
-    for sql in std::iter::once(&statements.count).chain(&statements.oldest) {
+    for sql in std::iter::once(&statements.count)
+        .chain(&statements.oldest)
+        .chain(&statements.due)
+        .chain(&statements.newest_published)
+    {
         backlog &= !needs_a_table_scan(client, sql).await?;
     }
     let dead = match &statements.dead {
@@ -716,6 +731,10 @@ pub struct BacklogStatements {
     pub count: String,
     /// Without a `created_at` column there is no age.
     pub oldest: Option<String>,
+    /// Whether a row could be claimed now (only with the polling columns).
+    pub due: Option<String>,
+    /// When the newest row was published (only with the polling columns, whose migrations index it).
+    pub newest_published: Option<String>,
     /// Only with the polling columns.
     pub dead: Option<String>,
 }
@@ -735,10 +754,13 @@ pub struct Backlog {
     pub unpublished_events: i64,
     /// Age of the oldest unpublished row in seconds; `None` without rows, or without `created_at` columns.
     pub oldest_unpublished_age_seconds: Option<f64>,
-    /// Some unpublished row is due now (not waiting for its retry), as far as the first rows in claim order
-    /// show.
+    /// A row of a table with the polling columns could be claimed now, as far as the first rows in claim
+    /// order show (not waiting for its retry, not leased, not behind such a row of its aggregate).
     #[serde(skip)]
     pub due: bool,
+    /// When the newest row of those tables was published (seconds since the epoch), by any instance.
+    #[serde(skip)]
+    pub newest_published: Option<f64>,
 }
 
 /// The backlog of every table that records what was published (tables without `published_at` have no
@@ -752,18 +774,21 @@ pub async fn backlog(client: &Client, tables: &[OutboxTable]) -> Result<Backlog>
             .await?
             .try_get::<_, i64>(0)?;
         total.unpublished_events += unpublished;
-        let (oldest, due) = match &statements.oldest {
+        let oldest: Option<f64> = match &statements.oldest {
             // NULL when none of those rows has a created_at (a nullable column): their age is unknown.
-            Some(sql) => {
-                let row = client.query_one(sql, &[]).await?;
-                (
-                    row.try_get::<_, Option<f64>>(0)?,
-                    row.try_get::<_, Option<bool>>(1)?.unwrap_or(false),
-                )
-            }
-            None => (None, true),
+            Some(sql) => client.query_one(sql, &[]).await?.try_get(0)?,
+            None => None,
         };
-        total.due |= due && unpublished > 0;
+        if let Some(sql) = &statements.due {
+            total.due |= client.query_one(sql, &[]).await?.try_get::<_, bool>(0)?;
+        }
+        if let Some(sql) = &statements.newest_published {
+            let newest: Option<f64> = client.query_one(sql, &[]).await?.try_get(0)?;
+            total.newest_published = match (total.newest_published, newest) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+        }
         total.oldest_unpublished_age_seconds = match (total.oldest_unpublished_age_seconds, oldest)
         {
             (Some(a), Some(b)) => Some(a.max(b)),

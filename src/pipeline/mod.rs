@@ -222,6 +222,8 @@ async fn run_auto(
                     mode = "cdc",
                     "mode switch: streaming from the replication slot"
                 );
+                // Not ready until the session streams (leadership, the slot, an exactly-once start).
+                crate::http::READINESS.set_mode("starting");
                 match cdc.run(shutdown.clone()).await {
                     Ok(()) => return Ok(()),
                     Err(error) if is_replication_setup_error(&error) => error,

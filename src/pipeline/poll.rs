@@ -383,7 +383,10 @@ impl<K: Sinks> PollWorker<K> {
                 return Ok(());
             }
             if let Some(leader) = &mut leader {
-                if leader.defer(&client).await? {
+                let defer = leader.defer(&client).await?;
+                // The session is up (deferring to a live leader is this worker's work while it lives).
+                readiness.working("poll");
+                if defer {
                     if idle(None, super::fleet::LEADER_CHECK, shutdown).await {
                         return Ok(());
                     }

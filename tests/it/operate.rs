@@ -423,6 +423,11 @@ async fn periodic_queries_read_an_index_not_the_table() {
     let queries = [
         ("backlog", statements.count.clone()),
         ("oldest age", statements.oldest.clone().unwrap()),
+        ("a row claimable now", statements.due.clone().unwrap()),
+        (
+            "newest publication",
+            statements.newest_published.clone().unwrap(),
+        ),
         ("dead letters", statements.dead.clone().unwrap()),
         (
             "lease renewal",
@@ -499,6 +504,8 @@ async fn every_table_shape_reads_its_figures_through_an_index() {
         let statements = outbox::backlog_statements(&table);
         let queries = std::iter::once(statements.count)
             .chain(statements.oldest)
+            .chain(statements.due)
+            .chain(statements.newest_published)
             .chain(statements.dead);
         for sql in queries {
             // The million rows are in `plain_outbox` and in the partition `outbox_p_2020`.
