@@ -137,6 +137,11 @@ impl SlotHorizon {
     /// Samples and reads the slot (see [`SlotHorizon`]).
     async fn judge(&mut self, sweeper: &Sweeper) -> Result<Horizon> {
         let client = pg::connect(&sweeper.database_url).await?;
+        // Recording the history as streamed comments on a column (SHARE UPDATE EXCLUSIVE): behind a
+        // concurrent index build or a VACUUM it gives way, failing the pass, rather than hanging it.
+        client
+            .batch_execute(&format!("SET lock_timeout = '{LOCK_TIMEOUT}'"))
+            .await?;
         let row = client
             .query_one(
                 // The insert position: every commit record written before the sample lies below it (the

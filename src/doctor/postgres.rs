@@ -36,7 +36,7 @@ pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
         findings.push(polling_columns(table, settings.mode));
         findings.push(Finding::from_result(
             "postgres.privileges",
-            privileges(client, table).await,
+            privileges(client, table, settings.retention.as_ref()).await,
         ));
         findings.push(Finding::from_result(
             "postgres.row_level_security",
@@ -141,7 +141,7 @@ pub async fn advisories(client: &Client, settings: &RunSettings) -> Vec<Finding>
     for table in &settings.database.tables {
         findings.push(Finding::from_result(
             "postgres.privileges",
-            privileges(client, table).await,
+            privileges(client, table, settings.retention.as_ref()).await,
         ));
         findings.push(Finding::from_result(
             "postgres.row_level_security",
@@ -418,24 +418,35 @@ async fn replication_slot(
 /// Under `--mode poll` nothing reads the slot: one left from an earlier CDC run keeps WAL without end.
 async fn slot_left_behind(client: &Client, slot_name: &str) -> Result<Finding> {
     let check = "postgres.slot";
-    let retained: Option<Option<i64>> = client
+    let slot: Option<(Option<i64>, bool, Option<String>)> = client
         .query_opt(
-            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 FROM pg_replication_slots
-             WHERE slot_name = $1 AND database = current_database()",
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8, active, wal_status
+             FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()",
             &[&slot_name],
         )
         .await?
-        .map(|row| row.get(0));
-    Ok(match retained {
+        .map(|row| (row.get(0), row.get(1), row.get(2)));
+    Ok(match slot {
         None => Finding::ok(check, format!("no slot {slot_name}: --mode poll needs none")),
-        Some(retained) => Finding::with_fix(
+        // A CDC instance of the fleet streams from it (pollers leave its rows to it).
+        Some((_, true, _)) => Finding::ok(
+            check,
+            format!("{slot_name} is streamed by another client (a CDC instance of the fleet?); --mode poll leaves it alone"),
+        ),
+        Some((_, false, Some(status))) if status == "lost" => Finding::with_fix(
+            check,
+            Outcome::Note,
+            format!("{slot_name} exists, lost (wal_status = lost): it keeps no WAL, and --mode poll never reads it"),
+            format!("SELECT pg_drop_replication_slot('{slot_name}')"),
+        ),
+        Some((retained, false, _)) => Finding::with_fix(
             check,
             Outcome::Warning,
             format!(
                 "{slot_name} exists, but --mode poll never reads it: it keeps WAL ({} bytes so far) until the disk is full",
                 retained.unwrap_or(0)
             ),
-            format!("if no other outboxd streams from it: SELECT pg_drop_replication_slot('{slot_name}')"),
+            format!("if nothing is to stream from it again: SELECT pg_drop_replication_slot('{slot_name}')"),
         ),
     })
 }
@@ -464,36 +475,75 @@ async fn free_slots(client: &Client, slot_name: &str) -> Result<Finding> {
     ))
 }
 
-/// Outboxd's role reads the table, writes `published_at` (and the polling columns) back, and numbers rows
-/// from the table's position sequence.
-async fn privileges(client: &Client, table: &OutboxTable) -> Result<Finding> {
+/// Outboxd's role reads the table and writes `published_at` (and the polling columns) back: table-wide or
+/// column by column (a column-level `GRANT UPDATE (published_at, ...)` is enough); with `--retention` it
+/// deletes rows (unless it drops partitions, which needs ownership: `retention::check`) and inserts them into
+/// an existing archive.
+async fn privileges(
+    client: &Client,
+    table: &OutboxTable,
+    retention: Option<&crate::config::Retention>,
+) -> Result<Finding> {
     let check = "postgres.privileges";
     let (quoted, name) = (table.name.quoted(), &table.name);
+    let mut written: Vec<&str> = Vec::new();
+    if table.marks_published {
+        written.push("published_at");
+    }
+    if table.polling {
+        written.extend([
+            "available_at",
+            "attempts",
+            "lease_token",
+            "lease_until",
+            "last_error",
+            "dead_at",
+            "handoff_at",
+            "position",
+        ]);
+    }
+    let deletes = retention.is_some_and(|r| r.archive_table.is_some() || !table.partitioned);
+    let archive = retention
+        .and_then(|r| r.archive_table.as_ref())
+        .map(|a| a.quoted());
     let row = client
         .query_one(
-            "SELECT has_table_privilege($1::text::regclass, 'SELECT'), has_table_privilege($1::text::regclass, 'UPDATE'), current_user::text",
-            &[&quoted],
+            "SELECT has_any_column_privilege($1::text::regclass, 'SELECT'),
+                    coalesce((SELECT array_agg(c) FROM unnest($2::text[]) AS c
+                              WHERE NOT has_column_privilege($1::text::regclass, c, 'UPDATE')), '{}'),
+                    has_table_privilege($1::text::regclass, 'DELETE'),
+                    $3::text IS NULL OR to_regclass($3) IS NULL OR has_table_privilege(to_regclass($3), 'INSERT'),
+                    current_user::text",
+            &[&quoted, &written, &archive],
         )
         .await?;
-    let (select, update, role): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
+    let (select, not_updatable, delete, archive_insert, role): (
+        bool,
+        Vec<String>,
+        bool,
+        bool,
+        String,
+    ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
     let mut missing = Vec::new();
     if !select {
         missing.push(format!("GRANT SELECT ON {name} TO {role}"));
     }
-    if table.marks_published && !update {
-        missing.push(format!("GRANT UPDATE ON {name} TO {role}"));
+    if !not_updatable.is_empty() {
+        missing.push(format!(
+            "GRANT UPDATE ({}) ON {name} TO {role}",
+            not_updatable.join(", ")
+        ));
     }
-    if table.polling {
-        let sequence: Option<(String, bool)> = client
-            .query_one(
-                "SELECT s, has_sequence_privilege(s, 'USAGE') FROM pg_get_serial_sequence($1, 'position') AS s WHERE s IS NOT NULL",
-                &[&quoted],
-            )
-            .await
-            .ok()
-            .map(|row| (row.get(0), row.get(1)));
-        if let Some((sequence, false)) = sequence {
-            missing.push(format!("GRANT USAGE ON SEQUENCE {sequence} TO {role}"));
+    if deletes && !delete {
+        missing.push(format!(
+            "GRANT DELETE ON {name} TO {role} (for --retention)"
+        ));
+    }
+    if !archive_insert {
+        if let Some(archive) = retention.and_then(|r| r.archive_table.as_ref()) {
+            missing.push(format!(
+                "GRANT INSERT ON {archive} TO {role} (for --archive-table)"
+            ));
         }
     }
     if missing.is_empty() {
@@ -505,7 +555,7 @@ async fn privileges(client: &Client, table: &OutboxTable) -> Result<Finding> {
     Ok(Finding::with_fix(
         check,
         Outcome::Failed,
-        format!("{role} lacks privileges outboxd needs on {name} (reading events, writing published_at and the polling columns back, numbering rows)"),
+        format!("{role} lacks privileges outboxd needs on {name} (reading events, writing published_at and the polling columns back, retention)"),
         missing.join("; "),
     ))
 }

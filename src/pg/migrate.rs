@@ -773,6 +773,13 @@ async fn migrate_under_lock(
                 )
                 .await?;
             if done.is_some() {
+                // A claim index dropped (or left invalid) since is built again, by the migration that
+                // builds it in order (the claim and the backlog figures read it).
+                if *version == CLAIM_ORDER_VERSION && !claim_index_in_order(client, &table).await? {
+                    table = slot::inspect(&*client, table.spec()).await?;
+                    tracing::info!(table = %table.name, "the claim index is missing or invalid: building it again");
+                    apply(client, &table, &render_migration(sql, &table, None)).await?;
+                }
                 continue;
             }
             let mut existing_rows = None;

@@ -340,25 +340,19 @@ async fn missing_privileges_no_free_slot_and_a_slot_left_behind_are_named() {
     let reader = pg.url_for("doctor_reader", None);
     let (_, report) = doctor(&reader, &brokers, &[]);
     let check = "postgres.privileges";
+    let columns = "published_at, available_at, attempts, lease_token, lease_until, last_error, dead_at, handoff_at, position";
     expect(
         &report,
         check,
         "failed",
         "fix",
-        "GRANT UPDATE ON public.outbox_event TO doctor_reader",
+        &format!("GRANT UPDATE ({columns}) ON public.outbox_event TO doctor_reader"),
     );
-    expect(
-        &report,
-        check,
-        "failed",
-        "fix",
-        "GRANT USAGE ON SEQUENCE public.outbox_event_position_seq TO doctor_reader",
-    );
+    // Column by column is enough (least privilege).
     client
-        .batch_execute(
-            "GRANT UPDATE ON outbox_event TO doctor_reader;
-             GRANT USAGE ON SEQUENCE outbox_event_position_seq TO doctor_reader;",
-        )
+        .batch_execute(&format!(
+            "GRANT UPDATE ({columns}) ON outbox_event TO doctor_reader"
+        ))
         .await
         .unwrap();
     let (_, report) = doctor(&reader, &brokers, &[]);
@@ -435,5 +429,107 @@ async fn missing_privileges_no_free_slot_and_a_slot_left_behind_are_named() {
         "ok",
         "detail",
         "--mode poll needs none",
+    );
+}
+
+/// The other checks with something to fail, each failing with its fix: a role without the replication
+/// permission, the claim index gone, a topic that keeps records for less time than the oldest event has
+/// waited, and a table without the polling columns (a warning under `auto`, which then streams CDC only).
+#[tokio::test(flavor = "multi_thread")]
+async fn replication_permission_claim_index_topic_retention_and_polling_columns_are_named() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE ROLE doctor_plain LOGIN;
+             GRANT SELECT, UPDATE ON outbox_event TO doctor_plain;
+             DROP INDEX outbox_event_claim_idx;
+             INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             VALUES (gen_random_uuid(), 'Order', 'o-1', 'E', '{}', now() - interval '1 hour');",
+        )
+        .await
+        .unwrap();
+    create_topic(
+        &brokers,
+        rdkafka::admin::NewTopic::new(
+            "outbox.Order",
+            1,
+            rdkafka::admin::TopicReplication::Fixed(1),
+        )
+        .set("retention.ms", "60000"),
+    )
+    .await;
+    let (code, report) = doctor(
+        &pg.url_for("doctor_plain", None),
+        &brokers,
+        &["--mode", "cdc"],
+    );
+    assert_eq!(code, 2, "{report:#}");
+    expect(
+        &report,
+        "postgres.replication",
+        "failed",
+        "fix",
+        "REPLICATION",
+    );
+    expect(
+        &report,
+        "postgres.indexes",
+        "failed",
+        "fix",
+        "outboxd migrate --add-polling-columns",
+    );
+
+    // The permission granted and the index rebuilt: the backlog is counted again, its oldest event older
+    // than the topic keeps records.
+    client
+        .batch_execute("ALTER ROLE doctor_plain REPLICATION")
+        .await
+        .unwrap();
+    migrate_with(&url, &["--add-polling-columns"]);
+    let plain = pg.url_for("doctor_plain", None);
+    let (_, report) = doctor(&plain, &brokers, &["--mode", "cdc"]);
+    for check in ["postgres.replication", "postgres.indexes"] {
+        assert_eq!(
+            finding(&report, check)["outcome"],
+            "ok",
+            "{check}: {report:#}"
+        );
+    }
+    let topic = "kafka.topic outbox.Order";
+    expect(
+        &report,
+        topic,
+        "warning",
+        "fix",
+        "raise retention.ms of outbox.Order",
+    );
+    client
+        .batch_execute("UPDATE outbox_event SET published_at = now()")
+        .await
+        .unwrap();
+    let (_, report) = doctor(&plain, &brokers, &["--mode", "cdc"]);
+    // One replica is a note for production, no warning.
+    assert_eq!(finding(&report, topic)["outcome"], "note", "{report:#}");
+
+    // A table without the polling columns: auto streams it CDC only, and says what that lacks.
+    client
+        .batch_execute(
+            "CREATE TABLE public.cdc_only (
+                 event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .unwrap();
+    migrate_with(&url, &["--table", "public.cdc_only"]);
+    let (code, report) = doctor(&url, &brokers, &["--table", "public.cdc_only"]);
+    assert_eq!(code, 1, "{report:#}");
+    expect(
+        &report,
+        "postgres.table public.cdc_only",
+        "warning",
+        "fix",
+        "--add-polling-columns",
     );
 }
