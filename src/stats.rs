@@ -83,8 +83,8 @@ async fn check_forever(settings: std::sync::Arc<RunSettings<TableSpec>>) {
                 let last = watchdog.last;
                 let sample = READINESS.should_deliver().then(|| Sample {
                     published: m::published_so_far(),
-                    // Only rows that could be claimed now wait for the pipeline (not those waiting for
-                    // their retry, leased, or behind such a row of their aggregate).
+                    // Only due rows wait for the pipeline (not those waiting for their retry, or behind
+                    // such a row of their aggregate).
                     waiting: backlog
                         .as_ref()
                         .map_or(last.is_some_and(|l| l.waiting), |b| b.due),
@@ -304,7 +304,7 @@ mod tests {
         let at = |seconds| start + Duration::from_secs(seconds);
         let mut watchdog = Watchdog::default();
         for step in 0..10 {
-            // Rows waiting for their retry (or leased, or behind those of their aggregate) only.
+            // Rows waiting for their retry (or behind those of their aggregate) only.
             assert!(!watchdog.observe(at(step * 60), sample(0, false, 100.0)));
         }
         // Another instance publishes: the newest published_at moves.

@@ -632,9 +632,10 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
              FROM (SELECT \"{created_at}\" FROM {t} WHERE {unpublished} {first}) AS head"
         )
     });
-    // Whether one of the first rows in claim order could be claimed now: due, not leased, and no earlier row
-    // of its aggregate among them waiting for a retry or leased (per-aggregate order holds it back).
-    let claimable_now = "available_at <= now() AND (lease_until IS NULL OR lease_until < now())";
+    // Whether one of the first rows in claim order is due: not waiting for a retry, nor behind such a row of
+    // its aggregate among them (per-aggregate order holds it back). A leased row counts as due: a lease that
+    // ends without a publication (a broker that does not answer) is no progress.
+    let claimable_now = "available_at <= now()";
     let due = table.polling.then(|| {
         format!(
             "SELECT coalesce(bool_or(claimable), false) FROM (
@@ -713,7 +714,6 @@ pub async fn countable(client: &Client, table: &OutboxTable) -> Result<Countable
     for sql in std::iter::once(&statements.count)
         .chain(&statements.oldest)
         .chain(&statements.due)
-        .chain(&statements.newest_published)
     {
         backlog &= !needs_a_table_scan(client, sql).await?;
     }
@@ -731,7 +731,7 @@ pub struct BacklogStatements {
     pub count: String,
     /// Without a `created_at` column there is no age.
     pub oldest: Option<String>,
-    /// Whether a row could be claimed now (only with the polling columns).
+    /// Whether a row is due (only with the polling columns).
     pub due: Option<String>,
     /// When the newest row was published (only with the polling columns, whose migrations index it).
     pub newest_published: Option<String>,
@@ -754,8 +754,8 @@ pub struct Backlog {
     pub unpublished_events: i64,
     /// Age of the oldest unpublished row in seconds; `None` without rows, or without `created_at` columns.
     pub oldest_unpublished_age_seconds: Option<f64>,
-    /// A row of a table with the polling columns could be claimed now, as far as the first rows in claim
-    /// order show (not waiting for its retry, not leased, not behind such a row of its aggregate).
+    /// A row of a table with the polling columns is due, as far as the first rows in claim order show (not
+    /// waiting for its retry, nor behind such a row of its aggregate).
     #[serde(skip)]
     pub due: bool,
     /// When the newest row of those tables was published (seconds since the epoch), by any instance.
@@ -782,18 +782,21 @@ pub async fn backlog(client: &Client, tables: &[OutboxTable]) -> Result<Backlog>
         if let Some(sql) = &statements.due {
             total.due |= client.query_one(sql, &[]).await?.try_get::<_, bool>(0)?;
         }
-        if let Some(sql) = &statements.newest_published {
-            let newest: Option<f64> = client.query_one(sql, &[]).await?.try_get(0)?;
-            total.newest_published = match (total.newest_published, newest) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                (a, b) => a.or(b),
-            };
-        }
         total.oldest_unpublished_age_seconds = match (total.oldest_unpublished_age_seconds, oldest)
         {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
         };
+        // Only through the published index (a table may lack it; the figures above do not need it).
+        if let Some(sql) = &statements.newest_published {
+            if !needs_a_table_scan(client, sql).await? {
+                let newest: Option<f64> = client.query_one(sql, &[]).await?.try_get(0)?;
+                total.newest_published = match (total.newest_published, newest) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+        }
     }
     Ok(total)
 }
