@@ -486,22 +486,14 @@ async fn privileges(
 ) -> Result<Finding> {
     let check = "postgres.privileges";
     let (quoted, name) = (table.name.quoted(), &table.name);
-    let mut written: Vec<&str> = Vec::new();
-    if table.marks_published {
-        written.push("published_at");
-    }
-    if table.polling {
-        written.extend([
-            "available_at",
-            "attempts",
-            "lease_token",
-            "lease_until",
-            "last_error",
-            "dead_at",
-            "handoff_at",
-            "position",
-        ]);
-    }
+    // The polling columns include published_at; a table without them may still have it.
+    let written: &[&str] = if table.polling {
+        &crate::table::POLLING_COLUMNS
+    } else if table.marks_published {
+        &["published_at"]
+    } else {
+        &[]
+    };
     let deletes = retention.is_some_and(|r| r.archive_table.is_some() || !table.partitioned);
     let archive = retention
         .and_then(|r| r.archive_table.as_ref())

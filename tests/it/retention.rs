@@ -65,6 +65,23 @@ async fn insert_old_and_recent(client: &tokio_postgres::Client) {
         .unwrap();
 }
 
+/// `outboxd run` archiving published rows older than 10 minutes into `outbox_archive` every 200 ms, serving
+/// `/metrics` at the address returned.
+fn spawn_archiving(url: &str, brokers: &str) -> (Outboxd, String) {
+    spawn_serving_metrics(
+        url,
+        brokers,
+        &[
+            "--retention",
+            "10m",
+            "--retention-interval",
+            "200ms",
+            "--archive-table",
+            "outbox_archive",
+        ],
+    )
+}
+
 async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
@@ -404,19 +421,7 @@ async fn a_lock_retention_needs_fails_the_pass_with_the_reason_instead_of_waitin
     lock.batch_execute("LOCK TABLE outbox_archive IN SHARE MODE")
         .await
         .unwrap();
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend([
-        "--retention",
-        "10m",
-        "--retention-interval",
-        "200ms",
-        "--archive-table",
-        "outbox_archive",
-        "--metrics-addr",
-        metrics_addr.as_str(),
-    ]);
-    let outboxd = Outboxd::spawn(&args);
+    let (outboxd, metrics_addr) = spawn_archiving(&url, &brokers);
     wait_for(
         "retention failures to be counted",
         Duration::from_secs(60),
@@ -463,19 +468,7 @@ async fn retention_failures_show_in_metrics_and_status() {
         .await
         .unwrap();
     insert_old_and_recent(&client).await;
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let mut args = run_args(&url, &brokers);
-    args.extend([
-        "--retention",
-        "10m",
-        "--retention-interval",
-        "200ms",
-        "--archive-table",
-        "outbox_archive",
-        "--metrics-addr",
-        metrics_addr.as_str(),
-    ]);
-    let _outboxd = Outboxd::spawn(&args);
+    let (_outboxd, metrics_addr) = spawn_archiving(&url, &brokers);
     wait_slot_active(&client, "outboxd").await;
     wait_for(
         "retention failures to be counted",
