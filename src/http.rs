@@ -51,7 +51,7 @@ impl Readiness {
         }
     }
 
-    /// Records the watchdog's judgement: events wait and none was settled for a while.
+    /// Records the watchdog's judgement: events are due and none was published for a while.
     pub fn set_stalled(&self, stalled: bool) {
         self.stalled.store(stalled, Ordering::Relaxed);
     }
