@@ -82,6 +82,34 @@ fn spawn_archiving(url: &str, brokers: &str) -> (Outboxd, String) {
     )
 }
 
+/// `outboxd run --mode <mode>` on `outbox_p` dropping partitions past a day every second, serving `/metrics`
+/// at the address returned.
+fn spawn_partition_retention(pg: &Postgres, broker: &Broker, mode: &str) -> (Outboxd, String) {
+    spawn_serving_metrics(
+        &pg.url(),
+        &broker.addr(),
+        &[
+            "--table",
+            "outbox_p",
+            "--mode",
+            mode,
+            "--retention",
+            "1d",
+            "--retention-interval",
+            "1s",
+        ],
+    )
+}
+
+/// Waits until the partition `name` of `outbox_p` no longer exists.
+async fn wait_partition_gone(client: &tokio_postgres::Client, name: &str, timeout: Duration) {
+    let sql = format!("SELECT count(*) FROM pg_class WHERE relname = '{name}'");
+    wait_for_async(&format!("{name} to be dropped"), timeout, || async {
+        (count(client, &sql).await == 0).then_some(())
+    })
+    .await;
+}
+
 async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
@@ -684,22 +712,7 @@ async fn partition_retention_never_reads_a_partition_under_its_lock_and_never_li
         .await
         .unwrap();
     let broker = Broker::start();
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let (url, brokers) = (pg.url(), broker.addr());
-    let mut args = run_args(&url, &brokers);
-    args.extend([
-        "--table",
-        "outbox_p",
-        "--mode",
-        "poll",
-        "--retention",
-        "1d",
-        "--retention-interval",
-        "1s",
-        "--metrics-addr",
-        metrics_addr.as_str(),
-    ]);
-    let outboxd = Outboxd::spawn(&args);
+    let (outboxd, metrics_addr) = spawn_partition_retention(&pg, &broker, "poll");
     let failures = || {
         let (_, text) = http_get(&metrics_addr, "/metrics")?;
         metric_value(&text, "outboxd_retention_consecutive_failures", "")
@@ -717,20 +730,7 @@ async fn partition_retention_never_reads_a_partition_under_its_lock_and_never_li
         outboxd.log_text()
     );
     holder.batch_execute("COMMIT").await.unwrap();
-    wait_for_async(
-        "the partition to be dropped",
-        Duration::from_secs(120),
-        || async {
-            (count(
-                &client,
-                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'",
-            )
-            .await
-                == 0)
-                .then_some(())
-        },
-    )
-    .await;
+    wait_partition_gone(&client, "outbox_p_2020", Duration::from_secs(120)).await;
     wait_for("the failures to clear", Duration::from_secs(60), || {
         failures().filter(|n| *n == 0.0)
     });
@@ -744,38 +744,10 @@ async fn partition_retention_never_reads_a_partition_under_its_lock_and_never_li
 async fn an_old_partition_is_dropped_under_steady_cdc_load() {
     let (pg, client) = partitioned().await;
     let broker = Broker::start();
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let (url, brokers) = (pg.url(), broker.addr());
-    let mut args = run_args(&url, &brokers);
-    args.extend([
-        "--table",
-        "outbox_p",
-        "--mode",
-        "cdc",
-        "--retention",
-        "1d",
-        "--retention-interval",
-        "1s",
-        "--metrics-addr",
-        metrics_addr.as_str(),
-    ]);
-    let _outboxd = Outboxd::spawn(&args);
+    let (_outboxd, metrics_addr) = spawn_partition_retention(&pg, &broker, "cdc");
     wait_slot_active(&client, "outboxd").await;
     // The 2020 partition, empty, goes at the first pass; the load starts after it.
-    wait_for_async(
-        "the empty old partition to go",
-        Duration::from_secs(60),
-        || async {
-            (count(
-                &client,
-                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2020'",
-            )
-            .await
-                == 0)
-                .then_some(())
-        },
-    )
-    .await;
+    wait_partition_gone(&client, "outbox_p_2020", Duration::from_secs(60)).await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let load_started = std::time::Instant::now();
     let load = {
@@ -825,20 +797,7 @@ async fn an_old_partition_is_dropped_under_steady_cdc_load() {
         .unwrap();
     let attached = std::time::Instant::now();
     let failures_before = retention_failures(&metrics_addr);
-    wait_for_async(
-        "the old partition to be dropped under load",
-        Duration::from_secs(120),
-        || async {
-            (count(
-                &client,
-                "SELECT count(*) FROM pg_class WHERE relname = 'outbox_p_2019'",
-            )
-            .await
-                == 0)
-                .then_some(())
-        },
-    )
-    .await;
+    wait_partition_gone(&client, "outbox_p_2019", Duration::from_secs(120)).await;
     let dropped_after = attached.elapsed();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let inserted = load.await.unwrap();
