@@ -256,6 +256,11 @@ impl Bench {
         .await
     }
 
+    /// Every row has published_at (an error reads as not yet).
+    async fn all_published(&self) -> bool {
+        self.unpublished().await.is_ok_and(|n| n == 0)
+    }
+
     async fn unpublished(&self) -> BenchResult<i64> {
         self.unpublished_in(ONE_TABLE).await
     }
@@ -680,7 +685,7 @@ impl Bench {
             "the polling drain",
             Duration::from_secs(1800),
             Duration::from_millis(20),
-            || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
+            || self.all_published(),
         )
         .await?;
         let seconds = started.elapsed().as_secs_f64();
@@ -724,7 +729,7 @@ impl Bench {
             "the warm-up events",
             Duration::from_secs(60),
             Duration::from_millis(20),
-            || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
+            || self.all_published(),
         )
         .await?;
         let consumer = observe::ArrivalConsumer::start(&self.stack.brokers(), EVENTS_TOPIC)?;
@@ -767,7 +772,7 @@ impl Bench {
             "the steady run to drain",
             Duration::from_secs(600),
             Duration::from_millis(50),
-            || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
+            || self.all_published(),
         )
         .await?;
         let arrivals = consumer.finish(inserted, Duration::from_secs(120)).await?;
@@ -925,7 +930,7 @@ impl Bench {
                 "the event inserted after the kill",
                 Duration::from_secs(120),
                 Duration::from_millis(10),
-                || async { self.unpublished().await.map(|n| n == 0).unwrap_or(false) },
+                || self.all_published(),
             )
             .await?;
             takeovers.push(Takeover {
