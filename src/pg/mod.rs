@@ -47,8 +47,13 @@ impl PgUrl {
     }
 }
 
+/// How every SQL connection of outboxd reads and writes times, whatever the server's or the database's
+/// `TimeZone` and `DateStyle`: a `timestamp without time zone` column holds UTC wall-clock time, on every
+/// path (as the replication connection decodes it), and times read as text are ISO.
+const SESSION_TIME: &str = "SET datestyle = 'ISO'; SET TIME ZONE 'UTC'";
+
 /// Opens an ordinary SQL connection and drives it on a background task. Its commits are durable when
-/// they return (see [`DURABLE_COMMITS`]).
+/// they return (see [`DURABLE_COMMITS`]); its times are UTC (see [`SESSION_TIME`]).
 pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
     let (client, connection) = url.connect_raw().await?;
     tokio::spawn(async move {
@@ -56,7 +61,9 @@ pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
             tracing::debug!(%error, "SQL connection closed");
         }
     });
-    client.batch_execute(DURABLE_COMMITS).await?;
+    client
+        .batch_execute(&format!("{DURABLE_COMMITS}; {SESSION_TIME}"))
+        .await?;
     Ok(client)
 }
 
@@ -70,9 +77,7 @@ const DURABLE_COMMITS: &str = "SELECT set_config('synchronous_commit',
      CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END,
      false)";
 
-/// A connection for periodic figures and `outboxd status`: each statement is bounded by `statement_timeout`,
-/// and `timestamp without time zone` columns are read as UTC (as the polling and replication sessions read
-/// them), not in the server's time zone.
+/// A connection for periodic figures and `outboxd status`: each statement is bounded by `statement_timeout`.
 pub async fn connect_for_figures(
     url: &PgUrl,
     statement_timeout: std::time::Duration,
@@ -80,7 +85,7 @@ pub async fn connect_for_figures(
     let client = connect(url).await?;
     client
         .batch_execute(&format!(
-            "SET statement_timeout = {}; SET TIME ZONE 'UTC'",
+            "SET statement_timeout = {}",
             statement_timeout.as_millis()
         ))
         .await?;

@@ -320,7 +320,7 @@ impl<K: Sinks> PollWorker<K> {
         }
     }
 
-    /// The session's SQL connection (to a primary, reading times as ISO UTC) with its statements prepared,
+    /// The session's SQL connection (to a primary; `pg::connect` reads times as ISO UTC) with its statements prepared,
     /// once every row of the table has a position.
     async fn open(&self) -> Result<(tokio_postgres::Client, PollSql)> {
         // A silent server must end the session (it may hold the claim lock every claimer waits for).
@@ -331,10 +331,6 @@ impl<K: Sinks> PollWorker<K> {
         if pg::in_recovery(&client).await? {
             return Err(Error::in_recovery());
         }
-        // created_at is read as text: make it ISO and UTC, as on the replication connection.
-        client
-            .batch_execute("SET datestyle = 'ISO'; SET TIME ZONE 'UTC'")
-            .await?;
         // Rows older than the polling columns have no position; the sweeper may meet them too (handed off by
         // `migrate --existing-rows unpublished`).
         let numbering = client.transaction().await?;

@@ -684,6 +684,72 @@ async fn ages_of_timestamps_without_time_zone_are_read_as_utc() {
     );
 }
 
+/// Times outboxd writes into `timestamp without time zone` columns hold UTC wall-clock time on every path,
+/// as it reads them: the CDC write-back wrote `published_at` in the server's time zone (here 14 hours
+/// ahead), the polling path in UTC, so retention and ages judged one path's rows hours off.
+#[tokio::test(flavor = "multi_thread")]
+async fn times_written_without_time_zone_are_utc_on_every_path() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "ALTER DATABASE postgres SET timezone = 'Pacific/Kiritimati';
+             CREATE TABLE public.local_outbox (
+                 event_id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL,
+                 created_at timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'UTC'), published_at timestamp)",
+        )
+        .await
+        .unwrap();
+    let table = ["--table", "public.local_outbox"];
+    migrate_with(&url, &[&table[..], &["--add-polling-columns"]].concat());
+    for (event, mode) in [("cdc", "cdc"), ("poll", "poll")] {
+        let mut args = run_args(&url, &brokers);
+        args.extend(table);
+        args.extend(["--mode", mode, "--metrics-addr", "off"]);
+        let outboxd = Outboxd::spawn(&args);
+        // The event must come through the slot: a row inserted before it exists is handed to polling.
+        if mode == "cdc" {
+            wait_for("outboxd to stream", Duration::from_secs(60), || {
+                outboxd
+                    .log_text()
+                    .contains("streaming from replication slot")
+                    .then_some(())
+            });
+        }
+        client
+            .execute(
+                "INSERT INTO public.local_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
+                 VALUES (gen_random_uuid(), 'Order', $1, 'E', '{}')",
+                &[&event],
+            )
+            .await
+            .unwrap();
+        let hours_from_utc: f64 = wait_for_async(
+            &format!("the {mode} path to publish its event"),
+            Duration::from_secs(60),
+            || async {
+                client
+                    .query_one(
+                        "SELECT extract(epoch FROM published_at - (now() AT TIME ZONE 'UTC'))::float8 / 3600
+                           FROM public.local_outbox WHERE aggregate_id = $1 AND published_at IS NOT NULL",
+                        &[&event],
+                    )
+                    .await
+                    .ok()
+                    .map(|row| row.get(0))
+            },
+        )
+        .await;
+        assert!(
+            hours_from_utc.abs() < 1.0,
+            "the {mode} path wrote published_at {hours_from_utc:.1} hours from UTC"
+        );
+    }
+}
+
 /// Review F2: an unpublished row whose `created_at` is NULL (a nullable column is allowed) panicked the
 /// figures task: the gauges froze and `/readyz` kept its last 200 after PostgreSQL went away; `status`
 /// exited 101. Now its age is unknown, the figures go on, and readiness follows the database.
