@@ -316,6 +316,32 @@ impl OutboxTable {
         }
     }
 
+    /// The columns outboxd writes back: the polling columns (which include `published_at`), or
+    /// `published_at` alone on a table without them, or none.
+    pub fn written_columns(&self) -> &'static [&'static str] {
+        if self.polling {
+            &POLLING_COLUMNS
+        } else if self.marks_published {
+            &["published_at"]
+        } else {
+            &[]
+        }
+    }
+
+    /// Every column outboxd reads: the mapped ones, the header columns and the ones it writes back (its
+    /// updates and claims read them too).
+    pub fn read_columns(&self) -> Vec<String> {
+        let mapped = self.columns.iter().flatten().cloned();
+        let written = self.written_columns().iter().map(|c| c.to_string());
+        let mut columns: Vec<String> = mapped
+            .chain(self.header_columns.iter().cloned())
+            .chain(written)
+            .collect();
+        columns.sort();
+        columns.dedup();
+        columns
+    }
+
     /// The quoted columns that identify an aggregate: aggregate_type (when the table has it) and
     /// aggregate_id.
     pub fn aggregate_key(&self) -> String {
@@ -589,6 +615,30 @@ mod tests {
             .resolve(&bad, false)
             .unwrap_err();
         assert!(err.problem.contains("expected uuid"), "{err:?}");
+    }
+
+    #[test]
+    fn read_columns_are_the_mapped_ones_and_those_written_back_once_each() {
+        let standard = columns(&[
+            ("event_id", "uuid"),
+            ("aggregate_type", "text"),
+            ("aggregate_id", "text"),
+            ("event_type", "text"),
+            ("payload", "jsonb"),
+            ("occurred_at", "timestamp with time zone"),
+            ("published_at", "timestamp with time zone"),
+        ]);
+        let t = table(
+            TableStyle::Standard,
+            &[(Role::CreatedAt, "occurred_at".into())],
+        )
+        .resolve(&standard, false)
+        .unwrap();
+        assert_eq!(t.written_columns(), ["published_at"]);
+        let names: Vec<String> = standard.into_iter().map(|(name, _)| name).collect();
+        let mut expected = names.clone();
+        expected.sort();
+        assert_eq!(t.read_columns(), expected);
     }
 
     #[test]

@@ -36,7 +36,7 @@ pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
         findings.push(polling_columns(table, settings.mode));
         findings.push(Finding::from_result(
             "postgres.privileges",
-            privileges(client, table, settings.retention.as_ref()).await,
+            privileges(client, table, settings).await,
         ));
         findings.push(Finding::from_result(
             "postgres.row_level_security",
@@ -141,7 +141,7 @@ pub async fn advisories(client: &Client, settings: &RunSettings) -> Vec<Finding>
     for table in &settings.database.tables {
         findings.push(Finding::from_result(
             "postgres.privileges",
-            privileges(client, table, settings.retention.as_ref()).await,
+            privileges(client, table, settings).await,
         ));
         findings.push(Finding::from_result(
             "postgres.row_level_security",
@@ -475,50 +475,60 @@ async fn free_slots(client: &Client, slot_name: &str) -> Result<Finding> {
     ))
 }
 
-/// Outboxd's role reads the table and writes `published_at` (and the polling columns) back: table-wide or
-/// column by column (a column-level `GRANT UPDATE (published_at, ...)` is enough); with `--retention` it
-/// deletes rows (unless it drops partitions, which needs ownership: `retention::check`) and inserts them into
-/// an existing archive.
+/// Outboxd's role reads the table's columns and writes `published_at` (and the polling columns) back:
+/// table-wide or column by column (`GRANT SELECT (...)`, `GRANT UPDATE (published_at, ...)` are enough);
+/// with `--retention` it deletes rows (unless it drops partitions, which needs ownership: `retention::check`)
+/// and inserts them into an existing archive. The stream writes a row the application deleted back into the
+/// table when its event must go to polling (README, rows deleted in their own transaction): without INSERT
+/// that stops outboxd, so its lack is a warning.
 async fn privileges(
     client: &Client,
     table: &OutboxTable,
-    retention: Option<&crate::config::Retention>,
+    settings: &RunSettings,
 ) -> Result<Finding> {
     let check = "postgres.privileges";
     let (quoted, name) = (table.name.quoted(), &table.name);
-    // The polling columns include published_at; a table without them may still have it.
-    let written: &[&str] = if table.polling {
-        &crate::table::POLLING_COLUMNS
-    } else if table.marks_published {
-        &["published_at"]
-    } else {
-        &[]
-    };
+    let retention = settings.retention.as_ref();
     let deletes = retention.is_some_and(|r| r.archive_table.is_some() || !table.partitioned);
     let archive = retention
         .and_then(|r| r.archive_table.as_ref())
         .map(|a| a.quoted());
     let row = client
         .query_one(
-            "SELECT has_any_column_privilege($1::text::regclass, 'SELECT'),
+            "SELECT coalesce((SELECT array_agg(c) FROM unnest($4::text[]) AS c
+                              WHERE NOT has_column_privilege($1::text::regclass, c, 'SELECT')), '{}'),
                     coalesce((SELECT array_agg(c) FROM unnest($2::text[]) AS c
                               WHERE NOT has_column_privilege($1::text::regclass, c, 'UPDATE')), '{}'),
                     has_table_privilege($1::text::regclass, 'DELETE'),
                     $3::text IS NULL OR to_regclass($3) IS NULL OR has_table_privilege(to_regclass($3), 'INSERT'),
+                    NOT EXISTS (SELECT 1 FROM pg_attribute
+                                 WHERE attrelid = $1::text::regclass AND attnum > 0 AND NOT attisdropped
+                                   AND attgenerated = '' AND NOT has_column_privilege($1::text::regclass, attnum, 'INSERT')),
                     current_user::text",
-            &[&quoted, &written, &archive],
+            &[&quoted, &table.written_columns(), &archive, &table.read_columns()],
         )
         .await?;
-    let (select, not_updatable, delete, archive_insert, role): (
-        bool,
+    let (not_readable, not_updatable, delete, archive_insert, insert, role): (
+        Vec<String>,
         Vec<String>,
         bool,
         bool,
+        bool,
         String,
-    ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+    ) = (
+        row.get(0),
+        row.get(1),
+        row.get(2),
+        row.get(3),
+        row.get(4),
+        row.get(5),
+    );
     let mut missing = Vec::new();
-    if !select {
-        missing.push(format!("GRANT SELECT ON {name} TO {role}"));
+    if !not_readable.is_empty() {
+        missing.push(format!(
+            "GRANT SELECT ({}) ON {name} TO {role}",
+            not_readable.join(", ")
+        ));
     }
     if !not_updatable.is_empty() {
         missing.push(format!(
@@ -537,6 +547,19 @@ async fn privileges(
                 "GRANT INSERT ON {archive} TO {role} (for --archive-table)"
             ));
         }
+    }
+    let writes_rows_back = table.polling && settings.mode != Mode::Poll;
+    if writes_rows_back && !insert {
+        let grant = format!("GRANT INSERT ON {name} TO {role}");
+        if missing.is_empty() {
+            return Ok(Finding::with_fix(
+                check,
+                Outcome::Warning,
+                format!("{role} may not insert into {name}: if your application deletes outbox rows in the transaction after inserting them, an event that must go to the polling path (the broker refused it) cannot be written back, and outboxd stops with it unconfirmed in the slot"),
+                format!("{grant} (needed only for tables whose rows the application deletes)"),
+            ));
+        }
+        missing.push(format!("{grant} (for rows the application deletes)"));
     }
     if missing.is_empty() {
         return Ok(Finding::ok(

@@ -323,7 +323,8 @@ fn unreachable_servers_are_unknown_not_ok() {
     );
 }
 
-/// Privileges outboxd's role lacks, no free replication slot for the one to create, and a slot `--mode poll`
+/// Privileges outboxd's role lacks (SELECT on only some columns, UPDATE, INSERT for writing deleted rows back),
+/// no free replication slot for the one to create, and a slot `--mode poll`
 /// leaves behind (keeping WAL without end) are each named with the statement that fixes them, and pass once
 /// fixed (review findings 8e, 8f, 8h: doctor said nothing of them).
 #[tokio::test(flavor = "multi_thread")]
@@ -333,13 +334,26 @@ async fn missing_privileges_no_free_slot_and_a_slot_left_behind_are_named() {
     let client = pg.client().await;
     client
         .batch_execute(
-            "CREATE ROLE doctor_reader LOGIN REPLICATION; GRANT SELECT ON outbox_event TO doctor_reader;",
+            "CREATE ROLE doctor_reader LOGIN REPLICATION; GRANT SELECT (event_id, payload) ON outbox_event TO doctor_reader;",
         )
         .await
         .unwrap();
     let reader = pg.url_for("doctor_reader", None);
-    let (_, report) = doctor(&reader, &brokers, &[]);
     let check = "postgres.privileges";
+    // SELECT on two columns is not SELECT on what outboxd reads.
+    let (_, report) = doctor(&reader, &brokers, &[]);
+    expect(
+        &report,
+        check,
+        "failed",
+        "fix",
+        "GRANT SELECT (aggregate_id, aggregate_type, attempts",
+    );
+    client
+        .batch_execute("GRANT SELECT ON outbox_event TO doctor_reader")
+        .await
+        .unwrap();
+    let (_, report) = doctor(&reader, &brokers, &[]);
     let columns = "published_at, available_at, attempts, lease_token, lease_until, last_error, dead_at, handoff_at, position";
     expect(
         &report,
@@ -353,6 +367,22 @@ async fn missing_privileges_no_free_slot_and_a_slot_left_behind_are_named() {
         .batch_execute(&format!(
             "GRANT UPDATE ({columns}) ON outbox_event TO doctor_reader"
         ))
+        .await
+        .unwrap();
+    // Writing a deleted row back to the polling path needs INSERT: a warning, as only tables whose rows the
+    // application deletes need it.
+    let (_, report) = doctor(&reader, &brokers, &[]);
+    expect(
+        &report,
+        check,
+        "warning",
+        "fix",
+        "GRANT INSERT ON public.outbox_event TO doctor_reader",
+    );
+    let (_, report) = doctor(&reader, &brokers, &["--mode", "poll"]);
+    expect(&report, check, "ok", "detail", "doctor_reader may read");
+    client
+        .batch_execute("GRANT INSERT ON outbox_event TO doctor_reader")
         .await
         .unwrap();
     let (_, report) = doctor(&reader, &brokers, &[]);
