@@ -794,8 +794,9 @@ pub fn consume_all(
     while quiet_polls < 4 || records.len() < expected || !at_ends(&read_up_to) {
         assert!(
             Instant::now() < deadline,
-            "timed out after {timeout:?}: read {} of {expected} records from {topics:?}",
-            records.len()
+            "timed out after {timeout:?}: read {} of {expected} records from {topics:?}; {}",
+            records.len(),
+            partitions_read(&consumer, &ends, &read_up_to)
         );
         match consumer.poll(Duration::from_millis(250)) {
             Some(Ok(message)) => {
@@ -811,6 +812,28 @@ pub fn consume_all(
         }
     }
     records
+}
+
+/// Where each partition's read stands against the end it had when reading began, for a timed-out read:
+/// a position short of the end with nothing read says the last stable offset is stuck (an open or
+/// hanging transaction); a position at the end says the records are not there.
+fn partitions_read(
+    consumer: &BaseConsumer,
+    ends: &[(String, i32, i64)],
+    read_up_to: &HashMap<(String, i32), i64>,
+) -> String {
+    let positions = consumer.position().ok();
+    ends.iter()
+        .map(|(topic, partition, high)| {
+            let position = positions
+                .as_ref()
+                .and_then(|p| p.find_partition(topic, *partition))
+                .and_then(|p| p.offset().to_raw());
+            let last = read_up_to.get(&(topic.clone(), *partition));
+            format!("{topic}[{partition}] end {high} position {position:?} last read {last:?}")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// One committed (or rolled-back) outbox event as the test inserted it.
