@@ -27,10 +27,14 @@ use crate::sink::{Delivery, PublishError, Rejection};
 
 /// How long `init_transactions` and the read of the progress topic may take at the start of a session.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a commit or an abort may take before the session gives the transaction up. The session
-/// sends no status update meanwhile: a commit, the wait for its reports, an abort and the wait for
-/// those stay well under `wal_sender_timeout` (60 s by default).
+/// How long a commit (each of its [`COMMIT_TRIES`]) or an abort may take before the session gives the
+/// transaction up. The session sends no status update meanwhile: the wait for the deliveries, the commits,
+/// an abort and the wait for its reports (15 + 2 x 10 + 10 + 5 s) stay under `wal_sender_timeout` (60 s
+/// by default).
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long, before a commit, the delivery reports of the transaction's events may take to come in (through
+/// a broker failover: a new leader, retried requests); a transaction still missing some then aborts.
+const DELIVERIES_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long, after a commit or an abort, the delivery reports of its events may take to be served.
 const REPORTS_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -50,7 +54,12 @@ pub(super) struct Held<T> {
     produced: usize,
     /// Of those, reports served so far (acknowledged ones wait in `acknowledged`).
     reported: usize,
+    /// Of those, failures (passed on at once): the transaction must not commit.
+    failed: usize,
     acknowledged: Vec<Delivery<T>>,
+    /// The transaction was given up (released as aborted) before every report came: a success reported
+    /// later is passed on as a failure, so nothing waits for it.
+    given_up: Option<String>,
 }
 
 impl<T> Default for Held<T> {
@@ -58,7 +67,9 @@ impl<T> Default for Held<T> {
         Held {
             produced: 0,
             reported: 0,
+            failed: 0,
             acknowledged: Vec::new(),
+            given_up: None,
         }
     }
 }
@@ -80,11 +91,44 @@ impl<T> DeliveryContext<T> {
             });
         };
         held.reported += 1;
+        if let (Ok(()), Some(why)) = (&delivery.result, &held.given_up) {
+            return Some(Delivery {
+                result: Err(Rejection::transient(format!(
+                    "the Kafka transaction was aborted: {why}"
+                ))),
+                ..delivery
+            });
+        }
         if delivery.result.is_ok() {
             held.acknowledged.push(delivery);
             return None;
         }
+        held.failed += 1;
         Some(delivery)
+    }
+
+    /// Why the open transaction must not commit, once its events were reported: one failed (librdkafka
+    /// commits a transaction whose every message it took as delivered, yet outboxd may have refused one, e.g.
+    /// an implicitly acked one, see `IMPLICIT_ACK`), or a report is missing. Its progress record would
+    /// cover events Kafka may not hold, and the next session would mark them published.
+    fn commit_refusal(&self) -> Option<String> {
+        let held = self.held.as_ref()?;
+        let Ok(held) = held.lock() else {
+            return Some("the Kafka transaction's bookkeeping failed".into());
+        };
+        if held.failed > 0 {
+            return Some(format!(
+                "{} of its {} events were not delivered",
+                held.failed, held.produced
+            ));
+        }
+        (held.reported < held.produced).then(|| {
+            format!(
+                "{} of its {} events were not reported delivered in {DELIVERIES_TIMEOUT:?}",
+                held.produced - held.reported,
+                held.produced
+            )
+        })
     }
 
     /// One more event handed to the producer (exactly-once only).
@@ -114,7 +158,16 @@ impl<T> DeliveryContext<T> {
                     );
                 }
                 let acknowledged = std::mem::take(&mut held.acknowledged);
+                let late = held.reported < held.produced;
                 *held = Held::default();
+                if late {
+                    // Reports still to come belong to this transaction, never to the next one.
+                    held.given_up = Some(
+                        aborted
+                            .unwrap_or("its delivery reports came too late")
+                            .to_string(),
+                    );
+                }
                 break acknowledged;
             }
             drop(held);
@@ -323,12 +376,16 @@ impl<T: Send + Sync + 'static> Publisher<T> {
         let committed = blocking(move || {
             // commit_transaction flushes first, polling the report queue alongside the producer's own
             // polling thread: when that thread takes the last report, the flush sleeps out its poll
-            // timeout (~100 ms a commit). Waiting here, 1 ms at a time, leaves it nothing to flush.
-            let deadline = Instant::now() + COMMIT_TIMEOUT;
+            // timeout (~100 ms a commit). Waiting here, 1 ms at a time, leaves it nothing to flush, and
+            // every report is in before deciding whether to commit at all.
+            let deadline = Instant::now() + DELIVERIES_TIMEOUT;
             while producer.in_flight_count() > 0 && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
             }
-            producer.commit_transaction(COMMIT_TIMEOUT)
+            if let Some(why) = producer.context().commit_refusal() {
+                return Err(CommitFailed::Refused(why));
+            }
+            commit_until_definite(&producer).map_err(CommitFailed::Kafka)
         })
         .await
         .map_err(|e| Rejection::transient(e.to_string()))?;
@@ -346,8 +403,14 @@ impl<T: Send + Sync + 'static> Publisher<T> {
                 tracing::debug!(?commit_took, reports_and_begin_took = ?(started.elapsed() - commit_took), "committed a Kafka transaction");
                 begun
             }
-            Err(error) => {
-                let rejection = transaction_rejection(&error);
+            Err(failed) => {
+                let rejection = match failed {
+                    CommitFailed::Kafka(error) => transaction_rejection(&error),
+                    CommitFailed::Refused(why) => Rejection {
+                        producer_broken: true,
+                        ..Rejection::transient(why)
+                    },
+                };
                 tracing::warn!(error = %rejection.reason, "a Kafka transaction did not commit; aborting it (its events are sent again from the slot)");
                 self.abort(&rejection.reason).await;
                 Err(rejection)
@@ -415,6 +478,35 @@ impl<T: Send + Sync + 'static> Publisher<T> {
             }
         }
         Ok(())
+    }
+}
+
+/// Why a transaction did not commit: outboxd would not ask (see `DeliveryContext::commit_refusal`), or
+/// Kafka said no.
+enum CommitFailed {
+    Refused(String),
+    Kafka(KafkaError),
+}
+
+/// How many times a commit that timed out is asked again: librdkafka's answer to a retriable error is the
+/// same call again (the commit may be under way, and an abort meanwhile is refused as a conflicting call,
+/// leaving the transaction open until the broker times it out).
+const COMMIT_TRIES: u32 = 2;
+
+/// `commit_transaction`, asked again while its error is retriable (up to [`COMMIT_TRIES`] times), so
+/// that the answer is a definite commit or a failure an abort resolves.
+fn commit_until_definite<T: Send + Sync + 'static>(
+    producer: &rdkafka::producer::ThreadedProducer<DeliveryContext<T>>,
+) -> Result<(), KafkaError> {
+    let mut tries = 1;
+    loop {
+        match producer.commit_transaction(COMMIT_TIMEOUT) {
+            Err(KafkaError::Transaction(error)) if error.is_retriable() && tries < COMMIT_TRIES => {
+                tracing::debug!(%error, "the Kafka commit did not finish yet; asking again");
+                tries += 1;
+            }
+            other => return other,
+        }
     }
 }
 
@@ -568,5 +660,101 @@ fn watermarks(
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use rdkafka::client::ClientContext;
+    use rdkafka::config::RDKafkaLogLevel;
+
+    use super::super::{secrets, DeliveryContext, KnownTopics, IMPLICIT_ACK};
+    use crate::sink::{Delivery, Rejection};
+
+    fn held_context() -> (
+        DeliveryContext<u32>,
+        tokio::sync::mpsc::UnboundedReceiver<Delivery<u32>>,
+    ) {
+        let (deliveries, receiver) = tokio::sync::mpsc::unbounded_channel();
+        let context = DeliveryContext {
+            deliveries,
+            held: Some(Mutex::default()),
+            known_topics: KnownTopics::default(),
+            implicit_ack_seen: Arc::default(),
+            secrets: secrets::SecretValues::default(),
+        };
+        (context, receiver)
+    }
+
+    fn delivered(tag: u32, result: Result<(), Rejection>) -> Delivery<u32> {
+        Delivery {
+            tag,
+            event_id: uuid::Uuid::nil(),
+            bytes: 1,
+            result,
+        }
+    }
+
+    /// librdkafka commits a transaction whose every message it took as delivered; outboxd refuses an
+    /// implicitly acked one (and any failed one): that transaction must not commit, or its progress record
+    /// covers an event Kafka may not hold and the next session marks it published.
+    #[test]
+    fn a_transaction_with_a_refused_or_unreported_delivery_is_not_committed() {
+        let (context, _receiver) = held_context();
+        context.produced();
+        context.produced();
+        assert!(context.hold_until_committed(delivered(1, Ok(()))).is_none());
+        let refusal = context.commit_refusal();
+        assert!(
+            refusal
+                .as_deref()
+                .is_some_and(|why| why.contains("not reported")),
+            "{refusal:?}"
+        );
+        context.log(
+            RDKafkaLogLevel::Debug,
+            IMPLICIT_ACK,
+            "outbox.Order [2] 1 message(s) implicitly acked by subsequent batch success",
+        );
+        let passed_on = context.hold_until_committed(delivered(2, context.trusted(Ok(()))));
+        assert!(passed_on.is_some_and(|d| d.result.is_err()));
+        let refusal = context.commit_refusal();
+        assert!(
+            refusal
+                .as_deref()
+                .is_some_and(|why| why.contains("1 of its 2 events were not delivered")),
+            "{refusal:?}"
+        );
+
+        let (context, _receiver) = held_context();
+        context.produced();
+        assert!(context.hold_until_committed(delivered(1, Ok(()))).is_none());
+        assert_eq!(context.commit_refusal(), None);
+    }
+
+    /// A report that comes after its transaction was given up is a failure, passed on at once: never an
+    /// acknowledgement held for the next transaction, which would wait for it forever.
+    #[test]
+    fn a_report_after_its_transaction_was_given_up_is_passed_on_as_a_failure() {
+        let (context, mut receiver) = held_context();
+        context.produced();
+        context.produced();
+        assert!(context.hold_until_committed(delivered(1, Ok(()))).is_none());
+        // Waits out REPORTS_TIMEOUT for the second report.
+        context.release_held(Some("the commit timed out"));
+        let first = receiver.try_recv().expect("the held acknowledgement");
+        assert!(first.result.is_err(), "{:?}", first.result);
+        let late = context
+            .hold_until_committed(delivered(2, Ok(())))
+            .expect("passed on at once");
+        assert!(
+            late.result
+                .as_ref()
+                .is_err_and(|e| e.reason.contains("the commit timed out")),
+            "{:?}",
+            late.result
+        );
     }
 }
