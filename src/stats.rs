@@ -5,7 +5,7 @@
 //! (a whole-table read every 5 s would load the application's database). A failure of this task itself is
 //! reported by readiness, never left as a frozen last answer.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use metrics::gauge;
@@ -80,19 +80,12 @@ async fn check_forever(settings: std::sync::Arc<RunSettings<TableSpec>>) {
                     .report(refreshed.unwrap_or_else(|_| Err("took longer than 4 s".into())));
                 // Figures that could not be read (slow, or a lock on the table) are taken as unchanged:
                 // only this instance's own publishing then counts as progress.
-                let last = watchdog.last;
                 let sample = READINESS.should_deliver().then(|| Sample {
                     published: m::published_so_far(),
-                    // Only due rows wait for the pipeline (not those waiting for their retry, or behind
-                    // such a row of their aggregate).
-                    waiting: backlog
-                        .as_ref()
-                        .map_or(last.is_some_and(|l| l.waiting), |b| b.due),
-                    newest_published: backlog
-                        .as_ref()
-                        .map_or(last.and_then(|l| l.newest_published), |b| {
-                            b.newest_published
-                        }),
+                    tables: match backlog {
+                        Some(backlog) => backlog.activity,
+                        None => watchdog.last_tables(),
+                    },
                 });
                 judge_stall(&mut watchdog, sample);
             }
@@ -208,67 +201,91 @@ impl Figures {
     }
 }
 
-/// Feeds the watchdog and tells readiness and the log when a stall begins and ends.
+/// Feeds the watchdog and tells readiness and the log when a stall begins, changes and ends.
 fn judge_stall(watchdog: &mut Watchdog, sample: Option<Sample>) {
-    let was = watchdog.stalled;
-    let stalled = watchdog.observe(std::time::Instant::now(), sample);
-    READINESS.set_stalled(stalled);
-    match (was, stalled) {
-        (false, true) => {
-            tracing::warn!(stalled_for = ?STALL_AFTER, "the pipeline stalled: events could be claimed and none has been published, by this instance or another; /readyz reports it until one is (look for a lock on the outbox table in pg_locks, a broker refusing events in the log, or a slow server)")
-        }
-        (true, false) => tracing::info!("events are published again: the stall is over"),
-        _ => {}
+    let was = watchdog.stalled.clone();
+    let stalled = watchdog.observe(std::time::Instant::now(), sample).to_vec();
+    READINESS.set_stalled(!stalled.is_empty());
+    if stalled == was {
+        return;
+    }
+    if stalled.is_empty() {
+        tracing::info!("events are published again: the stall is over");
+    } else {
+        tracing::warn!(stalled_for = ?STALL_AFTER, tables = %stalled.join(", "), "the pipeline stalled: events of these tables could be claimed and none has been published, by this instance or another; /readyz reports it until one is (look for a lock on the table in pg_locks, a broker refusing events in the log, or a slow server)")
     }
 }
 
 /// What the watchdog looks at, every [`INTERVAL`].
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 struct Sample {
     /// Events this process published so far ([`m::published_so_far`]).
     published: u64,
-    /// An event of a table with the polling columns could be claimed now.
-    waiting: bool,
-    /// When the newest event was published, by any instance (seconds since the epoch).
-    newest_published: Option<f64>,
+    /// Each table with the polling columns (only their rows can be judged due).
+    tables: Vec<outbox::TableActivity>,
 }
 
-/// Judges whether the pipeline stalls: events could be claimed, and for [`STALL_AFTER`] none was published
-/// by this process nor, as the newest `published_at` shows, by another instance. Pure.
+/// Judges, table by table, whether the pipeline stalls: one of the table's events could be claimed (only due
+/// rows wait for the pipeline, not those waiting for their retry or behind such a row of their aggregate),
+/// and for [`STALL_AFTER`] none of its events was published, by any instance, as its newest `published_at`
+/// shows. Where no index shows that, any event this process published counts as progress. Pure.
 #[derive(Debug, Default)]
 struct Watchdog {
     last: Option<Sample>,
-    /// When progress was last seen (or the watch began).
-    progress_at: Option<std::time::Instant>,
-    stalled: bool,
+    /// When each table's progress was last seen (or the watch began).
+    progress_at: BTreeMap<String, std::time::Instant>,
+    /// The tables that stall, as last judged.
+    stalled: Vec<String>,
 }
 
 impl Watchdog {
     /// `sample` is `None` while the pipeline is not meant to deliver (starting, standing by, reconnecting):
-    /// the watch starts over. Returns whether the pipeline stalls.
-    fn observe(&mut self, now: std::time::Instant, sample: Option<Sample>) -> bool {
+    /// the watch starts over. Returns the tables that stall.
+    fn observe(&mut self, now: std::time::Instant, sample: Option<Sample>) -> &[String] {
         let Some(sample) = sample else {
             *self = Watchdog::default();
-            return false;
+            return &self.stalled;
         };
-        let progressed = match self.last {
-            None => true,
-            Some(last) => {
-                sample.published != last.published
-                    || matches!(
-                        (sample.newest_published, last.newest_published),
-                        (Some(newest), then) if then.is_none_or(|then| newest > then)
-                    )
-            }
-        };
-        if progressed || !sample.waiting {
-            self.progress_at = Some(now);
+        let last = self.last.take();
+        let published_here = last
+            .as_ref()
+            .is_none_or(|l| l.published != sample.published);
+        let mut progress_at = BTreeMap::new();
+        for table in &sample.tables {
+            let before = last
+                .as_ref()
+                .and_then(|l| l.tables.iter().find(|t| t.table == table.table));
+            let progressed = match before {
+                None => true,
+                Some(_) if !table.newest_published_known => published_here,
+                Some(before) => match (before.newest_published, table.newest_published) {
+                    (Some(then), Some(newest)) => newest > then,
+                    (then, newest) => then.is_none() && newest.is_some(),
+                },
+            };
+            let since = match self.progress_at.get(&table.table) {
+                Some(&at) if !progressed && table.due => at,
+                _ => now,
+            };
+            progress_at.insert(table.table.clone(), since);
         }
-        self.last = Some(sample);
+        self.progress_at = progress_at;
         self.stalled = self
             .progress_at
-            .is_some_and(|at| now.duration_since(at) >= STALL_AFTER);
-        self.stalled
+            .iter()
+            .filter(|(_, &at)| now.duration_since(at) >= STALL_AFTER)
+            .map(|(table, _)| table.clone())
+            .collect();
+        self.last = Some(sample);
+        &self.stalled
+    }
+
+    /// The tables as last seen, for a round whose figures could not be read: taken as unchanged.
+    fn last_tables(&self) -> Vec<outbox::TableActivity> {
+        self.last
+            .as_ref()
+            .map(|l| l.tables.clone())
+            .unwrap_or_default()
     }
 }
 
@@ -277,25 +294,56 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{Sample, Watchdog, STALL_AFTER};
+    use crate::pg::outbox::TableActivity;
 
+    /// `newest_published`: `None` where no index shows it.
+    fn activity(table: &str, due: bool, newest_published: Option<f64>) -> TableActivity {
+        TableActivity {
+            table: table.into(),
+            due,
+            newest_published,
+            newest_published_known: newest_published.is_some(),
+        }
+    }
+
+    /// One table, `t`.
     fn sample(published: u64, waiting: bool, newest_published: f64) -> Option<Sample> {
         Some(Sample {
             published,
-            waiting,
-            newest_published: Some(newest_published),
+            tables: vec![activity("t", waiting, Some(newest_published))],
         })
+    }
+
+    fn stalls(watchdog: &mut Watchdog, at: Instant, sample: Option<Sample>) -> bool {
+        !watchdog.observe(at, sample).is_empty()
     }
 
     #[test]
     fn claimable_events_with_nothing_published_stall_after_the_limit() {
         let start = Instant::now();
         let mut watchdog = Watchdog::default();
-        assert!(!watchdog.observe(start, sample(5, true, 100.0)));
-        assert!(!watchdog.observe(start + STALL_AFTER / 2, sample(5, true, 100.0)));
-        assert!(watchdog.observe(start + STALL_AFTER, sample(5, true, 100.0)));
-        // One event published here: the watch starts over.
-        assert!(!watchdog.observe(start + STALL_AFTER * 2, sample(6, true, 100.0)));
-        assert!(watchdog.observe(start + STALL_AFTER * 3, sample(6, true, 100.0)));
+        assert!(!stalls(&mut watchdog, start, sample(5, true, 100.0)));
+        assert!(!stalls(
+            &mut watchdog,
+            start + STALL_AFTER / 2,
+            sample(5, true, 100.0)
+        ));
+        assert!(stalls(
+            &mut watchdog,
+            start + STALL_AFTER,
+            sample(5, true, 100.0)
+        ));
+        // One event of the table published: the watch starts over.
+        assert!(!stalls(
+            &mut watchdog,
+            start + STALL_AFTER * 2,
+            sample(6, true, 101.0)
+        ));
+        assert!(stalls(
+            &mut watchdog,
+            start + STALL_AFTER * 3,
+            sample(6, true, 101.0)
+        ));
     }
 
     #[test]
@@ -305,24 +353,75 @@ mod tests {
         let mut watchdog = Watchdog::default();
         for step in 0..10 {
             // Rows waiting for their retry (or behind those of their aggregate) only.
-            assert!(!watchdog.observe(at(step * 60), sample(0, false, 100.0)));
+            assert!(!stalls(
+                &mut watchdog,
+                at(step * 60),
+                sample(0, false, 100.0)
+            ));
         }
         // Another instance publishes: the newest published_at moves.
         let mut watchdog = Watchdog::default();
         for step in 0..10 {
-            assert!(!watchdog.observe(at(step * 60), sample(0, true, 100.0 + step as f64)));
+            assert!(!stalls(
+                &mut watchdog,
+                at(step * 60),
+                sample(0, true, 100.0 + step as f64)
+            ));
         }
-        assert!(watchdog.observe(at(600), sample(0, true, 109.0)));
+        assert!(stalls(&mut watchdog, at(600), sample(0, true, 109.0)));
+    }
+
+    /// One table stuck while another flows is a stall of that table: events published elsewhere (counted
+    /// by this process) do not hide it. A table whose progress no index shows falls back on them.
+    #[test]
+    fn a_stuck_table_stalls_while_another_flows() {
+        let start = Instant::now();
+        let at = |seconds| start + Duration::from_secs(seconds);
+        let mut watchdog = Watchdog::default();
+        let round = |step: u64| {
+            Some(Sample {
+                published: step * 100,
+                tables: vec![
+                    activity("flowing", true, Some(step as f64)),
+                    activity("stuck", true, Some(0.0)),
+                    // Nothing published yet.
+                    TableActivity {
+                        newest_published: None,
+                        ..activity("never_published", true, Some(0.0))
+                    },
+                    activity("unindexed", true, None),
+                ],
+            })
+        };
+        for step in 0..6 {
+            assert!(watchdog.observe(at(step * 10), round(step)).is_empty());
+        }
+        assert_eq!(
+            watchdog.observe(at(60), round(6)),
+            ["never_published", "stuck"]
+        );
     }
 
     #[test]
     fn a_pipeline_that_is_not_meant_to_deliver_starts_the_watch_over() {
         let start = Instant::now();
         let mut watchdog = Watchdog::default();
-        assert!(!watchdog.observe(start, sample(0, true, 1.0)));
-        assert!(watchdog.observe(start + STALL_AFTER, sample(0, true, 1.0)));
-        assert!(!watchdog.observe(start + STALL_AFTER, None));
-        assert!(!watchdog.observe(start + STALL_AFTER * 2, sample(0, true, 1.0)));
-        assert!(watchdog.observe(start + STALL_AFTER * 3, sample(0, true, 1.0)));
+        assert!(!stalls(&mut watchdog, start, sample(0, true, 1.0)));
+        assert!(stalls(
+            &mut watchdog,
+            start + STALL_AFTER,
+            sample(0, true, 1.0)
+        ));
+        assert!(!stalls(&mut watchdog, start + STALL_AFTER, None));
+        assert!(!stalls(
+            &mut watchdog,
+            start + STALL_AFTER * 2,
+            sample(0, true, 1.0)
+        ));
+        assert!(stalls(
+            &mut watchdog,
+            start + STALL_AFTER * 3,
+            sample(0, true, 1.0)
+        ));
     }
 }

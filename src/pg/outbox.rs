@@ -754,13 +754,23 @@ pub struct Backlog {
     pub unpublished_events: i64,
     /// Age of the oldest unpublished row in seconds; `None` without rows, or without `created_at` columns.
     pub oldest_unpublished_age_seconds: Option<f64>,
-    /// A row of a table with the polling columns is due, as far as the first rows in claim order show (not
-    /// waiting for its retry, nor behind such a row of its aggregate).
+    /// Each table with the polling columns: whether its events move (for the stall watchdog).
     #[serde(skip)]
+    pub activity: Vec<TableActivity>,
+}
+
+/// Whether a table's events move, as its rows show.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TableActivity {
+    /// The table, schema-qualified.
+    pub table: String,
+    /// A row is due, as far as the first rows in claim order show (not waiting for its retry, nor behind
+    /// such a row of its aggregate).
     pub due: bool,
-    /// When the newest row of those tables was published (seconds since the epoch), by any instance.
-    #[serde(skip)]
+    /// When its newest row was published (seconds since the epoch), by any instance; `None` before the first.
     pub newest_published: Option<f64>,
+    /// An index serves `newest_published` (without one it is not asked, and is `None`).
+    pub newest_published_known: bool,
 }
 
 /// The backlog of every table that records what was published (tables without `published_at` have no
@@ -779,24 +789,28 @@ pub async fn backlog(client: &Client, tables: &[OutboxTable]) -> Result<Backlog>
             Some(sql) => client.query_one(sql, &[]).await?.try_get(0)?,
             None => None,
         };
-        if let Some(sql) = &statements.due {
-            total.due |= client.query_one(sql, &[]).await?.try_get::<_, bool>(0)?;
-        }
         total.oldest_unpublished_age_seconds = match (total.oldest_unpublished_age_seconds, oldest)
         {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
         };
+        let Some(due) = &statements.due else {
+            continue;
+        };
+        let due = client.query_one(due, &[]).await?.try_get::<_, bool>(0)?;
         // Only through the published index (a table may lack it; the figures above do not need it).
-        if let Some(sql) = &statements.newest_published {
-            if !needs_a_table_scan(client, sql).await? {
-                let newest: Option<f64> = client.query_one(sql, &[]).await?.try_get(0)?;
-                total.newest_published = match (total.newest_published, newest) {
-                    (Some(a), Some(b)) => Some(a.max(b)),
-                    (a, b) => a.or(b),
-                };
+        let (newest_published, newest_published_known) = match &statements.newest_published {
+            Some(sql) if !needs_a_table_scan(client, sql).await? => {
+                (client.query_one(sql, &[]).await?.try_get(0)?, true)
             }
-        }
+            _ => (None, false),
+        };
+        total.activity.push(TableActivity {
+            table: table.name.to_string(),
+            due,
+            newest_published,
+            newest_published_known,
+        });
     }
     Ok(total)
 }

@@ -610,6 +610,89 @@ async fn readyz_says_stalled_while_a_lock_holds_events_back() {
     }
 }
 
+/// One table held back while another flows is a stall of that table: the events published from the other
+/// (which made the whole pipeline look alive) do not hide it, and the log names it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_table_held_back_stalls_while_another_flows() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let tables = [
+        "--table",
+        "orders.outbox_event",
+        "--table",
+        "billing.outbox_event",
+    ];
+    migrate_with(&url, &tables);
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE FUNCTION public.wait_for_the_test() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NEW; END $$;
+             CREATE TRIGGER wait_for_the_test BEFORE UPDATE ON billing.outbox_event
+                 FOR EACH ROW EXECUTE FUNCTION public.wait_for_the_test();",
+        )
+        .await
+        .unwrap();
+    let (outboxd, metrics_addr) =
+        spawn_serving_metrics(&url, &brokers, &[&["--mode", "poll"][..], &tables].concat());
+    wait_ready(&metrics_addr);
+    let holder = pg.client().await;
+    holder
+        .execute("SELECT pg_advisory_lock(4242)", &[])
+        .await
+        .unwrap();
+    let insert = |table: &str| {
+        format!(
+            "INSERT INTO {table} (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'a', 'E', '{{}}')"
+        )
+    };
+    client
+        .batch_execute(&insert("billing.outbox_event"))
+        .await
+        .unwrap();
+    // Orders keep flowing meanwhile, an event each time /readyz is asked.
+    let (_, reason) = wait_for_async(
+        "/readyz to say the pipeline stalled",
+        Duration::from_secs(180),
+        || async {
+            client
+                .batch_execute(&insert("orders.outbox_event"))
+                .await
+                .unwrap();
+            http_get(&metrics_addr, "/readyz")
+                .filter(|(status, body)| *status == 503 && body.contains("stalled"))
+        },
+    )
+    .await;
+    assert!(reason.contains("stalled"), "{reason}");
+    let published: i64 = client
+        .query_one(
+            "SELECT count(*) FROM orders.outbox_event WHERE published_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(published > 0, "the orders did not flow");
+    let log = outboxd.log_text();
+    let stalled = log
+        .lines()
+        .find(|line| line.contains("the pipeline stalled"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        stalled.contains("billing.outbox_event") && !stalled.contains("orders.outbox_event"),
+        "{stalled}"
+    );
+    holder
+        .execute("SELECT pg_advisory_unlock(4242)", &[])
+        .await
+        .unwrap();
+    wait_ready(&metrics_addr);
+    assert!(outboxd.log_text().contains("the stall is over"));
+}
+
 /// A database that stops answering without closing the connection (a blackholed network): `/readyz` says
 /// PostgreSQL is unreachable instead of keeping the last answer (the periodic queries had no timeout).
 #[tokio::test(flavor = "multi_thread")]
