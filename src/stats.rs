@@ -173,7 +173,9 @@ impl Figures {
                 counted.push(table);
             }
         }
-        let backlog = outbox::backlog(client, &counted).await.map_err(failed)?;
+        let backlog = outbox::backlog(client, &counted, settings.poll.order)
+            .await
+            .map_err(failed)?;
         gauge!(m::UNPUBLISHED_EVENTS).set(backlog.unpublished_events as f64);
         gauge!(m::OLDEST_UNPUBLISHED_AGE)
             .set(backlog.oldest_unpublished_age_seconds.unwrap_or(0.0));

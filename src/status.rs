@@ -224,7 +224,7 @@ pub async fn read(
             dead_events += outbox::dead_count(&client, table).await?;
         }
     }
-    let backlog = outbox::backlog(&client, &counted).await?;
+    let backlog = outbox::backlog(&client, &counted, crate::config::PollOrder::default()).await?;
     let quoted: Vec<String> = tables.iter().map(|t| t.name.quoted()).collect();
     let (active_instances, standby_instances) = instances(&client, &settings.slot, &quoted).await?;
     let retention = worst(crate::retention::read_states(&client, &settings.slot).await?);

@@ -174,7 +174,7 @@ async fn waiting_events(
             .get(0);
         waiting.largest_payload = waiting.largest_payload.max(largest);
     }
-    let backlog = outbox::backlog(client, &counted).await?;
+    let backlog = outbox::backlog(client, &counted, crate::config::PollOrder::default()).await?;
     waiting.oldest_age_seconds = backlog.oldest_unpublished_age_seconds;
     Ok(waiting)
 }

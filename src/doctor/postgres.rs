@@ -258,7 +258,7 @@ async fn figures_indexes(client: &Client, table: &OutboxTable) -> Result<Finding
             ),
         ));
     }
-    let statements = outbox::backlog_statements(table);
+    let statements = outbox::backlog_statements(table, crate::config::PollOrder::PerAggregate);
     let mut scanned = Vec::new();
     for (what, sql) in [
         ("backlog", Some(&statements.count)),

@@ -6,6 +6,7 @@
 use tokio_postgres::{Client, GenericClient};
 use uuid::Uuid;
 
+use crate::config::PollOrder;
 use crate::error::Result;
 use crate::pipeline::liveness::{former_lock_call, lock_call};
 use crate::table::{OutboxTable, PayloadType, Role};
@@ -602,7 +603,7 @@ pub async fn aggregate_pending_hand_off(
 /// the table: `(count, oldest created_at)` and, with the polling columns, the dead count. Dead events are not
 /// backlog: they wait for a person (`outboxd replay`), and counting them kept "oldest age" climbing forever.
 /// A table without the polling columns has no such index: its count reads the whole table.
-pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
+pub fn backlog_statements(table: &OutboxTable, order: PollOrder) -> BacklogStatements {
     let t = table.name.quoted();
     let unpublished = if table.polling {
         "published_at IS NULL AND dead_at IS NULL"
@@ -632,19 +633,24 @@ pub fn backlog_statements(table: &OutboxTable) -> BacklogStatements {
              FROM (SELECT \"{created_at}\" FROM {t} WHERE {unpublished} {first}) AS head"
         )
     });
-    // Whether one of the first rows in claim order is due: not waiting for a retry, nor behind such a row of
-    // its aggregate among them (per-aggregate order holds it back). A leased row counts as due: a lease that
-    // ends without a publication (a broker that does not answer) is no progress.
+    // Whether one of the first rows in claim order is due: not waiting for a retry, nor (in per-aggregate
+    // order) behind such a row of its aggregate among them. A leased row counts as due: a lease that ends
+    // without a publication (a broker that does not answer) is no progress.
     let claimable_now = "available_at <= now()";
-    let due = table.polling.then(|| {
-        format!(
+    let due = table.polling.then(|| match order {
+        PollOrder::None => format!(
+            "SELECT coalesce(bool_or({claimable_now}), false)
+             FROM (SELECT available_at FROM {t} WHERE {unpublished} ORDER BY position NULLS FIRST, {order} LIMIT {HEAD_ROWS}) AS head",
+            order = table.order_key(),
+        ),
+        PollOrder::PerAggregate => format!(
             "SELECT coalesce(bool_or(claimable), false) FROM (
                  SELECT bool_and({claimable_now}) OVER (PARTITION BY {aggregate} ORDER BY position NULLS FIRST, {order}) AS claimable
                  FROM (SELECT * FROM {t} WHERE {unpublished} ORDER BY position NULLS FIRST, {order} LIMIT {HEAD_ROWS}) AS head
              ) AS head",
             aggregate = table.aggregate_key(),
             order = table.order_key(),
-        )
+        ),
     });
     // The newest publication by any instance (the published index, one entry): the fleet's progress.
     let newest_published = table.polling.then(|| {
@@ -709,7 +715,8 @@ pub struct Countable {
 
 /// [`Countable`] for `table`, by the plans of its [`backlog_statements`].
 pub async fn countable(client: &Client, table: &OutboxTable) -> Result<Countable> {
-    let statements = backlog_statements(table);
+    // The per-aggregate statements: an index that serves them serves the others.
+    let statements = backlog_statements(table, PollOrder::PerAggregate);
     let mut backlog = true;
     for sql in std::iter::once(&statements.count)
         .chain(&statements.oldest)
@@ -741,7 +748,7 @@ pub struct BacklogStatements {
 
 /// Dead-lettered events (needs the polling columns).
 pub async fn dead_count(client: &Client, table: &OutboxTable) -> Result<i64> {
-    match backlog_statements(table).dead {
+    match backlog_statements(table, PollOrder::PerAggregate).dead {
         Some(sql) => Ok(client.query_one(&sql, &[]).await?.try_get(0)?),
         None => Ok(0),
     }
@@ -774,11 +781,12 @@ pub struct TableActivity {
 }
 
 /// The backlog of every table that records what was published (tables without `published_at` have no
-/// backlog to count: their slot lag is the measure). Dead events are not counted.
-pub async fn backlog(client: &Client, tables: &[OutboxTable]) -> Result<Backlog> {
+/// backlog to count: their slot lag is the measure). Dead events are not counted. `order`: the claim's
+/// (`--poll-order`), which decides which rows are due.
+pub async fn backlog(client: &Client, tables: &[OutboxTable], order: PollOrder) -> Result<Backlog> {
     let mut total = Backlog::default();
     for table in tables.iter().filter(|t| t.marks_published) {
-        let statements = backlog_statements(table);
+        let statements = backlog_statements(table, order);
         let unpublished = client
             .query_one(&statements.count, &[])
             .await?
@@ -922,7 +930,7 @@ impl PollSql {
     pub async fn prepare(
         client: &Client,
         outbox: &OutboxTable,
-        order: crate::config::PollOrder,
+        order: PollOrder,
         scope: ClaimScope,
     ) -> Result<Self> {
         let table = &outbox.name;
@@ -958,7 +966,7 @@ impl PollSql {
             //
             // A row of the prefix without an event id takes no part in this: it is dead-lettered (`without_id`,
             // below), never claimed, and holds back no later event of its aggregate.
-            crate::config::PollOrder::PerAggregate => format!(
+            PollOrder::PerAggregate => format!(
                 "prefix AS (
                      SELECT {id}, {aggregate_key}, position{created_at_column}, tableoid AS row_table, ctid AS row_tid,
                             (available_at <= now() AND (lease_until IS NULL OR lease_until < clock_timestamp())) AS ready,
@@ -1000,7 +1008,7 @@ impl PollSql {
                 created_at_column = created_at.as_ref().map(|c| format!(", {c}")).unwrap_or_default()
             ),
             // No exclusions: `$5` is only there so both rules take the same parameters.
-            crate::config::PollOrder::None => format!(
+            PollOrder::None => format!(
                 "head AS (
                      SELECT {id} AS head_id, tableoid AS row_table, ctid AS row_tid FROM {t}
                      WHERE published_at IS NULL AND dead_at IS NULL {scope_filter} AND available_at <= now()
@@ -1085,7 +1093,7 @@ impl PollSql {
                 .iter()
                 .map(|c| std::sync::Arc::from(c.as_str()))
                 .collect(),
-            serialize_claims: order == crate::config::PollOrder::PerAggregate,
+            serialize_claims: order == PollOrder::PerAggregate,
             table_key: format!("outboxd.claim.{table}"),
             former_claim_lock_busy: std::sync::atomic::AtomicBool::new(false),
             mark_published: prepare(format!(

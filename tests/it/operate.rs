@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use outboxd::config::PollOrder;
+use outboxd::pg::outbox;
+
 use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread")]
@@ -388,11 +391,38 @@ async fn readme_role_runs_the_sweeper_a_standby_and_the_polling_path() {
     verify_fault_free_delivery(&brokers, &committed, &[], 60, "README's role on every path");
 }
 
+/// A row behind a row of its aggregate that waits for its retry is due only where `--poll-order none` would
+/// claim it: the stall watchdog judged every table as if ordered per aggregate, so a stall of such a row
+/// under `--poll-order none` went unseen.
+#[tokio::test(flavor = "multi_thread")]
+async fn which_rows_are_due_follows_the_poll_order() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, available_at)
+             VALUES (gen_random_uuid(), 'Order', 'a', 'first', '{}', now() + interval '1 hour');
+             INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'a', 'second', '{}');",
+        )
+        .await
+        .unwrap();
+    let table = outbox_event_table(&client).await;
+    let mut due = Vec::new();
+    for order in [PollOrder::PerAggregate, PollOrder::None] {
+        let backlog = outbox::backlog(&client, std::slice::from_ref(&table), order)
+            .await
+            .unwrap();
+        due.push(backlog.activity[0].due);
+    }
+    assert_eq!(due, [false, true], "due per aggregate, and without order");
+}
+
 /// The periodic figures (backlog, oldest age, dead letters) and the lease renewal read an index, not the table:
 /// on a table of a million published rows each used to be a sequential scan, every 5 s on every instance.
 #[tokio::test(flavor = "multi_thread")]
 async fn periodic_queries_read_an_index_not_the_table() {
-    use outboxd::pg::outbox;
     let pg = Postgres::start();
     migrate(&pg);
     let client = pg.client().await;
@@ -412,7 +442,8 @@ async fn periodic_queries_read_an_index_not_the_table() {
         .await
         .unwrap();
     let table = outbox_event_table(&client).await;
-    let statements = outbox::backlog_statements(&table);
+    let statements = outbox::backlog_statements(&table, PollOrder::PerAggregate);
+    let unordered = outbox::backlog_statements(&table, PollOrder::None);
     client
         .batch_execute(&format!(
             "PREPARE renew(uuid, float8, uuid[]) AS {}",
@@ -424,6 +455,10 @@ async fn periodic_queries_read_an_index_not_the_table() {
         ("backlog", statements.count.clone()),
         ("oldest age", statements.oldest.clone().unwrap()),
         ("a row claimable now", statements.due.clone().unwrap()),
+        (
+            "a row claimable now, --poll-order none",
+            unordered.due.clone().unwrap(),
+        ),
         (
             "newest publication",
             statements.newest_published.clone().unwrap(),
@@ -441,7 +476,7 @@ async fn periodic_queries_read_an_index_not_the_table() {
             "{what} scans the table:\n{sql}\n{plan}"
         );
     }
-    let backlog = outbox::backlog(&client, std::slice::from_ref(&table))
+    let backlog = outbox::backlog(&client, std::slice::from_ref(&table), PollOrder::default())
         .await
         .unwrap();
     assert_eq!(
@@ -459,7 +494,6 @@ async fn periodic_queries_read_an_index_not_the_table() {
 /// `a_backlog_no_index_serves_is_not_counted_by_reading_the_table`.)
 #[tokio::test(flavor = "multi_thread")]
 async fn every_table_shape_reads_its_figures_through_an_index() {
-    use outboxd::pg::outbox;
     let pg = Postgres::start();
     let client = pg.client().await;
     client
@@ -501,10 +535,12 @@ async fn every_table_shape_reads_its_figures_through_an_index() {
         let table = outbox_table(&client, name).await;
         let countable = outbox::countable(&client, &table).await.unwrap();
         assert!(countable.backlog, "{name}: its backlog is not countable");
-        let statements = outbox::backlog_statements(&table);
+        let statements = outbox::backlog_statements(&table, PollOrder::PerAggregate);
+        let unordered = outbox::backlog_statements(&table, PollOrder::None);
         let queries = std::iter::once(statements.count)
             .chain(statements.oldest)
             .chain(statements.due)
+            .chain(unordered.due)
             .chain(statements.newest_published)
             .chain(statements.dead);
         for sql in queries {
@@ -516,7 +552,7 @@ async fn every_table_shape_reads_its_figures_through_an_index() {
                 "{name}: a figure reads the table:\n{sql}\n{plan}"
             );
         }
-        let backlog = outbox::backlog(&client, std::slice::from_ref(&table))
+        let backlog = outbox::backlog(&client, std::slice::from_ref(&table), PollOrder::default())
             .await
             .unwrap();
         assert_eq!(backlog.unpublished_events, 100, "{name}");
