@@ -6,8 +6,8 @@ use serde::Serialize;
 
 use crate::config::DatabaseSettings;
 use crate::error::Result;
+use crate::pg::slot::{leadership_application_name, LeadershipRole};
 use crate::pg::{self, outbox, slot};
-use crate::pipeline::leader::{application_name, Role};
 use crate::table::TableSpec;
 
 /// What `outboxd status` reports: the slot, the backlog, the instances and retention (also as JSON).
@@ -276,8 +276,8 @@ async fn instances(
         .query_one(
             &sql,
             &[
-                &application_name(Role::Active, slot),
-                &application_name(Role::Standby, slot),
+                &leadership_application_name(LeadershipRole::Active, slot),
+                &leadership_application_name(LeadershipRole::Standby, slot),
                 &tables,
             ],
         )

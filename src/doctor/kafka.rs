@@ -117,7 +117,7 @@ async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>
         .exactly_once
         .as_ref()
         .map(|e| e.progress_topic.as_str());
-    let ours: Vec<(String, i64)> = metadata
+    let ours: Vec<(String, Replication)> = metadata
         .topics()
         .iter()
         .filter(|topic| {
@@ -131,8 +131,18 @@ async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>
                     .any(|table| settings.topic.could_render(&table.name, topic.name()))
         })
         .map(|topic| {
-            let replicas = topic.partitions().first().map(|p| p.replicas().len());
-            (topic.name().to_string(), replicas.unwrap_or(0) as i64)
+            let partitions = topic.partitions();
+            let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+            let replication = Replication {
+                replicas: count(partitions.first().map_or(0, |p| p.replicas().len())),
+                fewest_in_sync: count(partitions.iter().map(|p| p.isr().len()).min().unwrap_or(0)),
+                under_replicated: partitions
+                    .iter()
+                    .filter(|p| p.isr().len() < p.replicas().len())
+                    .count(),
+                leaderless: partitions.iter().filter(|p| p.leader() < 0).count(),
+            };
+            (topic.name().to_string(), replication)
         })
         .collect();
     let mut findings = Vec::new();
@@ -183,7 +193,7 @@ async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>
         .await
         .map_err(|e| format!("describing the topics: {e}"))?;
     let batch_size = numeric_option(settings, "batch.size").unwrap_or(DEFAULT_BATCH_SIZE);
-    for ((name, replicas), result) in ours.iter().zip(described) {
+    for ((name, replication), result) in ours.iter().zip(described) {
         let check = format!("kafka.topic {name}");
         let resource = match result {
             Ok(resource) => resource,
@@ -204,7 +214,7 @@ async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>
                 .and_then(|value| value.parse().ok())
         };
         let topic = TopicFacts {
-            replicas: *replicas,
+            replication: *replication,
             min_insync_replicas: setting("min.insync.replicas").unwrap_or(1),
             max_message_bytes: setting("max.message.bytes"),
             retention_ms: setting("retention.ms"),
@@ -221,10 +231,23 @@ async fn topics(settings: &RunSettings, waiting: Waiting) -> Result<Vec<Finding>
     Ok(findings)
 }
 
-/// A topic's settings that decide whether it takes outboxd's records.
+/// A topic's replicas as the brokers' metadata shows them now.
+#[derive(Debug, Clone, Copy)]
+struct Replication {
+    /// Replicas per partition (the first partition's).
+    replicas: i64,
+    /// The fewest in-sync replicas of any partition.
+    fewest_in_sync: i64,
+    /// Partitions with fewer in-sync replicas than replicas.
+    under_replicated: usize,
+    /// Partitions without a leader.
+    leaderless: usize,
+}
+
+/// A topic's settings and state that decide whether it takes outboxd's records.
 #[derive(Debug, Clone, Copy)]
 struct TopicFacts {
-    replicas: i64,
+    replication: Replication,
     min_insync_replicas: i64,
     max_message_bytes: Option<i64>,
     retention_ms: Option<i64>,
@@ -241,16 +264,45 @@ fn judge_topic(
     one_topic: bool,
 ) -> Finding {
     let TopicFacts {
-        replicas,
+        replication,
         min_insync_replicas: min_insync,
         ..
     } = *topic;
+    let replicas = replication.replicas;
     if min_insync > replicas {
         return Finding::with_fix(
             check,
             Outcome::Failed,
             format!("min.insync.replicas = {min_insync} but the topic has {replicas} replicas: the brokers refuse every write with acks=all (NOT_ENOUGH_REPLICAS)"),
             format!("kafka-configs --alter --entity-type topics --entity-name {name} --add-config min.insync.replicas={replicas} (or add replicas)"),
+        );
+    }
+    let describe = format!("kafka-topics --describe --topic {name} --under-replicated-partitions (and --unavailable-partitions)");
+    if replication.leaderless > 0 {
+        return Finding::with_fix(
+            check,
+            Outcome::Failed,
+            format!(
+                "{} partitions of {name} have no leader: their events wait until one is elected",
+                replication.leaderless
+            ),
+            format!("bring the brokers holding their replicas back; {describe} lists them"),
+        );
+    }
+    if replication.fewest_in_sync < min_insync {
+        return Finding::with_fix(
+            check,
+            Outcome::Failed,
+            format!("a partition of {name} has {} in-sync replicas, below min.insync.replicas = {min_insync}: the brokers refuse its writes (NOT_ENOUGH_REPLICAS) until replicas catch up", replication.fewest_in_sync),
+            format!("bring the missing brokers back; {describe} lists the partitions"),
+        );
+    }
+    if replication.under_replicated > 0 {
+        return Finding::with_fix(
+            check,
+            Outcome::Warning,
+            format!("{} partitions of {name} have fewer in-sync replicas than their {replicas} (a broker down or behind): writes go on, one more loss may stop them", replication.under_replicated),
+            format!("bring the missing brokers back; {describe} lists the partitions"),
         );
     }
     if let (Some(max), Some(largest)) = (topic.max_message_bytes, waiting.largest_payload) {
@@ -311,7 +363,12 @@ mod tests {
 
     fn facts(replicas: i64, min_insync: i64, max: i64) -> TopicFacts {
         TopicFacts {
-            replicas,
+            replication: Replication {
+                replicas,
+                fewest_in_sync: replicas,
+                under_replicated: 0,
+                leaderless: 0,
+            },
             min_insync_replicas: min_insync,
             max_message_bytes: Some(max),
             retention_ms: Some(604_800_000),
@@ -337,6 +394,15 @@ mod tests {
         assert_eq!(judge(facts(1, 2, 1_048_588), none), Outcome::Failed);
         assert_eq!(judge(facts(3, 3, 1_048_588), none), Outcome::Warning);
         assert_eq!(judge(facts(1, 1, 1_048_588), none), Outcome::Note);
+        // A broker down: one partition short of a replica, then below min.insync.replicas, then leaderless.
+        let mut down = facts(3, 2, 1_048_588);
+        down.replication.under_replicated = 1;
+        down.replication.fewest_in_sync = 2;
+        assert_eq!(judge(down, none), Outcome::Warning);
+        down.replication.fewest_in_sync = 1;
+        assert_eq!(judge(down, none), Outcome::Failed);
+        down.replication.leaderless = 1;
+        assert_eq!(judge(down, none), Outcome::Failed);
         assert_eq!(
             judge(facts(3, 2, 500_000), none),
             Outcome::Warning,

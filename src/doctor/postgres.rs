@@ -399,6 +399,11 @@ async fn replication_slot(
             format!("drop it (SELECT pg_drop_replication_slot('{slot_name}')) and restart outboxd; see README 'When the slot is lost'"),
         ));
     }
+    if state.active {
+        if let Some(finding) = foreign_client(client, slot_name).await? {
+            return Ok(finding);
+        }
+    }
     let used = if state.active { "in use" } else { "not in use" };
     let lag = state.lag_bytes.unwrap_or(0);
     Ok(match state.wal_status.as_deref() {
@@ -413,6 +418,35 @@ async fn replication_slot(
             format!("{slot_name}: pgoutput, {used}, {lag} bytes behind, wal_status = {}", status.unwrap_or("unknown")),
         ),
     })
+}
+
+/// A slot streamed to while no outboxd leads it (no leadership session names the slot, see
+/// `LeadershipRole`): another client (`pg_recvlogical`, another connector given the same slot name) holds it, and
+/// outboxd cannot stream until it lets go; events it takes from the slot are not outboxd's to publish.
+async fn foreign_client(client: &Client, slot_name: &str) -> Result<Option<Finding>> {
+    let row = client
+        .query_opt(
+            "SELECT s.active_pid, coalesce(a.application_name, ''), coalesce(a.client_addr::text, 'local')
+               FROM pg_replication_slots s LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
+              WHERE s.slot_name = $1 AND s.active
+                AND NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = $2)",
+            &[
+                &slot_name,
+                &slot::leadership_application_name(slot::LeadershipRole::Active, slot_name),
+            ],
+        )
+        .await?;
+    Ok(row.map(|row| {
+        let (pid, application, address): (Option<i32>, String, String) =
+            (row.get(0), row.get(1), row.get(2));
+        let pid = pid.map_or("?".into(), |pid| pid.to_string());
+        Finding::with_fix(
+            "postgres.slot",
+            Outcome::Failed,
+            format!("{slot_name} is streamed to by a client that is not an outboxd leading it (pid {pid}, application_name '{application}', from {address}): outboxd cannot stream from it while that client holds it"),
+            format!("stop that client (SELECT pg_terminate_backend({pid}) ends it), or give outboxd a slot of its own with --slot"),
+        )
+    }))
 }
 
 /// Under `--mode poll` nothing reads the slot: one left from an earlier CDC run keeps WAL without end.

@@ -293,6 +293,29 @@ async fn terminate_and_drop(client: &Client, slot: &str, active_pid: Option<i32>
     Ok(())
 }
 
+/// The role an instance plays for a slot, shown as the `application_name` of its leadership connection (see
+/// `pipeline::leader`) so that `outboxd status` and `outboxd doctor` (any process with SQL access) can count
+/// active and standby instances, and tell an outboxd from another client of the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeadershipRole {
+    /// Holds the slot's leadership lock: this instance streams.
+    Active,
+    /// Waits for the lock, to take over when the active instance goes.
+    Standby,
+}
+
+/// `application_name` of the leadership connection: `outboxd active <slot>` / `outboxd standby <slot>`,
+/// cut to PostgreSQL's 63 bytes as the server would.
+pub fn leadership_application_name(role: LeadershipRole, slot: &str) -> String {
+    let role = match role {
+        LeadershipRole::Active => "active",
+        LeadershipRole::Standby => "standby",
+    };
+    let mut name = format!("outboxd {role} {slot}");
+    name.truncate(63); // slot names are ASCII
+    name
+}
+
 /// The physical slot that marks "slot `slot` is being created and the hand-off of the rows older than it is
 /// not committed yet". It reserves no WAL. Slot names are ASCII, so cutting bytes is safe.
 pub fn creation_marker(slot: &str) -> String {

@@ -31,6 +31,7 @@ use crate::backoff::Backoff;
 use crate::config::RunSettings;
 use crate::error::{Error, Result};
 use crate::http::READINESS;
+use crate::pg::slot::{leadership_application_name, LeadershipRole};
 use crate::pipeline::liveness::{
     former_lock_call, lock_call, may_publish, session_settings, with_dead_peer_detection,
     LockSpace, HEALTH_INTERVAL, HEALTH_TIMEOUT, SILENT_LEADER,
@@ -56,33 +57,11 @@ pub const TAKEOVER_BOUND: Duration = Duration::from_secs(
         + STREAM_START.as_secs(),
 );
 
-/// The role an instance plays for a slot, shown as the `application_name` of its leadership connection so
-/// that `outboxd status` (any process with SQL access) can count active and standby instances.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Holds the slot's leadership lock: this instance streams.
-    Active,
-    /// Waits for the lock, to take over when the active instance goes.
-    Standby,
-}
-
-/// `application_name` of the leadership connection: `outboxd active <slot>` / `outboxd standby <slot>`,
-/// cut to PostgreSQL's 63 bytes as the server would.
-pub fn application_name(role: Role, slot: &str) -> String {
-    let role = match role {
-        Role::Active => "active",
-        Role::Standby => "standby",
-    };
-    let mut name = format!("outboxd {role} {slot}");
-    name.truncate(63); // slot names are ASCII
-    name
-}
-
-async fn announce(client: &tokio_postgres::Client, role: Role, slot: &str) -> Result<()> {
+async fn announce(client: &tokio_postgres::Client, role: LeadershipRole, slot: &str) -> Result<()> {
     client
         .execute(
             "SELECT set_config('application_name', $1, false)",
-            &[&application_name(role, slot)],
+            &[&leadership_application_name(role, slot)],
         )
         .await?;
     Ok(())
@@ -186,8 +165,8 @@ impl LeadershipLock {
 /// The `application_name`s of the leadership sessions of `slot`, active and standby.
 fn leadership_names(slot: &str) -> [String; 2] {
     [
-        application_name(Role::Active, slot),
-        application_name(Role::Standby, slot),
+        leadership_application_name(LeadershipRole::Active, slot),
+        leadership_application_name(LeadershipRole::Standby, slot),
     ]
 }
 
@@ -561,7 +540,7 @@ async fn take_over(
         return Err(pooler_error());
     }
     let markers = within(super::fleet::mark_cdc_tables(client, settings)).await?;
-    within(announce(client, Role::Active, slot)).await?;
+    within(announce(client, LeadershipRole::Active, slot)).await?;
     if let Err(error) = within(end_silent_walsender(client, slot)).await {
         tracing::debug!(%error, "cannot check the slot for a silent walsender");
     }
@@ -683,7 +662,9 @@ async fn contend(
             Round::Wait => {}
             Round::StandBy => {
                 if !*standing_by {
-                    if let Err(error) = within(announce(&client, Role::Standby, slot)).await {
+                    if let Err(error) =
+                        within(announce(&client, LeadershipRole::Standby, slot)).await
+                    {
                         return Ok(Contention::Trouble(error));
                     }
                     tracing::info!(
@@ -782,11 +763,14 @@ mod tests {
     #[test]
     fn application_names_fit_postgres_limit() {
         assert_eq!(
-            application_name(Role::Standby, "outboxd"),
+            leadership_application_name(LeadershipRole::Standby, "outboxd"),
             "outboxd standby outboxd"
         );
         let long = "s".repeat(63);
-        assert_eq!(application_name(Role::Active, &long).len(), 63);
+        assert_eq!(
+            leadership_application_name(LeadershipRole::Active, &long).len(),
+            63
+        );
     }
 
     #[test]
