@@ -672,12 +672,7 @@ async fn a_slot_held_by_another_client_is_named_and_outboxds_own_is_not() {
     let mut args = run_args(&url, &brokers);
     args.extend(["--metrics-addr", "off"]);
     let outboxd = Outboxd::spawn(&args);
-    wait_for("outboxd to stream", Duration::from_secs(60), || {
-        outboxd
-            .log_text()
-            .contains("streaming from replication slot")
-            .then_some(())
-    });
+    outboxd.wait_streaming();
     let (_, report) = doctor(&url, &brokers, &[]);
     expect(&report, "postgres.slot", "ok", "detail", "pgoutput, in use");
 }

@@ -831,12 +831,7 @@ async fn times_written_without_time_zone_are_utc_on_every_path() {
         let outboxd = Outboxd::spawn(&args);
         // The event must come through the slot: a row inserted before it exists is handed to polling.
         if mode == "cdc" {
-            wait_for("outboxd to stream", Duration::from_secs(60), || {
-                outboxd
-                    .log_text()
-                    .contains("streaming from replication slot")
-                    .then_some(())
-            });
+            outboxd.wait_streaming();
         }
         client
             .execute(

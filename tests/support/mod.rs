@@ -654,6 +654,15 @@ impl Outboxd {
         self.child.try_wait().unwrap()
     }
 
+    /// Waits (up to 60 s) until the log says a CDC session streams from the slot.
+    pub fn wait_streaming(&self) {
+        wait_for("outboxd to stream", Duration::from_secs(60), || {
+            self.log_text()
+                .contains("streaming from replication slot")
+                .then_some(())
+        });
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
