@@ -138,7 +138,8 @@ impl SlotHorizon {
     async fn judge(&mut self, sweeper: &Sweeper) -> Result<Horizon> {
         let client = pg::connect(&sweeper.database_url).await?;
         // Recording the history as streamed comments on a column (SHARE UPDATE EXCLUSIVE): behind a
-        // concurrent index build or a VACUUM it gives way, failing the pass, rather than hanging it.
+        // concurrent index build or a VACUUM it gives way and is tried again next pass, rather than hanging
+        // the pass (or cancelling an autovacuum, which a wait past `deadlock_timeout` would).
         client
             .batch_execute(&format!("SET lock_timeout = '{LOCK_TIMEOUT}'"))
             .await?;

@@ -422,7 +422,10 @@ pub async fn history_mark(
 /// Records that no slot owes `table`'s history any longer, once the slot's `confirmed` position passed it. A
 /// comment needs the table's owner: a role that is not is told once at debug level, and the mark stays
 /// pending (a slot created later then hands the history to the polling path again: duplicates, never a
-/// loss; `outboxd migrate` records it too).
+/// loss; `outboxd migrate` records it too). The comment's lock (SHARE UPDATE EXCLUSIVE) is held by every
+/// VACUUM, autovacuum and index build on the table, for as long as they run: behind one, the statement
+/// gives way at the client's `lock_timeout` and the mark stays pending until a later call, which is no
+/// failure (while this slot has confirmed past the mark, the history may go whether recorded or not).
 pub async fn record_history_streamed(
     client: &Client,
     table: &OutboxTable,
@@ -452,6 +455,12 @@ pub async fn record_history_streamed(
             if error.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
         {
             tracing::debug!(table = %table.name, "cannot record that the slot streamed past the history (not the table's owner); `outboxd migrate` records it");
+            Ok(())
+        }
+        Err(error)
+            if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+        {
+            tracing::info!(table = %table.name, "the slot streamed past the rows marked published before outboxd; recording it gave way to another session's lock on the table (a VACUUM or an index build): trying again next pass");
             Ok(())
         }
         Err(error) => Err(error.into()),

@@ -828,3 +828,91 @@ fn retention_failures(metrics_addr: &str) -> f64 {
         .and_then(|(_, text)| metric_value(&text, "outboxd_retention_failures_total", ""))
         .unwrap_or(0.0)
 }
+
+/// The history mark (a comment on `published_at`) takes the lock every VACUUM, autovacuum and index build
+/// holds for as long as it runs. Behind one, recording that the slot streamed past the history used to fail
+/// the whole pass ("canceling statement due to lock timeout", nothing removed, for the length of the
+/// vacuum); it now gives way and is recorded by a later pass, while the pass removes what it may.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vacuum_holding_the_table_never_stops_retention_at_the_history_mark() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    // A row marked published before outboxd, older than the slot, and the mark `migrate` leaves while the
+    // slot has not streamed past it yet.
+    client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             VALUES (gen_random_uuid(), 'History', 'h-1', 'E', '{}', '-infinity')",
+        )
+        .await
+        .unwrap();
+    create_slot_then_stop(&url, &brokers, &client).await;
+    let pending = outboxd::pg::outbox::HistoryMark {
+        position: current_wal_lsn(&client).await,
+        streamed: false,
+    };
+    client
+        .batch_execute(&format!(
+            "COMMENT ON COLUMN outbox_event.published_at IS '{}'",
+            pending.comment()
+        ))
+        .await
+        .unwrap();
+    insert_old_and_recent(&client).await;
+    // What a long VACUUM of the table holds.
+    let mut holder = pg.client().await;
+    let vacuum = holder.transaction().await.unwrap();
+    vacuum
+        .batch_execute("LOCK TABLE outbox_event IN SHARE UPDATE EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let (outboxd, _metrics_addr) = spawn_serving_metrics(
+        &url,
+        &brokers,
+        &["--retention", "10m", "--retention-interval", "200ms"],
+    );
+    wait_for_async(
+        "the old rows and the history to be removed while the table is held",
+        Duration::from_secs(90),
+        || async {
+            (count(
+                &client,
+                "SELECT count(*) FROM outbox_event WHERE aggregate_type IN ('Old', 'History')",
+            )
+            .await
+                == 0)
+                .then_some(())
+        },
+    )
+    .await;
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("recording it gave way to another session's lock"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("canceling statement due to lock timeout"),
+        "{log}"
+    );
+    vacuum.commit().await.unwrap();
+    wait_for_async(
+        "the history to be recorded as streamed once the table is free",
+        Duration::from_secs(60),
+        || async {
+            let comment: Option<String> = client
+                .query_one(
+                    "SELECT col_description('public.outbox_event'::regclass, attnum) FROM pg_attribute
+                     WHERE attrelid = 'public.outbox_event'::regclass AND attname = 'published_at'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            comment
+                .and_then(|c| outboxd::pg::outbox::HistoryMark::parse(&c))
+                .filter(|mark| mark.streamed)
+        },
+    )
+    .await;
+}
