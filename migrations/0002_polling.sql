@@ -24,6 +24,9 @@ CREATE SEQUENCE IF NOT EXISTS {{position_seq}};
 ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS position bigint;
 ALTER TABLE {{table}} ALTER COLUMN position SET DEFAULT nextval('{{position_seq_text}}');
 ALTER SEQUENCE {{position_seq}} OWNED BY {{table}}.position;
+-- The default runs with the inserting role's rights: every role that may insert gets USAGE on the sequence in
+-- this same transaction (without it, an application inserting as its own role fails from here on).
+{{grant_position_seq}};
 
 -- The claim reads unpublished rows in `position NULLS FIRST` order (rows older than this migration first): an
 -- index in exactly that order lets it read just the prefix it needs. (Before 0004 existed this index was built

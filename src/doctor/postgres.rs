@@ -51,6 +51,10 @@ pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
                 "postgres.positions",
                 rows_without_position(client, table).await,
             ));
+            findings.push(Finding::from_result(
+                "postgres.inserting_roles",
+                inserting_roles(client, table).await,
+            ));
         }
     }
     if settings.mode == Mode::Poll {
@@ -135,7 +139,8 @@ fn polled_instead(finding: Finding, mode: Mode) -> Finding {
 }
 
 /// The checks `run`'s start-up does not make itself (it stops on the others), for it to log: what hides rows
-/// from outboxd, a pooler between it and PostgreSQL, how close the slot is to being invalidated.
+/// from outboxd, privileges it may lack, roles whose inserts the `position` sequence refuses, a pooler between
+/// it and PostgreSQL, how close the slot is to being invalidated.
 pub async fn advisories(client: &Client, settings: &RunSettings) -> Vec<Finding> {
     let mut findings = Vec::new();
     for table in &settings.database.tables {
@@ -147,6 +152,12 @@ pub async fn advisories(client: &Client, settings: &RunSettings) -> Vec<Finding>
             "postgres.row_level_security",
             row_level_security(client, table).await,
         ));
+        if table.polling {
+            findings.push(Finding::from_result(
+                "postgres.inserting_roles",
+                inserting_roles(client, table).await,
+            ));
+        }
     }
     findings.push(Finding::from_result(
         "postgres.session",
@@ -318,6 +329,51 @@ async fn rows_without_position(client: &Client, table: &OutboxTable) -> Result<F
         format!("{} has unpublished rows without a position (from before the polling columns): the polling path numbers them in insert order when it starts, in one transaction (a statement_timeout does not apply to it)", table.name),
         fix: None,
     })
+}
+
+/// Every role that may insert into the table may also draw its `position` from the sequence (the column's
+/// default runs with the inserting role's rights). `outboxd migrate` grants it to the roles that may insert
+/// when it runs; a role granted INSERT since fails every insert until the next migrate or the GRANT.
+async fn inserting_roles(client: &Client, table: &OutboxTable) -> Result<Finding> {
+    let check = "postgres.inserting_roles";
+    let roles: Vec<String> = client
+        .query(
+            &crate::pg::migrate::inserters_without_position_sequence("$1::text"),
+            &[&table.name.quoted()],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if roles.is_empty() {
+        return Ok(Finding::ok(
+            check,
+            format!(
+                "every role that may insert into {} may draw its position",
+                table.name
+            ),
+        ));
+    }
+    let sequence: String = client
+        .query_one(
+            "SELECT pg_get_serial_sequence($1, 'position')",
+            &[&table.name.quoted()],
+        )
+        .await?
+        .get(0);
+    Ok(Finding::with_fix(
+        check,
+        Outcome::Warning,
+        format!(
+            "{} may insert into {} but not use the sequence of its position column: every insert of theirs fails with \"permission denied for sequence\"",
+            roles.join(", "),
+            table.name
+        ),
+        format!(
+            "run `outboxd migrate` again (it grants it to every role that may insert), or GRANT USAGE ON SEQUENCE {sequence} TO {}",
+            roles.join(", ")
+        ),
+    ))
 }
 
 /// `wal_level = logical`, through the check `run` makes.

@@ -123,6 +123,10 @@ fn render_migration(sql: &str, table: &OutboxTable, existing: Option<ExistingRow
         ("{{handoff_at_drop_default}}", handoff_at_drop_default),
         ("{{table}}", name.quoted()),
         ("{{schema}}", schema.clone()),
+        (
+            "{{grant_position_seq}}",
+            grant_position_sequence_to_inserters(name),
+        ),
         ("{{position_seq_text}}", position_seq.clone()),
         ("{{position_seq}}", position_seq),
         (
@@ -685,6 +689,43 @@ async fn check_neighbours(client: &impl GenericClient, table: &TableName) -> Res
     check_index_names(client, table).await
 }
 
+/// SQL listing the roles (`PUBLIC` for everyone) that may insert into the table `table` (an SQL expression of
+/// its name: a literal or a parameter), table-wide or into some column, but may not draw from the sequence of
+/// its `position` column: PostgreSQL evaluates the column's default, `nextval`, with the inserting role's
+/// rights, so every insert of such a role fails ("permission denied for sequence"). The table's owner is not
+/// listed (it owns the sequence too). Nothing without a sequence behind `position`.
+pub fn inserters_without_position_sequence(table: &str) -> String {
+    format!(
+        "SELECT CASE WHEN i.grantee = 0 THEN 'PUBLIC' ELSE i.grantee::regrole::text END
+         FROM pg_class c
+         CROSS JOIN LATERAL (SELECT pg_get_serial_sequence({table}, 'position')::regclass AS oid) seq
+         CROSS JOIN LATERAL (SELECT a.grantee FROM aclexplode(c.relacl) a WHERE a.privilege_type = 'INSERT'
+                             UNION
+                             SELECT a.grantee FROM pg_attribute att CROSS JOIN LATERAL aclexplode(att.attacl) a
+                             WHERE att.attrelid = c.oid AND a.privilege_type = 'INSERT') i
+         WHERE c.oid = ({table})::regclass AND seq.oid IS NOT NULL AND i.grantee <> c.relowner
+           AND CASE WHEN i.grantee = 0
+                    THEN NOT EXISTS (SELECT 1 FROM pg_class s CROSS JOIN LATERAL aclexplode(s.relacl) a
+                                     WHERE s.oid = seq.oid AND a.grantee = 0 AND a.privilege_type IN ('USAGE', 'UPDATE'))
+                    ELSE NOT has_sequence_privilege(i.grantee, seq.oid, 'USAGE, UPDATE') END
+         ORDER BY 1"
+    )
+}
+
+/// A statement granting USAGE on `table`'s position sequence to every role
+/// [`inserters_without_position_sequence`] lists. Run by the migration that sets the default (in its
+/// transaction) and by every migrate after it (a role granted INSERT since).
+fn grant_position_sequence_to_inserters(table: &TableName) -> String {
+    let literal = format!("'{}'", table.quoted().replace('\'', "''"));
+    format!(
+        "DO $grant$ DECLARE role_name text; BEGIN
+         FOR role_name IN {} LOOP
+             EXECUTE format('GRANT USAGE ON SEQUENCE %s TO %s', pg_get_serial_sequence({literal}, 'position'), role_name); END LOOP; END
+         $grant$",
+        inserters_without_position_sequence(&literal)
+    )
+}
+
 /// The names of the indexes migrate builds on an outbox table.
 const INDEX_SUFFIXES: [&str; 5] = [
     "claim_idx",
@@ -829,6 +870,12 @@ async fn migrate_under_lock(
         let table = slot::inspect(&*client, table.spec()).await?;
         if table.polling {
             record_history_streamed(client, &table, &settings.slot).await?;
+            run_locked(
+                client,
+                &table.name,
+                &grant_position_sequence_to_inserters(&table.name),
+            )
+            .await?;
         }
         tables.push(table);
     }

@@ -676,3 +676,41 @@ async fn a_slot_held_by_another_client_is_named_and_outboxds_own_is_not() {
     let (_, report) = doctor(&url, &brokers, &[]);
     expect(&report, "postgres.slot", "ok", "detail", "pgoutput, in use");
 }
+
+/// A role granted INSERT on the outbox table after `migrate` cannot draw `position` from its sequence, so
+/// every insert of theirs fails: doctor names the role and the fix, and passes once migrate granted it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_role_that_may_insert_but_not_number_its_rows_is_named() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    client
+        .batch_execute("CREATE ROLE late LOGIN; GRANT INSERT ON public.outbox_event TO late")
+        .await
+        .unwrap();
+    let (code, report) = doctor(&url, &brokers, &[]);
+    expect(
+        &report,
+        "postgres.inserting_roles",
+        "warning",
+        "detail",
+        "late",
+    );
+    expect(
+        &report,
+        "postgres.inserting_roles",
+        "warning",
+        "fix",
+        "GRANT USAGE ON SEQUENCE public.outbox_event_position_seq TO late",
+    );
+    assert_eq!(code, 1, "{report:#}");
+    migrate_with(&url, &[]);
+    let (_, report) = doctor(&url, &brokers, &[]);
+    expect(
+        &report,
+        "postgres.inserting_roles",
+        "ok",
+        "detail",
+        "may draw its position",
+    );
+}

@@ -495,3 +495,57 @@ async fn rows_streamed_with_columns_since_dropped_are_published() {
     assert_eq!(report.missing, 0, "{report:?}\n{}", outboxd.log_text());
     assert_eq!(report.order_violations, 0, "{report:?}");
 }
+
+/// An application inserting as its own role, with INSERT on the table and nothing else (an outside review's
+/// finding): PostgreSQL runs `position`'s default, `nextval`, with the inserting role's rights, so from the
+/// moment `migrate --add-polling-columns` set it every insert failed ("permission denied for sequence").
+/// migrate grants USAGE to every role that may insert (directly, through a group, column by column) in the
+/// step that sets the default; a role granted INSERT later gets it from the next migrate.
+#[tokio::test(flavor = "multi_thread")]
+async fn roles_that_may_insert_keep_inserting_after_migrate() {
+    let pg = Postgres::start();
+    let url = pg.url();
+    let client = pg.client().await;
+    client
+        .batch_execute(&format!(
+            "{USER_TABLE};
+             CREATE ROLE app LOGIN; CREATE ROLE writers; CREATE ROLE service LOGIN IN ROLE writers;
+             CREATE ROLE narrow LOGIN;
+             GRANT INSERT ON public.outbox_event TO app, writers;
+             GRANT INSERT (event_id, aggregate_type, aggregate_id, event_type, payload) ON public.outbox_event TO narrow;"
+        ))
+        .await
+        .unwrap();
+    let insert_as = |role: &'static str| {
+        let pg = &pg;
+        async move {
+            pg.client_as(role)
+                .await
+                .execute(
+                    "INSERT INTO public.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES (gen_random_uuid(), 'Order', 'o-1', 'E', '{}')",
+                    &[],
+                )
+                .await
+                .map_err(|e| format!("{role}: {e:?}"))
+        }
+    };
+    for role in ["app", "service", "narrow"] {
+        insert_as(role).await.unwrap();
+    }
+    migrate_with(&url, &["--add-polling-columns"]);
+    for role in ["app", "service", "narrow"] {
+        insert_as(role).await.unwrap();
+    }
+    client
+        .batch_execute("CREATE ROLE late LOGIN; GRANT INSERT ON public.outbox_event TO late")
+        .await
+        .unwrap();
+    let refused = insert_as("late").await.unwrap_err();
+    assert!(
+        refused.contains("permission denied for sequence"),
+        "{refused}"
+    );
+    migrate_with(&url, &[]);
+    insert_as("late").await.unwrap();
+}
