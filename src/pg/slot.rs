@@ -67,7 +67,7 @@ pub fn check_polling_columns(table: &OutboxTable) -> Result<()> {
 }
 
 /// What the catalog says about a publication, relative to the outbox table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PublicationState {
     /// The publication publishes inserts (`pubinsert`).
     pub publishes_inserts: bool,
@@ -75,6 +75,12 @@ pub struct PublicationState {
     pub covers_table: bool,
     /// `publish_via_partition_root`: rows of partitions decode as the partitioned table.
     pub via_root: bool,
+    /// The table's row filter (`ADD TABLE ... WHERE`, PostgreSQL 15+): inserts outside it are never
+    /// decoded, and the slot confirms past them.
+    pub row_filter: Option<String>,
+    /// The columns the publication sends of the table (all of them without a column list); `None` before
+    /// PostgreSQL 15 (no column lists) or where the table is not covered.
+    pub columns: Option<Vec<String>>,
 }
 
 /// Refuses a publication owned by a role outboxd does not trust: its owner may change what it publishes (`SET
@@ -120,10 +126,16 @@ pub async fn publication_state(
 ) -> Result<Option<PublicationState>> {
     let row = client
         .query_opt(
-            "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t
-                 WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3),
-                    p.pubviaroot
-             FROM pg_publication p WHERE p.pubname = $1",
+            // `rowfilter` and `attnames` exist from PostgreSQL 15 on: read through to_jsonb, which is
+            // missing the keys before.
+            "SELECT p.pubinsert, t.row IS NOT NULL, p.pubviaroot, t.row ->> 'rowfilter',
+                    CASE WHEN t.row ? 'attnames'
+                         THEN ARRAY(SELECT jsonb_array_elements_text(t.row -> 'attnames')) END
+             FROM pg_publication p
+             LEFT JOIN LATERAL (SELECT to_jsonb(pt) AS row FROM pg_publication_tables pt
+                                WHERE pt.pubname = p.pubname AND pt.schemaname = $2 AND pt.tablename = $3
+                                LIMIT 1) t ON true
+             WHERE p.pubname = $1",
             &[&publication, &table.schema, &table.name],
         )
         .await?;
@@ -131,6 +143,8 @@ pub async fn publication_state(
         publishes_inserts: r.get(0),
         covers_table: r.get(1),
         via_root: r.get(2),
+        row_filter: r.get(3),
+        columns: r.get(4),
     }))
 }
 
@@ -171,6 +185,26 @@ pub async fn check_publication(client: &Client, settings: &DatabaseSettings) -> 
                 format!("publication {publication} does not include {name}"),
                 format!("ALTER PUBLICATION {publication} ADD TABLE {name}"),
             ));
+        }
+        let republish = format!("in one transaction, ALTER PUBLICATION {publication} DROP TABLE {name}; ALTER PUBLICATION {publication} ADD TABLE {name}; (then run `outboxd migrate --add-polling-columns` if it lacks them: rows the publication left out stay unpublished, and only the polling path can send them)");
+        if let Some(filter) = &state.row_filter {
+            return Err(Error::setup(
+                format!("publication {publication} publishes only the rows of {name} WHERE {filter}: an event outside it is never streamed, and the slot confirms past it"),
+                republish,
+            ));
+        }
+        if let Some(published) = &state.columns {
+            let left_out: Vec<String> = table
+                .read_columns()
+                .into_iter()
+                .filter(|column| !published.contains(column))
+                .collect();
+            if !left_out.is_empty() {
+                return Err(Error::setup(
+                    format!("publication {publication} leaves the columns {} of {name} out (a column list): outboxd needs them in every streamed event", left_out.join(", ")),
+                    republish,
+                ));
+            }
         }
     }
     Ok(())

@@ -714,3 +714,44 @@ async fn a_role_that_may_insert_but_not_number_its_rows_is_named() {
         "may draw its position",
     );
 }
+
+/// A publication that filters the outbox table's rows (`WHERE`) or columns (a column list, PostgreSQL 15+):
+/// an insert outside the filter was never streamed, the slot confirmed past it, and its row stayed
+/// unpublished for good (an outside review's finding; both passed doctor and `run`'s start-up before).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_publication_that_filters_rows_or_columns_fails() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    for (publication, left_out) in [
+        (
+            "ALTER PUBLICATION outboxd SET TABLE public.outbox_event WHERE (aggregate_type <> 'Audit')",
+            "WHERE (aggregate_type <> 'Audit'::text)",
+        ),
+        (
+            "ALTER PUBLICATION outboxd SET TABLE public.outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)",
+            "leaves the columns",
+        ),
+    ] {
+        client.batch_execute(publication).await.unwrap();
+        let (code, report) = doctor(&url, &brokers, &[]);
+        assert_eq!(code, 2, "{report:#}");
+        expect(&report, "postgres.publication", "failed", "detail", left_out);
+        expect(
+            &report,
+            "postgres.publication",
+            "failed",
+            "fix",
+            "ALTER PUBLICATION outboxd DROP TABLE public.outbox_event",
+        );
+        let refused = run_outboxd(&run_args(&url, &brokers));
+        assert!(!refused.status.success());
+        assert!(stderr_of(&refused).contains(left_out), "{}", stderr_of(&refused));
+    }
+    client
+        .batch_execute("ALTER PUBLICATION outboxd SET TABLE public.outbox_event")
+        .await
+        .unwrap();
+    let (_, report) = doctor(&url, &brokers, &[]);
+    expect(&report, "postgres.publication", "ok", "detail", "outboxd");
+}
