@@ -346,11 +346,37 @@ pub async fn check(
         Some(archive) => check_archive(client, tables, archive, publication).await,
         None => {
             for table in tables.iter().filter(|t| t.partitioned) {
+                check_partitioned_by_time(client, &table.name).await?;
                 check_owner(client, &table.name, &table.name).await?;
             }
             Ok(())
         }
     }
+}
+
+/// A partitioned table's retention drops whole partitions by their upper bound, a point in time: that needs
+/// range partitioning on one timestamp (or date) column. On any other key (hash or list on `aggregate_id`, a
+/// range of numbers or of two columns) no partition could ever be judged, and every pass would remove
+/// nothing while reporting success.
+async fn check_partitioned_by_time(client: &Client, table: &TableName) -> Result<()> {
+    let row = client
+        .query_one(
+            "SELECT pg_get_partkeydef(p.partrelid),
+                    p.partstrat = 'r' AND p.partnatts = 1
+                    AND coalesce((SELECT a.atttypid IN ('timestamptz'::regtype, 'timestamp'::regtype, 'date'::regtype)
+                                  FROM pg_attribute a WHERE a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]), false)
+             FROM pg_partitioned_table p WHERE p.partrelid = $1::text::regclass",
+            &[&table.quoted()],
+        )
+        .await?;
+    let (key, by_time): (String, bool) = (row.get(0), row.get(1));
+    if by_time {
+        return Ok(());
+    }
+    Err(Error::setup(
+        format!("--retention drops whole partitions of a partitioned table once their upper bound is past the window, but {table} is partitioned by {key}, not by a range of one timestamp column: no partition could ever be dropped"),
+        format!("add --archive-table (published rows are then moved out one by one), or partition {table} by RANGE on a timestamp column such as created_at"),
+    ))
 }
 
 async fn check_archive(

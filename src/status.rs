@@ -136,6 +136,17 @@ pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdi
                 status.slot_name
             ),
         ));
+    } else if status.active == Some(true) && status.active_instances == 0 {
+        // Another client (pg_recvlogical, another connector) consumes the slot: its lag looks healthy while
+        // outboxd delivers nothing of what it confirms.
+        findings.push((
+            Level::Warning,
+            format!(
+                "slot {} is streamed to by pid {} but no outboxd leads it: another client consumes it (`outboxd doctor` names it)",
+                status.slot_name,
+                status.active_pid.map_or("?".to_string(), |pid| pid.to_string())
+            ),
+        ));
     }
     if let Some(age) = status.oldest_unpublished_age_seconds {
         if age > thresholds.warn_age {
@@ -406,6 +417,17 @@ mod tests {
             ..healthy()
         };
         assert_eq!(verdict(&left_behind, &LIMITS).level, Level::Warning);
+    }
+
+    #[test]
+    fn a_slot_another_client_streams_from_is_a_warning() {
+        let foreign = Status {
+            active_instances: 0,
+            ..healthy()
+        };
+        let judged = verdict(&foreign, &LIMITS);
+        assert_eq!(judged.level, Level::Warning);
+        assert!(judged.reason.contains("no outboxd leads it"), "{judged:?}");
     }
 
     #[test]

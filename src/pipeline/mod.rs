@@ -132,6 +132,8 @@ pub async fn run_with(
     loop {
         match run_once(configured.clone(), sinks.clone(), shutdown.clone()).await {
             Err(Error::TablesChanged(why)) => {
+                // No pipeline delivers until the start-up checks passed again.
+                crate::http::READINESS.set_mode("starting");
                 tracing::warn!(%why, "an outbox table changed: inspecting the tables again")
             }
             ended => return ended,

@@ -916,3 +916,36 @@ async fn a_vacuum_holding_the_table_never_stops_retention_at_the_history_mark() 
     )
     .await;
 }
+
+/// Retention on a table partitioned by anything but a range of one timestamp column (an outside review's
+/// finding): no partition could ever be judged, yet every pass counted as a success ("retention ok") while
+/// the table grew. Refused at start-up (and by doctor), naming the key and the fix; a range on `created_at`
+/// passes.
+#[tokio::test(flavor = "multi_thread")]
+async fn partitions_that_are_no_time_range_are_refused() {
+    let (_pg, client) = partitioned().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.outbox_h (
+                 event_id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                 published_at timestamptz, PRIMARY KEY (aggregate_id, event_id)) PARTITION BY HASH (aggregate_id);
+             CREATE TABLE public.outbox_h0 PARTITION OF outbox_h FOR VALUES WITH (MODULUS 1, REMAINDER 0);",
+        )
+        .await
+        .unwrap();
+    let check = |name: &'static str| {
+        let client = &client;
+        async move {
+            let table = outbox_table(client, name).await;
+            outboxd::retention::check(client, &[table], &retention(None), "outboxd").await
+        }
+    };
+    let refused = check("outbox_h").await.unwrap_err().to_string();
+    assert!(
+        refused.contains("partitioned by HASH (aggregate_id)")
+            && refused.contains("--archive-table"),
+        "{refused}"
+    );
+    check("outbox_p").await.unwrap();
+}
