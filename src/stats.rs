@@ -227,9 +227,9 @@ struct Sample {
     tables: Vec<outbox::TableActivity>,
 }
 
-/// Judges, table by table, whether the pipeline stalls: one of the table's events could be claimed (only due
-/// rows wait for the pipeline, not those waiting for their retry or behind such a row of their aggregate),
-/// and for [`STALL_AFTER`] none of its events was published, by any instance, as its newest `published_at`
+/// Judges, table by table, whether the pipeline stalls: one of the table's events is owed (it could be
+/// claimed now, or it waits for its retry after a failed attempt; not one behind such a row of its aggregate
+/// that never failed, nor one the application scheduled for later), and for [`STALL_AFTER`] none of its events was published, by any instance, as its newest `published_at`
 /// shows. Where no index shows that, any event this process published counts as progress. Pure.
 #[derive(Debug, Default)]
 struct Watchdog {

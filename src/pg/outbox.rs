@@ -642,19 +642,23 @@ pub fn backlog_statements(table: &OutboxTable, order: PollOrder) -> BacklogState
              FROM (SELECT \"{created_at}\" FROM {t} WHERE {unpublished} {first}) AS head"
         )
     });
-    // Whether one of the first rows in claim order is due: not waiting for a retry, nor (in per-aggregate
-    // order) behind such a row of its aggregate among them. A leased row counts as due: a lease that ends
-    // without a publication (a broker that does not answer) is no progress.
+    // Whether one of the first rows in claim order is owed now: due (not waiting for a retry, nor, in
+    // per-aggregate order, behind such a row of its aggregate among them), or waiting for its retry after a
+    // failed attempt (a broker refusing every event keeps every row waiting: that is no idle table). A leased
+    // row counts as due: a lease that ends without a publication (a broker that does not answer) is no
+    // progress. A row waiting for its first try (`available_at` set ahead by the application) is not owed.
     let claimable_now = "available_at <= now()";
+    let failed = "attempts > 0";
     let due = table.polling.then(|| match order {
         PollOrder::None => format!(
-            "SELECT coalesce(bool_or({claimable_now}), false)
-             FROM (SELECT available_at FROM {t} WHERE {unpublished} ORDER BY position NULLS FIRST, {order} LIMIT {HEAD_ROWS}) AS head",
+            "SELECT coalesce(bool_or({claimable_now} OR {failed}), false)
+             FROM (SELECT available_at, attempts FROM {t} WHERE {unpublished} ORDER BY position NULLS FIRST, {order} LIMIT {HEAD_ROWS}) AS head",
             order = table.order_key(),
         ),
         PollOrder::PerAggregate => format!(
-            "SELECT coalesce(bool_or(claimable), false) FROM (
-                 SELECT bool_and({claimable_now}) OVER (PARTITION BY {aggregate} ORDER BY position NULLS FIRST, {order}) AS claimable
+            "SELECT coalesce(bool_or(claimable OR failed), false) FROM (
+                 SELECT bool_and({claimable_now}) OVER (PARTITION BY {aggregate} ORDER BY position NULLS FIRST, {order}) AS claimable,
+                        {failed} AS failed
                  FROM (SELECT * FROM {t} WHERE {unpublished} ORDER BY position NULLS FIRST, {order} LIMIT {HEAD_ROWS}) AS head
              ) AS head",
             aggregate = table.aggregate_key(),
@@ -780,8 +784,8 @@ pub struct Backlog {
 pub struct TableActivity {
     /// The table, schema-qualified.
     pub table: String,
-    /// A row is due, as far as the first rows in claim order show (not waiting for its retry, nor behind
-    /// such a row of its aggregate).
+    /// A row is owed now, as far as the first rows in claim order show: due (not waiting for its retry, nor
+    /// behind such a row of its aggregate), or waiting for its retry after a failed attempt.
     pub due: bool,
     /// When its newest row was published (seconds since the epoch), by any instance; `None` before the first.
     pub newest_published: Option<f64>,

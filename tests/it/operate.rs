@@ -417,6 +417,21 @@ async fn which_rows_are_due_follows_the_poll_order() {
         due.push(backlog.activity[0].due);
     }
     assert_eq!(due, [false, true], "due per aggregate, and without order");
+    // Once its first try failed, the waiting row is owed work in either order: a broker refusing every
+    // event keeps every row waiting for its retry, which read as an idle table (never stalled).
+    client
+        .batch_execute("UPDATE outbox_event SET attempts = 1 WHERE event_type = 'first'")
+        .await
+        .unwrap();
+    for order in [PollOrder::PerAggregate, PollOrder::None] {
+        let backlog = outbox::backlog(&client, std::slice::from_ref(&table), order)
+            .await
+            .unwrap();
+        assert!(
+            backlog.activity[0].due,
+            "{order:?}: a failed row waiting for its retry is owed"
+        );
+    }
 }
 
 /// The periodic figures (backlog, oldest age, dead letters) and the lease renewal read an index, not the table:
