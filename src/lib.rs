@@ -7,6 +7,7 @@ pub mod config;
 pub mod doctor;
 pub mod error;
 pub mod event;
+pub mod failover;
 pub mod http;
 pub mod inbox;
 pub mod kafka;

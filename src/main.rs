@@ -134,7 +134,11 @@ async fn run(options: &Options) -> outboxd::Result<ExitCode> {
     if let Some(addr) = settings.metrics_addr {
         outboxd::http::serve(addr, metrics).await?;
     }
-    tokio::spawn(outboxd::stats::run(std::sync::Arc::new(settings.clone())));
+    let shared = std::sync::Arc::new(settings.clone());
+    tokio::spawn(outboxd::stats::run(shared.clone()));
+    if settings.mode != outboxd::config::Mode::Poll {
+        tokio::spawn(outboxd::stats::watch_failover(shared));
+    }
     pipeline::run(settings, stop_rx).await?;
     Ok(ExitCode::SUCCESS)
 }

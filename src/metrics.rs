@@ -43,9 +43,17 @@ pub const RETENTION_FAILURES: &str = "outboxd_retention_failures_total";
 pub const RETENTION_CONSECUTIVE_FAILURES: &str = "outboxd_retention_consecutive_failures";
 /// Gauge: Unix time of the last successful retention pass (0: none yet, or no `--retention`).
 pub const RETENTION_LAST_SUCCESS: &str = "outboxd_retention_last_success_timestamp_seconds";
+/// Counter: promotions outboxd carried on through the failover slot synchronised to the promoted standby.
+pub const FAILOVER_SLOT_CONTINUATIONS: &str = "outboxd_failover_slot_continuations_total";
+/// Gauge: 1 when a promotion would carry the slot over (a failover slot, `synchronized_standby_slots` set,
+/// every `--standby-url` holding a valid synchronised copy); 0 otherwise, and before PostgreSQL 17.
+pub const FAILOVER_READY: &str = "outboxd_failover_ready";
+/// Gauge per `standby` label (host:port of a `--standby-url`): how far the standby's copy of the slot is
+/// behind the primary's confirmed position, in bytes (-1: no usable copy).
+pub const STANDBY_SLOT_BEHIND_BYTES: &str = "outboxd_standby_slot_behind_bytes";
 
 /// Every metric name `/metrics` exports (the Grafana dashboard may only use these).
-pub const ALL: [&str; 18] = [
+pub const ALL: [&str; 21] = [
     SLOT_LAG_BYTES,
     SLOT_RETAINED_WAL_BYTES,
     SLOT_SAFE_WAL_BYTES,
@@ -64,6 +72,9 @@ pub const ALL: [&str; 18] = [
     RETENTION_FAILURES,
     RETENTION_CONSECUTIVE_FAILURES,
     RETENTION_LAST_SUCCESS,
+    FAILOVER_SLOT_CONTINUATIONS,
+    FAILOVER_READY,
+    STANDBY_SLOT_BEHIND_BYTES,
 ];
 
 /// Kinds of publish errors counted in `outboxd_publish_errors_total{kind}`.
@@ -149,6 +160,18 @@ pub fn install() -> Result<PrometheusHandle, String> {
         RETENTION_LAST_SUCCESS,
         "Unix time of the last successful retention pass (0: none yet, or no --retention)"
     );
+    describe_counter!(
+        FAILOVER_SLOT_CONTINUATIONS,
+        "promotions carried on through the failover slot synchronised to the promoted standby"
+    );
+    describe_gauge!(
+        FAILOVER_READY,
+        "1 when a promotion would carry the slot over (PostgreSQL 17+ failover slot, protected, synced)"
+    );
+    describe_gauge!(
+        STANDBY_SLOT_BEHIND_BYTES,
+        "bytes the standby's copy of the slot is behind the primary's (-1: no usable copy)"
+    );
     for path in ["cdc", "poll"] {
         counter!(EVENTS_PUBLISHED, "path" => path).increment(0);
     }
@@ -157,6 +180,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
     }
     counter!(EVENTS_DEAD).increment(0);
     counter!(HISTORY_CHANGES).increment(0);
+    counter!(FAILOVER_SLOT_CONTINUATIONS).increment(0);
     counter!(RETENTION_FAILURES).increment(0);
     for name in [
         SLOT_LAG_BYTES,
@@ -168,6 +192,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         INFLIGHT_EVENTS,
         RETENTION_CONSECUTIVE_FAILURES,
         RETENTION_LAST_SUCCESS,
+        FAILOVER_READY,
     ] {
         gauge!(name).set(0.0);
     }
@@ -232,6 +257,28 @@ pub fn dead(events: u64) {
 /// Counts one change of the server history behind the URL.
 pub fn history_changed() {
     counter!(HISTORY_CHANGES).increment(1);
+}
+
+/// Counts one promotion carried on through the synchronised failover slot.
+pub fn failover_slot_used() {
+    counter!(FAILOVER_SLOT_CONTINUATIONS).increment(1);
+}
+
+/// Sets the failover gauges from the latest reading (`None`: before PostgreSQL 17, or no reading).
+pub fn set_failover(readiness: Option<&crate::failover::FailoverReadiness>) {
+    gauge!(FAILOVER_READY).set(if readiness.is_some_and(|r| r.ready()) {
+        1.0
+    } else {
+        0.0
+    });
+    for copy in readiness.map(|r| r.standbys.as_slice()).unwrap_or_default() {
+        let usable = copy.problem.is_none()
+            && copy.synced
+            && !copy.temporary
+            && copy.invalidation_reason.is_none();
+        let behind = copy.behind_bytes.filter(|_| usable).unwrap_or(-1);
+        gauge!(STANDBY_SLOT_BEHIND_BYTES, "standby" => copy.standby.clone()).set(behind as f64);
+    }
 }
 
 /// Sets the number of events handed to the broker and not yet finished.

@@ -45,6 +45,30 @@ pub async fn run(settings: std::sync::Arc<RunSettings<TableSpec>>) {
     }
 }
 
+/// How often the failover readiness (`--standby-url`s included) is read for `/metrics`.
+const FAILOVER_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Refreshes the failover gauges every [`FAILOVER_INTERVAL`] until the process ends (PostgreSQL 17+; a
+/// reading that fails leaves the gauges at "not ready").
+pub async fn watch_failover(settings: std::sync::Arc<RunSettings<TableSpec>>) {
+    let db = &settings.database;
+    loop {
+        let reading = async {
+            let client = pg::connect_for_figures(&db.database_url, REFRESH_TIMEOUT).await?;
+            let version = pg::server_version(&client).await?;
+            pg::failover::read(&client, version, &db.slot, &db.standby_urls).await
+        };
+        match reading.await {
+            Ok(readiness) => m::set_failover(readiness.as_ref()),
+            Err(error) => {
+                tracing::debug!(%error, "cannot read the failover readiness");
+                m::set_failover(None);
+            }
+        }
+        tokio::time::sleep(FAILOVER_INTERVAL).await;
+    }
+}
+
 async fn check_forever(settings: std::sync::Arc<RunSettings<TableSpec>>) {
     let (deliveries, _) = mpsc::unbounded_channel::<Delivery<()>>();
     let publisher = Publisher::new(&settings, KnownTopics::default(), deliveries).ok();

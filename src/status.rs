@@ -46,6 +46,9 @@ pub struct Status {
     /// Retention as the running sweepers of this slot record it (the worst of them); `None`: no
     /// `outboxd run --retention` is running.
     pub retention: Option<RetentionStatus>,
+    /// Whether the slot would survive a promotion (PostgreSQL 17+ failover slots); `None` before 17 or
+    /// under `--mode poll`.
+    pub failover: Option<crate::failover::FailoverReadiness>,
 }
 
 /// How retention fares, as the running sweepers record it.
@@ -177,6 +180,11 @@ pub fn verdict(status: &Status, thresholds: &crate::config::Thresholds) -> Verdi
             ),
         ));
     }
+    for (concern, text) in status.failover.iter().flat_map(|f| f.findings()) {
+        if concern == crate::failover::Concern::Warning {
+            findings.push((Level::Warning, text));
+        }
+    }
     if status.dead_events > 0 {
         findings.push((
             Level::Warning,
@@ -239,6 +247,13 @@ pub async fn read(
     let quoted: Vec<String> = tables.iter().map(|t| t.name.quoted()).collect();
     let (active_instances, standby_instances) = instances(&client, &settings.slot, &quoted).await?;
     let retention = worst(crate::retention::read_states(&client, &settings.slot).await?);
+    let uses_slot = mode != crate::config::Mode::Poll;
+    let failover = if uses_slot {
+        let version = pg::server_version(&client).await?;
+        pg::failover::read(&client, version, &settings.slot, &settings.standby_urls).await?
+    } else {
+        None
+    };
     Ok(Status {
         table: crate::table::names(&tables),
         slot_name: settings.slot.clone(),
@@ -255,7 +270,8 @@ pub async fn read(
         active_instances,
         standby_instances,
         retention,
-        uses_slot: mode != crate::config::Mode::Poll,
+        uses_slot,
+        failover,
     })
 }
 
@@ -347,8 +363,48 @@ impl Status {
                 ),
             ),
         ];
+        let mut rows = rows.to_vec();
+        if let Some(failover) = &self.failover {
+            rows.extend(failover_rows(failover));
+        }
         rows.iter().map(|(k, v)| format!("{k:<28}{v}\n")).collect()
     }
+}
+
+/// The failover lines of `status`'s table.
+fn failover_rows(failover: &crate::failover::FailoverReadiness) -> Vec<(&'static str, String)> {
+    let mut rows = vec![
+        (
+            "failover slot",
+            match failover.slot_failover {
+                None => "-".to_string(),
+                Some(on) => format!("{on}{}", if failover.ready() { " (ready)" } else { "" }),
+            },
+        ),
+        (
+            "synchronized_standby_slots",
+            if failover.synchronized_standby_slots.is_empty() {
+                "- (none: not protected)".to_string()
+            } else {
+                failover.synchronized_standby_slots.join(",")
+            },
+        ),
+    ];
+    for copy in &failover.standbys {
+        let state = match &copy.problem {
+            Some(problem) => problem.clone(),
+            None if !copy.exists => "no copy of the slot".into(),
+            None => format!(
+                "synced {}, temporary {}, invalidated {}, behind {} bytes",
+                copy.synced,
+                copy.temporary,
+                copy.invalidation_reason.as_deref().unwrap_or("no"),
+                copy.behind_bytes.map_or("-".to_string(), |b| b.to_string())
+            ),
+        };
+        rows.push(("standby", format!("{}: {state}", copy.standby)));
+    }
+    rows
 }
 
 #[cfg(test)]
@@ -377,6 +433,7 @@ mod tests {
                 consecutive_failures: 0,
                 last_success_age_seconds: Some(5),
             }),
+            failover: None,
         }
     }
 
@@ -385,6 +442,24 @@ mod tests {
         crit_lag: 10_000_000,
         warn_age: 60.0,
     };
+
+    #[test]
+    fn an_unprotected_failover_slot_is_a_warning() {
+        let unprotected = Status {
+            failover: Some(crate::failover::FailoverReadiness {
+                slot_failover: Some(true),
+                ..Default::default()
+            }),
+            ..healthy()
+        };
+        let verdict = verdict(&unprotected, &LIMITS);
+        assert_eq!(verdict.level, Level::Warning);
+        assert!(
+            verdict.reason.contains("synchronized_standby_slots"),
+            "{verdict:?}"
+        );
+        assert!(unprotected.to_table().contains("(none: not protected)"));
+    }
 
     #[test]
     fn healthy_is_ok() {

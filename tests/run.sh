@@ -1,14 +1,53 @@
 #!/usr/bin/env bash
-# Runs every test: installs what the tests need (PostgreSQL 15, build tools, Apache Kafka; cached),
-# then the unit and integration tests. Each integration test starts and stops its own PostgreSQL cluster
-# and broker. Ends with each failing test's panic (when any) and one summary line: "tests: N passed, N failed".
+# Runs every test: installs what the tests need (PostgreSQL 14 to 18, build tools, Apache Kafka; cached),
+# then the unit and integration tests on the default PostgreSQL major and the core of the integration tests
+# on every other major (OUTBOXD_PG_MATRIX=full: every test on every major). Each integration test starts and
+# stops its own PostgreSQL cluster and broker. Ends with each failing test's panic (when any) and one summary line: "tests: N passed, N failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tests/support/install-deps.sh
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
+. tests/support/env.sh
+# The core of the suite, run again on every other major of the version matrix: CDC end to end with SIGKILLs
+# (rows sharing one commit among them), the polling path, the slot hand-off, migrations on an existing table,
+# least privilege, and the failover tests of each major. Names are cargo test filters (substrings).
+core=(
+  cdc::delivers_every_committed_event_in_order_with_headers
+  cdc::sigkill_mid_stream_loses_nothing
+  cdc::postgres_immediate_restart_mid_stream_loses_nothing
+  cdc::rows_sharing_one_commit_survive_sigkills_mid_transaction
+  poll::two_poll_instances_share_the_work_in_order
+  poll::sweeper_publishes_rows_older_than_the_slot_exactly_once
+  poll::dropped_slot_is_recreated_and_the_gap_is_covered
+  poll::a_slot_invalidated_while_outboxd_was_stopped_is_replaced_and_its_gap_swept
+  poll::poison_event_is_handed_off_and_dead_lettered_from_cdc
+  poll::migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite
+  migrate::roles_that_may_insert_keep_inserting_after_migrate
+  migrate::a_tables_history_counts_as_published_unless_asked_otherwise
+  operate::least_privilege_role_runs_everything_and_no_secret_leaks
+  errors::missing_replication_permission_names_the_grant
+  doctor::missing_privileges_no_free_slot_and_a_slot_left_behind_are_named
+  failover::failover_to_a_lagging_standby_publishes_what_was_committed_on_it
+  failover::restore_of_an_earlier_backup_publishes_what_is_committed_after_it
+  failover::the_slot_is_a_failover_slot_from_17_on_unless_opted_out
+  failover::a_promoted_standby_continues_from_the_failover_slot_synchronised_to_it
+)
 status=0
+# The whole suite on the default major (OUTBOXD_PG_MAJOR, env.sh)...
+echo "== PostgreSQL $PG_MAJOR: every test"
 cargo test --no-fail-fast --lib --bins --tests "$@" 2>&1 | tee "$log" || status=$?
+# ...then the core on every other major; OUTBOXD_PG_MATRIX=full runs every test on every major.
+for major in $PG_MATRIX; do
+  [ "$major" = "$PG_MAJOR" ] && continue
+  if [ "${OUTBOXD_PG_MATRIX:-core}" = full ]; then
+    echo "== PostgreSQL $major: every integration test"
+    OUTBOXD_PG_MAJOR=$major cargo test --no-fail-fast --test it "$@" 2>&1 | tee -a "$log" || status=$?
+  else
+    echo "== PostgreSQL $major: the core"
+    OUTBOXD_PG_MAJOR=$major cargo test --no-fail-fast --test it "$@" -- "${core[@]}" 2>&1 | tee -a "$log" || status=$?
+  fi
+done
 # A failing test's reason, again at the end (CI logs are read from their end, and may be cut in the middle).
 if [ "$status" -ne 0 ]; then
   echo "why the failing tests failed (the first lines of each panic; the whole output is above):"

@@ -112,6 +112,11 @@ pub struct Options {
     /// PostgreSQL URL for the replication connection (default: --database-url); lets it bypass a pooler.
     #[arg(long, env = "OUTBOXD_REPLICATION_URL", hide_env_values = true)]
     pub replication_url: Option<String>,
+    /// A physical standby of the primary (repeatable): status, doctor and /metrics report whether it holds a
+    /// usable copy of the failover slot (PostgreSQL 17+) and how far behind it is.
+    #[arg(long, env = "OUTBOXD_STANDBY_URL", hide_env_values = true)]
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub standby_url: Option<Vec<String>>,
     /// Kafka bootstrap servers, comma-separated host:port list.
     #[arg(long, env = "OUTBOXD_BROKERS")]
     pub brokers: Option<String>,
@@ -150,6 +155,12 @@ pub struct Options {
     /// Logical replication slot name [default: outboxd].
     #[arg(long, env = "OUTBOXD_SLOT")]
     pub slot: Option<String>,
+    /// Do not make the slot a failover slot. By default, on PostgreSQL 17+, outboxd creates its slot with
+    /// `failover = true` (and turns it on for an existing slot), so standbys with `sync_replication_slots`
+    /// keep a copy that survives a promotion.
+    #[arg(long, env = "OUTBOXD_NO_FAILOVER_SLOT")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_failover_slot: bool,
     /// Publication name [default: outboxd].
     #[arg(long, env = "OUTBOXD_PUBLICATION")]
     pub publication: Option<String>,

@@ -104,6 +104,10 @@ pub struct DatabaseSettings<T = OutboxTable> {
     pub slot: String,
     /// `--publication`: the publication's name (a valid identifier).
     pub publication: String,
+    /// Not `--no-failover-slot`: the slot is a failover slot on PostgreSQL 17+.
+    pub failover_slot: bool,
+    /// `--standby-url`: physical standbys whose copy of the failover slot is reported on.
+    pub standby_urls: Vec<crate::pg::url::PgUrl>,
 }
 
 /// Settings of `outboxd run`; `T` as for [`DatabaseSettings`].
@@ -148,6 +152,8 @@ impl DatabaseSettings<TableSpec> {
             existing_rows: self.existing_rows,
             slot: self.slot,
             publication: self.publication,
+            failover_slot: self.failover_slot,
+            standby_urls: self.standby_urls,
         }
     }
 }

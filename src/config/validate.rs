@@ -98,6 +98,13 @@ impl Options {
                 "--publication",
                 self.publication.as_deref().unwrap_or("outboxd"),
             )?,
+            failover_slot: !self.no_failover_slot,
+            standby_urls: self
+                .standby_url
+                .iter()
+                .flatten()
+                .map(|url| parse_postgres_url("--standby-url", url))
+                .collect::<Result<_, _>>()?,
         })
     }
 

@@ -9,9 +9,11 @@ use tokio_postgres::Client;
 use super::report::{Finding, Outcome};
 use crate::config::{Mode, RunSettings};
 use crate::error::{replication_error, Result};
+use crate::failover::Concern;
 use crate::pg::outbox;
 use crate::pg::replication::ReplicationConnection;
 use crate::pg::slot;
+use crate::pg::version::{ServerVersion, NEWEST_TESTED, OLDEST_SUPPORTED};
 use crate::table::OutboxTable;
 
 /// PostgreSQL 18 adds `idle_replication_slot_timeout`; 17 adds `invalidation_reason`.
@@ -92,6 +94,12 @@ pub async fn examine(client: &Client, settings: &RunSettings) -> Vec<Finding> {
                 idle_slot_timeout(client, settings).await,
             ));
         }
+        if version >= PG_17 {
+            findings.push(Finding::from_result(
+                "postgres.failover_slot",
+                failover_slot(client, ServerVersion(version), settings).await,
+            ));
+        }
     }
     findings.push(Finding::from_result(
         "postgres.session",
@@ -170,14 +178,81 @@ pub async fn advisories(client: &Client, settings: &RunSettings) -> Vec<Finding>
             wal_headroom(client, slot_name).await,
         ));
         let version = server_version(client).await.map(|(version, _)| version);
-        if version.is_ok_and(|version| version >= PG_18) {
+        if version.as_ref().is_ok_and(|version| *version >= PG_18) {
             findings.push(Finding::from_result(
                 "postgres.idle_slot_timeout",
                 idle_slot_timeout(client, settings).await,
             ));
         }
+        if let Some(version) = version.ok().filter(|version| *version >= PG_17) {
+            findings.push(Finding::from_result(
+                "postgres.failover_slot",
+                failover_slot(client, ServerVersion(version), settings).await,
+            ));
+        }
     }
     findings
+}
+
+/// Whether the slot would survive a promotion (PostgreSQL 17+): judged by `crate::failover`.
+async fn failover_slot(
+    client: &Client,
+    version: ServerVersion,
+    settings: &RunSettings,
+) -> Result<Finding> {
+    let db = &settings.database;
+    let check = "postgres.failover_slot";
+    let Some(readiness) =
+        crate::pg::failover::read(client, version, &db.slot, &db.standby_urls).await?
+    else {
+        return Ok(Finding::ok(check, "no failover slots before PostgreSQL 17"));
+    };
+    let findings = readiness.findings();
+    let warnings: Vec<&str> = findings
+        .iter()
+        .filter(|(concern, _)| *concern == Concern::Warning)
+        .map(|(_, text)| text.as_str())
+        .collect();
+    Ok(if !warnings.is_empty() {
+        Finding::with_fix(
+            check,
+            Outcome::Warning,
+            warnings.join("; "),
+            "README 'Failover slots (PostgreSQL 17+)' gives the settings on primary and standby",
+        )
+    } else if let Some((_, note)) = findings.first() {
+        Finding::with_fix(
+            check,
+            Outcome::Note,
+            note.clone(),
+            "leave out --no-failover-slot to have outboxd make it a failover slot",
+        )
+    } else if readiness.slot_failover.is_none() {
+        Finding::ok(
+            check,
+            if db.failover_slot {
+                "outboxd creates its slot as a failover slot"
+            } else {
+                "--no-failover-slot: outboxd creates its slot without failover"
+            },
+        )
+    } else {
+        Finding::ok(
+            check,
+            format!(
+                "a failover slot, protected by synchronized_standby_slots = {}{}",
+                readiness.synchronized_standby_slots.join(","),
+                if readiness.standbys.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; {} standby(s) hold a synchronised copy",
+                        readiness.standbys.len()
+                    )
+                }
+            ),
+        )
+    })
 }
 
 /// The server answers, as a primary; its version decides which later checks apply.
@@ -197,7 +272,16 @@ async fn server_version(client: &Client) -> Result<(i32, Finding)> {
             "point --database-url at the primary (or promote this server)",
         )
     } else {
-        Finding::ok("postgres.server", format!("PostgreSQL {version}, primary"))
+        match ServerVersion(number).check_supported() {
+            Err(error) => Finding::of_error("postgres.server", &error),
+            Ok(true) => Finding::ok("postgres.server", format!("PostgreSQL {version}, primary")),
+            Ok(false) => Finding::with_fix(
+                "postgres.server",
+                Outcome::Warning,
+                format!("PostgreSQL {version}, primary: a major outboxd is not tested on (it is tested on {OLDEST_SUPPORTED} to {NEWEST_TESTED})"),
+                "run outboxd's test suite against this major before relying on it (README 'PostgreSQL versions and managed services')",
+            ),
+        }
     };
     Ok((number, finding))
 }

@@ -1,6 +1,7 @@
 //! Everything that talks to PostgreSQL: ordinary SQL (`connect`, `outbox`, `slot`, `migrate`) on
 //! tokio-postgres, and the replication protocol (`replication`, `pgoutput`) on postgres-protocol.
 
+pub mod failover;
 pub mod guarded_tls;
 pub mod migrate;
 pub mod outbox;
@@ -11,6 +12,7 @@ pub mod require_auth;
 pub mod slot;
 pub mod tls;
 pub mod url;
+pub mod version;
 
 pub use url::{Connection, PgUrl};
 
@@ -98,6 +100,20 @@ pub async fn in_recovery(client: &tokio_postgres::Client) -> Result<bool> {
         .query_one("SELECT pg_is_in_recovery()", &[])
         .await?
         .get(0))
+}
+
+/// The server's version (`server_version_num`).
+pub async fn server_version(client: &tokio_postgres::Client) -> Result<version::ServerVersion> {
+    let number: String = client
+        .query_one("SELECT current_setting('server_version_num')", &[])
+        .await?
+        .get(0);
+    number.parse().map(version::ServerVersion).map_err(|_| {
+        crate::error::Error::setup(
+            format!("PostgreSQL reported server_version_num {number:?}, which is no number"),
+            "connect outboxd to a PostgreSQL server (14 or newer)",
+        )
+    })
 }
 
 /// The server's system identifier, or `None` where the role may not read it (`pg_control_system()` needs

@@ -237,6 +237,11 @@ pub struct SlotState {
     pub retained_wal_bytes: Option<i64>,
     /// `safe_wal_size`: WAL that can still be written before the slot is lost (NULL without a limit).
     pub safe_wal_bytes: Option<i64>,
+    /// `failover` (PostgreSQL 17+): standbys with `sync_replication_slots` keep a copy; `None` before 17.
+    pub failover: Option<bool>,
+    /// `synced` (PostgreSQL 17+): the slot was synchronised from a primary (on a promoted standby it stays
+    /// true); `None` before 17.
+    pub synced: Option<bool>,
 }
 
 impl SlotState {
@@ -255,8 +260,9 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
             "SELECT slot_name::text, plugin::text, slot_type, database::text, active, active_pid,
                     confirmed_flush_lsn::text, restart_lsn::text, wal_status,
                     (pg_current_wal_lsn() - confirmed_flush_lsn)::int8,
-                    (pg_current_wal_lsn() - restart_lsn)::int8, safe_wal_size
-             FROM pg_replication_slots WHERE slot_name = $1",
+                    (pg_current_wal_lsn() - restart_lsn)::int8, safe_wal_size,
+                    (to_jsonb(s) ->> 'failover')::bool, (to_jsonb(s) ->> 'synced')::bool
+             FROM pg_replication_slots s WHERE slot_name = $1",
             &[&slot],
         )
         .await?;
@@ -273,6 +279,8 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
         lag_bytes: r.get(9),
         retained_wal_bytes: r.get(10),
         safe_wal_bytes: r.get(11),
+        failover: r.get(12),
+        synced: r.get(13),
     }))
 }
 

@@ -255,9 +255,7 @@ async fn channel_binding_is_enforced_on_the_replication_connection() {
 
 /// libpq's answer to the same settings, the oracle of the TLS tests: whether `psql` connects.
 fn psql_connects(url: &str, env: &[(&str, &str)]) -> bool {
-    let bin =
-        std::env::var("OUTBOXD_PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into());
-    std::process::Command::new(format!("{bin}/psql"))
+    std::process::Command::new(format!("{PG_CLIENT_BIN}/psql"))
         .args([url, "-Atc", "SELECT 1"])
         .envs(env.iter().copied())
         .output()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing outboxd needs on a fresh Debian 12 machine (as root):
-# compilers and headers for librdkafka, PostgreSQL 15 server binaries, and Apache Kafka (Java 17 and Maven from
+# compilers and headers for librdkafka, PostgreSQL 15 (Debian) and servers of 14, 16, 17, 18, and Apache Kafka (Java 17 and Maven from
 # Debian, Kafka's jars from Maven Central, cached). tansu is built only when OUTBOXD_TEST_BROKER=tansu.
 # Idempotent: a second run installs nothing.
 set -euo pipefail
@@ -38,6 +38,8 @@ if ! id postgres >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
 fi
 
 bash "$here/kafka.sh" install
+# PostgreSQL servers of the other majors of the version matrix (Maven Central, cached).
+bash "$here/pg-servers.sh" install
 if [ "${OUTBOXD_TEST_BROKER:-kafka}" = tansu ] && [ ! -x "$TANSU_BIN" ]; then
   echo "installing tansu $TANSU_VERSION (features: $TANSU_FEATURES) into $TANSU_ROOT; takes several minutes once"
   mkdir -p "$OUTBOXD_CACHE"
@@ -56,4 +58,4 @@ if [ "$(cat "$PY_TOOLS/.installed" 2>/dev/null)" != "$PY_TOOLS_PACKAGES" ]; then
   "$PY_TOOLS/bin/pip" install --quiet --disable-pip-version-check $PY_TOOLS_PACKAGES
   echo "$PY_TOOLS_PACKAGES" >"$PY_TOOLS/.installed"
 fi
-echo "dependencies ready: Apache Kafka in $OUTBOXD_CACHE, PostgreSQL at $PG_BIN, Python tools in $PY_TOOLS"
+echo "dependencies ready: Apache Kafka in $OUTBOXD_CACHE, PostgreSQL $PG_MAJOR at $PG_BIN, Python tools in $PY_TOOLS"

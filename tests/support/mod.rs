@@ -1079,13 +1079,17 @@ pub async fn plan_of(client: &tokio_postgres::Client, sql: &str) -> String {
     lines.join("\n")
 }
 
+/// Client tools (psql, pg_recvlogical) of Debian's PostgreSQL 15: they talk to every server of the matrix
+/// (the other majors' server packages have none).
+pub const PG_CLIENT_BIN: &str = "/usr/lib/postgresql/15/bin";
+
 /// Another client (`pg_recvlogical`) streaming from `slot` of `pg`, until dropped.
 pub struct OtherSlotClient(std::process::Child);
 
 impl OtherSlotClient {
     /// Starts it; the slot must exist.
     pub fn start(pg: &Postgres, slot: &str) -> Self {
-        let child = Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
+        let child = Command::new(format!("{PG_CLIENT_BIN}/pg_recvlogical"))
             .args([
                 "-h",
                 "127.0.0.1",

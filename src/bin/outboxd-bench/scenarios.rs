@@ -391,7 +391,8 @@ impl Bench {
 
     /// pg_recvlogical with pgoutput proto 1 from the second slot to the backlog's end, to /dev/null.
     async fn source_limit(&self, end: &str) -> BenchResult<f64> {
-        let recvlogical = std::env::var("OUTBOXD_PG_BIN")
+        // Debian's PostgreSQL 15 client tools, which talk to every server major.
+        let recvlogical = std::env::var("OUTBOXD_PG_CLIENT_BIN")
             .map(PathBuf::from)
             .unwrap_or_else(|_| PathBuf::from("/usr/lib/postgresql/15/bin"))
             .join("pg_recvlogical");

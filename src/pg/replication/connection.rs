@@ -17,6 +17,7 @@ use super::protocol::{self, ServerMessage};
 use crate::lsn::Lsn;
 use crate::pg::require_auth::RequireAuth;
 use crate::pg::tls::SslMode;
+use crate::pg::version::ServerVersion;
 use crate::pg::PgUrl;
 
 trait Socket: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -277,14 +278,15 @@ impl ReplicationConnection {
     /// Creates a logical slot using pgoutput and exports its snapshot. `slot` must be a validated name.
     /// The snapshot stays importable (`SET TRANSACTION SNAPSHOT`) until this connection runs another command:
     /// rows visible in it are exactly the rows the new slot will never send.
+    /// On `version` 17+, `failover` makes it a failover slot (synchronised to standbys that ask for it).
     pub async fn create_logical_slot(
         &mut self,
         slot: &str,
+        version: ServerVersion,
+        failover: bool,
     ) -> Result<CreatedSlot, ReplicationError> {
         let rows = self
-            .simple_query(&format!(
-                "CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'export')"
-            ))
+            .simple_query(&version.create_slot_command(slot, failover))
             .await?;
         let field = |i: usize| rows.first().and_then(|row| row.get(i).cloned().flatten());
         let consistent_point = field(1)
@@ -297,6 +299,18 @@ impl ReplicationConnection {
             consistent_point,
             snapshot_name,
         })
+    }
+
+    /// Makes the existing slot `slot` (a validated name) a failover slot or not (PostgreSQL 17+). The slot
+    /// must not be in use by another walsender.
+    pub async fn alter_slot_failover(
+        &mut self,
+        slot: &str,
+        failover: bool,
+    ) -> Result<(), ReplicationError> {
+        self.simple_query(&ServerVersion::alter_failover_command(slot, failover))
+            .await?;
+        Ok(())
     }
 
     /// Starts streaming pgoutput (proto 1, with logical decoding messages: PostgreSQL 14+) from `start` for

@@ -15,6 +15,7 @@ use crate::error::{replication_error, Error, Result};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, OutboxSql};
 use crate::pg::replication::{ReplicationConnection, ReplicationStream, SystemIdentity};
+use crate::pg::version::ServerVersion;
 use crate::pg::{self, slot};
 use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory};
 use crate::sink::Sinks;
@@ -38,7 +39,7 @@ impl<K: Sinks> CdcPipeline<K> {
     pub(super) async fn bootstrap(&mut self) -> Result<(ReplicationStream, Bootstrapped)> {
         let settings = self.settings.clone();
         let db = &settings.database;
-        let (mut sql, outbox_sql, conn, identity) = connect(&settings).await?;
+        let (mut sql, outbox_sql, mut conn, identity, version) = connect(&settings).await?;
         // A lost slot is replaced only when every table's gap can be covered by the polling path.
         if crate::pipeline::has_polling_columns(&settings) {
             slot::drop_if_lost(&sql, &db.slot, &db.tables).await?;
@@ -66,7 +67,24 @@ impl<K: Sinks> CdcPipeline<K> {
             .as_ref()
             .map(|state| state.confirmed_flush().unwrap_or(Lsn::ZERO));
         if let Some(change) = &change {
-            self.history_changed(change, &here, identity.xlog_position)?;
+            match (change, existing.as_ref(), slot_position) {
+                // A promoted standby that kept a copy of the slot (a failover slot, PostgreSQL 17+): the copy
+                // is never ahead of the WAL the standby received, so streaming from it re-sends at most what
+                // the old primary confirmed after it, and skips nothing of this history.
+                (HistoryChange::NewTimeline { old, new }, Some(state), Some(position))
+                    if state.synced == Some(true) =>
+                {
+                    tracing::info!(
+                        slot = %db.slot,
+                        old_timeline = old,
+                        new_timeline = new,
+                        %position,
+                        "a promoted standby: continuing from the failover slot synchronised to it (no hand-off, nothing swept; events after its position are sent again)"
+                    );
+                    crate::metrics::failover_slot_used();
+                }
+                _ => self.history_changed(change, &here, identity.xlog_position)?,
+            }
             // At once, before anything below can fail: the old position never pairs with the new history.
             self.watermark.reset(slot_position.unwrap_or(Lsn::ZERO));
         }
@@ -75,9 +93,12 @@ impl<K: Sinks> CdcPipeline<K> {
             // and a higher position confirmed before is re-sent and recognised).
             Some(position) => {
                 self.watermark.resume_at(position);
+                if let Some(state) = &existing {
+                    set_failover(&mut conn, state, version, db.failover_slot).await?;
+                }
                 conn
             }
-            None => self.create_slot(&mut sql, conn).await?,
+            None => self.create_slot(&mut sql, conn, version).await?,
         };
         let start = self.watermark.confirmed();
         let slot_created_at = slot_position.is_none().then_some(start);
@@ -114,6 +135,7 @@ impl<K: Sinks> CdcPipeline<K> {
         &mut self,
         sql: &mut Client,
         mut conn: ReplicationConnection,
+        version: ServerVersion,
     ) -> Result<ReplicationConnection> {
         let db = &self.settings.database;
         let can_hand_off = db.tables.iter().any(|t| t.polling);
@@ -122,7 +144,7 @@ impl<K: Sinks> CdcPipeline<K> {
             slot::begin_creation(sql, &db.slot).await?;
         }
         let created = conn
-            .create_logical_slot(&db.slot)
+            .create_logical_slot(&db.slot, version, db.failover_slot)
             .await
             .map_err(replication_error)?;
         let handed_off = if can_hand_off {
@@ -149,6 +171,7 @@ impl<K: Sinks> CdcPipeline<K> {
             slot = %db.slot,
             consistent_point = %created.consistent_point,
             handed_off_to_polling = handed_off,
+            failover = db.failover_slot && version.has_failover_slots(),
             "created replication slot"
         );
         // Never carry a position over to a new slot: anything between its consistent point and an older,
@@ -209,11 +232,16 @@ async fn connect(
     Vec<OutboxSql>,
     ReplicationConnection,
     SystemIdentity,
+    ServerVersion,
 )> {
     let db = &settings.database;
     let sql = pg::connect(&db.database_url).await?;
     if pg::in_recovery(&sql).await? {
         return Err(Error::in_recovery());
+    }
+    let version = pg::server_version(&sql).await?;
+    if !version.check_supported()? {
+        tracing::warn!(%version, "outboxd is tested on PostgreSQL {} to {}; this newer major is not", pg::version::OLDEST_SUPPORTED, pg::version::NEWEST_TESTED);
     }
     let mut outbox_sql = Vec::with_capacity(db.tables.len());
     for table in &db.tables {
@@ -235,7 +263,27 @@ async fn connect(
             });
         }
     }
-    Ok((sql, outbox_sql, conn, identity))
+    Ok((sql, outbox_sql, conn, identity, version))
+}
+
+/// Makes the existing slot a failover slot (17+), or not with `--no-failover-slot`, when it is not already.
+async fn set_failover(
+    conn: &mut ReplicationConnection,
+    state: &slot::SlotState,
+    version: ServerVersion,
+    wanted: bool,
+) -> Result<()> {
+    let Some(current) = state.failover else {
+        return Ok(());
+    };
+    if current == wanted || !version.has_failover_slots() {
+        return Ok(());
+    }
+    conn.alter_slot_failover(&state.slot_name, wanted)
+        .await
+        .map_err(replication_error)?;
+    tracing::info!(slot = %state.slot_name, failover = wanted, "changed the replication slot's failover setting");
+    Ok(())
 }
 
 /// The aggregates with rows waiting in the polling path, per table with polling columns; a table with more
