@@ -242,6 +242,9 @@ pub struct SlotState {
     /// `synced` (PostgreSQL 17+): the slot was synchronised from a primary (on a promoted standby it stays
     /// true); `None` before 17.
     pub synced: Option<bool>,
+    /// `invalidation_reason` (PostgreSQL 17+): why PostgreSQL invalidated the slot (`wal_removed`,
+    /// `idle_timeout`, ...); `None` when it is valid, or before 17.
+    pub invalidation_reason: Option<String>,
 }
 
 impl SlotState {
@@ -261,7 +264,8 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
                     confirmed_flush_lsn::text, restart_lsn::text, wal_status,
                     (pg_current_wal_lsn() - confirmed_flush_lsn)::int8,
                     (pg_current_wal_lsn() - restart_lsn)::int8, safe_wal_size,
-                    (to_jsonb(s) ->> 'failover')::bool, (to_jsonb(s) ->> 'synced')::bool
+                    (to_jsonb(s) ->> 'failover')::bool, (to_jsonb(s) ->> 'synced')::bool,
+                    to_jsonb(s) ->> 'invalidation_reason'
              FROM pg_replication_slots s WHERE slot_name = $1",
             &[&slot],
         )
@@ -281,6 +285,7 @@ pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>
         safe_wal_bytes: r.get(11),
         failover: r.get(12),
         synced: r.get(13),
+        invalidation_reason: r.get(14),
     }))
 }
 
@@ -294,7 +299,12 @@ pub async fn drop_if_lost(client: &Client, slot: &str, tables: &[OutboxTable]) -
     if state.wal_status.as_deref() != Some("lost") {
         return Ok(false);
     }
-    tracing::warn!(slot, "replication slot was invalidated (wal_status = lost); dropping it so a new one can be created; rows committed meanwhile go through the polling path");
+    let reason = state
+        .invalidation_reason
+        .as_deref()
+        .map(|reason| format!(", invalidation_reason = {reason}"))
+        .unwrap_or_default();
+    tracing::warn!(slot, "replication slot was invalidated (wal_status = lost{reason}); dropping it so a new one can be created; rows committed meanwhile go through the polling path");
     let confirmed = state.confirmed_flush().unwrap_or(Lsn::ZERO);
     crate::pg::outbox::republish_history_a_lost_slot_owed(client, tables, confirmed).await?;
     terminate_and_drop(client, slot, state.active_pid).await?;

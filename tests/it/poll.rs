@@ -2046,3 +2046,75 @@ async fn auto_keeps_the_slot_a_live_leader_holds() {
         "polling after the leader left",
     );
 }
+
+/// PostgreSQL 18's `idle_replication_slot_timeout` invalidates a slot nothing streamed from for that long
+/// (at a checkpoint) while outboxd is stopped: outboxd replaces it as any lost slot, the rows it owed go out
+/// through the polling path, and the log says why. Before 18 there is no such setting (the test says so).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_invalidated_for_idleness_while_outboxd_was_stopped_is_replaced() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let number: String = client
+        .query_one("SHOW server_version_num", &[])
+        .await
+        .unwrap()
+        .get(0);
+    if number.parse::<i32>().unwrap() < 180_000 {
+        println!("PostgreSQL {number}: no idle_replication_slot_timeout before 18");
+        return;
+    }
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (mut committed, _) = insert_events(&mut client, 0, 10, 5, 5, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    outboxd.kill();
+    let (owed, _) = insert_events(&mut client, 10, 20, 5, 5, None).await;
+    committed.extend(owed.iter().cloned());
+    for statement in [
+        "ALTER SYSTEM SET idle_replication_slot_timeout = '1s'",
+        "SELECT pg_reload_conf()",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    wait_for_async(
+        "the idle slot to be invalidated",
+        Duration::from_secs(60),
+        || async {
+            client.batch_execute("CHECKPOINT").await.unwrap();
+            let reason: Option<String> = client
+                .query_one(
+                    "SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (reason.as_deref() == Some("idle_timeout")).then_some(())
+        },
+    )
+    .await;
+    for statement in [
+        "ALTER SYSTEM RESET idle_replication_slot_timeout",
+        "SELECT pg_reload_conf()",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+
+    let restarted = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (after, _) = insert_events(&mut client, 30, 10, 5, 5, None).await;
+    committed.extend(after);
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    verify_delivery(&brokers, &committed, &[], 120, "slot invalidated for idleness");
+    assert_eq!(
+        handed_off_count(&client).await,
+        owed.len() as i64,
+        "exactly the rows the invalidated slot owed went through the polling path"
+    );
+    let log = restarted.log_text();
+    assert!(
+        log.contains("idle_timeout"),
+        "the log says why the slot was replaced"
+    );
+}
