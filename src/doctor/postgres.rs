@@ -308,36 +308,16 @@ fn polling_columns(table: &OutboxTable, mode: Mode) -> Finding {
 /// A table that enforces row level security on outboxd's role hides rows from the polling path and the
 /// backlog figures (logical decoding does not apply it): events would wait unseen.
 async fn row_level_security(client: &Client, table: &OutboxTable) -> Result<Finding> {
-    let row = client
-        .query_one(
-            // Hidden: row security applies to this role, and its policies do not plainly let it read and
-            // update every row (a permissive `USING (true)` for SELECT and UPDATE, no restrictive policy).
-            "WITH applying AS (
-                 SELECT p.permissive, p.cmd, p.qual FROM pg_policies p
-                 WHERE p.schemaname = $2 AND p.tablename = $3
-                   AND EXISTS (SELECT FROM unnest(p.roles) AS r
-                               WHERE r = 'public' OR pg_has_role(current_user, r, 'MEMBER')))
-             SELECT row_security_active($1::text::regclass)
-                    AND NOT (EXISTS (SELECT FROM applying WHERE permissive = 'PERMISSIVE' AND cmd IN ('ALL', 'SELECT') AND qual = 'true')
-                             AND EXISTS (SELECT FROM applying WHERE permissive = 'PERMISSIVE' AND cmd IN ('ALL', 'UPDATE') AND qual = 'true')
-                             AND NOT EXISTS (SELECT FROM applying WHERE permissive = 'RESTRICTIVE')),
-                    current_user::text",
-            &[&table.name.quoted(), &table.name.schema, &table.name.name],
-        )
-        .await?;
-    let (hidden, role): (bool, String) = (row.get(0), row.get(1));
     let check = "postgres.row_level_security";
-    if !hidden {
-        return Ok(Finding::ok(
-            check,
-            format!("{} shows every row to {role}", table.name),
-        ));
-    }
+    let Some(role) = slot::role_row_security_hides_rows_from(client, table).await? else {
+        return Ok(Finding::ok(check, format!("{} shows every row to the role outboxd runs as", table.name)));
+    };
+    let (problem, fix) = slot::hidden_rows_problem(table, &role);
     Ok(Finding::with_fix(
         check,
         if table.polling { Outcome::Failed } else { Outcome::Warning },
-        format!("{} has row level security that applies to {role}: the polling path, retention and the backlog figures see only the rows its policies let {role} see, and would leave the others unpublished", table.name),
-        format!("ALTER ROLE {role} BYPASSRLS (as a superuser), or a policy letting {role} see every row: CREATE POLICY outboxd ON {} TO {role} USING (true)", table.name),
+        problem,
+        fix,
     ))
 }
 

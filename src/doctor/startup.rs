@@ -82,6 +82,9 @@ async fn preflight_database(settings: &RunSettings<TableSpec>) -> Result<Vec<Out
             slot::check_polling_columns(table)?;
         }
     }
+    for table in &tables {
+        slot::check_row_level_security(&sql, table).await?;
+    }
     Ok(tables)
 }
 

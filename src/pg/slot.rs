@@ -256,6 +256,60 @@ impl SlotState {
     }
 }
 
+/// The role outboxd runs as, when row level security hides rows of `table` from it (logical decoding does
+/// not apply row security, the polling path, the `published_at` writes, retention and the figures do);
+/// `None` when the role sees every row.
+pub async fn role_row_security_hides_rows_from(
+    client: &impl GenericClient,
+    table: &OutboxTable,
+) -> Result<Option<String>> {
+    let row = client
+        .query_one(
+            // Hidden: row security applies to this role, and its policies do not plainly let it read and
+            // update every row (a permissive `USING (true)` for SELECT and UPDATE, no restrictive policy).
+            "WITH applying AS (
+                 SELECT p.permissive, p.cmd, p.qual FROM pg_policies p
+                 WHERE p.schemaname = $2 AND p.tablename = $3
+                   AND EXISTS (SELECT FROM unnest(p.roles) AS r
+                               WHERE r = 'public' OR pg_has_role(current_user, r, 'MEMBER')))
+             SELECT row_security_active($1::text::regclass)
+                    AND NOT (EXISTS (SELECT FROM applying WHERE permissive = 'PERMISSIVE' AND cmd IN ('ALL', 'SELECT') AND qual = 'true')
+                             AND EXISTS (SELECT FROM applying WHERE permissive = 'PERMISSIVE' AND cmd IN ('ALL', 'UPDATE') AND qual = 'true')
+                             AND NOT EXISTS (SELECT FROM applying WHERE permissive = 'RESTRICTIVE')),
+                    current_user::text",
+            &[&table.name.quoted(), &table.name.schema, &table.name.name],
+        )
+        .await?;
+    let (hidden, role): (bool, String) = (row.get(0), row.get(1));
+    Ok(hidden.then_some(role))
+}
+
+/// Pure: what row security hiding rows of `table` from `role` breaks, and the fix.
+pub fn hidden_rows_problem(table: &OutboxTable, role: &str) -> (String, String) {
+    (
+        format!("{} has row level security that applies to {role}: the polling path, retention and the backlog figures see only the rows its policies let {role} see, and would leave the others unpublished", table.name),
+        format!("ALTER ROLE {role} BYPASSRLS (as a superuser), or a policy letting {role} see every row: CREATE POLICY outboxd ON {} TO {role} USING (true)", table.name),
+    )
+}
+
+/// Refuses a table with the polling columns whose rows row level security hides from outboxd's role (`run`'s
+/// start-up; doctor reports the same).
+pub async fn check_row_level_security(
+    client: &impl GenericClient,
+    table: &OutboxTable,
+) -> Result<()> {
+    if !table.polling {
+        return Ok(());
+    }
+    match role_row_security_hides_rows_from(client, table).await? {
+        None => Ok(()),
+        Some(role) => {
+            let (problem, fix) = hidden_rows_problem(table, &role);
+            Err(Error::setup(problem, fix))
+        }
+    }
+}
+
 /// The slot named `slot` as pg_replication_slots shows it; `None` when it does not exist.
 pub async fn slot_state(client: &Client, slot: &str) -> Result<Option<SlotState>> {
     let row = client

@@ -174,8 +174,8 @@ async fn a_healthy_set_up_passes_and_each_broken_part_fails_with_its_fix() {
     );
 }
 
-/// Row level security that hides rows from outboxd's role fails the check (the polling path and the
-/// figures would not see them); the role's `BYPASSRLS` fixes it.
+/// Row level security that hides rows from outboxd's role fails the check and stops `run` (the polling path
+/// and the figures would not see them); the role's `BYPASSRLS` fixes it.
 #[tokio::test(flavor = "multi_thread")]
 async fn row_level_security_hiding_rows_from_outboxd_fails() {
     let (pg, broker) = migrated_stack();
@@ -197,16 +197,20 @@ async fn row_level_security_hiding_rows_from_outboxd_fails() {
         "{report:#}"
     );
     assert!(rls["fix"].as_str().unwrap().contains("BYPASSRLS"), "{rls}");
-    // `run` starts (nothing it must stop on), and says so in its log, with the fix.
+    // `run` refuses to start (the polling path would leave the hidden rows unpublished), with the fix.
     let brokers = broker.addr();
     let mut args = run_args(&url, &brokers);
     args.extend(["--mode", "poll"]);
-    let outboxd = Outboxd::spawn(&args);
-    wait_for("run to log the finding", Duration::from_secs(60), || {
-        let log = outboxd.log_text();
-        (log.contains("row level security") && log.contains("BYPASSRLS")).then_some(())
+    let mut outboxd = Outboxd::spawn(&args);
+    let exit = wait_for("run to refuse", Duration::from_secs(60), || {
+        outboxd.try_wait()
     });
-    drop(outboxd);
+    assert!(!exit.success(), "run stops");
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("row level security") && log.contains("BYPASSRLS"),
+        "{log}"
+    );
     // Either fix: a policy letting the role see and update every row, or BYPASSRLS.
     admin
         .batch_execute("CREATE POLICY outboxd ON outbox_event TO outboxd_app USING (true)")
