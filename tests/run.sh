@@ -32,6 +32,7 @@ core=(
   failover::restore_of_an_earlier_backup_publishes_what_is_committed_after_it
   poll::a_slot_invalidated_for_idleness_while_outboxd_was_stopped_is_replaced
   doctor::row_level_security_hiding_rows_from_outboxd_fails
+  managed::
   failover::the_slot_is_a_failover_slot_from_17_on_unless_opted_out
   failover::a_promoted_standby_continues_from_the_failover_slot_synchronised_to_it
 )

@@ -117,6 +117,15 @@ pub struct Options {
     #[arg(long, env = "OUTBOXD_STANDBY_URL", hide_env_values = true)]
     #[serde(default, deserialize_with = "one_or_many")]
     pub standby_url: Option<Vec<String>>,
+    /// A program run before every PostgreSQL connection (SQL, replication, standbys) whose output is the
+    /// password: IAM / Entra tokens that expire. Split on whitespace, run without a shell; its output is
+    /// never logged. The URLs then carry no password.
+    #[arg(
+        long,
+        env = "OUTBOXD_DATABASE_PASSWORD_COMMAND",
+        hide_env_values = true
+    )]
+    pub database_password_command: Option<String>,
     /// Kafka bootstrap servers, comma-separated host:port list.
     #[arg(long, env = "OUTBOXD_BROKERS")]
     pub brokers: Option<String>,

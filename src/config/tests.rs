@@ -228,6 +228,9 @@ add-polling-columns = true
 existing-rows = "unpublished"
 slot = "file_slot"
 publication = "file_publication"
+no-failover-slot = true
+standby-url = ["postgres://file-standby/db"]
+database-password-command = "file-token-helper"
 kafka-option = ["acks=all"]
 topic-partitions = 9
 topic-replication-factor = 3

@@ -24,9 +24,26 @@ impl Options {
         let url = self.database_url.as_deref().ok_or_else(|| {
             invalid("--database-url is required (or OUTBOXD_DATABASE_URL), e.g. postgres://user:pass@localhost:5432/app")
         })?;
-        let database_url = parse_postgres_url("--database-url", url)?;
+        let password_command = self
+            .database_password_command
+            .as_deref()
+            .map(crate::pg::password_command::PasswordCommand::parse)
+            .transpose()
+            .map_err(invalid)?;
+        let with_command = |setting: &str, mut url: crate::pg::url::PgUrl| {
+            if password_command.is_some() && url.config.get_password().is_some() {
+                return Err(invalid(format!("{setting} holds a password and --database-password-command is given: remove the password from the URL (the command's output is used)")));
+            }
+            url.password_command = password_command.clone();
+            Ok(url)
+        };
+        let database_url =
+            with_command("--database-url", parse_postgres_url("--database-url", url)?)?;
         let replication_url = match &self.replication_url {
-            Some(url) => parse_postgres_url("--replication-url", url)?,
+            Some(url) => with_command(
+                "--replication-url",
+                parse_postgres_url("--replication-url", url)?,
+            )?,
             None => database_url.clone(),
         };
         let style = self.table_style.unwrap_or_default();
@@ -103,7 +120,7 @@ impl Options {
                 .standby_url
                 .iter()
                 .flatten()
-                .map(|url| parse_postgres_url("--standby-url", url))
+                .map(|url| with_command("--standby-url", parse_postgres_url("--standby-url", url)?))
                 .collect::<Result<_, _>>()?,
         })
     }

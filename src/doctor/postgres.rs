@@ -310,12 +310,19 @@ fn polling_columns(table: &OutboxTable, mode: Mode) -> Finding {
 async fn row_level_security(client: &Client, table: &OutboxTable) -> Result<Finding> {
     let check = "postgres.row_level_security";
     let Some(role) = slot::role_row_security_hides_rows_from(client, table).await? else {
-        return Ok(Finding::ok(check, format!("{} shows every row to the role outboxd runs as", table.name)));
+        return Ok(Finding::ok(
+            check,
+            format!("{} shows every row to the role outboxd runs as", table.name),
+        ));
     };
     let (problem, fix) = slot::hidden_rows_problem(table, &role);
     Ok(Finding::with_fix(
         check,
-        if table.polling { Outcome::Failed } else { Outcome::Warning },
+        if table.polling {
+            Outcome::Failed
+        } else {
+            Outcome::Warning
+        },
         problem,
         fix,
     ))

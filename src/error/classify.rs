@@ -59,6 +59,7 @@ impl Error {
                 ReplicationError::Io(_)
                 | ReplicationError::Closed
                 | ReplicationError::Connect { .. }
+                | ReplicationError::PasswordCommand(_)
                 | ReplicationError::Tls { .. } => true,
                 ReplicationError::Protocol(_)
                 | ReplicationError::Unsupported(_)
@@ -68,7 +69,7 @@ impl Error {
             Error::SessionRestart(_) => true,
             // Not retried by a session: the whole pipeline starts over (see `pipeline::run_with`).
             Error::TablesChanged(_) => false,
-            Error::ConnectTimeout(_) => true,
+            Error::ConnectTimeout(_) | Error::PasswordCommand(_) => true,
         }
     }
 

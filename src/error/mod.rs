@@ -53,6 +53,10 @@ pub enum Error {
     /// accepts and then says nothing.
     #[error("PostgreSQL: no connection within {0:?}: the server (or something in between) accepted the connection but did not finish the handshake")]
     ConnectTimeout(std::time::Duration),
+    /// `--database-password-command` gave no password (the message names the program and why, never its
+    /// output): retried like an unreachable server, since token services fail for a moment too.
+    #[error("{0}")]
+    PasswordCommand(String),
     /// An error of the replication connection.
     #[error("PostgreSQL replication: {0}")]
     Replication(#[from] ReplicationError),

@@ -6,6 +6,7 @@ pub mod guarded_tls;
 pub mod migrate;
 pub mod outbox;
 pub mod ownership;
+pub mod password_command;
 pub mod pgoutput;
 pub mod replication;
 pub mod require_auth;
@@ -40,7 +41,11 @@ impl PgUrl {
             self.config.get_connect_timeout().copied(),
             self.config.get_hosts().len(),
         );
-        match tokio::time::timeout(limit, self.config.connect(self.connector())).await {
+        let config = self
+            .fresh_config()
+            .await
+            .map_err(crate::error::Error::PasswordCommand)?;
+        match tokio::time::timeout(limit, config.connect(self.connector())).await {
             Ok(connected) => {
                 connected.map_err(|error| crate::error::connect_error(error, self.tls.mode))
             }

@@ -17,6 +17,8 @@ pub struct PgUrl {
     /// Built once at start-up: the replication connection's TLS, and `connector`'s.
     pub ssl: openssl::ssl::SslConnector,
     connector: guarded_tls::Connector,
+    /// `--database-password-command`: run before every connection for a fresh password.
+    pub password_command: Option<super::password_command::PasswordCommand>,
 }
 
 /// A SQL connection's driver half, to be polled (or awaited) on a task of its own.
@@ -51,6 +53,7 @@ impl PgUrl {
             tls,
             ssl,
             connector,
+            password_command: None,
         })
     }
 
@@ -73,6 +76,20 @@ impl PgUrl {
                 self.tls.mode.as_str()
             )
         })
+    }
+
+    /// The settings to connect with now: with a password command, the URL's settings and the password it
+    /// prints (run at each call); otherwise the URL's own. The error names the program, never a password.
+    pub async fn fresh_config(
+        &self,
+    ) -> Result<std::borrow::Cow<'_, tokio_postgres::Config>, String> {
+        let Some(command) = &self.password_command else {
+            return Ok(std::borrow::Cow::Borrowed(&self.config));
+        };
+        let password = command.password().await?;
+        let mut config = self.config.clone();
+        config.password(password);
+        Ok(std::borrow::Cow::Owned(config))
     }
 
     /// The SQL connections' TLS connector for this target.

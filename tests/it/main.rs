@@ -1,5 +1,6 @@
 //! The integration tests, one binary (the support code compiles once): each module is one area, run
-//! against a real PostgreSQL 15 and a real Apache Kafka that `support` starts (and stops) per test.
+//! against a real PostgreSQL (of `OUTBOXD_PG_MAJOR`, see tests/support/env.sh) and a real Apache Kafka that
+//! `support` starts (and stops) per test.
 //! `cargo test --test it cdc::` runs one area; `cargo test --test it cdc::name` one test.
 
 #[path = "../support/mod.rs"]
@@ -20,6 +21,7 @@ mod inbox;
 mod java_order_service;
 mod kafka_security;
 mod kubernetes;
+mod managed;
 mod migrate;
 mod operate;
 mod poll;

@@ -2106,7 +2106,13 @@ async fn a_slot_invalidated_for_idleness_while_outboxd_was_stopped_is_replaced()
     let (after, _) = insert_events(&mut client, 30, 10, 5, 5, None).await;
     committed.extend(after);
     wait_all_published(&client, Duration::from_secs(120)).await;
-    verify_delivery(&brokers, &committed, &[], 120, "slot invalidated for idleness");
+    verify_delivery(
+        &brokers,
+        &committed,
+        &[],
+        120,
+        "slot invalidated for idleness",
+    );
     assert_eq!(
         handed_off_count(&client).await,
         owed.len() as i64,

@@ -63,6 +63,9 @@ pub enum ReplicationError {
     /// The server asks for something outboxd does not support (an authentication method).
     #[error("{0}")]
     Unsupported(String),
+    /// `--database-password-command` gave no password (the message names the program and why).
+    #[error("{0}")]
+    PasswordCommand(String),
     /// TLS could not be set up as the URL's sslmode requires.
     #[error("TLS with sslmode={}: {message}", .mode.as_str())]
     Tls {
@@ -124,7 +127,11 @@ pub struct ReplicationConnection {
 impl ReplicationConnection {
     /// Connects and authenticates in `replication=database` mode.
     pub async fn connect(url: &PgUrl) -> Result<Self, ReplicationError> {
-        let config = &url.config;
+        let config = url
+            .fresh_config()
+            .await
+            .map_err(ReplicationError::PasswordCommand)?;
+        let config = config.as_ref();
         let (socket, channel) = match open_socket(config).await? {
             OpenSocket::Tcp { stream, host } => negotiate_tls(stream, &host, url).await?,
             // libpq does not use TLS on Unix-domain sockets either.
