@@ -72,6 +72,11 @@ pub struct TlsSettings {
     /// The authentication methods the server may ask for (libpq's `require_auth`): like `sslmode`, what
     /// the server must prove is taken out of the URL here, since tokio-postgres cannot express it.
     pub require_auth: RequireAuth,
+    /// The client certificate (chain) offered to the server (libpq's `sslcert`; its default
+    /// `~/.postgresql/postgresql.crt` when that file exists).
+    pub client_cert: Option<PathBuf>,
+    /// The client certificate's private key (libpq's `sslkey`; default `~/.postgresql/postgresql.key`).
+    pub client_key: Option<PathBuf>,
 }
 
 impl TlsSettings {
@@ -125,7 +130,51 @@ impl TlsSettings {
         } else {
             builder.set_verify(SslVerifyMode::NONE);
         }
+        if let Some((cert, key)) = self.client_certificate()? {
+            builder.set_certificate_chain_file(&cert).map_err(|e| {
+                format!("cannot read the client certificate {} ({e}); fix: point sslcert= in the URL at a readable PEM file", cert.display())
+            })?;
+            check_key_permissions(&key)?;
+            builder
+                .set_private_key_file(&key, openssl::ssl::SslFiletype::PEM)
+                .map_err(|e| {
+                    format!("cannot read the client key {} ({e}); fix: point sslkey= in the URL at a readable PEM key without a passphrase", key.display())
+                })?;
+            builder.check_private_key().map_err(|_| {
+                format!(
+                    "the client key {} does not belong to the certificate {}; fix: give the sslkey= that matches sslcert=",
+                    key.display(),
+                    cert.display()
+                )
+            })?;
+        }
         Ok(builder.build())
+    }
+
+    /// The client certificate and key to offer, as libpq finds them: `sslcert`/`sslkey`, else the default
+    /// files when the certificate exists; `None` without a certificate, or with `sslmode=disable`.
+    fn client_certificate(&self) -> Result<Option<(PathBuf, PathBuf)>, String> {
+        if self.mode == SslMode::Disable {
+            return Ok(None);
+        }
+        let cert = match &self.client_cert {
+            Some(cert) => cert.clone(),
+            None => match default_client_file("postgresql.crt").filter(|path| path.exists()) {
+                Some(cert) => cert,
+                None => return Ok(None),
+            },
+        };
+        let key = self
+            .client_key
+            .clone()
+            .or_else(|| default_client_file("postgresql.key"))
+            .ok_or_else(|| {
+                format!(
+                    "the client certificate {} has no key; fix: add sslkey=/path/to/client.key to the URL",
+                    cert.display()
+                )
+            })?;
+        Ok(Some((cert, key)))
     }
 
     /// The SQL connections' connector (tokio-postgres), with the host-name check of this mode.
@@ -175,6 +224,42 @@ fn default_root_cert() -> Option<PathBuf> {
         .map(|home| PathBuf::from(home).join(".postgresql/root.crt"))
 }
 
+/// libpq's default client certificate or key file in `~/.postgresql`.
+fn default_client_file(name: &str) -> Option<PathBuf> {
+    std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map(|home| PathBuf::from(home).join(".postgresql").join(name))
+}
+
+/// As libpq: a private key others may read is refused (0600 or stricter for a key of outboxd's own user,
+/// 0640 or stricter for one root owns, so a group can share it).
+#[cfg(unix)]
+fn check_key_permissions(key: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(key).map_err(|e| {
+        format!(
+            "cannot read the client key {} ({e}); fix: point sslkey= in the URL at a readable PEM key",
+            key.display()
+        )
+    })?;
+    let mode = metadata.mode() & 0o777;
+    let allowed = if metadata.uid() == 0 { 0o640 } else { 0o600 };
+    if mode & !allowed != 0 {
+        return Err(format!(
+            "the client key {} has permissions {mode:04o}: others may read it; fix: chmod {} {}",
+            key.display(),
+            if metadata.uid() == 0 { "0640" } else { "0600" },
+            key.display()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn check_key_permissions(_key: &Path) -> Result<(), String> {
+    Ok(())
+}
+
 /// A trust store holding the CA certificates of the PEM file at `path` and nothing else (OpenSSL's
 /// connector starts from the system's store, which `set_ca_file` would only add to: review H1).
 fn only_roots_of(path: &Path, mode: SslMode) -> Result<X509Store, String> {
@@ -218,7 +303,7 @@ fn tls_server_end_point(ssl: &openssl::ssl::SslRef) -> Option<Vec<u8>> {
     cert.digest(digest).ok().map(|bytes| bytes.to_vec())
 }
 
-/// Splits `sslmode`/`sslrootcert` off a libpq URL (`postgres://...?sslmode=...`) or key=value string
+/// Splits `sslmode`/`sslrootcert`/`sslcert`/`sslkey`/`require_auth` off a libpq URL (`postgres://...?sslmode=...`) or key=value string
 /// (`host=... sslmode=...`). Returns the rest, ready for tokio-postgres, with its sslmode set to what
 /// tokio-postgres understands. Never puts the URL into an error: it may hold a password.
 pub fn split_tls_settings(url: &str) -> Result<(String, TlsSettings), String> {
@@ -227,6 +312,8 @@ pub fn split_tls_settings(url: &str) -> Result<(String, TlsSettings), String> {
         match key {
             "sslmode" => settings.mode = SslMode::parse(value)?,
             "sslrootcert" => settings.root_cert = Some(PathBuf::from(value)),
+            "sslcert" => settings.client_cert = Some(PathBuf::from(value)),
+            "sslkey" => settings.client_key = Some(PathBuf::from(value)),
             "require_auth" => settings.require_auth = RequireAuth::parse(value)?,
             _ => return Ok(false),
         }
@@ -304,6 +391,29 @@ mod tests {
         let err = split_tls_settings("postgres://u:secret@db/app?require_auth=scram").unwrap_err();
         assert!(
             err.contains("require_auth") && !err.contains("secret"),
+            "{err}"
+        );
+
+        let (rest, tls) = split_tls_settings(
+            "postgres://u@db/app?sslcert=%2Fc%2Fclient.crt&sslkey=/c/client.key&sslmode=verify-full",
+        )
+        .unwrap();
+        assert_eq!(rest, "postgres://u@db/app");
+        assert_eq!(tls.client_cert, Some(PathBuf::from("/c/client.crt")));
+        assert_eq!(tls.client_key, Some(PathBuf::from("/c/client.key")));
+    }
+
+    #[test]
+    fn a_missing_client_certificate_names_sslcert() {
+        let tls = TlsSettings {
+            mode: SslMode::Require,
+            client_cert: Some(PathBuf::from("/nonexistent/client.crt")),
+            client_key: Some(PathBuf::from("/nonexistent/client.key")),
+            ..TlsSettings::default()
+        };
+        let err = tls.ssl_connector().map(|_| ()).unwrap_err();
+        assert!(
+            err.contains("sslcert=") && err.contains("/nonexistent/client.crt"),
             "{err}"
         );
     }

@@ -86,3 +86,153 @@ async fn a_failing_password_command_is_named_in_the_error() {
         "{stderr}"
     );
 }
+
+/// Makes a client certificate for `user` (its CN) signed by the test CA in `dir`, with a key only its owner
+/// may read; returns (certificate, key).
+fn client_certificate(
+    dir: &std::path::Path,
+    user: &str,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let openssl = |args: &[&str]| {
+        let output = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(
+            output.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let subject = format!("/CN={user}");
+    openssl(&[
+        "req",
+        "-subj",
+        &subject,
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "client.key",
+        "-out",
+        "client.csr",
+    ]);
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-out",
+        "client.crt",
+    ]);
+    let key = dir.join("client.key");
+    let status = std::process::Command::new("chmod")
+        .arg("600")
+        .arg(&key)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    (dir.join("client.crt"), key)
+}
+
+/// A server that asks for a client certificate as well as the password (`clientcert=verify-full` in
+/// pg_hba, as managed services offer): with `sslcert`/`sslkey` in the URL both connections (SQL and
+/// replication) get in and every event is published; without them, or with a key others may read, outboxd
+/// says what is wrong.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_certificates_open_both_connections() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let dir = scratch_dir("certs");
+    let certs = TestCertificates::make(&dir);
+    pg.enable_tls(&certs).await;
+    let (cert, key) = client_certificate(&dir, "outboxd_app");
+    let ca_copy = pg.dir.join("tls/ca.crt");
+    std::fs::copy(&certs.ca, &ca_copy).unwrap();
+    let _ = std::process::Command::new("chown")
+        .arg("postgres:")
+        .arg(&ca_copy)
+        .status();
+    let admin = pg.client().await;
+    for statement in [
+        format!("ALTER SYSTEM SET ssl_ca_file = '{}'", ca_copy.display()),
+        "SELECT pg_reload_conf()".to_string(),
+    ] {
+        admin.batch_execute(&statement).await.unwrap();
+    }
+    readme_role(&pg, "pw-cert", "outbox_event", "").await;
+    pg.prepend_hba("hostssl all outboxd_app 127.0.0.1/32 scram-sha-256 clientcert=verify-full\nhost all outboxd_app 127.0.0.1/32 reject")
+        .await;
+    let base = format!(
+        "postgres://outboxd_app:pw-cert@localhost:{}/postgres?sslmode=verify-full&sslrootcert={}",
+        pg.port,
+        certs.ca.display()
+    );
+
+    // Without a certificate the server refuses, and the error says so.
+    let refused = run_outboxd(&["status", "--database-url", &base]);
+    let stdout = String::from_utf8_lossy(&refused.stdout);
+    assert_eq!(refused.status.code(), Some(3), "{stdout}");
+    assert!(stdout.contains("certificate"), "{stdout}");
+
+    // A key others may read is refused as libpq refuses it.
+    let url = format!("{base}&sslcert={}&sslkey={}", cert.display(), key.display());
+    let status = std::process::Command::new("chmod")
+        .arg("644")
+        .arg(&key)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let loose = run_outboxd(&["status", "--database-url", &url]);
+    let stderr = String::from_utf8_lossy(&loose.stderr);
+    assert!(
+        stderr.contains("others may read it") && stderr.contains("chmod"),
+        "{stderr}"
+    );
+    let status = std::process::Command::new("chmod")
+        .arg("600")
+        .arg(&key)
+        .status()
+        .unwrap();
+    assert!(status.success());
+
+    let mut admin = pg.client().await;
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&admin, "outboxd").await;
+    let (committed, _) = insert_events(&mut admin, 0, 20, 5, 10, None).await;
+    wait_all_published(&admin, Duration::from_secs(60)).await;
+    verify_delivery(&brokers, &committed, &[], 60, "client certificates");
+    let with_certificates: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid)
+             WHERE a.usename = 'outboxd_app' AND s.client_dn = '/CN=outboxd_app'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let walsenders: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_replication r USING (pid)
+             WHERE s.client_dn = '/CN=outboxd_app'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        with_certificates >= 2,
+        "SQL sessions with the certificate: {with_certificates}"
+    );
+    assert_eq!(walsenders, 1, "the replication connection presented it too");
+}
