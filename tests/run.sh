@@ -34,6 +34,7 @@ core=(
   doctor::row_level_security_hiding_rows_from_outboxd_fails
   managed::
   failover::the_slot_is_a_failover_slot_from_17_on_unless_opted_out
+  failover::decoding_on_a_standby_is_refused_with_the_reason
   failover::a_promoted_standby_continues_from_the_failover_slot_synchronised_to_it
 )
 status=0

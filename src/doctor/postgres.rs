@@ -464,9 +464,18 @@ async fn replication_permission(settings: &RunSettings) -> Finding {
     let identified = async {
         let mut connection =
             ReplicationConnection::connect(&settings.database.replication_url).await?;
-        connection.identify_system().await
+        connection.identify_system().await?;
+        connection.in_recovery().await
     };
     match identified.await.map_err(replication_error) {
+        // The SQL connection's server is judged by `postgres.server`: only a standby behind a primary's
+        // --database-url is this check's finding.
+        Ok(true)
+            if settings.database.replication_url.config
+                != settings.database.database_url.config =>
+        {
+            Finding::of_error(check, &crate::error::Error::replication_on_standby(false))
+        }
         Ok(_) => Finding::ok(
             check,
             "the replication connection is allowed (IDENTIFY_SYSTEM answered)",

@@ -116,9 +116,11 @@ pub async fn replication_availability(
     // Replication permission is tested by trying it: managed services grant it through roles.
     let identified = async {
         let mut conn = ReplicationConnection::connect(&db.replication_url).await?;
-        conn.identify_system().await
+        conn.identify_system().await?;
+        conn.in_recovery().await
     };
     match identified.await.map_err(replication_error) {
+        Ok(true) if !pg::in_recovery(&sql).await? => Err(Error::replication_on_standby(false)),
         Ok(_) => Ok(Availability::Available),
         Err(error) => unavailable(error),
     }

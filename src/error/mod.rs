@@ -124,6 +124,23 @@ impl Error {
         }
     }
 
+    /// `--replication-url` reaches a standby in recovery while `--database-url` reaches the primary
+    /// (decoding on a standby): refused, see README "Decoding on a standby". At start-up a definite error;
+    /// in a running pipeline (a switchover moving one URL before the other) something to wait for.
+    pub fn replication_on_standby(running: bool) -> Self {
+        let problem = "--replication-url reaches a standby in recovery while --database-url reaches the primary (decoding on a standby): outboxd does not stream from a standby, because a new slot's hand-off imports the slot's exported snapshot on the server it writes to (a standby's snapshot cannot be imported on the primary), and the slot's position, lag and invalidation are read on the primary".to_string();
+        let fix = "point --replication-url at the primary (or leave it out); README 'Decoding on a standby' says why and what keeps decoding load low".to_string();
+        if running {
+            Error::NotReady {
+                problem,
+                fix,
+                waiting_for: "the replication connection to reach the primary".into(),
+            }
+        } else {
+            Error::Setup { problem, fix }
+        }
+    }
+
     /// The server is a standby still in recovery: logical decoding needs a primary.
     pub fn in_recovery() -> Self {
         Error::NotReady {

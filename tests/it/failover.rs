@@ -855,3 +855,55 @@ async fn a_promoted_standby_continues_from_the_failover_slot_synchronised_to_it(
         );
     }
 }
+
+/// `--replication-url` at a physical standby while `--database-url` reaches the primary (decoding on a
+/// standby, PostgreSQL 16+): refused at start-up and by doctor, naming the topology, why, and the fix (README
+/// "Decoding on a standby"), instead of a slot on the standby that the primary's hand-off and figures cannot see.
+#[tokio::test(flavor = "multi_thread")]
+async fn decoding_on_a_standby_is_refused_with_the_reason() {
+    let (primary, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let standby = primary.basebackup(true);
+    standby.start_again();
+    let primary_url = primary.url();
+    let mut args = run_args(&primary_url, &brokers);
+    let standby_url = standby.url();
+    args.extend(["--replication-url", &standby_url, "--mode", "cdc"]);
+    let mut outboxd = Outboxd::spawn(&args);
+    let exit = wait_for("run to refuse", Duration::from_secs(60), || {
+        outboxd.try_wait()
+    });
+    assert!(!exit.success());
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("decoding on a standby")
+            && log.contains("point --replication-url at the primary"),
+        "{log}"
+    );
+    let slots: i64 = standby
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(slots, 0, "no slot was made on the standby");
+    let doctor = run_outboxd(&[
+        "doctor",
+        "--json",
+        "--database-url",
+        &primary_url,
+        "--replication-url",
+        &standby_url,
+        "--brokers",
+        &brokers,
+        "--mode",
+        "cdc",
+    ]);
+    let report = String::from_utf8_lossy(&doctor.stdout);
+    assert_eq!(doctor.status.code(), Some(2), "{report}");
+    assert!(report.contains("decoding on a standby"), "{report}");
+}

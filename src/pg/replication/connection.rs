@@ -282,6 +282,13 @@ impl ReplicationConnection {
         })
     }
 
+    /// Whether the server is a standby in recovery (a walsender of a database connection runs plain SQL).
+    pub async fn in_recovery(&mut self) -> Result<bool, ReplicationError> {
+        let rows = self.simple_query("SELECT pg_is_in_recovery()").await?;
+        let value = rows.first().and_then(|row| row.first().cloned().flatten());
+        Ok(value.as_deref() == Some("t"))
+    }
+
     /// Creates a logical slot using pgoutput and exports its snapshot. `slot` must be a validated name.
     /// The snapshot stays importable (`SET TRANSACTION SNAPSHOT`) until this connection runs another command:
     /// rows visible in it are exactly the rows the new slot will never send.

@@ -253,6 +253,9 @@ async fn connect(
         .await
         .map_err(replication_error)?;
     let identity = conn.identify_system().await.map_err(replication_error)?;
+    if conn.in_recovery().await.map_err(replication_error)? {
+        return Err(Error::replication_on_standby(true));
+    }
     // The slot is inspected over SQL: during a switchover the two connections can reach two servers.
     if let Some(sql_system) = pg::system_identifier(&sql).await? {
         if sql_system != identity.system_id {
