@@ -36,6 +36,7 @@ core=(
   failover::the_slot_is_a_failover_slot_from_17_on_unless_opted_out
   failover::decoding_on_a_standby_is_refused_with_the_reason
   failover::a_promoted_standby_continues_from_the_failover_slot_synchronised_to_it
+  failover::a_promoted_standby_without_a_copy_of_the_slot_hands_the_gap_off
 )
 status=0
 # The whole suite on the default major (OUTBOXD_PG_MAJOR, env.sh)...

@@ -236,3 +236,61 @@ async fn client_certificates_open_both_connections() {
     );
     assert_eq!(walsenders, 1, "the replication connection presented it too");
 }
+
+/// A cluster set up as a managed service's: nobody outboxd uses is a superuser. The application's role owns
+/// the table and runs `outboxd migrate`; `outboxd run` uses README's role (`LOGIN REPLICATION`, `SELECT,
+/// UPDATE` on the table), which owns nothing. Every event is published, rows older than the slot included.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_owner_migrates_and_a_role_with_only_readmes_grants_runs() {
+    let pg = Postgres::start();
+    let broker = Broker::start();
+    let brokers = broker.addr();
+    let admin = pg.client().await;
+    admin
+        .batch_execute(
+            "CREATE ROLE app_owner LOGIN PASSWORD 'owner-pw';
+             GRANT CREATE ON SCHEMA public TO app_owner;
+             GRANT CREATE ON DATABASE postgres TO app_owner;",
+        )
+        .await
+        .unwrap();
+    pg.prepend_hba("host all app_owner 127.0.0.1/32 scram-sha-256")
+        .await;
+    let owner_url = pg.url_for("app_owner", Some("owner-pw"));
+    let migrated = run_outboxd(&["migrate", "--database-url", &owner_url]);
+    assert!(migrated.status.success(), "{}", stderr_of(&migrated));
+    let owner: String = admin
+        .query_one(
+            "SELECT tableowner::text FROM pg_tables WHERE tablename = 'outbox_event'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(owner, "app_owner");
+    // The application writes as the owner, before and after outboxd's slot exists.
+    let mut app = {
+        let (client, connection) = tokio_postgres::connect(&owner_url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        client
+    };
+    let (mut committed, _) = insert_events(&mut app, 0, 10, 5, 5, None).await;
+    let url = readme_role(&pg, "run-pw", "outbox_event", "").await;
+    let _outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&admin, "outboxd").await;
+    let (more, _) = insert_events(&mut app, 10, 20, 5, 5, None).await;
+    committed.extend(more);
+    wait_all_published(&admin, Duration::from_secs(120)).await;
+    verify_delivery(&brokers, &committed, &[], 120, "managed roles");
+    let superusers: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_roles WHERE rolname IN ('app_owner', 'outboxd_app') AND rolsuper",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(superusers, 0);
+}
