@@ -26,6 +26,9 @@ pub struct FailoverReadiness {
     pub synchronized_standby_slots: Vec<String>,
     /// Entries of `synchronized_standby_slots` that are no physical slot on the primary.
     pub unknown_standby_slots: Vec<String>,
+    /// The primary has a physical standby (a physical slot, or a physical walsender), or one was given
+    /// with `--standby-url`: without one there is nothing to fail over to, and nothing to warn about.
+    pub has_standbys: bool,
     /// What each `--standby-url` holds of the slot.
     pub standbys: Vec<StandbyCopy>,
 }
@@ -53,14 +56,15 @@ pub struct StandbyCopy {
 
 impl FailoverReadiness {
     /// True when a promotion of any standby outboxd was told about (or, with none given, of a standby that
-    /// `synchronized_standby_slots` protects) would carry the slot over: a failover slot, protected, and
-    /// every given standby holding a valid synchronised copy.
+    /// `synchronized_standby_slots` protects) would carry the slot over: a failover slot, a standby,
+    /// protected, and every given standby holding a valid synchronised copy.
     pub fn ready(&self) -> bool {
         !self
             .findings()
             .iter()
             .any(|(concern, _)| *concern == Concern::Warning)
             && self.slot_failover == Some(true)
+            && (self.has_standbys || !self.standbys.is_empty())
     }
 
     /// What stands between the slot and a clean promotion, each with what to do about it.
@@ -73,6 +77,10 @@ impl FailoverReadiness {
                 return findings;
             }
             Some(true) => {}
+        }
+        if !self.has_standbys && self.standbys.is_empty() {
+            findings.push((Concern::Note, "a failover slot, but the primary has no physical standby (no physical slot or walsender): nothing to fail over to yet; with one, set synchronized_standby_slots to its slot".into()));
+            return findings;
         }
         if self.synchronized_standby_slots.is_empty() {
             findings.push((Concern::Warning, "the slot is a failover slot but synchronized_standby_slots is empty on the primary: outboxd may publish (and confirm) events a standby never received, so a promoted standby may lack events Kafka has and its copy of the slot may lag; fix: ALTER SYSTEM SET synchronized_standby_slots = '<the standby's physical slot>'; SELECT pg_reload_conf();".into()));
@@ -122,6 +130,7 @@ mod tests {
             slot_failover: Some(true),
             synchronized_standby_slots: vec!["standby_1".into()],
             unknown_standby_slots: vec![],
+            has_standbys: true,
             standbys: vec![StandbyCopy {
                 standby: "10.0.0.2:5432".into(),
                 sync_replication_slots: true,
@@ -160,6 +169,19 @@ mod tests {
         assert!(found[0].contains("synchronized_standby_slots"), "{found:?}");
         assert!(found[0].contains("ALTER SYSTEM SET"), "{found:?}");
         assert!(!readiness.ready());
+    }
+
+    #[test]
+    fn without_any_standby_an_unprotected_failover_slot_is_only_a_note() {
+        let alone = FailoverReadiness {
+            synchronized_standby_slots: vec![],
+            has_standbys: false,
+            standbys: vec![],
+            ..protected()
+        };
+        assert!(warnings(&alone).is_empty());
+        assert_eq!(alone.findings()[0].0, Concern::Note);
+        assert!(!alone.ready());
     }
 
     #[test]

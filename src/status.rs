@@ -448,6 +448,7 @@ mod tests {
         let unprotected = Status {
             failover: Some(crate::failover::FailoverReadiness {
                 slot_failover: Some(true),
+                has_standbys: true,
                 ..Default::default()
             }),
             ..healthy()

@@ -59,6 +59,16 @@ pub async fn read(
             .cloned()
             .collect()
     };
+    let has_standbys: bool = primary
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_type = 'physical')
+                 OR EXISTS (SELECT FROM pg_stat_replication r
+                            WHERE NOT EXISTS (SELECT FROM pg_replication_slots s
+                                              WHERE s.active_pid = r.pid AND s.slot_type = 'logical'))",
+            &[],
+        )
+        .await?
+        .get(0);
     let mut copies = Vec::with_capacity(standbys.len());
     for standby in standbys {
         let label = label(standby);
@@ -87,6 +97,7 @@ pub async fn read(
         slot_failover,
         synchronized_standby_slots,
         unknown_standby_slots,
+        has_standbys,
         standbys: copies,
     }))
 }
