@@ -49,11 +49,13 @@ pub const FAILOVER_SLOT_CONTINUATIONS: &str = "outboxd_failover_slot_continuatio
 /// every `--standby-url` holding a valid synchronised copy); 0 otherwise, and before PostgreSQL 17.
 pub const FAILOVER_READY: &str = "outboxd_failover_ready";
 /// Gauge per `standby` label (host:port of a `--standby-url`): how far the standby's copy of the slot is
-/// behind the primary's confirmed position, in bytes (-1: no usable copy).
+/// behind the primary's confirmed position, in bytes (-1: no usable copy). Sampled only once a standby was
+/// read (one line per `--standby-url`, none without), so it is not in [`ALL`], whose metrics have a sample
+/// from start-up on.
 pub const STANDBY_SLOT_BEHIND_BYTES: &str = "outboxd_standby_slot_behind_bytes";
 
 /// Every metric name `/metrics` exports (the Grafana dashboard may only use these).
-pub const ALL: [&str; 21] = [
+pub const ALL: [&str; 20] = [
     SLOT_LAG_BYTES,
     SLOT_RETAINED_WAL_BYTES,
     SLOT_SAFE_WAL_BYTES,
@@ -74,7 +76,6 @@ pub const ALL: [&str; 21] = [
     RETENTION_LAST_SUCCESS,
     FAILOVER_SLOT_CONTINUATIONS,
     FAILOVER_READY,
-    STANDBY_SLOT_BEHIND_BYTES,
 ];
 
 /// Kinds of publish errors counted in `outboxd_publish_errors_total{kind}`.

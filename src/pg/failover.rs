@@ -141,6 +141,14 @@ async fn read_copy(
     let copy_confirmed = row
         .get::<_, Option<String>>(3)
         .and_then(|lsn| lsn.parse::<Lsn>().ok());
+    if let (Some(primary), Some(copy)) = (primary_confirmed, copy_confirmed) {
+        if copy > primary {
+            return Ok(StandbyCopy {
+                problem: Some(format!("its copy of the slot is at {copy}, ahead of the primary's slot at {primary}: a copy from another history (the slot was re-created, or the standby follows another primary); drop it on the standby so that it syncs again")),
+                ..StandbyCopy::default()
+            });
+        }
+    }
     let behind_bytes = match (primary_confirmed, copy_confirmed) {
         (Some(primary), Some(copy)) => i64::try_from(primary.bytes_since(copy)).ok(),
         _ => None,

@@ -68,11 +68,16 @@ impl<K: Sinks> CdcPipeline<K> {
             .map(|state| state.confirmed_flush().unwrap_or(Lsn::ZERO));
         if let Some(change) = &change {
             match (change, existing.as_ref(), slot_position) {
-                // A promoted standby that kept a copy of the slot (a failover slot, PostgreSQL 17+): the copy
-                // is never ahead of the WAL the standby received, so streaming from it re-sends at most what
-                // the old primary confirmed after it, and skips nothing of this history.
+                // A promoted standby that kept a copy of the slot (a failover slot, PostgreSQL 17+): logged as
+                // such, and otherwise the same as any existing slot on a new timeline (streamed from its own
+                // position). A copy is capped at the WAL the standby flushed, not at where the new timeline
+                // began (a standby promoted at a recovery target, a restored copy of one), so it is trusted no
+                // more than before: CDC-only tables still stop here (`history_changed`), and a copy beyond
+                // the server's WAL end is never taken for one.
                 (HistoryChange::NewTimeline { old, new }, Some(state), Some(position))
-                    if state.synced == Some(true) =>
+                    if state.synced == Some(true)
+                        && position <= identity.xlog_position
+                        && crate::pipeline::has_polling_columns(&settings) =>
                 {
                     tracing::info!(
                         slot = %db.slot,
@@ -279,7 +284,9 @@ async fn set_failover(
     let Some(current) = state.failover else {
         return Ok(());
     };
-    if current == wanted || !version.has_failover_slots() {
+    // A slot another walsender holds cannot be altered (PostgreSQL may wait for it): START_REPLICATION
+    // then says who holds it, and the next session alters it.
+    if current == wanted || !version.has_failover_slots() || state.active {
         return Ok(());
     }
     conn.alter_slot_failover(&state.slot_name, wanted)
