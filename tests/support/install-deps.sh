@@ -9,7 +9,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 
 need_apt=()
 # curl: the demo samples /metrics with it.
-for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15 curl; do
+# xz-utils: the PostgreSQL servers of the other majors come as .txz (pg-servers.sh).
+for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15 curl xz-utils; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 # Apache Kafka runs on Java 17; Maven fetches its jars and builds examples/java-order-service (any Java 17+ and
