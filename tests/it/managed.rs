@@ -87,64 +87,6 @@ async fn a_failing_password_command_is_named_in_the_error() {
     );
 }
 
-/// Makes a client certificate for `user` (its CN) signed by the test CA in `dir`, with a key only its owner
-/// may read; returns (certificate, key).
-fn client_certificate(
-    dir: &std::path::Path,
-    user: &str,
-) -> (std::path::PathBuf, std::path::PathBuf) {
-    let openssl = |args: &[&str]| {
-        let output = std::process::Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("openssl");
-        assert!(
-            output.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    };
-    let subject = format!("/CN={user}");
-    openssl(&[
-        "req",
-        "-subj",
-        &subject,
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "client.key",
-        "-out",
-        "client.csr",
-    ]);
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        "client.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-out",
-        "client.crt",
-    ]);
-    let key = dir.join("client.key");
-    let status = std::process::Command::new("chmod")
-        .arg("600")
-        .arg(&key)
-        .status()
-        .unwrap();
-    assert!(status.success());
-    (dir.join("client.crt"), key)
-}
-
 /// A server that asks for a client certificate as well as the password (`clientcert=verify-full` in
 /// pg_hba, as managed services offer): with `sslcert`/`sslkey` in the URL both connections (SQL and
 /// replication) get in and every event is published; without them, or with a key others may read, outboxd
@@ -156,7 +98,7 @@ async fn client_certificates_open_both_connections() {
     let dir = scratch_dir("certs");
     let certs = TestCertificates::make(&dir);
     pg.enable_tls(&certs).await;
-    let (cert, key) = client_certificate(&dir, "outboxd_app");
+    let (cert, key) = certs.client("outboxd_app");
     let ca_copy = pg.dir.join("tls/ca.crt");
     std::fs::copy(&certs.ca, &ca_copy).unwrap();
     let _ = std::process::Command::new("chown")

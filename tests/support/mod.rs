@@ -193,22 +193,71 @@ pub struct TestCertificates {
     pub other_ca: PathBuf,
     pub server_cert: PathBuf,
     pub server_key: PathBuf,
+    dir: PathBuf,
+}
+
+/// Runs the `openssl` CLI in `dir`, failing the test with its error.
+fn openssl_in(dir: &Path, args: &[&str]) {
+    let output = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("cannot run openssl (install the openssl package)");
+    assert!(
+        output.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 impl TestCertificates {
+    /// A client certificate for `user` (its CN) signed by the test CA, with a key only its owner may read;
+    /// returns (certificate, key).
+    pub fn client(&self, user: &str) -> (PathBuf, PathBuf) {
+        let subject = format!("/CN={user}");
+        openssl_in(
+            &self.dir,
+            &[
+                "req",
+                "-subj",
+                &subject,
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                "client.key",
+                "-out",
+                "client.csr",
+            ],
+        );
+        openssl_in(
+            &self.dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                "client.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-out",
+                "client.crt",
+            ],
+        );
+        let key = self.dir.join("client.key");
+        let status = Command::new("chmod").arg("600").arg(&key).status().unwrap();
+        assert!(status.success());
+        (self.dir.join("client.crt"), key)
+    }
+
     pub fn make(dir: &Path) -> Self {
-        let openssl = |args: &[&str]| {
-            let output = Command::new("openssl")
-                .args(args)
-                .current_dir(dir)
-                .output()
-                .expect("cannot run openssl (install the openssl package)");
-            assert!(
-                output.status.success(),
-                "openssl {args:?}: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        };
+        let openssl = |args: &[&str]| openssl_in(dir, args);
         let ec = [
             "-newkey",
             "ec",
@@ -261,6 +310,7 @@ impl TestCertificates {
             other_ca: dir.join("other-ca.crt"),
             server_cert: dir.join("server.crt"),
             server_key: dir.join("server.key"),
+            dir: dir.to_path_buf(),
         }
     }
 }
