@@ -15,16 +15,12 @@ trap 'rm -f "$log"' EXIT
 core=(
   cdc::delivers_every_committed_event_in_order_with_headers
   cdc::sigkill_mid_stream_loses_nothing
-  cdc::postgres_immediate_restart_mid_stream_loses_nothing
   cdc::rows_sharing_one_commit_survive_sigkills_mid_transaction
   poll::sweeper_publishes_rows_older_than_the_slot_exactly_once
-  poll::dropped_slot_is_recreated_and_the_gap_is_covered
   poll::a_slot_invalidated_while_outboxd_was_stopped_is_replaced_and_its_gap_swept
   poll::poison_event_is_
   poll::migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite
-  migrate::roles_that_may_insert_keep_inserting_after_migrate
   operate::least_privilege_role_runs_everything_and_no_secret_leaks
-  errors::missing_replication_permission_names_the_grant
   poll::a_slot_invalidated_for_idleness_while_outboxd_was_stopped_is_replaced
   doctor::row_level_security_hiding_rows_from_outboxd_fails
   managed::
