@@ -20,7 +20,6 @@ core=(
   poll::a_slot_invalidated_while_outboxd_was_stopped_is_replaced_and_its_gap_swept
   poll::poison_event_is_
   poll::migrate_adds_polling_columns_to_an_existing_table_without_a_rewrite
-  operate::least_privilege_role_runs_everything_and_no_secret_leaks
   poll::a_slot_invalidated_for_idleness_while_outboxd_was_stopped_is_replaced
   doctor::row_level_security_hiding_rows_from_outboxd_fails
   managed::
