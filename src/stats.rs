@@ -52,11 +52,17 @@ const FAILOVER_INTERVAL: Duration = Duration::from_secs(30);
 /// reading that fails leaves the gauges at "not ready").
 pub async fn watch_failover(settings: std::sync::Arc<RunSettings<TableSpec>>) {
     let db = &settings.database;
+    let mut client: Option<tokio_postgres::Client> = None;
     loop {
         let reading = async {
-            let client = pg::connect_for_figures(&db.database_url, REFRESH_TIMEOUT).await?;
-            let version = pg::server_version(&client).await?;
-            pg::failover::read(&client, version, &db.slot, &db.standby_urls).await
+            if client.as_ref().is_none_or(|c| c.is_closed()) {
+                client = Some(pg::connect_for_figures(&db.database_url, REFRESH_TIMEOUT).await?);
+            }
+            let Some(client) = client.as_ref() else {
+                return Ok(None);
+            };
+            let version = pg::server_version(client).await?;
+            pg::failover::read(client, version, &db.slot, &db.standby_urls).await
         };
         match reading.await {
             Ok(readiness) => m::set_failover(readiness.as_ref()),
