@@ -927,7 +927,19 @@ async fn a_handed_off_event_re_sent_after_a_postgres_restart_stays_the_polling_p
     let outboxd = Outboxd::spawn(&args);
     let client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
-    // The slot's saved position stays before the poison event's transaction.
+    // The slot's saved position stays before the poison event's transaction: the checkpoint saves it, and a
+    // transaction left open from before the poison event keeps the slot's restart_lsn and catalog_xmin where
+    // they are, so confirming the poison event never saves the slot again before the crash (the bgwriter's
+    // running-xacts record every 15 s would otherwise advance both, and PostgreSQL would save the slot).
+    client
+        .batch_execute("CREATE TABLE hold_the_slot (x int)")
+        .await
+        .unwrap();
+    let holder = pg.client().await;
+    holder
+        .batch_execute("BEGIN; INSERT INTO hold_the_slot VALUES (1)")
+        .await
+        .unwrap();
     client.batch_execute("CHECKPOINT").await.unwrap();
     let poison = uuid::Uuid::new_v4();
     client
@@ -947,6 +959,7 @@ async fn a_handed_off_event_re_sent_after_a_postgres_restart_stays_the_polling_p
     )
     .await;
     pg.restart("immediate");
+    drop(holder);
     let client = pg.client().await;
     wait_slot_active(&client, "outboxd").await;
     wait_for(
