@@ -365,6 +365,16 @@ pub async fn drop_if_lost(client: &Client, slot: &str, tables: &[OutboxTable]) -
     Ok(true)
 }
 
+/// Drops outboxd's own slot (ending the walsender that holds it, if any); a slot of that name that is not
+/// outboxd's is left alone (`check_existing_slot` refuses it). Only safe when the polling path will publish
+/// what the slot did not (the next slot's snapshot hands those rows off).
+pub async fn drop_own_slot(client: &Client, slot: &str) -> Result<()> {
+    if let Some(state) = own_slot_state(client, slot).await? {
+        terminate_and_drop(client, slot, state.active_pid).await?;
+    }
+    Ok(())
+}
+
 /// The slot named `slot` when it is outboxd's to manage: a logical pgoutput slot of this database. Slot names
 /// are cluster-wide: a slot of the same name in another database (another application's, or another outboxd's)
 /// is never dropped, nor its walsender ended (`check_existing_slot` then refuses it, naming it).

@@ -115,6 +115,36 @@ pub fn judge(
     None
 }
 
+/// Where `timeline` ended in the history of a newer timeline (the content of its history file, as
+/// `TIMELINE_HISTORY` returns it: one `parent_timeline<TAB>switch_point<TAB>reason` line per ancestor). WAL up
+/// to that point is the same on both timelines; past it, the newer timeline holds other WAL at the same
+/// positions. `None` when `timeline` is not an ancestor, or the file says nothing readable about it.
+pub fn fork_point(history_file: &str, timeline: u32) -> Option<Lsn> {
+    history_file
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .find_map(|line| {
+            let mut fields = line.split_whitespace();
+            let parent: u32 = fields.next()?.parse().ok()?;
+            let switch_point: Lsn = fields.next()?.parse().ok()?;
+            (parent == timeline).then_some(switch_point)
+        })
+}
+
+/// Whether a slot at `position`, last moved on timeline `old`, still means the WAL the slot decoded, on the
+/// timeline whose history is `history_file`: only up to where `old` ended. Past that point (a standby
+/// promoted at a recovery target, or from a restore, behind its synchronised copy of the slot), streaming
+/// from the slot would skip the new timeline's transactions in between, and its decoding would start amid
+/// WAL it never saw.
+pub fn slot_fits_timeline(history_file: &str, old: u32, position: Lsn) -> Result<(), Lsn> {
+    match fork_point(history_file, old) {
+        Some(fork) if position <= fork => Ok(()),
+        Some(fork) => Err(fork),
+        None => Err(Lsn::ZERO),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -212,5 +242,31 @@ mod tests {
         }
         .to_string();
         assert!(text.contains("0/10") && text.contains("0/20"), "{text}");
+    }
+
+    #[test]
+    fn the_fork_point_is_where_the_old_timeline_ended() {
+        let file =
+            "1\t0/3000158\tno recovery target specified\n\n2\t0/5000000\tat restore point \"x\"\n";
+        assert_eq!(fork_point(file, 1), Some(Lsn(0x3000158)));
+        assert_eq!(fork_point(file, 2), Some(Lsn(0x5000000)));
+        assert_eq!(fork_point(file, 3), None, "not an ancestor");
+        assert_eq!(fork_point("# comment\nrubbish\n", 1), None);
+    }
+
+    #[test]
+    fn a_slot_past_the_fork_does_not_fit_the_new_timeline() {
+        let file = "1\t0/3000158\tno recovery target specified\n";
+        assert_eq!(slot_fits_timeline(file, 1, Lsn(0x3000000)), Ok(()));
+        assert_eq!(slot_fits_timeline(file, 1, Lsn(0x3000158)), Ok(()));
+        assert_eq!(
+            slot_fits_timeline(file, 1, Lsn(0x3000159)),
+            Err(Lsn(0x3000158))
+        );
+        assert_eq!(
+            slot_fits_timeline(file, 2, Lsn(1)),
+            Err(Lsn::ZERO),
+            "a timeline the history does not know proves nothing"
+        );
     }
 }

@@ -879,6 +879,127 @@ async fn promotion(synced_copy: bool) {
     }
 }
 
+/// A server on a new timeline whose copy of the slot moved on the old timeline past where the new one began.
+/// A synchronised copy (17+) can be ahead of the WAL its standby replayed (PostgreSQL copies a position
+/// straight when a serialized snapshot exists at its restart_lsn, checking only the WAL the standby
+/// flushed), so a standby promoted at a recovery target, or a restored copy of one, starts a timeline behind
+/// its slot; streaming from the slot would skip the new timeline's transactions in between. Stood in for here
+/// on any major: an earlier copy of the cluster, recovered to `target` on a new timeline, with the slot as
+/// the old server last saved it (past `target`). outboxd compares the slot with the timeline history, drops
+/// it, and a new slot hands the unpublished rows to the polling path: 0 lost, order kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_past_where_the_new_timeline_began_is_replaced() {
+    let pg = Postgres::start();
+    migrate(&pg);
+    let broker = Broker::start();
+    let brokers = broker.addr();
+    let client = pg.client().await;
+    // The old server keeps its WAL: the copy recovers from it.
+    for statement in [
+        "ALTER SYSTEM SET wal_keep_size = '1GB'",
+        "SELECT pg_reload_conf()",
+    ] {
+        client.batch_execute(statement).await.unwrap();
+    }
+    let address = Address::of(&pg);
+    let url = address.url("postgres");
+    let mut outboxd = spawn_outboxd(&url, &brokers);
+    wait_slot_active(&client, SLOT).await;
+    let writer = Writer::start(url.clone(), 3, 20);
+    writer.wait_more(100, "writes before the copy").await;
+    pg.stop();
+    let copy = pg.cold_copy();
+    pg.start_again();
+    let client = pg.client().await;
+    writer.wait_more(100, "writes after the copy").await;
+    let target = current_wal_lsn(&client).await;
+    writer.wait_more(100, "writes past the target").await;
+    write_filler_and_wait_confirmed(&client).await;
+    // PostgreSQL saves a logical slot when its restart_lsn moves (a checkpoint's running-xacts record lets it
+    // move once outboxd confirmed past it); from 17 on a clean stop saves it as well.
+    wait_for_async(
+        "the slot to be saved past the target",
+        Duration::from_secs(60),
+        || async {
+            client.batch_execute("CHECKPOINT").await.unwrap();
+            let restart: String = client
+                .query_one(
+                    "SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&SLOT],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (restart.parse::<Lsn>().unwrap() > target).then_some(())
+        },
+    )
+    .await;
+    pg.stop();
+    let slot_state = std::path::Path::new("data/pg_replslot")
+        .join(SLOT)
+        .join("state");
+    std::fs::copy(pg.dir.join(&slot_state), copy.dir.join(&slot_state)).unwrap();
+    let conf = copy.dir.join("data/postgresql.conf");
+    let mut text = std::fs::read_to_string(&conf).unwrap();
+    text.push_str(&format!(
+        "restore_command = 'cp {}/%f \"%p\"'\nrecovery_target_lsn = '{target}'\nrecovery_target_action = 'promote'\n",
+        pg.dir.join("data/pg_wal").display()
+    ));
+    std::fs::write(&conf, text).unwrap();
+    std::fs::write(copy.dir.join("data/recovery.signal"), "").unwrap();
+    let _ = std::process::Command::new("chown")
+        .args(["-R", "postgres:"])
+        .arg(&copy.dir)
+        .status();
+    copy.start_again();
+    let copy_client = copy.client().await;
+    wait_for_async(
+        "the copy to end recovery at the target on a new timeline",
+        Duration::from_secs(60),
+        || async {
+            let recovering: bool = copy_client
+                .query_one("SELECT pg_is_in_recovery()", &[])
+                .await
+                .ok()?
+                .get(0);
+            (!recovering).then_some(())
+        },
+    )
+    .await;
+    let copy_slot: String = copy_client
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&SLOT],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        copy_slot.parse::<Lsn>().unwrap() > target,
+        "the copy's slot ({copy_slot}) lies past the target {target}"
+    );
+    let switched = Instant::now();
+    address.switch_to(&copy);
+    writer.wait_more(300, "writes on the new timeline").await;
+    let total = writer.stop().await;
+    let report = verify_final(&copy_client, &brokers, "slot past the fork", switched).await;
+    println!(
+        "a new timeline from {target} with the slot at {copy_slot}: {total} transactions; {} duplicates",
+        report.duplicates
+    );
+    let log = outboxd.log_text();
+    assert!(
+        log.contains("lies past where the new timeline left the old one"),
+        "the slot was found past the new timeline's start"
+    );
+    assert_eq!(
+        log.matches("created replication slot").count(),
+        2,
+        "a new slot on the new timeline"
+    );
+    assert_history_change_survived(&mut outboxd, "new timeline");
+}
+
 /// `--replication-url` at a physical standby while `--database-url` reaches the primary (decoding on a
 /// standby, PostgreSQL 16+): refused at start-up and by doctor, naming the topology, why, and the fix (README
 /// "Decoding on a standby"), instead of a slot on the standby that the primary's hand-off and figures cannot see.

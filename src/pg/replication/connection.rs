@@ -282,6 +282,17 @@ impl ReplicationConnection {
         })
     }
 
+    /// Runs TIMELINE_HISTORY: the content of `timeline`'s history file (its ancestors and where each ended).
+    /// Timeline 1 has none.
+    pub async fn timeline_history(&mut self, timeline: u32) -> Result<String, ReplicationError> {
+        let rows = self
+            .simple_query(&format!("TIMELINE_HISTORY {timeline}"))
+            .await?;
+        rows.first()
+            .and_then(|row| row.get(1).cloned().flatten())
+            .ok_or_else(|| protocol_error("TIMELINE_HISTORY returned no content"))
+    }
+
     /// Whether the server is a standby in recovery (a walsender of a database connection runs plain SQL).
     pub async fn in_recovery(&mut self) -> Result<bool, ReplicationError> {
         let rows = self.simple_query("SELECT pg_is_in_recovery()").await?;

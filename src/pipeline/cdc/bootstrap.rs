@@ -48,7 +48,7 @@ impl<K: Sinks> CdcPipeline<K> {
         if db.tables.iter().any(|t| t.polling) {
             slot::undo_interrupted_creation(&sql, &db.slot).await?;
         }
-        let existing = slot::check_existing_slot(&sql, &db.slot).await?;
+        let mut existing = slot::check_existing_slot(&sql, &db.slot).await?;
         let here = ServerHistory {
             system_id: identity.system_id.clone(),
             timeline: identity.timeline,
@@ -63,17 +63,44 @@ impl<K: Sinks> CdcPipeline<K> {
             self.watermark.highest_confirmed(),
             &reached,
         );
-        let slot_position = existing
+        let mut slot_position = existing
             .as_ref()
             .map(|state| state.confirmed_flush().unwrap_or(Lsn::ZERO));
+        // A slot that moved on the old timeline past where the new one began (a synchronised copy on a
+        // standby promoted at a recovery target, or restored) would skip the new timeline's transactions in
+        // between: it is dropped, and a new slot hands the unpublished rows to the polling path. Without
+        // polling columns `history_changed` stops below, naming what may be missing.
+        if let (Some(HistoryChange::NewTimeline { old, new }), Some(position)) =
+            (&change, slot_position)
+        {
+            if crate::pipeline::has_polling_columns(&settings) {
+                let file = conn
+                    .timeline_history(*new)
+                    .await
+                    .map_err(replication_error)?;
+                if let Err(fork) = history::slot_fits_timeline(&file, *old, position) {
+                    tracing::warn!(
+                        slot = %db.slot,
+                        %position,
+                        old_timeline = old,
+                        new_timeline = new,
+                        fork = %fork,
+                        "the replication slot's position lies past where the new timeline left the old one (0/0: the history does not name the old timeline); dropping it so a new slot hands the unpublished rows to the polling path"
+                    );
+                    // What the slot streamed of this timeline ends at the fork at most.
+                    outbox::republish_history_a_lost_slot_owed(&sql, &db.tables, fork).await?;
+                    slot::drop_own_slot(&sql, &db.slot).await?;
+                    existing = None;
+                    slot_position = None;
+                }
+            }
+        }
         if let Some(change) = &change {
             match (change, existing.as_ref(), slot_position) {
-                // A promoted standby that kept a copy of the slot (a failover slot, PostgreSQL 17+): logged as
-                // such, and otherwise the same as any existing slot on a new timeline (streamed from its own
-                // position). A copy is capped at the WAL the standby flushed, not at where the new timeline
-                // began (a standby promoted at a recovery target, a restored copy of one), so it is trusted no
-                // more than before: CDC-only tables still stop here (`history_changed`), and a copy beyond
-                // the server's WAL end is never taken for one.
+                // A promoted standby that kept a copy of the slot (a failover slot, PostgreSQL 17+), within
+                // where the new timeline began (checked above): logged as such, and otherwise the same as any
+                // existing slot on a new timeline (streamed from its own position). CDC-only tables still stop
+                // here (`history_changed`): the check above needs the polling path to cover a slot it drops.
                 (HistoryChange::NewTimeline { old, new }, Some(state), Some(position))
                     if state.synced == Some(true)
                         && position <= identity.xlog_position
