@@ -45,7 +45,7 @@ pub async fn must_pass(
         // Configuration mistakes (missing publication, a slot of another plugin) stop `auto` too.
         Mode::Auto => {
             retry_until(timeout, deadline, || async {
-                replication_availability(&settings, can_sweep)
+                replication_availability(&settings, can_sweep, false)
                     .await
                     .map(|_| ())
             })
@@ -98,10 +98,12 @@ pub enum Availability {
 
 /// Can the CDC path run? Configuration mistakes (missing publication, a slot of another plugin) are errors;
 /// what `auto` may work around by polling is `Unavailable`. A lost slot is dropped when the polling path
-/// can cover what it missed (`can_sweep`).
+/// can cover what it missed (`can_sweep`). `running`: asked by a running pipeline, where a replication URL
+/// that reaches a standby is a switchover to wait for (NotReady), not the start-up's definite refusal.
 pub async fn replication_availability(
     settings: &RunSettings,
     can_sweep: bool,
+    running: bool,
 ) -> Result<Availability> {
     let db = &settings.database;
     let sql = pg::connect(&db.database_url).await?;
@@ -120,7 +122,7 @@ pub async fn replication_availability(
         conn.in_recovery().await
     };
     match identified.await.map_err(replication_error) {
-        Ok(true) if !pg::in_recovery(&sql).await? => Err(Error::replication_on_standby(false)),
+        Ok(true) if !pg::in_recovery(&sql).await? => Err(Error::replication_on_standby(running)),
         Ok(_) => Ok(Availability::Available),
         Err(error) => unavailable(error),
     }
@@ -135,7 +137,7 @@ fn unavailable(error: Error) -> Result<Availability> {
 
 /// `--mode cdc` (or `auto` without polling columns): replication must be available.
 async fn require_replication(settings: &RunSettings, can_sweep: bool) -> Result<()> {
-    match replication_availability(settings, can_sweep).await? {
+    match replication_availability(settings, can_sweep, false).await? {
         Availability::Available => Ok(()),
         Availability::Unavailable(error) => Err(error),
     }

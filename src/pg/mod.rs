@@ -121,6 +121,16 @@ pub async fn server_version(client: &tokio_postgres::Client) -> Result<version::
     })
 }
 
+/// When the server's postmaster started, as epoch seconds (the same text whatever the session's time zone):
+/// two connections that read the same value reached the same server, which a system identifier cannot
+/// tell apart from a promoted standby of it.
+pub const SERVER_STARTED_AT: &str = "SELECT extract(epoch FROM pg_postmaster_start_time())::text";
+
+/// [`SERVER_STARTED_AT`] over a SQL connection.
+pub async fn server_started_at(client: &tokio_postgres::Client) -> Result<String> {
+    Ok(client.query_one(SERVER_STARTED_AT, &[]).await?.get(0))
+}
+
 /// The server's system identifier, or `None` where the role may not read it (`pg_control_system()` needs
 /// superuser or pg_monitor-like rights on some services).
 pub async fn system_identifier(client: &tokio_postgres::Client) -> Result<Option<String>> {

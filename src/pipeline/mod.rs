@@ -218,7 +218,7 @@ async fn run_auto(
 ) -> Result<()> {
     let mut cdc = cdc::CdcPipeline::new(settings.clone(), sinks.clone());
     loop {
-        let reason = match doctor::startup::replication_availability(&settings, true).await {
+        let reason = match doctor::startup::replication_availability(&settings, true, true).await {
             Ok(doctor::startup::Availability::Available) => {
                 tracing::info!(
                     mode = "cdc",
@@ -232,7 +232,9 @@ async fn run_auto(
                     Err(error) => return Err(error),
                 }
             }
-            Err(error) if error.is_transient() => {
+            // A database going away or not ready (a switchover moving one URL before the other) is waited
+            // for here too; start-up has refused what is not ready then.
+            Err(error) if error.is_transient() || error.awaited_database().is_some() => {
                 tracing::warn!(%error, "cannot tell whether replication is available; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(REPLICATION_RECHECK) => continue,
@@ -259,7 +261,7 @@ async fn run_auto(
                 }
                 _ = stopped(&mut shutdown) => break true,
                 _ = tokio::time::sleep(REPLICATION_RECHECK) => {
-                    if matches!(doctor::startup::replication_availability(&settings, true).await, Ok(doctor::startup::Availability::Available)) {
+                    if matches!(doctor::startup::replication_availability(&settings, true, true).await, Ok(doctor::startup::Availability::Available)) {
                         break false;
                     }
                     unconsumed_slot.drop_when_due(&settings).await;

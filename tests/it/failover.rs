@@ -1000,6 +1000,58 @@ async fn a_slot_past_where_the_new_timeline_began_is_replaced() {
     assert_history_change_survived(&mut outboxd, "new timeline");
 }
 
+/// During a switchover the old primary can still answer while its standby is promoted: `--database-url` and
+/// `--replication-url` then reach two writable servers of one cluster (one system identifier). outboxd reads
+/// the slot over SQL and streams over replication, so it waits until both reach one server, saying so, and
+/// streams from neither meanwhile; once they do, it streams.
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_that_reach_two_servers_of_one_cluster_wait_for_one() {
+    let (primary, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let promoted = primary.basebackup(true);
+    promoted.start_again();
+    promoted.promote();
+    let replication = Address::of(&promoted);
+    let primary_url = primary.url();
+    let mut args = run_args(&primary_url, &brokers);
+    let replication_url = replication.url("postgres");
+    args.extend([
+        "--replication-url",
+        &replication_url,
+        "--reconnect-timeout",
+        "120s",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_for_log(&outboxd, "reached two servers");
+    assert!(
+        outboxd
+            .log_text()
+            .contains("both connections to reach one server"),
+        "says what it waits for"
+    );
+    let slots: i64 = promoted
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        slots, 0,
+        "no slot on the server the SQL connection does not reach"
+    );
+    // The switchover completes: both reach the primary.
+    replication.switch_to(&primary);
+    let client = primary.client().await;
+    wait_slot_active(&client, SLOT).await;
+    let (committed, _) = insert_events(&mut primary.client().await, 0, 5, 2, 2, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    assert_eq!(committed.len(), 10);
+}
+
 /// `--replication-url` at a physical standby while `--database-url` reaches the primary (decoding on a
 /// standby, PostgreSQL 16+): refused at start-up and by doctor, naming the topology, why, and the fix (README
 /// "Decoding on a standby"), instead of a slot on the standby that the primary's hand-off and figures cannot see.

@@ -293,6 +293,14 @@ impl ReplicationConnection {
             .ok_or_else(|| protocol_error("TIMELINE_HISTORY returned no content"))
     }
 
+    /// [`crate::pg::SERVER_STARTED_AT`] over this connection: which server it reached.
+    pub async fn server_started_at(&mut self) -> Result<String, ReplicationError> {
+        let rows = self.simple_query(crate::pg::SERVER_STARTED_AT).await?;
+        rows.first()
+            .and_then(|row| row.first().cloned().flatten())
+            .ok_or_else(|| protocol_error("pg_postmaster_start_time() returned nothing"))
+    }
+
     /// Whether the server is a standby in recovery (a walsender of a database connection runs plain SQL).
     pub async fn in_recovery(&mut self) -> Result<bool, ReplicationError> {
         let rows = self.simple_query("SELECT pg_is_in_recovery()").await?;

@@ -288,15 +288,26 @@ async fn connect(
     if conn.in_recovery().await.map_err(replication_error)? {
         return Err(Error::replication_on_standby(true));
     }
-    // The slot is inspected over SQL: during a switchover the two connections can reach two servers.
-    if let Some(sql_system) = pg::system_identifier(&sql).await? {
-        if sql_system != identity.system_id {
-            return Err(Error::NotReady {
-                problem: format!("the SQL connection reached system {sql_system} but the replication connection system {}", identity.system_id),
-                fix: "point --database-url and --replication-url at the same server".into(),
-                waiting_for: "both connections to reach one server (a switchover under way)".into(),
-            });
-        }
+    // The slot is inspected over SQL and streamed from over replication: during a switchover the two
+    // connections can reach two servers, of two clusters or of one (the old primary still answering while
+    // its standby is promoted: the same system identifier).
+    let sql_started = pg::server_started_at(&sql).await?;
+    let replication_started = conn.server_started_at().await.map_err(replication_error)?;
+    let sql_system = pg::system_identifier(&sql).await?;
+    if sql_started != replication_started
+        || sql_system
+            .as_ref()
+            .is_some_and(|system| *system != identity.system_id)
+    {
+        return Err(Error::NotReady {
+            problem: format!(
+                "the SQL connection and the replication connection reached two servers (SQL: system {}, postmaster started at {sql_started}; replication: system {}, started at {replication_started})",
+                sql_system.as_deref().unwrap_or("unknown"),
+                identity.system_id
+            ),
+            fix: "point --database-url and --replication-url at the same server".into(),
+            waiting_for: "both connections to reach one server (a switchover under way)".into(),
+        });
     }
     Ok((sql, outbox_sql, conn, identity, version))
 }
