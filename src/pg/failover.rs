@@ -24,18 +24,6 @@ pub async fn read(
     if !version.has_failover_slots() {
         return Ok(None);
     }
-    let row = primary
-        .query_opt(
-            "SELECT (to_jsonb(s) ->> 'failover')::bool, confirmed_flush_lsn::text
-             FROM pg_replication_slots s WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await?;
-    let (slot_failover, confirmed): (Option<bool>, Option<String>) = match &row {
-        Some(row) => (row.get(0), row.get(1)),
-        None => (None, None),
-    };
-    let confirmed = confirmed.and_then(|lsn| lsn.parse::<Lsn>().ok());
     let setting: String = primary
         .query_one("SELECT current_setting('synchronized_standby_slots')", &[])
         .await?
@@ -61,10 +49,13 @@ pub async fn read(
     };
     let has_standbys: bool = primary
         .query_one(
-            "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_type = 'physical')
-                 OR EXISTS (SELECT FROM pg_stat_replication r
-                            WHERE NOT EXISTS (SELECT FROM pg_replication_slots s
-                                              WHERE s.active_pid = r.pid AND s.slot_type = 'logical'))",
+            &format!(
+                "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE {})
+                     OR EXISTS (SELECT FROM pg_stat_replication r
+                                WHERE NOT EXISTS (SELECT FROM pg_replication_slots s
+                                                  WHERE s.active_pid = r.pid AND s.slot_type = 'logical'))",
+                crate::pg::slot::STANDBY_PHYSICAL_SLOT
+            ),
             &[],
         )
         .await?
@@ -72,27 +63,53 @@ pub async fn read(
     let mut copies = Vec::with_capacity(standbys.len());
     for standby in standbys {
         let label = label(standby);
-        let copy = match tokio::time::timeout(STANDBY_TIMEOUT, read_copy(standby, slot, confirmed))
-            .await
-        {
-            Ok(Ok(copy)) => copy,
-            Ok(Err(error)) => StandbyCopy {
-                problem: Some(format!("cannot be read: {error}")),
-                ..StandbyCopy::default()
+        let (copy, position) =
+            match tokio::time::timeout(STANDBY_TIMEOUT, read_copy(standby, slot)).await {
+                Ok(Ok(read)) => read,
+                Ok(Err(error)) => (
+                    StandbyCopy {
+                        problem: Some(format!("cannot be read: {error}")),
+                        ..StandbyCopy::default()
+                    },
+                    None,
+                ),
+                Err(_) => (
+                    StandbyCopy {
+                        problem: Some(format!(
+                            "did not answer within {}s",
+                            STANDBY_TIMEOUT.as_secs()
+                        )),
+                        ..StandbyCopy::default()
+                    },
+                    None,
+                ),
+            };
+        copies.push((
+            StandbyCopy {
+                standby: label,
+                ..copy
             },
-            Err(_) => StandbyCopy {
-                problem: Some(format!(
-                    "did not answer within {}s",
-                    STANDBY_TIMEOUT.as_secs()
-                )),
-                ..StandbyCopy::default()
-            },
-        };
-        copies.push(StandbyCopy {
-            standby: label,
-            ..copy
-        });
+            position,
+        ));
     }
+    // Read after every copy: a copy is synchronised from the primary's slot, so it can never be ahead of
+    // what the primary's slot holds later (read before, a copy synced meanwhile would look ahead).
+    let row = primary
+        .query_opt(
+            "SELECT (to_jsonb(s) ->> 'failover')::bool, confirmed_flush_lsn::text
+             FROM pg_replication_slots s WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let (slot_failover, confirmed): (Option<bool>, Option<String>) = match &row {
+        Some(row) => (row.get(0), row.get(1)),
+        None => (None, None),
+    };
+    let confirmed = confirmed.and_then(|lsn| lsn.parse::<Lsn>().ok());
+    let copies = copies
+        .into_iter()
+        .map(|(copy, position)| compared_with_primary(copy, position, confirmed))
+        .collect();
     Ok(Some(FailoverReadiness {
         slot_failover,
         synchronized_standby_slots,
@@ -102,12 +119,31 @@ pub async fn read(
     }))
 }
 
-/// The slot's copy on one standby; `primary_confirmed`: the primary's position, to say how far behind it is.
-async fn read_copy(
-    standby: &PgUrl,
-    slot: &str,
-    primary_confirmed: Option<Lsn>,
-) -> Result<StandbyCopy> {
+/// Pure: a copy at `copy_position` next to the primary's slot at `primary` (read after it): how far behind it
+/// is, or, ahead of it, a copy from another history.
+fn compared_with_primary(
+    copy: StandbyCopy,
+    copy_position: Option<Lsn>,
+    primary: Option<Lsn>,
+) -> StandbyCopy {
+    let (Some(primary), Some(position)) = (primary, copy_position) else {
+        return copy;
+    };
+    if position > primary {
+        return StandbyCopy {
+            standby: copy.standby,
+            problem: Some(format!("its copy of the slot is at {position}, ahead of the primary's slot at {primary}: a copy from another history (the slot was re-created, or the standby follows another primary); drop it on the standby so that it syncs again")),
+            ..StandbyCopy::default()
+        };
+    }
+    StandbyCopy {
+        behind_bytes: i64::try_from(primary.bytes_since(position)).ok(),
+        ..copy
+    }
+}
+
+/// The slot's copy on one standby, and the copy's confirmed position.
+async fn read_copy(standby: &PgUrl, slot: &str) -> Result<(StandbyCopy, Option<Lsn>)> {
     let client = super::connect_for_figures(standby, STANDBY_TIMEOUT).await?;
     let row = client
         .query_one(
@@ -117,13 +153,14 @@ async fn read_copy(
         .await?;
     let (in_recovery, sync_replication_slots): (bool, bool) = (row.get(0), row.get(1));
     if !in_recovery {
-        return Ok(StandbyCopy {
+        let copy = StandbyCopy {
             problem: Some(
                 "is no standby (not in recovery): give --standby-url only for standbys of the primary"
                     .into(),
             ),
             ..StandbyCopy::default()
-        });
+        };
+        return Ok((copy, None));
     }
     let row = client
         .query_opt(
@@ -133,27 +170,16 @@ async fn read_copy(
         )
         .await?;
     let Some(row) = row else {
-        return Ok(StandbyCopy {
+        let copy = StandbyCopy {
             sync_replication_slots,
             ..StandbyCopy::default()
-        });
+        };
+        return Ok((copy, None));
     };
-    let copy_confirmed = row
+    let position = row
         .get::<_, Option<String>>(3)
         .and_then(|lsn| lsn.parse::<Lsn>().ok());
-    if let (Some(primary), Some(copy)) = (primary_confirmed, copy_confirmed) {
-        if copy > primary {
-            return Ok(StandbyCopy {
-                problem: Some(format!("its copy of the slot is at {copy}, ahead of the primary's slot at {primary}: a copy from another history (the slot was re-created, or the standby follows another primary); drop it on the standby so that it syncs again")),
-                ..StandbyCopy::default()
-            });
-        }
-    }
-    let behind_bytes = match (primary_confirmed, copy_confirmed) {
-        (Some(primary), Some(copy)) => i64::try_from(primary.bytes_since(copy)).ok(),
-        _ => None,
-    };
-    Ok(StandbyCopy {
+    let copy = StandbyCopy {
         standby: String::new(),
         problem: None,
         sync_replication_slots,
@@ -161,8 +187,9 @@ async fn read_copy(
         synced: row.get(0),
         temporary: row.get(1),
         invalidation_reason: row.get(2),
-        behind_bytes,
-    })
+        behind_bytes: None,
+    };
+    Ok((copy, position))
 }
 
 /// Pure: the names in a list setting (`synchronized_standby_slots`: comma-separated, maybe quoted).
@@ -190,6 +217,25 @@ pub fn label(url: &PgUrl) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copy_is_behind_the_primary_read_after_it_or_from_another_history() {
+        let copy = || StandbyCopy {
+            standby: "standby:5432".into(),
+            exists: true,
+            ..StandbyCopy::default()
+        };
+        let behind = compared_with_primary(copy(), Some(Lsn(100)), Some(Lsn(250)));
+        assert_eq!((behind.behind_bytes, behind.problem), (Some(150), None));
+        let ahead = compared_with_primary(copy(), Some(Lsn(300)), Some(Lsn(250)));
+        assert!(ahead
+            .problem
+            .unwrap_or_default()
+            .contains("ahead of the primary"));
+        assert_eq!(ahead.standby, "standby:5432");
+        let unknown = compared_with_primary(copy(), None, Some(Lsn(250)));
+        assert_eq!(unknown.behind_bytes, None);
+    }
 
     #[test]
     fn list_settings_are_split_and_unquoted() {

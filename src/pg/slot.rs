@@ -365,15 +365,68 @@ pub async fn drop_if_lost(client: &Client, slot: &str, tables: &[OutboxTable]) -
     Ok(true)
 }
 
-/// Drops outboxd's own slot (ending the walsender that holds it, if any); a slot of that name that is not
-/// outboxd's is left alone (`check_existing_slot` refuses it). Only safe when the polling path will publish
-/// what the slot did not (the next slot's snapshot hands those rows off).
+/// Drops outboxd's own slot before this session streams from it; a slot of that name that is not outboxd's
+/// is left alone (`check_existing_slot` refuses it). A slot some client streams from is not taken from it
+/// (another leader during a split brain): NotReady, to try again. Only safe when the polling path will
+/// publish what the slot did not (the next slot's snapshot hands those rows off).
 pub async fn drop_own_slot(client: &Client, slot: &str) -> Result<()> {
-    if let Some(state) = own_slot_state(client, slot).await? {
-        terminate_and_drop(client, slot, state.active_pid).await?;
+    let Some(state) = own_slot_state(client, slot).await? else {
+        return Ok(());
+    };
+    if let Some(pid) = state.active_pid {
+        return Err(Error::NotReady {
+            problem: format!("replication slot {slot} has to be replaced, but a walsender (pid {pid}) streams from it"),
+            fix: "stop the other client of the slot (another outboxd, during a switchover)".into(),
+            waiting_for: "the slot to be free".into(),
+        });
     }
+    terminate_and_drop(client, slot, None).await
+}
+
+/// The physical slot that marks "outboxd streamed slot `slot` on timeline `timeline` of this server"; it
+/// reserves no WAL. A standby never holds one (physical slots are neither synchronised nor in a base
+/// backup), and a file-level copy holds its old timeline's: a server on a timeline without the mark has never
+/// had the slot moved by outboxd there, so the slot is trusted only up to where that timeline began. Only
+/// timelines after the first are marked (timeline 1 began with the cluster).
+pub fn timeline_marker(slot: &str, timeline: u32) -> String {
+    format!("{}_tl{timeline}", &slot[..slot.len().min(50)])
+}
+
+/// Whether a session of outboxd streamed `slot` on `timeline` of this server (its mark exists).
+pub async fn marked_on_timeline(client: &Client, slot: &str, timeline: u32) -> Result<bool> {
+    Ok(slot_state(client, &timeline_marker(slot, timeline))
+        .await?
+        .is_some())
+}
+
+/// Marks that this session streams `slot` on `timeline` (after the first), and drops the marks of other
+/// timelines.
+pub async fn mark_on_timeline(client: &Client, slot: &str, timeline: u32) -> Result<()> {
+    if timeline <= 1 {
+        return Ok(());
+    }
+    let mark = timeline_marker(slot, timeline);
+    if !marked_on_timeline(client, slot, timeline).await? {
+        client
+            .execute("SELECT pg_create_physical_replication_slot($1)", &[&mark])
+            .await?;
+    }
+    let prefix = format!("{}_tl", &slot[..slot.len().min(50)]);
+    client
+        .execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+              WHERE slot_type = 'physical' AND NOT active AND slot_name <> $2
+                AND starts_with(slot_name, $1) AND substr(slot_name, length($1) + 1) ~ '^[0-9]+$'",
+            &[&prefix, &mark],
+        )
+        .await?;
     Ok(())
 }
+
+/// SQL condition on a row of `pg_replication_slots`: a physical slot that stands for a standby, not one of
+/// outboxd's marks (creation, timeline), which reserve no WAL and nobody streams from.
+pub const STANDBY_PHYSICAL_SLOT: &str = "slot_type = 'physical'
+    AND NOT (slot_name ~ '_(tl[0-9]+|creating)$' AND restart_lsn IS NULL AND NOT active)";
 
 /// The slot named `slot` when it is outboxd's to manage: a logical pgoutput slot of this database. Slot names
 /// are cluster-wide: a slot of the same name in another database (another application's, or another outboxd's)

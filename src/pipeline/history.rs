@@ -132,16 +132,45 @@ pub fn fork_point(history_file: &str, timeline: u32) -> Option<Lsn> {
         })
 }
 
-/// Whether a slot at `position`, last moved on timeline `old`, still means the WAL the slot decoded, on the
-/// timeline whose history is `history_file`: only up to where `old` ended. Past that point (a standby
-/// promoted at a recovery target, or from a restore, behind its synchronised copy of the slot), streaming
-/// from the slot would skip the new timeline's transactions in between, and its decoding would start amid
-/// WAL it never saw.
-pub fn slot_fits_timeline(history_file: &str, old: u32, position: Lsn) -> Result<(), Lsn> {
-    match fork_point(history_file, old) {
-        Some(fork) if position <= fork => Ok(()),
-        Some(fork) => Err(fork),
-        None => Err(Lsn::ZERO),
+/// Where this timeline began (the last switch point in its history file); `None` for a file that names none.
+pub fn timeline_start(history_file: &str) -> Option<Lsn> {
+    history_file
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(1)?.parse::<Lsn>().ok())
+        .max()
+}
+
+/// What a slot's position means on the timeline a session reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotOnTimeline {
+    /// Within the WAL this timeline shares with the one the slot moved on: stream from it.
+    Fits,
+    /// Past where this timeline left the one the slot moved on (the fork, given): streaming from it would
+    /// skip this timeline's transactions in between (a synchronised copy on a standby promoted at a recovery
+    /// target, a restored copy of one), and its decoding would start amid WAL it never saw. Replace it.
+    PastFork(Lsn),
+    /// This timeline does not descend from the one the slot moved on (an older one: an old primary not
+    /// fenced yet; a sibling of a split brain): wait for the server of the slot's history.
+    OffHistory,
+}
+
+/// Judges a slot at `position` on the timeline whose history is `history_file`. `moved_on`: the timeline the
+/// slot last moved on, when known (this process streamed there); `None` when it is not known but was never
+/// this one (no outboxd session marked streaming on it), so the slot is valid only up to where this timeline
+/// began.
+pub fn slot_on_timeline(
+    history_file: &str,
+    moved_on: Option<u32>,
+    position: Lsn,
+) -> SlotOnTimeline {
+    let fork = match moved_on {
+        Some(old) => fork_point(history_file, old),
+        None => timeline_start(history_file),
+    };
+    match fork {
+        Some(fork) if position <= fork => SlotOnTimeline::Fits,
+        Some(fork) => SlotOnTimeline::PastFork(fork),
+        None => SlotOnTimeline::OffHistory,
     }
 }
 
@@ -256,17 +285,37 @@ mod tests {
 
     #[test]
     fn a_slot_past_the_fork_does_not_fit_the_new_timeline() {
-        let file = "1\t0/3000158\tno recovery target specified\n";
-        assert_eq!(slot_fits_timeline(file, 1, Lsn(0x3000000)), Ok(()));
-        assert_eq!(slot_fits_timeline(file, 1, Lsn(0x3000158)), Ok(()));
+        let file = "1\t0/3000158\tno recovery target specified\n2\t0/5000000\tat restore point\n";
+        let judge = |moved_on, position| slot_on_timeline(file, moved_on, Lsn(position));
+        assert_eq!(judge(Some(1), 0x3000000), SlotOnTimeline::Fits);
+        assert_eq!(judge(Some(1), 0x3000158), SlotOnTimeline::Fits);
         assert_eq!(
-            slot_fits_timeline(file, 1, Lsn(0x3000159)),
-            Err(Lsn(0x3000158))
+            judge(Some(1), 0x3000159),
+            SlotOnTimeline::PastFork(Lsn(0x3000158))
+        );
+        assert_eq!(judge(Some(2), 0x4000000), SlotOnTimeline::Fits);
+        assert_eq!(
+            judge(Some(4), 1),
+            SlotOnTimeline::OffHistory,
+            "a timeline the history does not name (a sibling) proves nothing"
+        );
+    }
+
+    #[test]
+    fn a_slot_never_moved_on_this_timeline_fits_only_up_to_its_start() {
+        let file = "1\t0/3000158\tno recovery target specified\n2\t0/5000000\tat restore point\n";
+        assert_eq!(timeline_start(file), Some(Lsn(0x5000000)));
+        assert_eq!(
+            slot_on_timeline(file, None, Lsn(0x5000000)),
+            SlotOnTimeline::Fits
         );
         assert_eq!(
-            slot_fits_timeline(file, 2, Lsn(1)),
-            Err(Lsn::ZERO),
-            "a timeline the history does not know proves nothing"
+            slot_on_timeline(file, None, Lsn(0x5000001)),
+            SlotOnTimeline::PastFork(Lsn(0x5000000))
+        );
+        assert_eq!(
+            slot_on_timeline("", None, Lsn(1)),
+            SlotOnTimeline::OffHistory
         );
     }
 }

@@ -232,15 +232,16 @@ async fn run_auto(
                     Err(error) => return Err(error),
                 }
             }
-            // A database going away or not ready (a switchover moving one URL before the other) is waited
-            // for here too; start-up has refused what is not ready then.
-            Err(error) if error.is_transient() || error.awaited_database().is_some() => {
+            Err(error) if error.is_transient() => {
                 tracing::warn!(%error, "cannot tell whether replication is available; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(REPLICATION_RECHECK) => continue,
                     _ = crate::pipeline::stopped(&mut shutdown) => return Ok(()),
                 }
             }
+            // Replication not ready (a switchover moving one URL before the other): poll meanwhile; the
+            // periodic check below returns to the slot once it is. Start-up refused it when it was not ready.
+            Err(error) if error.awaited_database().is_some() => error,
             Err(error) => return Err(error),
             Ok(doctor::startup::Availability::Unavailable(error)) => error,
         };

@@ -747,7 +747,7 @@ async fn promotion(synced_copy: bool) {
         "--max-in-flight-events",
         &window,
     ]);
-    let outboxd = Outboxd::spawn(&args);
+    let mut outboxd = Outboxd::spawn(&args);
     wait_slot_active(&primary_client, SLOT).await;
     let writer = Writer::start(url.clone(), 3, 20);
     writer.wait_more(200, "writes on the primary").await;
@@ -866,6 +866,19 @@ async fn promotion(synced_copy: bool) {
             "duplicates within one in-flight window: {}",
             report.duplicates
         );
+        // A process started on the promoted standby afterwards (a restart) finds outboxd's mark of the new
+        // timeline, so it keeps the slot it continued from.
+        outboxd.kill();
+        let restarted = Outboxd::spawn(&args);
+        let mut standby_client = standby.client().await;
+        wait_slot_active(&standby_client, SLOT).await;
+        insert_events(&mut standby_client, 1_000_000, 5, 2, 2, None).await;
+        wait_all_published(&standby_client, Duration::from_secs(60)).await;
+        let log = restarted.log_text();
+        assert!(
+            !log.contains("created replication slot") && !log.contains("lies past"),
+            "the restarted process kept the slot"
+        );
     } else {
         assert!(
             log.contains("database history changed") && log.contains("new timeline"),
@@ -889,6 +902,20 @@ async fn promotion(synced_copy: bool) {
 /// it, and a new slot hands the unpublished rows to the polling path: 0 lost, order kept.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slot_past_where_the_new_timeline_began_is_replaced() {
+    slot_past_the_fork(false).await;
+}
+
+/// The same, met by a process started after the switch (a restart, a standby instance taking over), which
+/// knows no earlier timeline: no outboxd marked streaming on the new timeline, so the slot is trusted only up
+/// to where that timeline began.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_past_where_the_new_timeline_began_is_replaced_by_a_process_started_after_the_switch(
+) {
+    slot_past_the_fork(true).await;
+}
+
+/// The two tests above; `restarted`: outboxd is stopped before the switch and started after it.
+async fn slot_past_the_fork(restarted: bool) {
     let pg = Postgres::start();
     migrate(&pg);
     let broker = Broker::start();
@@ -978,8 +1005,14 @@ async fn a_slot_past_where_the_new_timeline_began_is_replaced() {
         copy_slot.parse::<Lsn>().unwrap() > target,
         "the copy's slot ({copy_slot}) lies past the target {target}"
     );
+    if restarted {
+        outboxd.kill();
+    }
     let switched = Instant::now();
     address.switch_to(&copy);
+    if restarted {
+        outboxd = spawn_outboxd(&url, &brokers);
+    }
     writer.wait_more(300, "writes on the new timeline").await;
     let total = writer.stop().await;
     let report = verify_final(&copy_client, &brokers, "slot past the fork", switched).await;
@@ -989,15 +1022,121 @@ async fn a_slot_past_where_the_new_timeline_began_is_replaced() {
     );
     let log = outboxd.log_text();
     assert!(
-        log.contains("lies past where the new timeline left the old one"),
+        log.contains("lies past where this timeline left the one the slot moved on"),
         "the slot was found past the new timeline's start"
     );
     assert_eq!(
         log.matches("created replication slot").count(),
-        2,
+        if restarted { 1 } else { 2 },
         "a new slot on the new timeline"
     );
+    if restarted {
+        assert!(outboxd.try_wait().is_none(), "outboxd kept running");
+        return;
+    }
     assert_history_change_survived(&mut outboxd, "new timeline");
+}
+
+/// A process that streamed on a promoted standby's timeline reaches the old primary again (not fenced yet,
+/// on the older timeline): that server does not descend from the timeline the slot moved on, and what it
+/// holds past the fork is bound to be rewound. outboxd waits for the server of the slot's history, streams
+/// nothing from the old primary, and carries on when the address reaches the promoted server again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_old_primary_on_an_older_timeline_is_waited_out() {
+    let primary = Postgres::start();
+    migrate(&primary);
+    let broker = Broker::start();
+    let brokers = broker.addr();
+    let standby = primary.basebackup(true);
+    standby.start_again();
+    let address = Address::of(&primary);
+    let url = address.url("postgres");
+    let mut outboxd = spawn_outboxd(&url, &brokers);
+    let mut primary_client = primary.client().await;
+    wait_slot_active(&primary_client, SLOT).await;
+    insert_events(&mut primary_client, 0, 5, 2, 2, None).await;
+    wait_all_published(&primary_client, Duration::from_secs(60)).await;
+    let primary_wal = current_wal_lsn(&primary_client).await;
+    let mut standby_client = standby.client().await;
+    wait_for_async(
+        "the standby to replay the primary's WAL",
+        Duration::from_secs(60),
+        || async {
+            let replayed: String = standby_client
+                .query_one("SELECT pg_last_wal_replay_lsn()::text", &[])
+                .await
+                .unwrap()
+                .get(0);
+            (replayed.parse::<Lsn>().unwrap() >= primary_wal).then_some(())
+        },
+    )
+    .await;
+    // The standby is promoted while the primary keeps running; the address moves to the standby.
+    standby.promote();
+    address.switch_to(&standby);
+    wait_slot_active(&standby_client, SLOT).await;
+    insert_events(&mut standby_client, 5, 5, 2, 2, None).await;
+    wait_all_published(&standby_client, Duration::from_secs(60)).await;
+
+    // The address reaches the old primary again.
+    address.switch_to(&primary);
+    wait_for_log(&outboxd, "which does not descend from timeline 2");
+    insert_events(&mut primary_client, 10, 2, 2, 2, None).await;
+    let active: bool = primary_client
+        .query_one(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+            &[&SLOT],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!active, "nothing streams from the old primary's slot");
+    assert!(outboxd.try_wait().is_none(), "outboxd waits");
+
+    address.switch_to(&standby);
+    insert_events(&mut standby_client, 20, 5, 2, 2, None).await;
+    wait_all_published(&standby_client, Duration::from_secs(60)).await;
+    let committed = events_in_table(&standby_client, "(payload->>'seq')::int8").await;
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(report.missing, 0, "{report:?}");
+    assert_eq!(report.order_violations, 0, "{report:?}");
+    let unpublished_on_the_old_primary: i64 = primary_client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        unpublished_on_the_old_primary, 4,
+        "the old primary's writes after the promotion were not published"
+    );
+}
+
+/// A multi-host URL as Patroni and managed services hand out (`host=a,b`, `target_session_attrs=read-write`):
+/// the replication connection, as libpq, goes on to the next host when one answers with a read-only session
+/// (a standby), so outboxd streams from the primary whatever the order of the hosts.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_multi_host_url_streams_from_the_read_write_host() {
+    let (primary, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let standby = primary.basebackup(true);
+    standby.start_again();
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        standby.port, primary.port
+    );
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    let mut client = primary.client().await;
+    wait_slot_active(&client, SLOT).await;
+    let (committed, _) = insert_events(&mut client, 0, 5, 2, 2, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let records = consume_all(&brokers, &[TOPIC], committed.len(), Duration::from_secs(60));
+    let report = check_delivery(&records, &committed, &[]);
+    assert_eq!(report.missing, 0, "{report:?}");
+    assert!(!outboxd.log_text().contains("decoding on a standby"));
 }
 
 /// During a switchover the old primary can still answer while its standby is promoted: `--database-url` and

@@ -10,7 +10,7 @@ use fallible_iterator::FallibleIterator;
 use postgres_protocol::message::{backend, frontend};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio_postgres::config::Host;
+use tokio_postgres::config::{Host, TargetSessionAttrs};
 
 use super::auth::{Answer, AuthError, Authentication, Channel, Request};
 use super::protocol::{self, ServerMessage};
@@ -132,19 +132,51 @@ impl ReplicationConnection {
             .await
             .map_err(ReplicationError::PasswordCommand)?;
         let config = config.as_ref();
-        let (socket, channel) = match open_socket(config).await? {
-            OpenSocket::Tcp { stream, host } => negotiate_tls(stream, &host, url).await?,
-            // libpq does not use TLS on Unix-domain sockets either.
-            #[cfg(unix)]
-            OpenSocket::Unix(stream) => (Box::new(stream) as Box<dyn Socket>, Channel::Plain),
+        // As libpq: hosts in order, each until one answers whose session is what `target_session_attrs`
+        // asks for (read-write: not a standby, nor a server with default_transaction_read_only).
+        let mut first_host = 0;
+        let mut mismatch = None;
+        loop {
+            let (opened, index, target) = match open_socket(config, first_host).await {
+                Ok(found) => found,
+                Err(error) => return Err(mismatch.unwrap_or(error)),
+            };
+            let (socket, channel) = match opened {
+                OpenSocket::Tcp { stream, host } => negotiate_tls(stream, &host, url).await?,
+                // libpq does not use TLS on Unix-domain sockets either.
+                #[cfg(unix)]
+                OpenSocket::Unix(stream) => (Box::new(stream) as Box<dyn Socket>, Channel::Plain),
+            };
+            let mut conn = ReplicationConnection {
+                socket,
+                read_buf: BytesMut::with_capacity(64 * 1024),
+                write_buf: BytesMut::with_capacity(1024),
+            };
+            conn.startup(config, &url.tls.require_auth, channel).await?;
+            let wanted = config.get_target_session_attrs();
+            if conn.session_fits(wanted).await? {
+                return Ok(conn);
+            }
+            mismatch = Some(ReplicationError::Connect {
+                target,
+                source: std::io::Error::other(format!(
+                    "the server's session does not match target_session_attrs ({wanted:?})"
+                )),
+            });
+            first_host = index + 1;
+        }
+    }
+
+    /// Whether the session is what `target_session_attrs` asks for (`transaction_read_only`, as libpq reads it).
+    async fn session_fits(&mut self, wanted: TargetSessionAttrs) -> Result<bool, ReplicationError> {
+        let read_only = match wanted {
+            TargetSessionAttrs::ReadWrite => false,
+            TargetSessionAttrs::ReadOnly => true,
+            _ => return Ok(true),
         };
-        let mut conn = ReplicationConnection {
-            socket,
-            read_buf: BytesMut::with_capacity(64 * 1024),
-            write_buf: BytesMut::with_capacity(1024),
-        };
-        conn.startup(config, &url.tls.require_auth, channel).await?;
-        Ok(conn)
+        let rows = self.simple_query("SHOW transaction_read_only").await?;
+        let value = rows.first().and_then(|row| row.first().cloned().flatten());
+        Ok((value.as_deref() == Some("on")) == read_only)
     }
 
     /// Startup and authentication (see [`Authentication`]). `channel`: the connection's TLS, whose
@@ -541,9 +573,13 @@ fn detect_dead_peer(stream: &TcpStream, config: &tokio_postgres::Config) -> std:
     Ok(())
 }
 
-/// Opens the socket to the first host that answers, as tokio-postgres does for SQL connections: `hostaddr`,
-/// where given, is the address connected to (no name lookup), `host` the name the certificate must carry.
-async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, ReplicationError> {
+/// Opens the socket to the first host from `first_host` on that answers, as tokio-postgres does for SQL
+/// connections: `hostaddr`, where given, is the address connected to (no name lookup), `host` the name the
+/// certificate must carry. Returns the socket, the host's index and its address.
+async fn open_socket(
+    config: &tokio_postgres::Config,
+    first_host: usize,
+) -> Result<(OpenSocket, usize, String), ReplicationError> {
     let addrs = config.get_hostaddrs();
     let default_host = [Host::Tcp(
         addrs
@@ -557,7 +593,7 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, Repl
     };
     let ports = config.get_ports();
     let mut last_error = None;
-    for (index, host) in hosts.iter().enumerate() {
+    for (index, host) in hosts.iter().enumerate().skip(first_host) {
         let port = ports
             .get(index)
             .or_else(|| ports.first())
@@ -591,7 +627,7 @@ async fn open_socket(config: &tokio_postgres::Config) -> Result<OpenSocket, Repl
             }
         };
         match result {
-            Ok(socket) => return Ok(socket),
+            Ok(socket) => return Ok((socket, index, target)),
             Err(source) => last_error = Some(ReplicationError::Connect { target, source }),
         }
     }

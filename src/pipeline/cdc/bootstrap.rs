@@ -17,7 +17,7 @@ use crate::pg::outbox::{self, OutboxSql};
 use crate::pg::replication::{ReplicationConnection, ReplicationStream, SystemIdentity};
 use crate::pg::version::ServerVersion;
 use crate::pg::{self, slot};
-use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory};
+use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory, SlotOnTimeline};
 use crate::sink::Sinks;
 
 /// What a session streams with.
@@ -66,32 +66,56 @@ impl<K: Sinks> CdcPipeline<K> {
         let mut slot_position = existing
             .as_ref()
             .map(|state| state.confirmed_flush().unwrap_or(Lsn::ZERO));
-        // A slot that moved on the old timeline past where the new one began (a synchronised copy on a
-        // standby promoted at a recovery target, or restored) would skip the new timeline's transactions in
-        // between: it is dropped, and a new slot hands the unpublished rows to the polling path. Without
-        // polling columns `history_changed` stops below, naming what may be missing.
-        if let (Some(HistoryChange::NewTimeline { old, new }), Some(position)) =
-            (&change, slot_position)
-        {
-            if crate::pipeline::has_polling_columns(&settings) {
-                let file = conn
-                    .timeline_history(*new)
-                    .await
-                    .map_err(replication_error)?;
-                if let Err(fork) = history::slot_fits_timeline(&file, *old, position) {
-                    tracing::warn!(
-                        slot = %db.slot,
-                        %position,
-                        old_timeline = old,
-                        new_timeline = new,
-                        fork = %fork,
-                        "the replication slot's position lies past where the new timeline left the old one (0/0: the history does not name the old timeline); dropping it so a new slot hands the unpublished rows to the polling path"
-                    );
-                    // What the slot streamed of this timeline ends at the fork at most.
-                    outbox::republish_history_a_lost_slot_owed(&sql, &db.tables, fork).await?;
-                    slot::drop_own_slot(&sql, &db.slot).await?;
-                    existing = None;
-                    slot_position = None;
+        // A slot that moved on another timeline past where this one left it (a synchronised copy on a standby
+        // promoted at a recovery target, a restored copy) would skip this timeline's transactions in between:
+        // it is dropped, and a new slot hands the unpublished rows to the polling path. Judged after a new
+        // timeline since this process streamed, and by a process that never streamed here on a timeline no
+        // outboxd marked (a restart, a standby instance taking over). Without polling columns nothing could
+        // cover a dropped slot: `history_changed` stops below on a change, naming what may be missing.
+        if let (Some(position), true) = (
+            slot_position,
+            crate::pipeline::has_polling_columns(&settings),
+        ) {
+            let moved_on = match &change {
+                Some(HistoryChange::NewTimeline { old, .. }) => Some(Some(*old)),
+                None if self.history.is_none()
+                    && identity.timeline > 1
+                    && !slot::marked_on_timeline(&sql, &db.slot, identity.timeline).await? =>
+                {
+                    Some(None)
+                }
+                _ => None,
+            };
+            if let Some(moved_on) = moved_on {
+                let verdict = if moved_on.is_some_and(|old| old > identity.timeline) {
+                    SlotOnTimeline::OffHistory
+                } else {
+                    let file = conn
+                        .timeline_history(identity.timeline)
+                        .await
+                        .map_err(replication_error)?;
+                    history::slot_on_timeline(&file, moved_on, position)
+                };
+                match verdict {
+                    SlotOnTimeline::Fits => {}
+                    SlotOnTimeline::OffHistory => {
+                        return Err(off_history(&db.slot, moved_on, identity.timeline))
+                    }
+                    SlotOnTimeline::PastFork(fork) => {
+                        tracing::warn!(
+                            slot = %db.slot,
+                            %position,
+                            moved_on_timeline = moved_on.map(|t| t.to_string()).unwrap_or_else(|| "an earlier one".into()),
+                            timeline = identity.timeline,
+                            fork = %fork,
+                            "the replication slot's position lies past where this timeline left the one the slot moved on; dropping it so a new slot hands the unpublished rows to the polling path"
+                        );
+                        // What the slot streamed of this timeline ends at the fork at most.
+                        outbox::republish_history_a_lost_slot_owed(&sql, &db.tables, fork).await?;
+                        slot::drop_own_slot(&sql, &db.slot).await?;
+                        existing = None;
+                        slot_position = None;
+                    }
                 }
             }
         }
@@ -140,8 +164,12 @@ impl<K: Sinks> CdcPipeline<K> {
             .map_err(replication_error)?;
         tracing::info!(slot = %db.slot, %start, server_wal_end = %identity.xlog_position, "streaming from replication slot");
         // This history is the position's from now on (not before: a session that fails before streaming
-        // must not make a slot it never streamed from look like one that vanished).
+        // must not make a slot it never streamed from look like one that vanished). Marked on the server too,
+        // before anything is confirmed, for a process that starts after this one.
         self.history = Some(here.clone());
+        if let Err(error) = slot::mark_on_timeline(&sql, &db.slot, identity.timeline).await {
+            tracing::warn!(%error, slot = %db.slot, timeline = identity.timeline, "could not mark streaming on this timeline (a physical slot that reserves no WAL; max_replication_slots?): a process started later replaces the slot once, handing its unpublished rows to the polling path");
+        }
         // Read only now that this session holds the slot: an instance that led before may have handed off
         // rows until it let go of it.
         let mut gate = blocked_aggregates(&settings, &sql).await?;
@@ -310,6 +338,18 @@ async fn connect(
         });
     }
     Ok((sql, outbox_sql, conn, identity, version))
+}
+
+/// The server is off the history the slot moved on (`moved_on`, when known): nothing is dropped or streamed.
+fn off_history(slot: &str, moved_on: Option<u32>, timeline: u32) -> Error {
+    let moved_on = moved_on
+        .map(|t| format!("timeline {t}"))
+        .unwrap_or_else(|| "an earlier timeline".into());
+    Error::NotReady {
+        problem: format!("the server is on timeline {timeline}, which does not descend from {moved_on}, where replication slot {slot} last moved (an old primary not fenced yet, or a sibling of a split brain)"),
+        fix: "fence the old primary and point --database-url and --replication-url at the promoted server".into(),
+        waiting_for: "the server of the slot's history (a switchover under way)".into(),
+    }
 }
 
 /// Makes the existing slot a failover slot (17+), or not with `--no-failover-slot`, when it is not already.
