@@ -171,8 +171,17 @@ fn spawn_outboxd(url: &str, brokers: &str) -> Outboxd {
     Outboxd::spawn(&args)
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn failover_to_a_lagging_standby_publishes_what_was_committed_on_it() {
+/// A migrated primary with a running physical standby, a broker, and one address that reaches the primary.
+struct PrimaryAndStandby {
+    primary: Postgres,
+    standby: Postgres,
+    _broker: Broker,
+    brokers: String,
+    address: Address,
+    url: String,
+}
+
+fn primary_and_standby() -> PrimaryAndStandby {
     let primary = Postgres::start();
     migrate(&primary);
     let broker = Broker::start();
@@ -181,6 +190,26 @@ async fn failover_to_a_lagging_standby_publishes_what_was_committed_on_it() {
     standby.start_again();
     let address = Address::of(&primary);
     let url = address.url("postgres");
+    PrimaryAndStandby {
+        primary,
+        standby,
+        _broker: broker,
+        brokers,
+        address,
+        url,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_to_a_lagging_standby_publishes_what_was_committed_on_it() {
+    let PrimaryAndStandby {
+        primary,
+        standby,
+        _broker,
+        brokers,
+        address,
+        url,
+    } = primary_and_standby();
     let outboxd = spawn_outboxd(&url, &brokers);
     let primary_client = primary.client().await;
     wait_slot_active(&primary_client, SLOT).await;
@@ -1043,14 +1072,14 @@ async fn slot_past_the_fork(restarted: bool) {
 /// nothing from the old primary, and carries on when the address reaches the promoted server again.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_old_primary_on_an_older_timeline_is_waited_out() {
-    let primary = Postgres::start();
-    migrate(&primary);
-    let broker = Broker::start();
-    let brokers = broker.addr();
-    let standby = primary.basebackup(true);
-    standby.start_again();
-    let address = Address::of(&primary);
-    let url = address.url("postgres");
+    let PrimaryAndStandby {
+        primary,
+        standby,
+        _broker,
+        brokers,
+        address,
+        url,
+    } = primary_and_standby();
     let mut outboxd = spawn_outboxd(&url, &brokers);
     let mut primary_client = primary.client().await;
     wait_slot_active(&primary_client, SLOT).await;
@@ -1101,16 +1130,9 @@ async fn an_old_primary_on_an_older_timeline_is_waited_out() {
     let report = check_delivery(&records, &committed, &[]);
     assert_eq!(report.missing, 0, "{report:?}");
     assert_eq!(report.order_violations, 0, "{report:?}");
-    let unpublished_on_the_old_primary: i64 = primary_client
-        .query_one(
-            "SELECT count(*) FROM outbox_event WHERE published_at IS NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
     assert_eq!(
-        unpublished_on_the_old_primary, 4,
+        unpublished(&primary_client).await,
+        4,
         "the old primary's writes after the promotion were not published"
     );
 }
