@@ -392,11 +392,36 @@ pub fn timeline_marker(slot: &str, timeline: u32) -> String {
     format!("{}_tl{timeline}", &slot[..slot.len().min(50)])
 }
 
-/// Whether a session of outboxd streamed `slot` on `timeline` of this server (its mark exists).
+/// Whether a session of outboxd streamed `slot` on `timeline` of this server (its mark exists: a physical
+/// slot of that name that reserves no WAL).
 pub async fn marked_on_timeline(client: &Client, slot: &str, timeline: u32) -> Result<bool> {
-    Ok(slot_state(client, &timeline_marker(slot, timeline))
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_replication_slots
+                             WHERE slot_name = $1 AND slot_type = 'physical' AND restart_lsn IS NULL)",
+            &[&timeline_marker(slot, timeline)],
+        )
         .await?
-        .is_some())
+        .get(0))
+}
+
+/// Replacing `slot` takes two slots once it is dropped (the creation marker and the new slot): refuses, with
+/// the fix, when the server could not give them, before the slot is dropped.
+pub async fn check_free_slot_to_replace(client: &Client, slot: &str) -> Result<()> {
+    let free: i64 = client
+        .query_one(
+            "SELECT current_setting('max_replication_slots')::int8 - count(*) FROM pg_replication_slots",
+            &[],
+        )
+        .await?
+        .get(0);
+    if free < 1 {
+        return Err(Error::setup(
+            format!("replication slot {slot} has to be replaced, which takes one free replication slot besides it, and max_replication_slots leaves none"),
+            "raise max_replication_slots by one (a restart of PostgreSQL), or drop a slot nothing uses",
+        ));
+    }
+    Ok(())
 }
 
 /// Marks that this session streams `slot` on `timeline` (after the first), and drops the marks of other
@@ -415,7 +440,7 @@ pub async fn mark_on_timeline(client: &Client, slot: &str, timeline: u32) -> Res
     client
         .execute(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
-              WHERE slot_type = 'physical' AND NOT active AND slot_name <> $2
+              WHERE slot_type = 'physical' AND NOT active AND restart_lsn IS NULL AND slot_name <> $2
                 AND starts_with(slot_name, $1) AND substr(slot_name, length($1) + 1) ~ '^[0-9]+$'",
             &[&prefix, &mark],
         )

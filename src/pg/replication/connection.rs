@@ -141,30 +141,45 @@ impl ReplicationConnection {
                 Ok(found) => found,
                 Err(error) => return Err(mismatch.unwrap_or(error)),
             };
-            let (socket, channel) = match opened {
-                OpenSocket::Tcp { stream, host } => negotiate_tls(stream, &host, url).await?,
-                // libpq does not use TLS on Unix-domain sockets either.
-                #[cfg(unix)]
-                OpenSocket::Unix(stream) => (Box::new(stream) as Box<dyn Socket>, Channel::Plain),
-            };
-            let mut conn = ReplicationConnection {
-                socket,
-                read_buf: BytesMut::with_capacity(64 * 1024),
-                write_buf: BytesMut::with_capacity(1024),
-            };
-            conn.startup(config, &url.tls.require_auth, channel).await?;
-            let wanted = config.get_target_session_attrs();
-            if conn.session_fits(wanted).await? {
-                return Ok(conn);
-            }
-            mismatch = Some(ReplicationError::Connect {
-                target,
-                source: std::io::Error::other(format!(
-                    "the server's session does not match target_session_attrs ({wanted:?})"
-                )),
-            });
             first_host = index + 1;
+            let wanted = config.get_target_session_attrs();
+            // A host that fails (TLS, authentication, starting up) or whose session does not fit: the next
+            // one, as tokio-postgres does for the SQL connection; the last failure is returned.
+            match Self::start_on(opened, config, url).await {
+                Ok(mut conn) => match conn.session_fits(wanted).await {
+                    Ok(true) => return Ok(conn),
+                    Ok(false) => mismatch = Some(ReplicationError::Connect {
+                        target,
+                        source: std::io::Error::other(format!(
+                            "the server's session does not match target_session_attrs ({wanted:?})"
+                        )),
+                    }),
+                    Err(error) => mismatch = Some(error),
+                },
+                Err(error) => mismatch = Some(error),
+            }
         }
+    }
+
+    /// TLS (as the URL asks), startup and authentication on an opened socket.
+    async fn start_on(
+        opened: OpenSocket,
+        config: &tokio_postgres::Config,
+        url: &PgUrl,
+    ) -> Result<Self, ReplicationError> {
+        let (socket, channel) = match opened {
+            OpenSocket::Tcp { stream, host } => negotiate_tls(stream, &host, url).await?,
+            // libpq does not use TLS on Unix-domain sockets either.
+            #[cfg(unix)]
+            OpenSocket::Unix(stream) => (Box::new(stream) as Box<dyn Socket>, Channel::Plain),
+        };
+        let mut conn = ReplicationConnection {
+            socket,
+            read_buf: BytesMut::with_capacity(64 * 1024),
+            write_buf: BytesMut::with_capacity(1024),
+        };
+        conn.startup(config, &url.tls.require_auth, channel).await?;
+        Ok(conn)
     }
 
     /// Whether the session is what `target_session_attrs` asks for (`transaction_read_only`, as libpq reads it).

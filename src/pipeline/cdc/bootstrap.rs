@@ -66,24 +66,22 @@ impl<K: Sinks> CdcPipeline<K> {
         let mut slot_position = existing
             .as_ref()
             .map(|state| state.confirmed_flush().unwrap_or(Lsn::ZERO));
-        // A slot that moved on another timeline past where this one left it (a synchronised copy on a standby
-        // promoted at a recovery target, a restored copy) would skip this timeline's transactions in between:
-        // it is dropped, and a new slot hands the unpublished rows to the polling path. Judged after a new
-        // timeline since this process streamed, and by a process that never streamed here on a timeline no
-        // outboxd marked (a restart, a standby instance taking over). Without polling columns nothing could
-        // cover a dropped slot: `history_changed` stops below on a change, naming what may be missing.
-        if let (Some(position), true) = (
-            slot_position,
-            crate::pipeline::has_polling_columns(&settings),
-        ) {
+        // A slot that moved on another timeline past where this one left it would skip this timeline's
+        // transactions in between: a synchronised copy (PostgreSQL checks a copy against the WAL its standby
+        // flushed, not what it replayed) on a standby promoted at a recovery target, or a restored copy of
+        // one. Judged after a new timeline since this process streamed (any slot), and, by a process that
+        // did not stream here (a restart, a standby instance taking over), for a synchronised copy; never on
+        // a timeline where outboxd marked streaming (the slot moved on it). A slot that does not fit is
+        // dropped and a new slot hands the unpublished rows to the polling path; without polling columns
+        // nothing could cover it, and outboxd stops, naming why.
+        if let Some(position) = slot_position {
+            let synced = existing.as_ref().is_some_and(|s| s.synced == Some(true));
+            let marked = identity.timeline > 1
+                && slot::marked_on_timeline(&sql, &db.slot, identity.timeline).await?;
             let moved_on = match &change {
+                _ if marked => None,
                 Some(HistoryChange::NewTimeline { old, .. }) => Some(Some(*old)),
-                None if self.history.is_none()
-                    && identity.timeline > 1
-                    && !slot::marked_on_timeline(&sql, &db.slot, identity.timeline).await? =>
-                {
-                    Some(None)
-                }
+                None if self.history.is_none() && identity.timeline > 1 && synced => Some(None),
                 _ => None,
             };
             if let Some(moved_on) = moved_on {
@@ -102,13 +100,14 @@ impl<K: Sinks> CdcPipeline<K> {
                         return Err(off_history(&db.slot, moved_on, identity.timeline))
                     }
                     SlotOnTimeline::PastFork(fork) => {
+                        let problem = format!("replication slot {} is at {position}, past {fork}, where timeline {} left the timeline the slot moved on: streaming from it would skip this timeline's transactions in between", db.slot, identity.timeline);
+                        if !crate::pipeline::has_polling_columns(&settings) {
+                            return Err(Error::setup(problem, "publish (or re-insert) the rows committed on this timeline since it began yourself, drop the slot, then restart outboxd; `outboxd migrate --add-polling-columns` lets outboxd cover such gaps by itself"));
+                        }
+                        slot::check_free_slot_to_replace(&sql, &db.slot).await?;
                         tracing::warn!(
-                            slot = %db.slot,
-                            %position,
-                            moved_on_timeline = moved_on.map(|t| t.to_string()).unwrap_or_else(|| "an earlier one".into()),
-                            timeline = identity.timeline,
-                            fork = %fork,
-                            "the replication slot's position lies past where this timeline left the one the slot moved on; dropping it so a new slot hands the unpublished rows to the polling path"
+                            %problem,
+                            "dropping the replication slot so a new slot hands the unpublished rows to the polling path"
                         );
                         // What the slot streamed of this timeline ends at the fork at most.
                         outbox::republish_history_a_lost_slot_owed(&sql, &db.tables, fork).await?;
