@@ -905,7 +905,8 @@ async fn promotion(synced_copy: bool) {
         wait_all_published(&standby_client, Duration::from_secs(60)).await;
         let log = restarted.log_text();
         assert!(
-            !log.contains("created replication slot") && !log.contains("dropping the replication slot"),
+            !log.contains("created replication slot")
+                && !log.contains("dropping the replication slot"),
             "the restarted process kept the slot"
         );
     } else {

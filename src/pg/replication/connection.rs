@@ -148,12 +148,14 @@ impl ReplicationConnection {
             match Self::start_on(opened, config, url).await {
                 Ok(mut conn) => match conn.session_fits(wanted).await {
                     Ok(true) => return Ok(conn),
-                    Ok(false) => mismatch = Some(ReplicationError::Connect {
-                        target,
-                        source: std::io::Error::other(format!(
+                    Ok(false) => {
+                        mismatch = Some(ReplicationError::Connect {
+                            target,
+                            source: std::io::Error::other(format!(
                             "the server's session does not match target_session_attrs ({wanted:?})"
                         )),
-                    }),
+                        })
+                    }
                     Err(error) => mismatch = Some(error),
                 },
                 Err(error) => mismatch = Some(error),
