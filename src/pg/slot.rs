@@ -1,5 +1,6 @@
 //! Pre-flight checks and slot bookkeeping over ordinary SQL: server settings, the outbox table's columns,
-//! the publication, and the replication slot's state. Each failed check names the problem and the fix.
+//! the publication, and the replication slot's state, with the physical slots outboxd uses as marks
+//! (a creation under way, streaming on a timeline). Each failed check names the problem and the fix.
 //! Creating the slot itself needs the replication connection (see `pipeline::cdc`).
 
 use tokio_postgres::{Client, GenericClient};

@@ -4,7 +4,9 @@
 //! timeline (`IDENTIFY_SYSTEM`). A failover to a standby, a restore from a backup or another cluster behind
 //! the same URL presents a different history, and START_REPLICATION at the old position would be honoured
 //! there, silently skipping everything in between. This module decides when the old position must be
-//! dropped; `cdc` does the I/O (identify, slot, snapshot hand-off) and logs what [`judge`] found. Owns no I/O.
+//! dropped, and whether a slot's own position fits the timeline a session reached (`TIMELINE_HISTORY`,
+//! [`slot_on_timeline`]); `cdc` does the I/O (identify, slot, snapshot hand-off) and logs what it found. Owns
+//! no I/O.
 
 use std::fmt;
 
