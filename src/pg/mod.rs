@@ -59,8 +59,15 @@ impl PgUrl {
 /// path (as the replication connection decodes it), and times read as text are ISO.
 const SESSION_TIME: &str = "SET datestyle = 'ISO'; SET TIME ZONE 'UTC'";
 
+/// outboxd's own statements are bounded by outboxd (claims and lookups by their `LIMIT`s, figures by
+/// [`connect_for_figures`]): a `statement_timeout` set for the role or the database (as DBAs set for
+/// application roles) would cancel a claim or a hand-off lookup over a large backlog at every try, and
+/// each cancel ends a replication session or a poll round that then only begins again.
+const NO_STATEMENT_TIMEOUT: &str = "SET statement_timeout = 0";
+
 /// Opens an ordinary SQL connection and drives it on a background task. Its commits are durable when
-/// they return (see [`DURABLE_COMMITS`]); its times are UTC (see [`SESSION_TIME`]).
+/// they return (see [`DURABLE_COMMITS`]); its times are UTC (see [`SESSION_TIME`]); its statements are not
+/// cut short by a role's `statement_timeout` (see [`NO_STATEMENT_TIMEOUT`]).
 pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
     let (client, connection) = url.connect_raw().await?;
     tokio::spawn(async move {
@@ -69,7 +76,9 @@ pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
         }
     });
     client
-        .batch_execute(&format!("{DURABLE_COMMITS}; {SESSION_TIME}"))
+        .batch_execute(&format!(
+            "{DURABLE_COMMITS}; {SESSION_TIME}; {NO_STATEMENT_TIMEOUT}"
+        ))
         .await?;
     Ok(client)
 }

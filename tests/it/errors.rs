@@ -283,7 +283,11 @@ fn kafka_option_errors_never_show_the_value() {
     }
     // A comma inside a secret's value keeps it whole, also before `name=` where librdkafka knows no such
     // property (it would name that piece of the password as unknown).
-    let output = outboxd_command(&run_args(&pg.url(), NO_BROKER))
+    let url = pg.url();
+    let mut args = run_args(&url, NO_BROKER);
+    // Valid options: outboxd fails on the missing broker, after this timeout.
+    args.extend(["--startup-timeout", "2s"]);
+    let output = outboxd_command(&args)
         .env("OUTBOXD_KAFKA_OPTION", "sasl.password=Hunter2,secret,z9=Q")
         .output()
         .unwrap();
@@ -294,9 +298,10 @@ fn kafka_option_errors_never_show_the_value() {
         "a comma inside a value keeps it whole: {stderr}"
     );
     // A mistyped property of its own is named, the password given before it is not shown.
-    let url = pg.url();
     let mut args = run_args(&url, NO_BROKER);
     args.extend([
+        "--startup-timeout",
+        "2s",
         "--kafka-option",
         "sasl.password=Hunter2,secret",
         "--kafka-option",

@@ -1146,7 +1146,8 @@ async fn a_row_without_event_id_is_dead_lettered_by_the_unordered_claim() {
 
 /// Review F15: a role-level `statement_timeout` (as DBAs set for application roles) shorter than numbering a
 /// large history of rows without a position: outboxd lifts it for that one piece of maintenance, on the
-/// polling path and in the slot's hand-off, instead of failing and retrying it forever.
+/// polling path and in the slot's hand-off, instead of failing and retrying it forever; and for its
+/// other statements over that backlog (claims, hand-off lookups), which it bounds itself.
 async fn a_role_statement_timeout_never_stops_the_numbering(mode: &str) {
     let (pg, broker, client) = stack_with(CDC_ONLY_TABLE).await;
     client
@@ -1188,6 +1189,30 @@ async fn a_role_statement_timeout_never_stops_the_numbering(mode: &str) {
     .await;
     let log = outboxd.log_text();
     assert!(!log.contains("statement timeout"), "{log}");
+    // Nor is any other statement of outboxd's cut short and tried again (a claim or a hand-off lookup over
+    // the 300,000 rows) while it publishes the first 20,000: the server logs each cancel.
+    wait_for_async(
+        "20,000 rows to be published",
+        Duration::from_secs(120),
+        || async {
+            let published: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (published >= 20_000).then_some(())
+        },
+    )
+    .await;
+    let server_log = std::fs::read_to_string(pg.dir.join("server.log")).unwrap_or_default();
+    let cancelled: Vec<&str> = server_log
+        .lines()
+        .filter(|line| line.contains("canceling statement due to statement timeout"))
+        .collect();
+    assert!(cancelled.is_empty(), "{server_log}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -73,8 +73,14 @@ free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-new_cluster_id() {
-  java -cp "$KAFKA_LIB/*" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1
+# new_uuid: a random Kafka Uuid as StorageTool random-uuid prints it (a version 4 UUID, URL-safe base64
+# without padding, never starting with "-"), without starting a JVM for it.
+new_uuid() {
+  python3 -c 'import base64, uuid
+while True:
+    s = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    if not s.startswith("-"): break
+print(s)'
 }
 
 # write_node_config DIR NODE_ID PORT ADVERTISED_PORT CONTROLLER_PORT VOTERS REPLICATION [PLAINTEXT_PORT]
@@ -133,14 +139,54 @@ appender.file.layout.pattern=[%d] %p %m (%c)%n
 EOF
 }
 
-# format_node DIR CLUSTER_ID [STORAGE_TOOL_ARGS...]: once per storage directory.
+# format_node DIR CLUSTER_ID [STORAGE_TOOL_ARGS...]: once per storage directory. With STORAGE_TOOL_ARGS
+# (e.g. --add-scram) StorageTool formats it; without, the formatted state is a copy of the bootstrap
+# checkpoint StorageTool wrote once for this Kafka version (feature levels only: no cluster or node id) and a
+# meta.properties of our own, which saves a JVM start per broker the tests start.
 format_node() {
   local dir="$1" cluster_id="$2"
   shift 2
   if [ -f "$dir/data/meta.properties" ]; then return 0; fi
+  if [ $# -gt 0 ]; then
+    storage_tool_format "$dir" "$cluster_id" "$@"
+    return 0
+  fi
+  local template
+  template="$(bootstrap_template "$dir")"
+  mkdir -p "$dir/data"
+  cp "$template/bootstrap.checkpoint" "$dir/data/"
+  local node_id
+  node_id="$(sed -n 's/^node.id=//p' "$dir/server.properties")"
+  printf 'node.id=%s\ndirectory.id=%s\nversion=1\ncluster.id=%s\n' "$node_id" "$(new_uuid)" "$cluster_id" \
+    >"$dir/data/meta.properties"
+}
+
+storage_tool_format() {
+  local dir="$1" cluster_id="$2"
+  shift 2
   java -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$KAFKA_LIB/*" \
     kafka.tools.StorageTool format -t "$cluster_id" -c "$dir/server.properties" "$@" >"$dir/format.log" 2>&1 \
     || { cat "$dir/format.log" >&2; exit 1; }
+}
+
+# bootstrap_template NODE_DIR: the cache directory holding the bootstrap checkpoint StorageTool writes for
+# this Kafka version (made once, from NODE_DIR's configuration); prints its path.
+bootstrap_template() {
+  local template
+  template="$(dirname "$KAFKA_LIB")/bootstrap"
+  if [ ! -f "$template/bootstrap.checkpoint" ]; then
+    local partial
+    partial="$(mktemp -d "$template.partial.XXXXXX")"
+    sed "s|^log.dirs=.*|log.dirs=$partial/data|" "$1/server.properties" >"$partial/server.properties"
+    cp "$1/log4j2.properties" "$partial/"
+    storage_tool_format "$partial" "$(new_uuid)" >&2
+    mkdir -p "$partial/out"
+    cp "$partial/data/bootstrap.checkpoint" "$partial/out/"
+    # Another test may have made it at the same moment: keep whichever landed first.
+    mv -T "$partial/out" "$template" 2>/dev/null || true
+    rm -rf "$partial"
+  fi
+  echo "$template"
 }
 
 KEYSTORE_PASSWORD=test-keystore
@@ -257,7 +303,7 @@ case "$cmd" in
     if [ ! -f "$dir/server.properties" ]; then
       controller="$(free_port)"
       write_node_config "$dir" 1 "$port" "$advertised" "$controller" "1@127.0.0.1:$controller" 1
-      format_node "$dir" "$(new_cluster_id)"
+      format_node "$dir" "$(new_uuid)"
     fi
     launch_node "$dir"
     ;;
@@ -269,7 +315,7 @@ case "$cmd" in
     dir="$(cd "$dir" && pwd)"
     controllers=("$(free_port)" "$(free_port)" "$(free_port)")
     voters="1@127.0.0.1:${controllers[0]},2@127.0.0.1:${controllers[1]},3@127.0.0.1:${controllers[2]}"
-    cluster_id="$(new_cluster_id)"
+    cluster_id="$(new_uuid)"
     for n in 1 2 3; do
       node="$dir/node$n"
       mkdir -p "$node"
@@ -310,7 +356,7 @@ appender.stderr.target=SYSTEM_ERR
 appender.stderr.layout.type=PatternLayout
 appender.stderr.layout.pattern=%p %m (%c)%n
 EOF
-      format_node "$dir" "$(new_cluster_id)" --add-scram "SCRAM-SHA-512=[name=admin,password=$ADMIN_PASSWORD]"
+      format_node "$dir" "$(new_uuid)" --add-scram "SCRAM-SHA-512=[name=admin,password=$ADMIN_PASSWORD]"
     fi
     admin_tool >/dev/null
     launch_node "$dir"
