@@ -60,14 +60,16 @@ impl PgUrl {
 const SESSION_TIME: &str = "SET datestyle = 'ISO'; SET TIME ZONE 'UTC'";
 
 /// outboxd's own statements are bounded by outboxd (claims and lookups by their `LIMIT`s, figures by
-/// [`connect_for_figures`]): a `statement_timeout` set for the role or the database (as DBAs set for
-/// application roles) would cancel a claim or a hand-off lookup over a large backlog at every try, and
-/// each cancel ends a replication session or a poll round that then only begins again.
-const NO_STATEMENT_TIMEOUT: &str = "SET statement_timeout = 0";
+/// [`connect_for_figures`]): a `statement_timeout` set for the role, the database or the server (as DBAs
+/// set for application roles) would cancel a claim or a hand-off lookup over a large backlog at every try,
+/// and each cancel ends a replication session or a poll round that then only begins again. One set in
+/// outboxd's own URL (`options=-c statement_timeout=...`, source `client`) was asked for, and is kept.
+const NO_STATEMENT_TIMEOUT: &str = "SELECT set_config('statement_timeout', '0', false)
+     FROM pg_catalog.pg_settings WHERE name = 'statement_timeout' AND source <> 'client'";
 
 /// Opens an ordinary SQL connection and drives it on a background task. Its commits are durable when
 /// they return (see [`DURABLE_COMMITS`]); its times are UTC (see [`SESSION_TIME`]); its statements are not
-/// cut short by a role's `statement_timeout` (see [`NO_STATEMENT_TIMEOUT`]).
+/// cut short by a role's `statement_timeout` unless its URL asks for one (see [`NO_STATEMENT_TIMEOUT`]).
 pub async fn connect(url: &PgUrl) -> Result<tokio_postgres::Client> {
     let (client, connection) = url.connect_raw().await?;
     tokio::spawn(async move {

@@ -69,8 +69,21 @@ require_kafka() {
   }
 }
 
+# free_port: a port nothing listens on, from 10000..20000: below the kernel's ephemeral range, whose ports
+# outgoing connections take meanwhile (the tests' own servers get theirs from 20000..32768, support/mod.rs).
 free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  python3 -c 'import random, socket
+for _ in range(1000):
+    port = random.randrange(10000, 20000)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    print(port)
+    break
+else:
+    raise SystemExit("no free port in 10000..20000")'
 }
 
 # new_uuid: a random Kafka Uuid as StorageTool random-uuid prints it (a version 4 UUID, URL-safe base64
