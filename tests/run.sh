@@ -29,11 +29,6 @@ core=(
   failover::a_promoted_standby_continues_from_the_failover_slot_synchronised_to_it
   failover::a_promoted_standby_without_a_copy_of_the_slot_hands_the_gap_off
 )
-# Tests spend most of their time waiting on servers (a broker or PostgreSQL starting, a timeout running out):
-# two per core keep the CPU busy (about half of it idles with one per core), at most 8 (each test may
-# start a broker JVM of 512 MB). RUST_TEST_THREADS overrides it.
-RUST_TEST_THREADS="${RUST_TEST_THREADS:-$(( $(nproc) * 2 > 8 ? 8 : $(nproc) * 2 ))}"
-export RUST_TEST_THREADS
 status=0
 # The whole suite on the default major (OUTBOXD_PG_MAJOR, env.sh)...
 echo "== PostgreSQL $PG_MAJOR: every test"
