@@ -26,7 +26,7 @@ fn support_script(name: &str) -> PathBuf {
 }
 
 /// A port nothing listens on, for a server a test starts. Taken from 20000..32768, below Linux's ephemeral
-/// range (32768..61000): a port the kernel hands out (bind to port 0, as this did before) is also the
+/// range (32768..61000): a port the kernel hands out (bind to port 0) is also the
 /// source port of the next outgoing connection, and with several tests at once a broker or PostgreSQL
 /// started a moment later found it taken. Each call of this process moves on to the next port, so two
 /// tests never get the same one; `kafka.sh` takes its controller ports from 10000..20000.
