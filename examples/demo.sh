@@ -3,17 +3,19 @@
 # Apache Kafka broker (KRaft), migrations, outboxd, and an "order service" inserting orders with their
 # outbox events in one transaction. Shows the events arriving in Kafka and outboxd's status, then stops
 # everything it started.
-#   bash examples/demo.sh            (ports: DEMO_PG_PORT=55432, DEMO_BROKER_PORT=59092;
+#   bash examples/demo.sh            (ports: DEMO_PG_PORT=7432, DEMO_BROKER_PORT=7092, DEMO_METRICS_PORT=7187;
 #                                     DEMO_PROFILE=dev uses the debug build instead of the release one)
+# The default ports are below Linux's ephemeral range (32768..61000): a port in it can be the source port of
+# some outgoing connection at the moment the broker binds it (CI once failed so on 59092).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 support=tests/support
 bash "$support/install-deps.sh"
 
 work="${DEMO_DIR:-/tmp/outboxd-demo}"
-pg_port="${DEMO_PG_PORT:-55432}"
-broker_port="${DEMO_BROKER_PORT:-59092}"
-metrics_port="${DEMO_METRICS_PORT:-59187}"
+pg_port="${DEMO_PG_PORT:-7432}"
+broker_port="${DEMO_BROKER_PORT:-7092}"
+metrics_port="${DEMO_METRICS_PORT:-7187}"
 case "${DEMO_PROFILE:-release}" in
   release) build_flags=(--release) bin=target/release ;;
   dev) build_flags=() bin=target/debug ;;
@@ -50,6 +52,18 @@ expect_published() {
     exit 1
   fi
 }
+
+# Fails, naming the variable to change, when something already holds one of the demo's ports.
+for var in DEMO_PG_PORT:$pg_port DEMO_BROKER_PORT:$broker_port DEMO_METRICS_PORT:$metrics_port; do
+  # SO_REUSEADDR as the servers bind: a connection of the last run in TIME_WAIT does not hold the port.
+  if ! python3 -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))' "${var#*:}" 2>/dev/null; then
+    echo "port ${var#*:} is in use on 127.0.0.1: stop what holds it or pick another, e.g. ${var%%:*}=$((${var#*:} + 1)) bash examples/demo.sh" >&2
+    exit 1
+  fi
+done
 
 rm -rf "$work" && mkdir -p "$work"
 echo "== building outboxd (${DEMO_PROFILE:-release})"

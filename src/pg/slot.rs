@@ -390,7 +390,28 @@ pub async fn drop_own_slot(client: &Client, slot: &str) -> Result<()> {
 /// had the slot moved by outboxd there, so the slot is trusted only up to where that timeline began. Only
 /// timelines after the first are marked (timeline 1 began with the cluster).
 pub fn timeline_marker(slot: &str, timeline: u32) -> String {
-    format!("{}_tl{timeline}", &slot[..slot.len().min(50)])
+    format!("{}{timeline}", timeline_marker_prefix(slot))
+}
+
+/// What every timeline mark of `slot` starts with.
+fn timeline_marker_prefix(slot: &str) -> String {
+    format!("{}_tl", marker_base(slot))
+}
+
+/// The part of a marker's name that stands for `slot`: the name itself up to 50 characters, so that a suffix
+/// (`_creating`, `_tl` and a timeline) fits PostgreSQL's 63; a longer name keeps its first 41 and a hash of
+/// the whole, so that two slots sharing their first 50 characters never share marks. Slot names are ASCII
+/// (PostgreSQL allows `[a-z0-9_]`), so cutting bytes is safe.
+fn marker_base(slot: &str) -> String {
+    const FITS: usize = 50;
+    if slot.len() <= FITS {
+        return slot.to_string();
+    }
+    // FNV-1a: stable across releases and platforms (a mark is read back by later versions of outboxd).
+    let hash = slot.bytes().fold(0x811c_9dc5_u32, |hash, byte| {
+        (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193)
+    });
+    format!("{}_{hash:08x}", &slot[..FITS - 9])
 }
 
 /// Whether a session of outboxd streamed `slot` on `timeline` of this server (its mark exists: a physical
@@ -437,7 +458,7 @@ pub async fn mark_on_timeline(client: &Client, slot: &str, timeline: u32) -> Res
             .execute("SELECT pg_create_physical_replication_slot($1)", &[&mark])
             .await?;
     }
-    let prefix = format!("{}_tl", &slot[..slot.len().min(50)]);
+    let prefix = timeline_marker_prefix(slot);
     client
         .execute(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
@@ -512,9 +533,9 @@ pub fn leadership_application_name(role: LeadershipRole, slot: &str) -> String {
 }
 
 /// The physical slot that marks "slot `slot` is being created and the hand-off of the rows older than it is
-/// not committed yet". It reserves no WAL. Slot names are ASCII, so cutting bytes is safe.
+/// not committed yet". It reserves no WAL.
 pub fn creation_marker(slot: &str) -> String {
-    format!("{}_creating", &slot[..slot.len().min(54)])
+    format!("{}_creating", marker_base(slot))
 }
 
 /// Whether `slot` is being created (its creation marker exists): its hand-off may not be committed yet.
@@ -608,4 +629,31 @@ pub async fn check_existing_slot(client: &Client, slot: &str) -> Result<Option<S
         ));
     }
     Ok(Some(state))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn markers_of_short_names_are_the_name_and_a_suffix() {
+        assert_eq!(timeline_marker("outboxd", 3), "outboxd_tl3");
+        assert_eq!(creation_marker("outboxd"), "outboxd_creating");
+        let fifty = "s".repeat(50);
+        assert_eq!(creation_marker(&fifty), format!("{fifty}_creating"));
+    }
+
+    #[test]
+    fn long_names_sharing_their_first_fifty_characters_never_share_marks() {
+        let common = "orders_service_outbox_relay_to_kafka_cluster_eu_we";
+        let (a, b) = (format!("{common}st_1"), format!("{common}st_2"));
+        assert_ne!(timeline_marker(&a, 2), timeline_marker(&b, 2));
+        assert_ne!(creation_marker(&a), creation_marker(&b));
+        let longest = "x".repeat(63);
+        for name in [a.as_str(), b.as_str(), longest.as_str()] {
+            assert!(timeline_marker(name, u32::MAX).len() <= 63, "{name}");
+            assert!(creation_marker(name).len() <= 63, "{name}");
+            assert!(timeline_marker(name, 7).starts_with(&timeline_marker_prefix(name)));
+        }
+    }
 }

@@ -4,7 +4,6 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,6 +15,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 pub mod in_process;
+mod ports;
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
@@ -25,30 +25,9 @@ fn support_script(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A port nothing listens on, for a server a test starts. Taken from 20000..32768, below Linux's ephemeral
-/// range (32768..61000): a port the kernel hands out (bind to port 0) is also the
-/// source port of the next outgoing connection, and with several tests at once a broker or PostgreSQL
-/// started a moment later found it taken. Each call of this process moves on to the next port, so two
-/// tests never get the same one; `kafka.sh` takes its controller ports from 10000..20000.
+/// A port nothing listens on, for a server a test starts (see `ports.rs` for the range and why).
 pub fn free_port() -> u16 {
-    const FIRST: u32 = 20_000;
-    const COUNT: u32 = 12_768;
-    static NEXT: AtomicUsize = AtomicUsize::new(usize::MAX);
-    let start = std::process::id().wrapping_mul(7_919) % COUNT;
-    let _ = NEXT.compare_exchange(
-        usize::MAX,
-        start as usize,
-        Ordering::SeqCst,
-        Ordering::SeqCst,
-    );
-    for _ in 0..COUNT {
-        let n = NEXT.fetch_add(1, Ordering::SeqCst) as u32;
-        let port = (FIRST + n % COUNT) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port in {FIRST}..{}", FIRST + COUNT);
+    ports::free_port().expect("no port for a test server")
 }
 
 pub fn scratch_dir(kind: &str) -> PathBuf {

@@ -16,6 +16,9 @@
 //!     cargo run --release --bin outboxd-bench -- --soak  # memory over 10 million events per run (`soak`)
 
 mod observe;
+// The tests' port picker: ports below the ephemeral range (why: the file's doc comment).
+#[path = "../../../tests/support/ports.rs"]
+mod ports;
 mod scenarios;
 mod soak;
 mod stack;

@@ -2,7 +2,6 @@
 //! use (`tests/support/*.sh`), outboxd processes, and what `/proc` says about them. Everything started here
 //! is stopped on drop, by PID. No measurement logic.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -29,7 +28,7 @@ fn run_script(name: &str, args: &[&str]) -> BenchResult<()> {
 }
 
 pub fn free_port() -> BenchResult<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(crate::ports::free_port()?)
 }
 
 /// PostgreSQL (wal_level=logical) and a broker, in `dir`.
