@@ -1,5 +1,6 @@
 //! Backfill: turns broker acknowledgements into `published_at` writes, one UPDATE per batch, and reports
-//! each event as finished only after its row is written (so the slot never runs ahead of the table).
+//! each event as finished only after its row is written (so the slot never runs ahead of the table, nor a
+//! standby's copy of a failover slot ahead of the standby's table).
 //!
 //! Failed deliveries go to the session as they are (it hands refused events to the polling path and
 //! re-sends the rest). Any database failure ends the session instead of being retried here: while
@@ -16,6 +17,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::event::RowImage;
+use crate::pg::failover::StandbysFor;
 use crate::pg::{self, outbox, outbox::OutboxSql};
 use crate::pipeline::watermark::TxnId;
 use crate::sink::Delivery;
@@ -76,6 +78,7 @@ pub enum Finished {
 /// The backfill task: writes the marks of acknowledged events in batches and reports what finished.
 pub async fn run(
     database_url: crate::pg::PgUrl,
+    slot: String,
     tables: Vec<OutboxTable>,
     mut deliveries: UnboundedReceiver<Delivery<CdcTag>>,
     finished: UnboundedSender<Finished>,
@@ -121,7 +124,14 @@ pub async fn run(
                 if of_table.is_empty() {
                     continue;
                 }
-                let written = write_batch(client, &tables[table], sql, &of_table, &hand_off_rows);
+                let written = write_batch(
+                    client,
+                    &slot,
+                    &tables[table],
+                    sql,
+                    &of_table,
+                    &hand_off_rows,
+                );
                 if let Err(error) = written.await {
                     let _ = finished.send(Finished::Failed(error));
                     return;
@@ -138,6 +148,7 @@ pub async fn run(
 /// Writes `published_at` for the acknowledged events of the batch, and `handoff_at` for the handed-off ones.
 async fn write_batch(
     client: &mut tokio_postgres::Client,
+    slot: &str,
     table: &OutboxTable,
     sql: &OutboxSql,
     batch: &[&Delivery<CdcTag>],
@@ -157,6 +168,9 @@ async fn write_batch(
     let handed_off = of(true);
     if !handed_off.is_empty() {
         hand_off_together(client, table, sql, handed_off, hand_off_rows).await?;
+        // Reported finished (and so confirmed past) only once no standby can promote without it.
+        pg::failover::wait_for_synchronized_standbys(client, StandbysFor::FailoverSlot(slot))
+            .await?;
     }
     Ok(())
 }

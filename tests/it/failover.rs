@@ -922,6 +922,259 @@ async fn promotion(synced_copy: bool) {
     }
 }
 
+/// A primary (17+) whose physical standby keeps a synchronised copy of the failover slot, protected by
+/// `synchronized_standby_slots`, with a gate on the primary: a trigger holds every hand-off (an UPDATE that
+/// sets `handoff_at`) while a session holds the gate's advisory lock (no transaction: a slot being created
+/// waits for every running one). `None` before 17.
+struct ProtectedStandby {
+    primary: Postgres,
+    standby: Postgres,
+    primary_client: tokio_postgres::Client,
+    standby_client: tokio_postgres::Client,
+    /// The standby's physical slot on the primary.
+    physical: String,
+    broker: Broker,
+}
+
+async fn protected_standby_with_hand_off_gate() -> Option<ProtectedStandby> {
+    let primary = Postgres::start();
+    migrate(&primary);
+    let primary_client = primary.client().await;
+    let major = server_major(&primary_client).await;
+    if major < 17 {
+        println!("PostgreSQL {major}: no failover slots");
+        return None;
+    }
+    let broker = Broker::start();
+    let standby = primary.basebackup(true);
+    let conf = standby.dir.join("data/postgresql.conf");
+    let mut text = std::fs::read_to_string(&conf).unwrap();
+    text.push_str("sync_replication_slots = on\nhot_standby_feedback = on\n");
+    std::fs::write(&conf, text).unwrap();
+    standby.start_again();
+    let standby_client = standby.client().await;
+    let physical: String = primary_client
+        .query_one(
+            "SELECT slot_name::text FROM pg_replication_slots WHERE slot_type = 'physical'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    for statement in [
+        format!("ALTER SYSTEM SET synchronized_standby_slots = '{physical}'"),
+        "SELECT pg_reload_conf()".to_string(),
+    ] {
+        primary_client.batch_execute(&statement).await.unwrap();
+    }
+    primary_client
+        .batch_execute(
+            "CREATE FUNCTION hold_hand_off() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_advisory_xact_lock_shared(1919, 2929); RETURN NEW; END $$;
+             CREATE TRIGGER hold_hand_off BEFORE UPDATE ON outbox_event FOR EACH ROW
+               WHEN (OLD.handoff_at IS NULL AND NEW.handoff_at IS NOT NULL) EXECUTE FUNCTION hold_hand_off();",
+        )
+        .await
+        .unwrap();
+    Some(ProtectedStandby {
+        primary,
+        standby,
+        primary_client,
+        standby_client,
+        physical,
+        broker,
+    })
+}
+
+impl ProtectedStandby {
+    /// outboxd through `address`, with a window of 8: one event of a blocked aggregate parks (an eighth of
+    /// it), the next hands them off.
+    fn spawn_outboxd(&self, address: &Address) -> Outboxd {
+        let (url, brokers) = (address.url("postgres"), self.broker.addr());
+        let mut args = run_args(&url, &brokers);
+        args.extend(["--reconnect-timeout", "120s", "--max-in-flight-events", "8"]);
+        Outboxd::spawn(&args)
+    }
+
+    /// Closes the gate: hand-offs wait until the returned session opens it (or ends).
+    async fn close_gate(&self) -> tokio_postgres::Client {
+        let gate = self.primary.client().await;
+        gate.batch_execute("SELECT pg_advisory_lock(1919, 2929)")
+            .await
+            .unwrap();
+        gate
+    }
+
+    async fn wait_hand_off_at_gate(&self) {
+        wait_for_async(
+            "outboxd's hand-off to wait at the gate",
+            Duration::from_secs(60),
+            || async {
+                let waiting: i64 = self
+                    .primary_client
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity
+                         WHERE wait_event_type = 'Lock' AND query ILIKE '%handoff_at%'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                (waiting > 0).then_some(())
+            },
+        )
+        .await;
+    }
+
+    /// The standby receives no more WAL from here on: its walsender on the primary is stopped (the slot
+    /// sync worker's connection is another one, and goes on).
+    async fn stop_standby_walsender(&self) {
+        let walsender: i32 = self
+            .primary_client
+            .query_one(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.physical],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let stopped = std::process::Command::new("kill")
+            .args(["-STOP", &walsender.to_string()])
+            .status()
+            .unwrap();
+        assert!(stopped.success(), "kill -STOP of the standby's walsender");
+    }
+
+    /// The primary dies (a stopped walsender with it) and the standby is promoted behind `address`.
+    fn fail_over(&self, address: &Address) {
+        self.primary.stop_immediate();
+        address.switch_to(&self.standby);
+        self.standby.promote();
+    }
+}
+
+/// A hand-off is the only record that its event is still owed (the sweeper next to CDC takes handed-off rows
+/// only), so no standby's copy of the failover slot may move past the event before that standby holds the
+/// hand-off (17+). Staged: an earlier event of aggregate `held` waits in the polling path (a retry an hour
+/// away), so the CDC path hands the next ones off; that hand-off waits at the gate until the events'
+/// transaction is on the standby, whose walsender is then stopped, and the gate opened; the primary dies and
+/// the standby is promoted behind the address. Before the fix outboxd confirmed the events once the hand-off
+/// committed on the primary, the copy followed, and on the promoted standby the rows had neither
+/// `handoff_at` nor `published_at`: nothing ever published them. Now outboxd waits for the standby's flush
+/// before it moves past the events, the copy stays behind them, and they are handed off again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_event() {
+    let Some(pair) = protected_standby_with_hand_off_gate().await else {
+        return;
+    };
+    let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
+    primary_client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, handoff_at, available_at)
+             VALUES (gen_random_uuid(), 'Order', 'held', 'Waiting', '{}', now(), now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    let address = Address::of(&pair.primary);
+    let mut outboxd = pair.spawn_outboxd(&address);
+    wait_slot_active(primary_client, SLOT).await;
+    wait_for_async(
+        "the standby to hold a synchronised, persistent copy of the slot",
+        Duration::from_secs(120),
+        || async {
+            standby_client
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND synced
+                       AND NOT temporary AND invalidation_reason IS NULL",
+                    &[&SLOT],
+                )
+                .await
+                .unwrap()
+                .map(|_| ())
+        },
+    )
+    .await;
+
+    let gate = pair.close_gate().await;
+    let events: Vec<uuid::Uuid> = primary_client
+        .query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'held', 'Next', '{}' FROM generate_series(1, 2)
+             RETURNING event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let committed = current_wal_lsn(primary_client).await;
+    pair.wait_hand_off_at_gate().await;
+    wait_for_async(
+        "the standby to flush the events' transaction",
+        Duration::from_secs(60),
+        || async {
+            let flushed: bool = standby_client
+                .query_one(
+                    "SELECT pg_last_wal_receive_lsn() >= $1::text::pg_lsn",
+                    &[&committed.to_string()],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            flushed.then_some(())
+        },
+    )
+    .await;
+    pair.stop_standby_walsender().await;
+    gate.batch_execute("SELECT pg_advisory_unlock(1919, 2929)")
+        .await
+        .unwrap();
+    wait_for_async(
+        "the copy of the slot to pass the events, or outboxd to wait for the standby",
+        Duration::from_secs(120),
+        || async {
+            let copy = confirmed_flush(standby_client, SLOT).await;
+            (copy >= committed
+                || outboxd
+                    .log_text()
+                    .contains("waiting for the standbys of synchronized_standby_slots"))
+            .then_some(())
+        },
+    )
+    .await;
+    println!(
+        "before the promotion: the copy of the slot at {}, the events' transaction committed by {committed}",
+        confirmed_flush(standby_client, SLOT).await
+    );
+
+    pair.fail_over(&address);
+    wait_for_async(
+        "the events handed to the polling path on the promoted standby",
+        Duration::from_secs(120),
+        || async {
+            let owed: i64 = standby_client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1)
+                       AND (handoff_at IS NOT NULL OR published_at IS NOT NULL)",
+                    &[&events],
+                )
+                .await
+                .ok()?
+                .get(0);
+            (owed == 2).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        outboxd
+            .log_text()
+            .contains("continuing from the failover slot synchronised to it"),
+        "the synced copy was used"
+    );
+    outboxd.kill();
+}
+
 /// A server on a new timeline whose copy of the slot moved on the old timeline past where the new one began.
 /// A synchronised copy (17+) can be ahead of the WAL its standby replayed (PostgreSQL copies a position
 /// straight when a serialized snapshot exists at its restart_lsn, checking only the WAL the standby

@@ -149,7 +149,7 @@ impl<K: Sinks> CdcPipeline<K> {
             Some(position) => {
                 self.watermark.resume_at(position);
                 if let Some(state) = &existing {
-                    set_failover(&mut conn, state, version, db.failover_slot).await?;
+                    set_failover(&sql, &mut conn, state, version, db.failover_slot).await?;
                 }
                 conn
             }
@@ -202,8 +202,12 @@ impl<K: Sinks> CdcPipeline<K> {
         if can_hand_off {
             slot::begin_creation(sql, &db.slot).await?;
         }
+        // A slot whose older rows are handed off becomes a failover slot only once the hand-off is on the
+        // standbys: a copy synchronised before that, promoted without the hand-off, would stream from its
+        // consistent point while the rows older than it waited for a hand-off nobody owns.
+        let failover = db.failover_slot && version.has_failover_slots();
         let created = conn
-            .create_logical_slot(&db.slot, version, db.failover_slot)
+            .create_logical_slot(&db.slot, version, failover && !can_hand_off)
             .await
             .map_err(replication_error)?;
         let handed_off = if can_hand_off {
@@ -212,6 +216,9 @@ impl<K: Sinks> CdcPipeline<K> {
             {
                 Ok(count) => {
                     slot::finish_creation(sql, &db.slot).await?;
+                    if failover {
+                        turn_failover_on(sql, &mut conn, &db.slot).await?;
+                    }
                     count
                 }
                 Err(error) => {
@@ -230,7 +237,7 @@ impl<K: Sinks> CdcPipeline<K> {
             slot = %db.slot,
             consistent_point = %created.consistent_point,
             handed_off_to_polling = handed_off,
-            failover = db.failover_slot && version.has_failover_slots(),
+            failover,
             "created replication slot"
         );
         // Never carry a position over to a new slot: anything between its consistent point and an older,
@@ -353,6 +360,7 @@ fn off_history(slot: &str, moved_on: Option<u32>, timeline: u32) -> Error {
 
 /// Makes the existing slot a failover slot (17+), or not with `--no-failover-slot`, when it is not already.
 async fn set_failover(
+    sql: &Client,
     conn: &mut ReplicationConnection,
     state: &slot::SlotState,
     version: ServerVersion,
@@ -366,10 +374,29 @@ async fn set_failover(
     if current == wanted || !version.has_failover_slots() || state.active {
         return Ok(());
     }
-    conn.alter_slot_failover(&state.slot_name, wanted)
+    if wanted {
+        return turn_failover_on(sql, conn, &state.slot_name).await;
+    }
+    conn.alter_slot_failover(&state.slot_name, false)
         .await
         .map_err(replication_error)?;
-    tracing::info!(slot = %state.slot_name, failover = wanted, "changed the replication slot's failover setting");
+    tracing::info!(slot = %state.slot_name, failover = false, "changed the replication slot's failover setting");
+    Ok(())
+}
+
+/// Makes `slot` a failover slot once the standbys of `synchronized_standby_slots` hold everything written
+/// so far (its hand-offs among it): from then on a copy of it may be synchronised to them.
+async fn turn_failover_on(
+    sql: &Client,
+    conn: &mut ReplicationConnection,
+    slot: &str,
+) -> Result<()> {
+    pg::failover::wait_for_synchronized_standbys(sql, pg::failover::StandbysFor::TurningFailoverOn)
+        .await?;
+    conn.alter_slot_failover(slot, true)
+        .await
+        .map_err(replication_error)?;
+    tracing::info!(%slot, failover = true, "changed the replication slot's failover setting");
     Ok(())
 }
 
