@@ -1299,17 +1299,24 @@ async fn a_slot_past_where_the_new_timeline_began_is_replaced() {
 /// A process that streamed on a promoted standby's timeline reaches the old primary again (not fenced yet,
 /// on the older timeline): that server does not descend from the timeline the slot moved on, and what it
 /// holds past the fork is bound to be rewound. outboxd waits for the server of the slot's history, streams
-/// nothing from the old primary, and carries on when the address reaches the promoted server again.
+/// nothing from the old primary, and carries on when the address reaches the promoted server again. The old
+/// primary is on timeline 2 (itself a promoted copy), where outboxd marked streaming: before the mark was
+/// judged after the timelines, outboxd took the mark for the slot's history and streamed from the old
+/// primary.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_old_primary_on_an_older_timeline_is_waited_out() {
-    let PrimaryAndStandby {
-        primary,
-        standby,
-        _broker,
-        brokers,
-        address,
-        url,
-    } = primary_and_standby();
+    let origin = Postgres::start();
+    migrate(&origin);
+    let primary = origin.basebackup(true);
+    primary.start_again();
+    primary.promote();
+    origin.stop();
+    let _broker = Broker::start();
+    let brokers = _broker.addr();
+    let standby = primary.basebackup(true);
+    standby.start_again();
+    let address = Address::of(&primary);
+    let url = address.url("postgres");
     let mut outboxd = spawn_outboxd(&url, &brokers);
     let mut primary_client = primary.client().await;
     wait_slot_active(&primary_client, SLOT).await;
@@ -1339,7 +1346,7 @@ async fn an_old_primary_on_an_older_timeline_is_waited_out() {
 
     // The address reaches the old primary again.
     address.switch_to(&primary);
-    wait_for_log(&outboxd, "which does not descend from timeline 2");
+    wait_for_log(&outboxd, "which does not descend from timeline 3");
     insert_events(&mut primary_client, 10, 2, 2, 2, None).await;
     let active: bool = primary_client
         .query_one(

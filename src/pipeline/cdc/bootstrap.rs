@@ -70,8 +70,9 @@ impl<K: Sinks> CdcPipeline<K> {
         // transactions in between: a synchronised copy (PostgreSQL checks a copy against the WAL its standby
         // flushed, not what it replayed) on a standby promoted at a recovery target, or a restored copy of
         // one. Judged after a new timeline since this process streamed (any slot), and, by a process that
-        // did not stream here (a restart, a standby instance taking over), for a synchronised copy; never on
-        // a timeline where outboxd marked streaming (the slot moved on it). A slot that does not fit is
+        // did not stream here (a restart, a standby instance taking over), for a synchronised copy; not on
+        // a timeline where outboxd marked streaming (the slot moved on it), unless this process streamed on
+        // a later timeline since (the server is an old primary). A slot that does not fit is
         // dropped and a new slot hands the unpublished rows to the polling path; without polling columns
         // nothing could cover it, and outboxd stops, naming why.
         if let Some(position) = slot_position {
@@ -79,6 +80,11 @@ impl<K: Sinks> CdcPipeline<K> {
             let marked = identity.timeline > 1
                 && slot::marked_on_timeline(&sql, &db.slot, identity.timeline).await?;
             let moved_on = match &change {
+                // A server behind the timeline this process streamed on (an old primary, reached again
+                // before it was fenced) is off the slot's history whatever outboxd once marked there.
+                Some(HistoryChange::NewTimeline { old, .. }) if *old > identity.timeline => {
+                    Some(Some(*old))
+                }
                 _ if marked => None,
                 Some(HistoryChange::NewTimeline { old, .. }) => Some(Some(*old)),
                 None if self.history.is_none() && identity.timeline > 1 && synced => Some(None),
