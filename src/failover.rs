@@ -83,7 +83,7 @@ impl FailoverReadiness {
             return findings;
         }
         if self.synchronized_standby_slots.is_empty() {
-            findings.push((Concern::Warning, "the slot is a failover slot but synchronized_standby_slots is empty on the primary: outboxd may publish (and confirm) events a standby never received, so a promoted standby may lack events Kafka has, its copy of the slot may lag, and an event handed to the polling path just before the promotion may never be published; fix: ALTER SYSTEM SET synchronized_standby_slots = '<the standby's physical slot>'; SELECT pg_reload_conf();".into()));
+            findings.push((Concern::Warning, "the slot is a failover slot but synchronized_standby_slots is empty on the primary: outboxd may publish (and confirm) events a standby never received, so a promoted standby may lack events Kafka has and its copy of the slot may lag; fix: ALTER SYSTEM SET synchronized_standby_slots = '<the standby's physical slot>'; SELECT pg_reload_conf();".into()));
         }
         if !self.unknown_standby_slots.is_empty() {
             findings.push((

@@ -1,7 +1,6 @@
 //! Reads what decides whether the slot survives a promotion (PostgreSQL 17+): the slot's `failover` flag and
 //! `synchronized_standby_slots` on the primary, and the slot's copy on each standby given with
-//! `--standby-url`, and waits for those standbys where a copy must not get ahead of outboxd's own writes
-//! ([`wait_for_synchronized_standbys`]). Judging it is `crate::failover`'s; nothing here changes a server.
+//! `--standby-url`. Judging it is `crate::failover`'s; nothing here changes a server.
 
 use tokio_postgres::Client;
 
@@ -118,90 +117,6 @@ pub async fn read(
         has_standbys,
         standbys: copies,
     }))
-}
-
-/// Which writes [`wait_for_synchronized_standbys`] waits for.
-#[derive(Debug, Clone, Copy)]
-pub enum StandbysFor<'a> {
-    /// Those that decide what the failover slot named here owes (a hand-off: its row is the only record that
-    /// the slot's event is still unpublished): waited for only while the slot is a failover slot.
-    FailoverSlot(&'a str),
-    /// Everything written before a slot is made a failover slot: waited for whatever the slot is now.
-    TurningFailoverOn,
-}
-
-/// How long a wait goes on before it is logged, and how often after that.
-const STANDBY_WAIT_REPORT: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Waits until every standby named in `synchronized_standby_slots` (PostgreSQL 17+) has flushed the WAL this
-/// server wrote so far, outboxd's last commit included. A standby's copy of a failover slot follows the
-/// primary's slot as far as that standby flushed, and outboxd moves the slot past an event it handed to the
-/// polling path once the hand-off is committed: a copy could move past the event on a standby that lacks the
-/// hand-off, and after a promotion nothing would publish the event (the sweeper next to CDC takes handed-off
-/// rows only). With the setting empty (an unprotected slot: `doctor` and `status` warn) nothing is known to
-/// wait for, and nothing waits. A standby slot that is missing or behind is waited for as PostgreSQL's own
-/// logical walsenders wait for it, logged after a second and every 30 s.
-pub async fn wait_for_synchronized_standbys(client: &Client, what: StandbysFor<'_>) -> Result<()> {
-    let slot = match what {
-        StandbysFor::FailoverSlot(slot) => Some(slot),
-        StandbysFor::TurningFailoverOn => None,
-    };
-    let row = client
-        .query_one(
-            "SELECT pg_current_wal_lsn()::text,
-                    coalesce(current_setting('synchronized_standby_slots', true), ''),
-                    $1::text IS NULL OR EXISTS (SELECT FROM pg_replication_slots s
-                                                WHERE s.slot_name = $1 AND (to_jsonb(s) ->> 'failover')::bool)",
-            &[&slot],
-        )
-        .await?;
-    let (written, setting, applies): (String, String, bool) = (row.get(0), row.get(1), row.get(2));
-    let standbys = setting_list(&setting);
-    if standbys.is_empty() || !applies {
-        return Ok(());
-    }
-    let started = std::time::Instant::now();
-    let mut reported: Option<std::time::Instant> = None;
-    let mut delay = std::time::Duration::from_millis(2);
-    loop {
-        let behind: Vec<String> = standbys_behind(client, &standbys, &written).await?;
-        if behind.is_empty() {
-            if reported.is_some() {
-                tracing::info!(standby_slots = ?standbys, waited = ?started.elapsed(), "the standbys flushed outboxd's write; going on");
-            }
-            return Ok(());
-        }
-        let due = match reported {
-            None => started.elapsed() >= STANDBY_WAIT_REPORT,
-            Some(at) => at.elapsed() >= std::time::Duration::from_secs(30),
-        };
-        if due {
-            tracing::warn!(standby_slots = ?behind, wal_position = %written, waited = ?started.elapsed(), "waiting for the standbys of synchronized_standby_slots to flush outboxd's write (a hand-off), so that no copy of the failover slot gets past an event without it: is the standby up and streaming?");
-            reported = Some(std::time::Instant::now());
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(std::time::Duration::from_millis(200));
-    }
-}
-
-/// The standby slots of `standbys` that have not flushed up to `position` (or do not exist).
-async fn standbys_behind(
-    client: &Client,
-    standbys: &[String],
-    position: &str,
-) -> Result<Vec<String>> {
-    Ok(client
-        .query(
-            "SELECT name FROM unnest($1::text[]) AS name
-             WHERE NOT EXISTS (SELECT FROM pg_replication_slots s
-                               WHERE s.slot_name = name AND s.slot_type = 'physical'
-                                 AND s.restart_lsn >= $2::text::pg_lsn)",
-            &[&standbys, &position],
-        )
-        .await?
-        .iter()
-        .map(|row| row.get(0))
-        .collect())
 }
 
 /// Pure: a copy at `copy_position` next to the primary's slot at `primary` (read after it): how far behind it

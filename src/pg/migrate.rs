@@ -293,15 +293,7 @@ async fn run_concurrent(
 /// ([`crate::pg::outbox::republish_history_a_lost_slot_owed`]), and retention keeps them. Returns the mark,
 /// pending until [`record_history_streamed`] says no slot owes them. A comment needs no grant to read.
 async fn mark_history(client: &mut Client, table: &OutboxTable) -> Result<HistoryMark> {
-    let position: String = client
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await?
-        .get(0);
-    let position: crate::lsn::Lsn = position.parse().map_err(|_| {
-        Error::bug(format!(
-            "PostgreSQL answered an unexpected WAL position {position:?}"
-        ))
-    })?;
+    let position = super::current_wal_position(client).await?;
     let mark = HistoryMark {
         position,
         streamed: false,

@@ -95,6 +95,20 @@ const DURABLE_COMMITS: &str = "SELECT set_config('synchronous_commit',
      CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END,
      false)";
 
+/// The server's current WAL write position (`pg_current_wal_lsn()`): past the end of every transaction
+/// this session committed. A primary's only.
+pub async fn current_wal_position(client: &tokio_postgres::Client) -> Result<crate::lsn::Lsn> {
+    let position: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    position.parse().map_err(|_| {
+        crate::error::Error::bug(format!(
+            "PostgreSQL answered an unexpected WAL position {position:?}"
+        ))
+    })
+}
+
 /// A connection for periodic figures and `outboxd status`: each statement is bounded by `statement_timeout`.
 pub async fn connect_for_figures(
     url: &PgUrl,

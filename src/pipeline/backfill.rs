@@ -1,6 +1,6 @@
 //! Backfill: turns broker acknowledgements into `published_at` writes, one UPDATE per batch, and reports
-//! each event as finished only after its row is written (so the slot never runs ahead of the table, nor a
-//! standby's copy of a failover slot ahead of the standby's table).
+//! each event as finished only after its row is written (so the slot never runs ahead of the table), with
+//! the end of the hand-offs among them (so that no copy of a failover slot runs ahead of a standby's table).
 //!
 //! Failed deliveries go to the session as they are (it hands refused events to the polling path and
 //! re-sends the rest). Any database failure ends the session instead of being retried here: while
@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::event::RowImage;
-use crate::pg::failover::StandbysFor;
+use crate::lsn::Lsn;
 use crate::pg::{self, outbox, outbox::OutboxSql};
 use crate::pipeline::watermark::TxnId;
 use crate::sink::Delivery;
@@ -66,8 +66,15 @@ pub struct ToBackfill {
 #[derive(Debug)]
 pub enum Finished {
     /// Acknowledged by the broker and `published_at` written, or handed off and `handoff_at` written (the
-    /// row written back where it was gone): (tag, bytes) per event.
-    Events(Vec<(CdcTag, usize)>),
+    /// row written back where it was gone).
+    Events {
+        /// (tag, bytes) per event.
+        events: Vec<(CdcTag, usize)>,
+        /// With hand-offs among them: the server's WAL position once they were committed. Their rows are
+        /// the only record that these events are still owed, and were written after the events'
+        /// transactions: the slot must not be confirmed between the two (see `Watermark::hold_until`).
+        hand_offs_end: Option<Lsn>,
+    },
     /// The broker (or librdkafka) failed these deliveries after the producer accepted them; the session
     /// decides what becomes of them.
     Undelivered(Vec<Delivery<CdcTag>>),
@@ -78,7 +85,6 @@ pub enum Finished {
 /// The backfill task: writes the marks of acknowledged events in batches and reports what finished.
 pub async fn run(
     database_url: crate::pg::PgUrl,
-    slot: String,
     tables: Vec<OutboxTable>,
     mut deliveries: UnboundedReceiver<Delivery<CdcTag>>,
     finished: UnboundedSender<Finished>,
@@ -117,6 +123,7 @@ pub async fn run(
                 }
             }
         }
+        let mut hand_offs_end = None;
         if let Some((client, sql)) = &mut connection {
             for (table, sql) in sql.iter().enumerate() {
                 let of_table: Vec<&Delivery<CdcTag>> =
@@ -124,22 +131,28 @@ pub async fn run(
                 if of_table.is_empty() {
                     continue;
                 }
-                let written = write_batch(
-                    client,
-                    &slot,
-                    &tables[table],
-                    sql,
-                    &of_table,
-                    &hand_off_rows,
-                );
+                let written = write_batch(client, &tables[table], sql, &of_table, &hand_off_rows);
                 if let Err(error) = written.await {
                     let _ = finished.send(Finished::Failed(error));
                     return;
                 }
             }
+            if batch.iter().any(|d| d.tag.hand_off) {
+                match pg::current_wal_position(client).await {
+                    Ok(end) => hand_offs_end = Some(end),
+                    Err(error) => {
+                        let _ = finished.send(Finished::Failed(error));
+                        return;
+                    }
+                }
+            }
         }
         let events = batch.drain(..).map(|d| (d.tag, d.bytes)).collect();
-        if finished.send(Finished::Events(events)).is_err() {
+        let report = Finished::Events {
+            events,
+            hand_offs_end,
+        };
+        if finished.send(report).is_err() {
             return;
         }
     }
@@ -148,7 +161,6 @@ pub async fn run(
 /// Writes `published_at` for the acknowledged events of the batch, and `handoff_at` for the handed-off ones.
 async fn write_batch(
     client: &mut tokio_postgres::Client,
-    slot: &str,
     table: &OutboxTable,
     sql: &OutboxSql,
     batch: &[&Delivery<CdcTag>],
@@ -168,9 +180,6 @@ async fn write_batch(
     let handed_off = of(true);
     if !handed_off.is_empty() {
         hand_off_together(client, table, sql, handed_off, hand_off_rows).await?;
-        // Reported finished (and so confirmed past) only once no standby can promote without it.
-        pg::failover::wait_for_synchronized_standbys(client, StandbysFor::FailoverSlot(slot))
-            .await?;
     }
     Ok(())
 }

@@ -423,6 +423,7 @@ impl<K: Sinks> PollWorker<K> {
                 continue;
             }
             if rows.is_empty() {
+                tracing::trace!(next_poll_in = ?idle_delay, "nothing to claim: idle");
                 if idle(
                     wake.as_ref().map(|(_, notify)| &**notify),
                     idle_delay,

@@ -6,6 +6,12 @@
 //! the last entry of the longest finished prefix, so a transaction is confirmed only after it and every earlier
 //! one are done, and an idle stream confirms the server's latest `wal_end`.
 //!
+//! A hold ([`Watermark::hold_until`]) keeps the confirmed position from entering a range: after outboxd wrote
+//! something the slot's position will rest on (a hand-off, committed after the event's transaction), no
+//! position between the event and that write is confirmed, only one at or past the write. A standby's
+//! copy of a failover slot follows the confirmed position as far as that standby flushed WAL, so it is then
+//! either still before the event (which is sent again) or on a standby that holds the write.
+//!
 //! The highest position ever confirmed on the current server history survives a reconnect
 //! ([`Watermark::resume_at`]), so transactions the server re-sends below it can be recognised: PG 15 can move
 //! the slot back after a restart. A new session still starts from (and reports) the slot's own position, so
@@ -48,6 +54,8 @@ pub struct Watermark {
     /// (`confirmable_unreported`) whose position was not sent yet. A crash re-sends them.
     finished_unreported: u64,
     confirmable_unreported: u64,
+    /// While above `confirmed`: nothing below it is confirmed (see [`Watermark::hold_until`]).
+    hold: Lsn,
 }
 
 impl Watermark {
@@ -101,6 +109,21 @@ impl Watermark {
         final_lsn < self.highest
     }
 
+    /// Confirms no position below `position` from now on, except the one already confirmed: the next one
+    /// confirmed is at or past it. Survives a reconnect on the same server history (the write it stands for
+    /// is still there to cover), not a new history ([`Watermark::reset`]).
+    pub fn hold_until(&mut self, position: Lsn) {
+        if position > self.confirmed {
+            self.hold = self.hold.max(position);
+        }
+    }
+
+    /// True while a hold keeps finished transactions from being confirmed: their events stay unreported
+    /// until the stream passes the hold, so reading must go on (see `window`).
+    pub fn holding(&self) -> bool {
+        self.hold > self.confirmed
+    }
+
     /// Forgets everything in flight (after a reconnect the server re-sends it); keeps the confirmed position.
     pub fn restart(&mut self) {
         self.first_id += self.entries.len() as u64;
@@ -117,6 +140,7 @@ impl Watermark {
         self.confirmed = confirmed;
         self.highest = confirmed;
         self.highest_commit_micros = None;
+        self.hold = Lsn::ZERO;
     }
 
     /// A Begin arrived.
@@ -206,24 +230,30 @@ impl Watermark {
         }
     }
 
-    /// Pops the finished prefix and returns the (possibly advanced) confirmed position.
+    /// Pops the finished prefix and returns the (possibly advanced) confirmed position. Under a hold, only as
+    /// far as the last finished entry at or past it: the entries before it wait for one.
     pub fn advance(&mut self) -> Lsn {
-        while let Some(front) = self.entries.front() {
-            match front.position {
-                Some(position) if front.pending_events == 0 => {
-                    self.confirmed = self.confirmed.max(position);
-                    self.highest = self.highest.max(self.confirmed);
-                    if let Some(commit) = front.commit_micros {
-                        self.highest_commit_micros =
-                            Some(self.highest_commit_micros.map_or(commit, |c| c.max(commit)));
-                    }
-                    self.confirmable_unreported += front.finished_events;
-                    self.entries.pop_front();
-                    self.first_id += 1;
-                }
-                _ => break,
+        let finished = self
+            .entries
+            .iter()
+            .map_while(|entry| entry.position.filter(|_| entry.pending_events == 0));
+        let confirmable = finished
+            .enumerate()
+            .filter(|(_, position)| *position >= self.hold)
+            .last()
+            .map_or(0, |(index, _)| index + 1);
+        for front in self.entries.drain(..confirmable) {
+            if let Some(position) = front.position {
+                self.confirmed = self.confirmed.max(position);
             }
+            self.highest = self.highest.max(self.confirmed);
+            if let Some(commit) = front.commit_micros {
+                self.highest_commit_micros =
+                    Some(self.highest_commit_micros.map_or(commit, |c| c.max(commit)));
+            }
+            self.confirmable_unreported += front.finished_events;
         }
+        self.first_id += confirmable as u64;
         self.confirmed
     }
 
@@ -279,6 +309,55 @@ mod tests {
             0,
             "a restart re-sends everything anyway"
         );
+    }
+
+    #[test]
+    fn a_hold_confirms_nothing_between_the_confirmed_position_and_it() {
+        let mut w = Watermark::new(Lsn(100));
+        let t1 = w.begin();
+        w.event_started(t1);
+        w.commit(t1, Lsn(200));
+        let t2 = w.begin();
+        w.event_started(t2);
+        w.commit(t2, Lsn(300));
+        // t1's event is handed off by a write that ends at 350: neither 200 nor 300 may be confirmed.
+        w.event_finished(t1);
+        w.hold_until(Lsn(350));
+        w.event_finished(t2);
+        assert_eq!(w.advance(), Lsn(100));
+        assert!(w.holding());
+        assert_eq!(w.unreported_events(), 2, "held events stay unreported");
+        w.keepalive(Lsn(340));
+        assert_eq!(w.advance(), Lsn(100), "340 is still below the hold");
+        w.keepalive(Lsn(360));
+        assert_eq!(w.advance(), Lsn(360), "everything up to 360 at once");
+        assert!(!w.holding());
+        // A hold below the confirmed position holds nothing.
+        w.hold_until(Lsn(300));
+        assert!(!w.holding());
+    }
+
+    #[test]
+    fn a_hold_survives_a_reconnect_but_not_a_new_history() {
+        let mut w = Watermark::new(Lsn(100));
+        w.hold_until(Lsn(500));
+        w.restart();
+        let t = w.begin();
+        w.commit(t, Lsn(400));
+        assert_eq!(
+            w.advance(),
+            Lsn(100),
+            "the re-sent transaction waits for the hold"
+        );
+        let t = w.begin();
+        w.commit(t, Lsn(500));
+        assert_eq!(w.advance(), Lsn(500));
+        w.hold_until(Lsn(900));
+        w.reset(Lsn(50));
+        assert!(!w.holding());
+        let t = w.begin();
+        w.commit(t, Lsn(60));
+        assert_eq!(w.advance(), Lsn(60));
     }
 
     #[test]

@@ -155,7 +155,7 @@ impl<K: Sinks> CdcPipeline<K> {
             Some(position) => {
                 self.watermark.resume_at(position);
                 if let Some(state) = &existing {
-                    set_failover(&sql, &mut conn, state, version, db.failover_slot).await?;
+                    set_failover(&mut conn, state, version, db.failover_slot).await?;
                 }
                 conn
             }
@@ -208,22 +208,19 @@ impl<K: Sinks> CdcPipeline<K> {
         if can_hand_off {
             slot::begin_creation(sql, &db.slot).await?;
         }
-        // A slot whose older rows are handed off becomes a failover slot only once the hand-off is on the
-        // standbys: a copy synchronised before that, promoted without the hand-off, would stream from its
-        // consistent point while the rows older than it waited for a hand-off nobody owns.
-        let failover = db.failover_slot && version.has_failover_slots();
         let created = conn
-            .create_logical_slot(&db.slot, version, failover && !can_hand_off)
+            .create_logical_slot(&db.slot, version, db.failover_slot)
             .await
             .map_err(replication_error)?;
+        let mut hand_off_end = None;
         let handed_off = if can_hand_off {
             match outbox::hand_off_rows_older_than_slot(sql, &db.tables, &created.snapshot_name)
                 .await
             {
                 Ok(count) => {
                     slot::finish_creation(sql, &db.slot).await?;
-                    if failover {
-                        turn_failover_on(sql, &mut conn, &db.slot).await?;
+                    if count > 0 {
+                        hand_off_end = Some(pg::current_wal_position(sql).await?);
                     }
                     count
                 }
@@ -243,12 +240,17 @@ impl<K: Sinks> CdcPipeline<K> {
             slot = %db.slot,
             consistent_point = %created.consistent_point,
             handed_off_to_polling = handed_off,
-            failover,
+            failover = db.failover_slot && version.has_failover_slots(),
             "created replication slot"
         );
         // Never carry a position over to a new slot: anything between its consistent point and an older,
         // higher position would be skipped.
         self.watermark.reset(created.consistent_point);
+        // The hand-off was committed after the consistent point: confirming a position in between would let
+        // a standby's copy of a failover slot move there without it (see `Watermark::hold_until`).
+        if let Some(end) = hand_off_end {
+            self.watermark.hold_until(end);
+        }
         Ok(conn)
     }
 
@@ -366,7 +368,6 @@ fn off_history(slot: &str, moved_on: Option<u32>, timeline: u32) -> Error {
 
 /// Makes the existing slot a failover slot (17+), or not with `--no-failover-slot`, when it is not already.
 async fn set_failover(
-    sql: &Client,
     conn: &mut ReplicationConnection,
     state: &slot::SlotState,
     version: ServerVersion,
@@ -380,29 +381,10 @@ async fn set_failover(
     if current == wanted || !version.has_failover_slots() || state.active {
         return Ok(());
     }
-    if wanted {
-        return turn_failover_on(sql, conn, &state.slot_name).await;
-    }
-    conn.alter_slot_failover(&state.slot_name, false)
+    conn.alter_slot_failover(&state.slot_name, wanted)
         .await
         .map_err(replication_error)?;
-    tracing::info!(slot = %state.slot_name, failover = false, "changed the replication slot's failover setting");
-    Ok(())
-}
-
-/// Makes `slot` a failover slot once the standbys of `synchronized_standby_slots` hold everything written
-/// so far (its hand-offs among it): from then on a copy of it may be synchronised to them.
-async fn turn_failover_on(
-    sql: &Client,
-    conn: &mut ReplicationConnection,
-    slot: &str,
-) -> Result<()> {
-    pg::failover::wait_for_synchronized_standbys(sql, pg::failover::StandbysFor::TurningFailoverOn)
-        .await?;
-    conn.alter_slot_failover(slot, true)
-        .await
-        .map_err(replication_error)?;
-    tracing::info!(%slot, failover = true, "changed the replication slot's failover setting");
+    tracing::info!(slot = %state.slot_name, failover = wanted, "changed the replication slot's failover setting");
     Ok(())
 }
 

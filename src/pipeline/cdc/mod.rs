@@ -270,7 +270,6 @@ impl<K: Sinks> CdcPipeline<K> {
         let hand_off_rows = backfill::HandOffRows::default();
         let backfill = tokio::spawn(backfill::run(
             settings.database.database_url.clone(),
-            settings.database.slot.clone(),
             settings.database.tables.clone(),
             delivery_rx,
             finished_tx,

@@ -376,7 +376,16 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     /// marked), hand-offs written, deliveries that failed after hand-over, or its own failure.
     async fn finished(&mut self, finished: Option<Finished>) -> Result<()> {
         match finished {
-            Some(Finished::Events(events)) => {
+            Some(Finished::Events {
+                events,
+                hand_offs_end,
+            }) => {
+                // Nothing between these events and the end of their hand-off is confirmed: a standby's copy
+                // of a failover slot would follow to a position its standby flushed without the hand-off.
+                if let Some(end) = hand_offs_end {
+                    self.watermark.hold_until(end);
+                    tracing::debug!(%end, "hand-offs written: confirming nothing before the stream passes their end");
+                }
                 let now = protocol::pg_timestamp_micros(std::time::SystemTime::now());
                 let mut published = 0;
                 for (tag, bytes) in events {
@@ -592,9 +601,15 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         Ok(())
     }
 
-    /// Room for another event (see [`window`]).
+    /// Room for another event (see [`window`]). Under a hold (see [`Watermark::hold_until`]) finished
+    /// events do not count: they can be reported only once the stream passes the hold, so reading must go on.
     fn window_open(&self) -> bool {
-        self.window.is_open(self.watermark.unreported_events())
+        let unreported = if self.watermark.holding() {
+            0
+        } else {
+            self.watermark.unreported_events()
+        };
+        self.window.is_open(unreported)
     }
 
     fn start_event(&mut self, txn: TxnId, bytes: usize) {
