@@ -743,6 +743,52 @@ async fn a_promoted_standby_without_a_copy_of_the_slot_hands_the_gap_off() {
     promotion(false).await;
 }
 
+/// Makes a (stopped) standby keep synchronised copies of failover slots (17+).
+fn keep_synced_copies(standby: &Postgres) {
+    let conf = standby.dir.join("data/postgresql.conf");
+    let mut text = std::fs::read_to_string(&conf).unwrap();
+    text.push_str("sync_replication_slots = on\nhot_standby_feedback = on\n");
+    std::fs::write(&conf, text).unwrap();
+}
+
+/// Names the standby's physical slot (the primary's only one) in `synchronized_standby_slots`; returns it.
+async fn protect_with_the_standby_slot(primary_client: &tokio_postgres::Client) -> String {
+    let physical: String = primary_client
+        .query_one(
+            "SELECT slot_name::text FROM pg_replication_slots WHERE slot_type = 'physical'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    for statement in [
+        format!("ALTER SYSTEM SET synchronized_standby_slots = '{physical}'"),
+        "SELECT pg_reload_conf()".to_string(),
+    ] {
+        primary_client.batch_execute(&statement).await.unwrap();
+    }
+    physical
+}
+
+async fn wait_synced_copy(standby_client: &tokio_postgres::Client) {
+    wait_for_async(
+        "the standby to hold a synchronised, persistent copy of the slot",
+        Duration::from_secs(120),
+        || async {
+            standby_client
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND synced
+                       AND NOT temporary AND invalidation_reason IS NULL",
+                    &[&SLOT],
+                )
+                .await
+                .unwrap()
+                .map(|_| ())
+        },
+    )
+    .await;
+}
+
 /// The promotion of both tests above; `synced_copy`: the standby keeps a copy of the failover slot (17+).
 async fn promotion(synced_copy: bool) {
     const WINDOW: usize = 100;
@@ -759,10 +805,7 @@ async fn promotion(synced_copy: bool) {
     let with_copy = synced_copy && major >= 17;
     let standby = primary.basebackup(true);
     if with_copy {
-        let conf = standby.dir.join("data/postgresql.conf");
-        let mut text = std::fs::read_to_string(&conf).unwrap();
-        text.push_str("sync_replication_slots = on\nhot_standby_feedback = on\n");
-        std::fs::write(&conf, text).unwrap();
+        keep_synced_copies(&standby);
     }
     standby.start_again();
     let standby_client = standby.client().await;
@@ -794,36 +837,8 @@ async fn promotion(synced_copy: bool) {
                 .contains("synchronized_standby_slots is empty"),
             "{status}"
         );
-        let physical: String = primary_client
-            .query_one(
-                "SELECT slot_name::text FROM pg_replication_slots WHERE slot_type = 'physical'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        for statement in [
-            format!("ALTER SYSTEM SET synchronized_standby_slots = '{physical}'"),
-            "SELECT pg_reload_conf()".to_string(),
-        ] {
-            primary_client.batch_execute(&statement).await.unwrap();
-        }
-        wait_for_async(
-            "the standby to hold a synchronised, persistent copy of the slot",
-            Duration::from_secs(120),
-            || async {
-                standby_client
-                    .query_opt(
-                        "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND synced
-                           AND NOT temporary AND invalidation_reason IS NULL",
-                        &[&SLOT],
-                    )
-                    .await
-                    .unwrap()
-                    .map(|_| ())
-            },
-        )
-        .await;
+        protect_with_the_standby_slot(&primary_client).await;
+        wait_synced_copy(&standby_client).await;
         let (code, status) = status_json(&url, &standby.url());
         assert_eq!(
             code, 0,
@@ -947,26 +962,10 @@ async fn protected_standby_with_hand_off_gate() -> Option<ProtectedStandby> {
     }
     let broker = Broker::start();
     let standby = primary.basebackup(true);
-    let conf = standby.dir.join("data/postgresql.conf");
-    let mut text = std::fs::read_to_string(&conf).unwrap();
-    text.push_str("sync_replication_slots = on\nhot_standby_feedback = on\n");
-    std::fs::write(&conf, text).unwrap();
+    keep_synced_copies(&standby);
     standby.start_again();
     let standby_client = standby.client().await;
-    let physical: String = primary_client
-        .query_one(
-            "SELECT slot_name::text FROM pg_replication_slots WHERE slot_type = 'physical'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    for statement in [
-        format!("ALTER SYSTEM SET synchronized_standby_slots = '{physical}'"),
-        "SELECT pg_reload_conf()".to_string(),
-    ] {
-        primary_client.batch_execute(&statement).await.unwrap();
-    }
+    let physical = protect_with_the_standby_slot(&primary_client).await;
     primary_client
         .batch_execute(
             "CREATE FUNCTION hold_hand_off() RETURNS trigger LANGUAGE plpgsql AS
@@ -1078,22 +1077,7 @@ async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_even
     let address = Address::of(&pair.primary);
     let mut outboxd = pair.spawn_outboxd(&address);
     wait_slot_active(primary_client, SLOT).await;
-    wait_for_async(
-        "the standby to hold a synchronised, persistent copy of the slot",
-        Duration::from_secs(120),
-        || async {
-            standby_client
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND synced
-                       AND NOT temporary AND invalidation_reason IS NULL",
-                    &[&SLOT],
-                )
-                .await
-                .unwrap()
-                .map(|_| ())
-        },
-    )
-    .await;
+    wait_synced_copy(standby_client).await;
 
     let gate = pair.close_gate().await;
     let events: Vec<uuid::Uuid> = primary_client
