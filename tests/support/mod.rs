@@ -1736,6 +1736,24 @@ pub async fn create_slot_then_stop(url: &str, brokers: &str, client: &tokio_post
     let mut outboxd = Outboxd::spawn(&run_args(url, brokers));
     wait_slot_active(client, "outboxd").await;
     outboxd.kill();
+    // The walsender notices its client is gone a moment later: until then the slot looks held by some
+    // other client (doctor and status say so).
+    wait_for_async(
+        "the killed outboxd's walsender to let go of the slot",
+        Duration::from_secs(60),
+        || async {
+            let active: bool = client
+                .query_one(
+                    "SELECT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+                    &[],
+                )
+                .await
+                .ok()?
+                .get(0);
+            (!active).then_some(())
+        },
+    )
+    .await;
 }
 
 /// SIGKILLs `outboxd` while it streams a round committed while it was down (the WAL from `start` to `end`):
