@@ -1735,22 +1735,30 @@ pub fn in_flight_events(metrics_addr: &str) -> Option<f64> {
 pub async fn create_slot_then_stop(url: &str, brokers: &str, client: &tokio_postgres::Client) {
     let mut outboxd = Outboxd::spawn(&run_args(url, brokers));
     wait_slot_active(client, "outboxd").await;
+    let walsender: Option<i32> = client
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'outboxd'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     outboxd.kill();
-    // The walsender notices its client is gone a moment later: until then the slot looks held by some
-    // other client (doctor and status say so).
+    // The walsender notices its client is gone a moment later: until it has exited, the slot (or the
+    // replication connection) looks held by some other client, and doctor and status say so.
     wait_for_async(
-        "the killed outboxd's walsender to let go of the slot",
+        "the killed outboxd's walsender to exit",
         Duration::from_secs(60),
         || async {
-            let active: bool = client
+            let gone: bool = client
                 .query_one(
-                    "SELECT coalesce(bool_or(active), false) FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-                    &[],
+                    "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)",
+                    &[&walsender],
                 )
                 .await
                 .ok()?
                 .get(0);
-            (!active).then_some(())
+            gone.then_some(())
         },
     )
     .await;
