@@ -493,20 +493,6 @@ async fn a_cdc_only_table_on_another_history_stops_with_what_may_be_missing() {
     assert!(log.contains("--add-polling-columns"), "{log}");
 }
 
-/// The walsender streaming from `slot`, if any.
-async fn slot_walsender(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
-    slot_active(client, slot).await?;
-    client
-        .query_opt(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .ok()
-        .flatten()
-        .and_then(|row| row.get(0))
-}
-
 /// The leader's network goes silent (a node lost, a partition: its connections stay open and nothing
 /// arrives, as through a load balancer or a dropped link): a standby streams within the takeover bound
 /// README states, the old leader notices on its own that it lost the lock, and once the network is back it
@@ -1005,22 +991,10 @@ impl ProtectedStandby {
     }
 
     async fn wait_hand_off_at_gate(&self) {
-        wait_for_async(
+        wait_hand_off_waiting_on_a_lock(
+            &self.primary_client,
             "outboxd's hand-off to wait at the gate",
             Duration::from_secs(60),
-            || async {
-                let waiting: i64 = self
-                    .primary_client
-                    .query_one(
-                        "SELECT count(*) FROM pg_stat_activity
-                         WHERE wait_event_type = 'Lock' AND query ILIKE '%handoff_at%'",
-                        &[],
-                    )
-                    .await
-                    .unwrap()
-                    .get(0);
-                (waiting > 0).then_some(())
-            },
         )
         .await;
     }

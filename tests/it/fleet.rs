@@ -357,19 +357,6 @@ async fn a_new_instance_stands_by_while_a_leader_of_an_earlier_version_lives_and
     );
 }
 
-/// The walsender streaming from the default slot, if any.
-async fn slot_walsender(client: &tokio_postgres::Client) -> Option<i32> {
-    slot_active(client, "outboxd").await?;
-    client
-        .query_opt(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .and_then(|row| row.get(0))
-}
-
 /// A live CDC leader's replication session restarts (its walsender ended, as by a broker refusal, a network
 /// blip or a server-side kill), several times, each with rows committed while its slot is inactive: the
 /// poller next to it claims none of them. The leader is alive and marked throughout, so the slot publishes
@@ -393,7 +380,7 @@ async fn a_poller_claims_nothing_while_the_leaders_replication_session_restarts(
     let mut committed = Vec::new();
     for restart in 0..5 {
         let walsender = wait_for_async("the leader to stream", Duration::from_secs(60), || {
-            slot_walsender(&client)
+            slot_walsender(&client, "outboxd")
         })
         .await;
         client
@@ -406,7 +393,7 @@ async fn a_poller_claims_nothing_while_the_leaders_replication_session_restarts(
             "the leader to stream again",
             Duration::from_secs(60),
             || async {
-                slot_walsender(&client)
+                slot_walsender(&client, "outboxd")
                     .await
                     .filter(|pid| *pid != walsender)
             },

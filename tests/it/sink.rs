@@ -300,21 +300,10 @@ async fn a_hand_off_written_after_the_next_session_started_still_holds_its_aggre
     )
     .await
     .unwrap();
-    wait_for_async(
+    wait_hand_off_waiting_on_a_lock(
+        &client,
         "e1's hand-off to wait for the row lock",
         GETS_THROUGH,
-        || async {
-            let waiting: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                 WHERE wait_event_type = 'Lock' AND query LIKE '%handoff_at = now()%'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (waiting > 0).then_some(())
-        },
     )
     .await;
     // The first session ends with its hand-off still waiting on the server.

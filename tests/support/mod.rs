@@ -1731,18 +1731,46 @@ pub fn in_flight_events(metrics_addr: &str) -> Option<f64> {
     metric_value(&metrics, outboxd::metrics::INFLIGHT_EVENTS, "")
 }
 
+/// The walsender streaming from `slot`, if any.
+pub async fn slot_walsender(client: &tokio_postgres::Client, slot: &str) -> Option<i32> {
+    slot_active(client, slot).await?;
+    client
+        .query_opt(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ok()
+        .flatten()
+        .and_then(|row| row.get(0))
+}
+
+/// Waits until one of outboxd's hand-offs (an UPDATE setting `handoff_at`) waits for a lock.
+pub async fn wait_hand_off_waiting_on_a_lock(
+    client: &tokio_postgres::Client,
+    what: &str,
+    timeout: Duration,
+) {
+    wait_for_async(what, timeout, || async {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%handoff_at = now()%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (waiting > 0).then_some(())
+    })
+    .await;
+}
+
 /// Runs outboxd until a walsender streams from its new slot, then SIGKILLs it: the slot exists, nothing streams.
 pub async fn create_slot_then_stop(url: &str, brokers: &str, client: &tokio_postgres::Client) {
     let mut outboxd = Outboxd::spawn(&run_args(url, brokers));
     wait_slot_active(client, "outboxd").await;
-    let walsender: Option<i32> = client
-        .query_one(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'outboxd'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let walsender = slot_walsender(client, "outboxd").await;
     outboxd.kill();
     // The walsender notices its client is gone a moment later: until it has exited, the slot (or the
     // replication connection) looks held by some other client, and doctor and status say so.
