@@ -52,6 +52,7 @@ install() {
   fi
   if [ -f "$KAFKA_LIB/kafka_2.13-$KAFKA_VERSION.jar" ]; then
     admin_tool >/dev/null
+    broker_class_archive
     return 0
   fi
   echo "copying Apache Kafka $KAFKA_VERSION and its dependencies into $KAFKA_LIB (once)"
@@ -60,6 +61,7 @@ install() {
     -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIB.partial"
   mv "$KAFKA_LIB.partial" "$KAFKA_LIB"
   admin_tool >/dev/null
+  broker_class_archive
 }
 
 require_kafka() {
@@ -252,11 +254,53 @@ admin() {
     -cp "$classes:$KAFKA_LIB/*" KafkaAdmin "$dir/admin.properties" "$@"
 }
 
+# The broker's JVM. The tests start some 400 brokers that each live a minute under a light load, and on 2
+# cores the JVM's start-up was a fifth of the suite's CPU: the quick JIT tier, the serial collector and a
+# class-data archive of Kafka's classes (made once by install) start one in a third of the CPU. The benchmark,
+# whose broker must not be the bottleneck, sets OUTBOXD_BROKER_JVM_OPTS="" for the JVM's defaults.
+BROKER_CDS="$(dirname "$KAFKA_LIB")/broker.jsa"
+broker_jvm_opts() {
+  if [ -n "${OUTBOXD_BROKER_JVM_OPTS+set}" ]; then
+    echo "$OUTBOXD_BROKER_JVM_OPTS"
+    return 0
+  fi
+  local opts="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+  # A stale archive (another JVM, other jars) is only ignored by the JVM, with a warning in stdout.log.
+  if [ -f "$BROKER_CDS" ]; then opts="$opts -XX:SharedArchiveFile=$BROKER_CDS"; fi
+  echo "$opts"
+}
+
+# broker_class_archive: BROKER_CDS, the classes a broker loads up to "Kafka Server started", dumped by one
+# broker started and stopped here; made again when the JVM changes.
+broker_class_archive() {
+  local jvm
+  jvm="$(java -version 2>&1 | head -1)"
+  if [ -f "$BROKER_CDS" ] && [ "$(cat "$BROKER_CDS.jvm" 2>/dev/null)" = "$jvm" ]; then return 0; fi
+  local work port controller
+  work="$(mktemp -d)"
+  port="$(free_port)"
+  controller="$(free_port)"
+  write_node_config "$work" 1 "$port" "$port" "$controller" "1@127.0.0.1:$controller" 1
+  format_node "$work" "$(new_uuid)"
+  rm -f "$BROKER_CDS" "$BROKER_CDS.jvm"
+  OUTBOXD_BROKER_JVM_OPTS="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:ArchiveClassesAtExit=$BROKER_CDS.partial" \
+    launch_node "$work"
+  stop_node "$work"
+  if [ -f "$BROKER_CDS.partial" ]; then
+    mv "$BROKER_CDS.partial" "$BROKER_CDS"
+    echo "$jvm" >"$BROKER_CDS.jvm"
+  else
+    echo "note: no class-data archive for the broker (the JVM did not write one); brokers start without it" >&2
+  fi
+  rm -rf "$work"
+}
+
 # launch_node DIR [nowait]
 launch_node() {
   local dir="$1"
   : >"$dir/kafka.log"
-  nohup java -Xmx512m -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$KAFKA_LIB/*" \
+  # shellcheck disable=SC2046 # the options are words
+  nohup java -Xmx512m $(broker_jvm_opts) -Dlog4j2.configurationFile="$dir/log4j2.properties" -cp "$KAFKA_LIB/*" \
     kafka.Kafka "$dir/server.properties" >"$dir/stdout.log" 2>&1 &
   echo $! >"$dir/kafka.pid"
   if [ "${2:-}" != nowait ]; then wait_node "$dir"; fi

@@ -90,6 +90,8 @@ where
 pub struct Postgres {
     pub dir: PathBuf,
     pub port: u16,
+    /// When the cluster started: its test's duration goes to OUTBOXD_TEST_TIMES (tests/run.sh).
+    started: Instant,
 }
 
 impl Postgres {
@@ -105,7 +107,11 @@ impl Postgres {
             &["start", dir.to_str().unwrap(), &port.to_string()],
             &[("PG_WAL_LEVEL", level)],
         );
-        Postgres { dir, port }
+        Postgres {
+            dir,
+            port,
+            started: Instant::now(),
+        }
     }
 
     pub fn url(&self) -> String {
@@ -376,7 +382,11 @@ impl Postgres {
             args.push("standby");
         }
         run_script("pg.sh", &args, &[]);
-        Postgres { dir, port }
+        Postgres {
+            dir,
+            port,
+            started: Instant::now(),
+        }
     }
 
     /// A file-level copy of this (stopped) cluster: a cold base backup, replication slots included.
@@ -401,7 +411,11 @@ impl Postgres {
             .args(["-R", "postgres:"])
             .arg(&dir)
             .status();
-        Postgres { dir, port }
+        Postgres {
+            dir,
+            port,
+            started: Instant::now(),
+        }
     }
 
     /// Promotes a standby and waits until it accepts writes.
@@ -528,6 +542,25 @@ impl Drop for Postgres {
     fn drop(&mut self) {
         run_script("pg.sh", &["stop", self.dir.to_str().unwrap()], &[]);
         let _ = std::fs::remove_dir_all(&self.dir);
+        record_test_time(self.started);
+    }
+}
+
+/// Appends "<test>\t<seconds>" to the file OUTBOXD_TEST_TIMES names (tests/run.sh lists the slowest tests
+/// from it): the time since `started`, under the name libtest gives the test's thread.
+fn record_test_time(started: Instant) {
+    use std::io::Write;
+    let Some(path) = std::env::var_os("OUTBOXD_TEST_TIMES") else {
+        return;
+    };
+    let name = std::thread::current().name().unwrap_or("?").to_string();
+    let line = format!("{name}\t{:.0}\n", started.elapsed().as_secs_f64());
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = file.write_all(line.as_bytes());
     }
 }
 

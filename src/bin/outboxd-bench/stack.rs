@@ -15,7 +15,12 @@ fn script(name: &str) -> PathBuf {
 }
 
 fn run_script(name: &str, args: &[&str]) -> BenchResult<()> {
-    let output = Command::new("bash").arg(script(name)).args(args).output()?;
+    // The JVM's own defaults for the broker (the tests' quick-start options would make it the bottleneck).
+    let output = Command::new("bash")
+        .arg(script(name))
+        .args(args)
+        .env("OUTBOXD_BROKER_JVM_OPTS", "")
+        .output()?;
     if !output.status.success() {
         return Err(format!(
             "{name} {args:?} failed: {}{}",
