@@ -254,7 +254,35 @@ impl Watermark {
             self.confirmable_unreported += front.finished_events;
         }
         self.first_id += confirmable as u64;
+        self.merge_held_prefix();
         self.confirmed
+    }
+
+    /// Under a hold, the finished transactions at the front (all below the hold: `advance` pops up to the
+    /// last one at or past it) become one entry at the last one's position, so that memory stays flat
+    /// however many the hold keeps waiting. Ids of the entries behind them do not change.
+    fn merge_held_prefix(&mut self) {
+        let finished = self
+            .entries
+            .iter()
+            .take_while(|entry| entry.position.is_some() && entry.pending_events == 0)
+            .count();
+        if finished < 2 {
+            return;
+        }
+        let merged = self
+            .entries
+            .drain(..finished)
+            .reduce(|earlier, later| Entry {
+                position: later.position,
+                pending_events: 0,
+                finished_events: earlier.finished_events + later.finished_events,
+                commit_micros: earlier.commit_micros.max(later.commit_micros),
+            });
+        if let Some(merged) = merged {
+            self.entries.push_front(merged);
+        }
+        self.first_id += finished as u64 - 1;
     }
 
     /// Transactions and markers not yet confirmed.
@@ -335,6 +363,34 @@ mod tests {
         // A hold below the confirmed position holds nothing.
         w.hold_until(Lsn(300));
         assert!(!w.holding());
+    }
+
+    #[test]
+    fn transactions_a_hold_keeps_waiting_take_one_entry() {
+        let mut w = Watermark::new(Lsn(100));
+        w.hold_until(Lsn(1_000_000));
+        for i in 1..=10_000 {
+            let t = w.begin();
+            w.event_started(t);
+            w.commit_at(t, Lsn(100 + i), i as i64);
+            w.event_finished(t);
+            assert_eq!(w.advance(), Lsn(100));
+        }
+        // An unfinished transaction behind them keeps its id.
+        let open = w.begin();
+        w.event_started(open);
+        w.commit(open, Lsn(20_000));
+        let later = w.begin();
+        w.commit(later, Lsn(30_000));
+        assert_eq!(w.advance(), Lsn(100));
+        assert_eq!(w.unconfirmed_entries(), 3, "one merged entry, then two");
+        assert_eq!(w.unreported_events(), 10_000);
+        w.event_finished(open);
+        w.keepalive(Lsn(1_000_000));
+        assert_eq!(w.advance(), Lsn(1_000_000));
+        w.reported();
+        assert_eq!(w.unreported_events(), 0);
+        assert_eq!(w.unconfirmed_entries(), 0);
     }
 
     #[test]

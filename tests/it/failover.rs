@@ -999,6 +999,27 @@ impl ProtectedStandby {
         .await;
     }
 
+    /// Waits until the standby has flushed the WAL up to `position` (`what` ends there).
+    async fn wait_standby_flushed(&self, position: Lsn, what: &str) {
+        wait_for_async(
+            &format!("the standby to flush {what}"),
+            Duration::from_secs(60),
+            || async {
+                let flushed: bool = self
+                    .standby_client
+                    .query_one(
+                        "SELECT pg_last_wal_receive_lsn() >= $1::text::pg_lsn",
+                        &[&position.to_string()],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                flushed.then_some(())
+            },
+        )
+        .await;
+    }
+
     /// The standby receives no more WAL from here on: its walsender on the primary is stopped (the slot
     /// sync worker's connection is another one, and goes on).
     async fn stop_standby_walsender(&self) {
@@ -1068,22 +1089,8 @@ async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_even
         .collect();
     let committed = current_wal_lsn(primary_client).await;
     pair.wait_hand_off_at_gate().await;
-    wait_for_async(
-        "the standby to flush the events' transaction",
-        Duration::from_secs(60),
-        || async {
-            let flushed: bool = standby_client
-                .query_one(
-                    "SELECT pg_last_wal_receive_lsn() >= $1::text::pg_lsn",
-                    &[&committed.to_string()],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            flushed.then_some(())
-        },
-    )
-    .await;
+    pair.wait_standby_flushed(committed, "the events' transaction")
+        .await;
     pair.stop_standby_walsender().await;
     const HOLDING: &str =
         "hand-offs written: confirming nothing before the stream passes their end";
@@ -1131,6 +1138,136 @@ async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_even
         "the synced copy was used"
     );
     outboxd.kill();
+}
+
+/// A new slot hands the unpublished rows older than it to the polling path in a write committed after its
+/// consistent point; a standby's copy of the slot resting in between, on a standby that lacks the hand-off,
+/// would be promoted with those rows owed to nobody (17+). Staged: the hand-off waits at the gate while an
+/// event E commits and reaches the standby, whose walsender is then stopped; the gate opens and the
+/// hand-off commits on the primary only. The first outboxd never gets past it (the primary sends the slot
+/// nothing the standby of `synchronized_standby_slots` has not flushed) and is SIGKILLed; a second one
+/// publishes E and confirms it. Before the fix the slot was a failover slot from birth, the copy followed
+/// to E, and on the promoted standby the older rows were never published. Now the slot becomes a failover
+/// slot only once confirmed past every hand-off written before; on the promoted standby, without a copy,
+/// outboxd hands the older rows off again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_slot_fails_over_only_once_confirmed_past_the_hand_off_of_the_rows_older_than_it() {
+    let Some(pair) = protected_standby_with_hand_off_gate().await else {
+        return;
+    };
+    let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
+    let older: Vec<uuid::Uuid> = primary_client
+        .query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'older', 'Placed', '{}' FROM generate_series(1, 3)
+             RETURNING event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let gate = pair.close_gate().await;
+    let address = Address::of(&pair.primary);
+    let mut first = pair.spawn_outboxd(&address);
+    pair.wait_hand_off_at_gate().await;
+    primary_client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'Order', 'e', 'Placed', '{}')",
+        )
+        .await
+        .unwrap();
+    let e_committed = current_wal_lsn(primary_client).await;
+    pair.wait_standby_flushed(e_committed, "E").await;
+    pair.stop_standby_walsender().await;
+    gate.batch_execute("SELECT pg_advisory_unlock(1919, 2929)")
+        .await
+        .unwrap();
+    wait_for_async(
+        "the hand-off of the older rows to commit on the primary",
+        Duration::from_secs(60),
+        || async {
+            let handed_off: i64 = primary_client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1) AND handoff_at IS NOT NULL",
+                    &[&older],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (handed_off == 3).then_some(())
+        },
+    )
+    .await;
+    wait_slot_active(primary_client, SLOT).await;
+    let walsender = slot_walsender(primary_client, SLOT).await;
+    first.kill();
+    wait_walsender_gone(primary_client, walsender).await;
+
+    let mut second = pair.spawn_outboxd(&address);
+    const WAITING: &str = "becomes a failover slot once confirmed past the hand-offs";
+    wait_for_async(
+        "a persistent copy of the slot on the standby, or outboxd to keep the slot from failing over",
+        Duration::from_secs(120),
+        || async {
+            let copy: Option<String> = standby_client
+                .query_opt(
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots
+                     WHERE slot_name = $1 AND synced AND NOT temporary",
+                    &[&SLOT],
+                )
+                .await
+                .unwrap()
+                .and_then(|row| row.get(0));
+            (copy.is_some() || second.log_text().contains(WAITING)).then_some(())
+        },
+    )
+    .await;
+    let failover: bool = primary_client
+        .query_one(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+            &[&SLOT],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let copy: Option<String> = standby_client
+        .query_opt(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&SLOT],
+        )
+        .await
+        .unwrap()
+        .and_then(|row| row.get(0));
+    println!(
+        "before the promotion: a failover slot: {failover}; its copy at {copy:?}; E committed by {e_committed}"
+    );
+    assert!(
+        !failover,
+        "the slot is no failover slot while the standby may lack its hand-off"
+    );
+
+    pair.fail_over(&address);
+    wait_for_async(
+        "the rows older than the slot handed off (or published) on the promoted standby",
+        Duration::from_secs(120),
+        || async {
+            let owed: i64 = standby_client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1)
+                       AND (handoff_at IS NOT NULL OR published_at IS NOT NULL)",
+                    &[&older],
+                )
+                .await
+                .ok()?
+                .get(0);
+            (owed == 3).then_some(())
+        },
+    )
+    .await;
+    second.kill();
 }
 
 /// A server on a new timeline whose copy of the slot moved on the old timeline past where the new one began.

@@ -1805,8 +1805,12 @@ pub async fn create_slot_then_stop(url: &str, brokers: &str, client: &tokio_post
     wait_slot_active(client, "outboxd").await;
     let walsender = slot_walsender(client, "outboxd").await;
     outboxd.kill();
-    // The walsender notices its client is gone a moment later: until it has exited, the slot (or the
-    // replication connection) looks held by some other client, and doctor and status say so.
+    wait_walsender_gone(client, walsender).await;
+}
+
+/// Waits until the walsender `walsender` (of an outboxd killed) has exited. It notices its client is gone a
+/// moment later: until then the slot (or the replication connection) looks held by some other client.
+pub async fn wait_walsender_gone(client: &tokio_postgres::Client, walsender: Option<i32>) {
     wait_for_async(
         "the killed outboxd's walsender to exit",
         Duration::from_secs(60),

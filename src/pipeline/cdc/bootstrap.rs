@@ -155,7 +155,8 @@ impl<K: Sinks> CdcPipeline<K> {
             Some(position) => {
                 self.watermark.resume_at(position);
                 if let Some(state) = &existing {
-                    set_failover(&mut conn, state, version, db.failover_slot).await?;
+                    self.set_failover(&mut conn, state, version, identity.xlog_position)
+                        .await?;
                 }
                 conn
             }
@@ -208,8 +209,12 @@ impl<K: Sinks> CdcPipeline<K> {
         if can_hand_off {
             slot::begin_creation(sql, &db.slot).await?;
         }
+        // A slot whose older rows are handed off is not a failover slot before it is confirmed past the
+        // hand-off: a standby's copy made at the consistent point could be promoted without the hand-off,
+        // and nothing would publish those rows.
+        let failover = db.failover_slot && version.has_failover_slots();
         let created = conn
-            .create_logical_slot(&db.slot, version, db.failover_slot)
+            .create_logical_slot(&db.slot, version, failover && !can_hand_off)
             .await
             .map_err(replication_error)?;
         let mut hand_off_end = None;
@@ -236,22 +241,74 @@ impl<K: Sinks> CdcPipeline<K> {
             tracing::warn!("the table has no polling columns: rows older than the slot are not published (run `outboxd migrate`)");
             0
         };
+        // Never carry a position over to a new slot: anything between its consistent point and an older,
+        // higher position would be skipped.
+        self.watermark.reset(created.consistent_point);
+        self.memory.failover_after = None;
+        let failover_now = failover && (!can_hand_off || hand_off_end.is_none());
+        if failover && can_hand_off {
+            match hand_off_end {
+                // The hand-off was committed after the consistent point: no position in between is
+                // confirmed (see `Watermark::hold_until`), and the slot fails over once past it.
+                Some(end) => {
+                    self.watermark.hold_until(end);
+                    self.memory.failover_after = Some(end);
+                }
+                // Nothing handed off: a copy at the consistent point owes nothing.
+                None => conn
+                    .alter_slot_failover(&db.slot, true)
+                    .await
+                    .map_err(replication_error)?,
+            }
+        }
         tracing::info!(
             slot = %db.slot,
             consistent_point = %created.consistent_point,
             handed_off_to_polling = handed_off,
-            failover = db.failover_slot && version.has_failover_slots(),
+            failover = failover_now,
+            failover_once_confirmed_past = ?self.memory.failover_after,
             "created replication slot"
         );
-        // Never carry a position over to a new slot: anything between its consistent point and an older,
-        // higher position would be skipped.
-        self.watermark.reset(created.consistent_point);
-        // The hand-off was committed after the consistent point: confirming a position in between would let
-        // a standby's copy of a failover slot move there without it (see `Watermark::hold_until`).
-        if let Some(end) = hand_off_end {
-            self.watermark.hold_until(end);
-        }
         Ok(conn)
+    }
+
+    /// Makes the existing slot a failover slot (17+), or not with `--no-failover-slot`, when it is not
+    /// already. A failover slot only once it is confirmed past every hand-off written before
+    /// (`SessionMemory::failover_after`, at the latest `wal_end`, the server's WAL end now): a standby's
+    /// copy starts where the slot is, and one resting between an event and its hand-off, on a standby that
+    /// lacks the hand-off, would be promoted with the event owed to nobody. Until then the session streams,
+    /// and ends once it confirmed that position (see `session`).
+    async fn set_failover(
+        &mut self,
+        conn: &mut ReplicationConnection,
+        state: &slot::SlotState,
+        version: ServerVersion,
+        wal_end: Lsn,
+    ) -> Result<()> {
+        let wanted = self.settings.database.failover_slot;
+        let Some(current) = state.failover else {
+            return Ok(());
+        };
+        // A slot another walsender holds cannot be altered (PostgreSQL may wait for it): START_REPLICATION
+        // then says who holds it, and the next session alters it.
+        if current == wanted || !version.has_failover_slots() || state.active {
+            self.memory.failover_after = None;
+            return Ok(());
+        }
+        if wanted {
+            let after = *self.memory.failover_after.get_or_insert(wal_end);
+            let position = state.confirmed_flush().unwrap_or(Lsn::ZERO);
+            if position < after {
+                tracing::info!(slot = %state.slot_name, %position, failover_once_confirmed_past = %after, "the replication slot becomes a failover slot once confirmed past the hand-offs written before (a session ends then to change it)");
+                return Ok(());
+            }
+        }
+        conn.alter_slot_failover(&state.slot_name, wanted)
+            .await
+            .map_err(replication_error)?;
+        self.memory.failover_after = None;
+        tracing::info!(slot = %state.slot_name, failover = wanted, "changed the replication slot's failover setting");
+        Ok(())
     }
 
     /// Counts and logs a history change once. With a table that has no polling columns, nothing could
@@ -364,28 +421,6 @@ fn off_history(slot: &str, moved_on: Option<u32>, timeline: u32) -> Error {
         fix: "fence the old primary and point --database-url and --replication-url at the promoted server".into(),
         waiting_for: "the server of the slot's history (a switchover under way)".into(),
     }
-}
-
-/// Makes the existing slot a failover slot (17+), or not with `--no-failover-slot`, when it is not already.
-async fn set_failover(
-    conn: &mut ReplicationConnection,
-    state: &slot::SlotState,
-    version: ServerVersion,
-    wanted: bool,
-) -> Result<()> {
-    let Some(current) = state.failover else {
-        return Ok(());
-    };
-    // A slot another walsender holds cannot be altered (PostgreSQL may wait for it): START_REPLICATION
-    // then says who holds it, and the next session alters it.
-    if current == wanted || !version.has_failover_slots() || state.active {
-        return Ok(());
-    }
-    conn.alter_slot_failover(&state.slot_name, wanted)
-        .await
-        .map_err(replication_error)?;
-    tracing::info!(slot = %state.slot_name, failover = wanted, "changed the replication slot's failover setting");
-    Ok(())
 }
 
 /// The aggregates with rows waiting in the polling path, per table with polling columns; a table with more

@@ -73,6 +73,10 @@ struct SessionMemory {
     topic_holds: TopicHolds,
     /// Events refused for good that the next session hands to the polling path.
     owed: OwedHandOffs,
+    /// The slot becomes a failover slot (17+) only once confirmed at or past this position, past every
+    /// hand-off written before it: a standby's copy made earlier could rest between an event and its hand-off
+    /// (see `bootstrap::set_failover`). The session that confirms it ends, and the next one turns it on.
+    failover_after: Option<Lsn>,
 }
 
 impl<K: Sinks> CdcPipeline<K> {

@@ -24,8 +24,8 @@ use crate::error::{replication_error, Error, Result};
 use crate::event::{OutboxEvent, Text};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, OutboxSql, RowState};
-use crate::pg::pgoutput;
 use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
+use crate::pg::{self, pgoutput};
 use crate::pipeline::backfill::{CdcTag, Finished, ToBackfill};
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::progress::{Progress, ProgressKey};
@@ -206,6 +206,9 @@ pub(super) struct Session<'a, S> {
     /// A table outgrew [`MAX_TRACKED_BLOCKED`]: reading stops, and the session restarts once its hand-offs
     /// are written.
     restart_after_hand_offs: bool,
+    /// The slot is confirmed past `SessionMemory::failover_after`: reading stops, and the session ends once
+    /// nothing is in flight, for the next one to make the slot a failover slot.
+    restart_for_failover: bool,
     hand_offs_in_flight: usize,
     handed_off: u64,
     /// Topics held and refused events owed to the polling path, kept across sessions.
@@ -272,6 +275,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             gate: boot.gate,
             pausing_for_check: false,
             restart_after_hand_offs: false,
+            restart_for_failover: false,
             hand_offs_in_flight: 0,
             handed_off: 0,
             memory,
@@ -336,7 +340,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     drain_deadline = Some(tokio::time::Instant::now() + self.settings.shutdown_timeout);
                 }
                 finished = finished_rx.recv() => self.finished(finished).await?,
-                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs && self.failing.is_none() && !self.commit_waits_for_hand_offs() => {
+                message = stream.next_message(), if window_open && drain_deadline.is_none() && !self.pausing_for_check && !self.restart_after_hand_offs && !self.restart_for_failover && self.failing.is_none() && !self.commit_waits_for_hand_offs() => {
                     reply_now = self.handle(message.map_err(replication_error)?).await?;
                 }
                 _ = status_timer.tick() => reply_now = true,
@@ -453,6 +457,18 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 "more than {MAX_TRACKED_BLOCKED} aggregates of one table wait in the polling path"
             )));
         }
+        // Parked events were never produced: the slot sends them again.
+        if self.restart_for_failover
+            && self.window.events() == self.gate.parked_len()
+            && self.hand_offs_in_flight == 0
+        {
+            let confirmed = self.watermark.advance();
+            stream.send_status(confirmed).await?;
+            self.watermark.reported();
+            return Err(Error::SessionRestart(format!(
+                "the replication slot is confirmed at {confirmed}, past the hand-offs written before: reconnecting to make it a failover slot"
+            )));
+        }
         Ok(())
     }
 
@@ -486,6 +502,13 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         reply_now: bool,
     ) -> Result<()> {
         let confirmed = self.watermark.advance();
+        if self
+            .memory
+            .failover_after
+            .is_some_and(|after| confirmed >= after)
+        {
+            self.restart_for_failover = true;
+        }
         let tell_now = Instant::now() >= status.gap_ends_at() || !self.window_open();
         if reply_now || (confirmed > status.last_sent && tell_now) {
             stream.send_status(confirmed).await?;
@@ -988,6 +1011,17 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 let answer = sql.row_states(&self.sql, &ids).await?;
                 states.extend(answer.into_iter().map(|(id, state)| ((table, id), state)));
             }
+        }
+        // A row handed off before (by an earlier session, which may have ended before it could confirm past
+        // the hand-off) is finished here: nothing between its transaction and the hand-off is confirmed, as
+        // for this session's own hand-offs (see `Watermark::hold_until`). The WAL position read now is past
+        // the hand-off, whose row was just seen.
+        if states
+            .values()
+            .any(|state| *state == RowState::WaitingInPollingPath)
+        {
+            self.watermark
+                .hold_until(pg::current_wal_position(&self.sql).await?);
         }
         let mut marked_covered = 0;
         for pending in std::mem::take(&mut self.replay_buffer) {
