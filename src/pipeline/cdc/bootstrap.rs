@@ -148,6 +148,7 @@ impl<K: Sinks> CdcPipeline<K> {
             }
             // At once, before anything below can fail: the old position never pairs with the new history.
             self.watermark.reset(slot_position.unwrap_or(Lsn::ZERO));
+            self.memory.failover_after = None;
         }
         let conn = match slot_position {
             // The slot belongs to the server's own history: stream from its position (what lies between it
@@ -289,10 +290,13 @@ impl<K: Sinks> CdcPipeline<K> {
         let Some(current) = state.failover else {
             return Ok(());
         };
-        // A slot another walsender holds cannot be altered (PostgreSQL may wait for it): START_REPLICATION
-        // then says who holds it, and the next session alters it.
-        if current == wanted || !version.has_failover_slots() || state.active {
+        if current == wanted || !version.has_failover_slots() {
             self.memory.failover_after = None;
+            return Ok(());
+        }
+        // A slot another walsender holds cannot be altered (PostgreSQL may wait for it): START_REPLICATION
+        // then says who holds it, and the next session alters it (the position owed is kept).
+        if state.active {
             return Ok(());
         }
         if wanted {

@@ -139,6 +139,8 @@ impl<K: Sinks> CdcPipeline<K> {
     }
 
     async fn run_as_leader(&mut self, shutdown: watch::Receiver<bool>) -> Result<()> {
+        // Another leader may have replaced the slot meanwhile: a position owed to the old one means nothing.
+        self.memory.failover_after = None;
         let (stop_sweeper, mut sweeper_shutdown) = watch::channel(false);
         let (settings, sinks) = (self.settings.clone(), self.sinks.clone());
         // One sweeper per table with polling columns. It outlives its errors: it logs them and starts

@@ -478,7 +478,9 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     async fn unclog_window(&mut self) -> Result<()> {
         if !self.replay_buffer.is_empty()
             && self.failing.is_none()
-            && (self.replay_buffer.len() >= REPLAY_BATCH || !self.window_open())
+            && (self.replay_buffer.len() >= REPLAY_BATCH
+                || !self.window_open()
+                || self.restart_for_failover)
         {
             self.flush_replay_buffer().await?;
         }
@@ -1020,8 +1022,9 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             .values()
             .any(|state| *state == RowState::WaitingInPollingPath)
         {
-            self.watermark
-                .hold_until(pg::current_wal_position(&self.sql).await?);
+            let end = pg::current_wal_position(&self.sql).await?;
+            tracing::debug!(%end, "re-sent rows found handed off before: confirming nothing before the stream passes the WAL position now");
+            self.watermark.hold_until(end);
         }
         let mut marked_covered = 0;
         for pending in std::mem::take(&mut self.replay_buffer) {
