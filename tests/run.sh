@@ -39,6 +39,10 @@ status=0
 # The whole suite on the default major (OUTBOXD_PG_MAJOR, env.sh)...
 echo "== PostgreSQL $PG_MAJOR: every test"
 cargo test --no-fail-fast --lib --bins --tests "$@" 2>&1 | tee "$log" || status=$?
+# ...the soak (ignored above) alone, its two paths side by side: memory growth is judged under a steady load,
+# which other tests beside it would disturb...
+echo "== PostgreSQL $PG_MAJOR: the soak, alone"
+cargo test --no-fail-fast --test it "$@" -- --ignored soak:: 2>&1 | tee -a "$log" || status=$?
 # ...then the core on every other major; OUTBOXD_PG_MATRIX=full runs every test on every major.
 for major in $PG_MATRIX; do
   [ "$major" = "$PG_MAJOR" ] && continue

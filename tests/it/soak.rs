@@ -5,7 +5,8 @@
 //! RSS (heap, arenas, stacks: where a leak shows) and under 3 MiB for all of RSS (which also holds the
 //! binary's pages, touched or reclaimed by the kernel). The growth this test was written against measured
 //! 16.4 MiB per million here (every commit-to-ack sample kept until a scrape); a flat process measures
-//! 0.0-1.0 for RSS.
+//! 0.0-1.0 for RSS. Ignored in a plain `cargo test`: tests/run.sh runs it after the rest of the suite, with no
+//! other test beside it (beside them, on 2 cores, a backlog built up and the growth read over its bound).
 
 #[path = "../../src/bin/outboxd-bench/soak.rs"]
 #[allow(dead_code)]
@@ -81,11 +82,13 @@ async fn soak_without_scrapes(mode: &str) {
 // core idle. What they assert is per event, so a rate that sags on a shared machine changes only how long
 // they take.
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "runs alone: tests/run.sh runs it after the suite (`cargo test --test it -- --ignored soak::`)"]
 async fn memory_stays_flat_without_metrics_scrapes_cdc() {
     soak_without_scrapes("cdc").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "runs alone: tests/run.sh runs it after the suite (`cargo test --test it -- --ignored soak::`)"]
 async fn memory_stays_flat_without_metrics_scrapes_poll() {
     soak_without_scrapes("poll").await;
 }
