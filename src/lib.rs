@@ -2,6 +2,7 @@
 //! aggregate. The data flows wire -> decode -> publish -> acknowledge -> backfill -> confirm; each step has
 //! its own module (see DESIGN.md's map).
 
+pub mod audit;
 pub mod backoff;
 pub mod config;
 pub mod doctor;

@@ -44,7 +44,8 @@ fn main() -> ExitCode {
         Command::Migrate(options) | Command::Run(options) => options.clone(),
         Command::Status { options, .. }
         | Command::Replay { options, .. }
-        | Command::Doctor { options, .. } => options.clone(),
+        | Command::Doctor { options, .. }
+        | Command::Audit { options, .. } => options.clone(),
     };
     let options = match options.with_file() {
         Ok(options) => options,
@@ -89,7 +90,103 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             json, thresholds, ..
         } => status(&options, json, &thresholds).await,
         Command::Doctor { json, .. } => doctor(&options, json).await,
+        Command::Audit {
+            since,
+            until,
+            aggregate_type,
+            json,
+            details,
+            fail_on_duplicates,
+            ..
+        } => {
+            let range = outboxd::audit::Range {
+                since: since
+                    .as_deref()
+                    .map(|t| point_in_time("--since", t))
+                    .transpose()?,
+                until: until
+                    .as_deref()
+                    .map(|t| point_in_time("--until", t))
+                    .transpose()?,
+                aggregate_type,
+            };
+            audit(&options, &range, json, details, fail_on_duplicates).await
+        }
     }
+}
+
+/// `--since` / `--until`: RFC 3339, or an age ("2h": two hours ago).
+fn point_in_time(flag: &str, value: &str) -> outboxd::Result<std::time::SystemTime> {
+    if let Ok(at) = humantime::parse_rfc3339_weak(value) {
+        return Ok(at);
+    }
+    match humantime::parse_duration(value) {
+        Ok(age) => Ok(std::time::SystemTime::now() - age),
+        Err(_) => Err(outboxd::config::ConfigError::Invalid(format!(
+            "{flag} {value:?} is neither a time (2026-12-01T00:00:00Z) nor an age (2h, 7d)"
+        ))
+        .into()),
+    }
+}
+
+/// `outboxd audit`: the summary (text or JSON), the findings to `--details`, the verdict's exit code.
+async fn audit(
+    options: &Options,
+    range: &outboxd::audit::Range,
+    json: bool,
+    details: Option<std::path::PathBuf>,
+    fail_on_duplicates: bool,
+) -> outboxd::Result<ExitCode> {
+    let settings = options.run()?;
+    let mut file = match &details {
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(|e| {
+                outboxd::Error::setup(
+                    format!("cannot create the details file {}: {e}", path.display()),
+                    "give --details a writable path",
+                )
+            })?,
+        )),
+        None => None,
+    };
+    let summary = outboxd::audit::audit(
+        settings,
+        range,
+        file.as_mut().map(|f| f as &mut dyn std::io::Write),
+    )
+    .await;
+    if let Some(mut file) = file {
+        use std::io::Write;
+        file.flush().map_err(|e| {
+            outboxd::Error::setup(
+                format!("cannot write the details file: {e}"),
+                "give --details a writable path",
+            )
+        })?;
+    }
+    let summary = match summary {
+        Ok(summary) => summary,
+        Err(error) => {
+            eprintln!(
+                "error: could not audit: {}",
+                logging::escape_controls(&error.to_string())
+            );
+            return Ok(ExitCode::from(
+                outboxd::audit::report::Verdict::CouldNotAudit as u8,
+            ));
+        }
+    };
+    let verdict = summary.verdict(fail_on_duplicates);
+    if json {
+        let mut value = serde_json::to_value(&summary).unwrap_or_default();
+        if let Some(object) = value.as_object_mut() {
+            object.insert("exit_code".into(), (verdict as u8).into());
+        }
+        println!("{value}");
+    } else {
+        print!("{}", summary.to_text(fail_on_duplicates));
+    }
+    Ok(ExitCode::from(verdict as u8))
 }
 
 /// `outboxd migrate`: the table's columns and indexes, the publication, the NOTIFY trigger when asked.

@@ -25,7 +25,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// What `outboxd` is asked to do: migrate, run, replay, status or doctor.
+/// What `outboxd` is asked to do: migrate, run, replay, status, doctor or audit.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Create or upgrade the outbox table, the inbox table and the publication (idempotent; needs no broker).
@@ -68,6 +68,32 @@ pub enum Command {
         /// When the verdict is WARNING or CRITICAL.
         #[command(flatten)]
         thresholds: Thresholds,
+    },
+    /// Check that the topics hold every event the table says was published: on its topic and partition, in
+    /// its aggregate's order, and name every record no row explains (reads only). Exit code 0: clean,
+    /// 1: findings, 2: could not audit.
+    Audit {
+        /// Every option, as `run` is given them (the database, the brokers, --topic, --table).
+        #[command(flatten)]
+        options: Options,
+        /// Events created at or after this time: RFC 3339 (2026-12-01T00:00:00Z) or an age (2h, 7d).
+        #[arg(long)]
+        since: Option<String>,
+        /// Events created before this time: RFC 3339 or an age.
+        #[arg(long)]
+        until: Option<String>,
+        /// Only events of this aggregate type.
+        #[arg(long)]
+        aggregate_type: Option<String>,
+        /// Print only JSON on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Write every finding to this file, one JSON object per line.
+        #[arg(long)]
+        details: Option<PathBuf>,
+        /// Count duplicated events as findings (exit code 1); by default they are reported only.
+        #[arg(long)]
+        fail_on_duplicates: bool,
     },
 }
 

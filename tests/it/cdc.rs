@@ -80,24 +80,6 @@ async fn delivers_every_committed_event_in_order_with_headers() {
     println!("confirmed_flush_lsn {confirmed} >= last commit end {last_commit_end}");
 }
 
-#[test]
-fn java_partitioner_reference_matches_kafka_test_vectors() {
-    // From Kafka's UtilsTest.testMurmur2.
-    for (key, hash) in [
-        ("21", -973_932_308),
-        ("foobar", -790_332_482),
-        ("a-little-bit-long-string", -985_981_536),
-        ("a-little-bit-longer-string", -1_486_304_829),
-        (
-            "lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
-            -58_897_971,
-        ),
-        ("abc", 479_470_107),
-    ] {
-        assert_eq!(java_murmur2(key.as_bytes()), hash, "{key}");
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_outbox_does_not_hold_wal() {
     let (pg, _broker) = migrated_stack();

@@ -7,6 +7,7 @@
 mod support;
 
 mod architecture;
+mod audit;
 mod cdc;
 mod chaos;
 mod cloudevents;

@@ -1073,39 +1073,9 @@ pub fn check_delivery(
     report
 }
 
-/// The partition the Java producer's default partitioner picks for `key`.
+/// The partition the Java producer's default partitioner picks for `key` (outboxd's audit uses the same).
 pub fn java_partition(key: &[u8], partitions: i32) -> i32 {
-    ((java_murmur2(key) as u32 & 0x7fff_ffff) % partitions as u32) as i32
-}
-
-/// Kafka's `Utils.murmur2`.
-pub fn java_murmur2(key: &[u8]) -> i32 {
-    const M: u32 = 0x5bd1_e995;
-    let mut h: u32 = 0x9747_b28c ^ key.len() as u32;
-    let mut chunks = key.chunks_exact(4);
-    for chunk in &mut chunks {
-        let mut k = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
-        k = k.wrapping_mul(M);
-        k ^= k >> 24;
-        k = k.wrapping_mul(M);
-        h = h.wrapping_mul(M);
-        h ^= k;
-    }
-    let rest = chunks.remainder();
-    if rest.len() >= 3 {
-        h ^= u32::from(rest[2]) << 16;
-    }
-    if rest.len() >= 2 {
-        h ^= u32::from(rest[1]) << 8;
-    }
-    if !rest.is_empty() {
-        h ^= u32::from(rest[0]);
-        h = h.wrapping_mul(M);
-    }
-    h ^= h >> 13;
-    h = h.wrapping_mul(M);
-    h ^= h >> 15;
-    h as i32
+    outboxd::audit::partitioner::partition_of(key, partitions)
 }
 
 // ---- shared scenario helpers ----

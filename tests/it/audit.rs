@@ -1,0 +1,132 @@
+//! `outboxd audit` against Apache Kafka: a clean topic audits clean; records deleted from a partition (the
+//! admin API's DeleteRecords) are found missing, exactly those; a record another producer wrote is named as
+//! unexplained.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::support::*;
+
+fn audit(url: &str, brokers: &str, details: &std::path::Path) -> (i32, serde_json::Value) {
+    let output = run_outboxd(&[
+        "audit",
+        "--database-url",
+        url,
+        "--brokers",
+        brokers,
+        "--json",
+        "--details",
+        details.to_str().unwrap(),
+    ]);
+    let json = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "audit printed no JSON ({e}): {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (output.status.code().unwrap_or(-1), json)
+}
+
+/// The event ids of the findings of `kind` in a `--details` file.
+fn findings(details: &std::path::Path, kind: &str) -> Vec<String> {
+    std::fs::read_to_string(details)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+        .filter(|finding| finding["kind"] == kind)
+        .map(|finding| finding["event_id"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn audit_finds_exactly_the_deleted_records_and_a_foreign_one() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let (committed, _) = insert_events(&mut client, 0, 20, 3, 12, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    outboxd.kill();
+    let scratch = scratch_dir("audit");
+    let details = scratch.join("details.jsonl");
+
+    let (code, clean) = audit(&url, &brokers, &details);
+    assert_eq!(code, 0, "a clean audit: {clean}");
+    assert_eq!(clean["checked"], committed.len() as u64, "{clean}");
+    assert_eq!(clean["present"], committed.len() as u64, "{clean}");
+    assert_eq!(clean["missing"], 0, "{clean}");
+
+    // The first half of partition 0 deleted, as DeleteRecords (or a broker losing data) does.
+    let config = {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &brokers);
+        config
+    };
+    let consumer: BaseConsumer = config
+        .clone()
+        .set("group.id", "audit-test")
+        .create()
+        .unwrap();
+    let (_, high) = consumer
+        .fetch_watermarks(TOPIC, 0, Duration::from_secs(10))
+        .unwrap();
+    assert!(high >= 2, "partition 0 holds records to delete ({high})");
+    let cut = high / 2;
+    let mut deleted = Vec::new();
+    let mut assignment = TopicPartitionList::new();
+    assignment
+        .add_partition_offset(TOPIC, 0, Offset::Beginning)
+        .unwrap();
+    consumer.assign(&assignment).unwrap();
+    while deleted.len() < cut as usize {
+        let Some(message) = consumer.poll(Duration::from_secs(10)) else {
+            panic!("partition 0 ended before offset {cut}");
+        };
+        let message = message.unwrap();
+        use rdkafka::message::{Headers, Message};
+        let id = message
+            .headers()
+            .and_then(|h| h.iter().find(|h| h.key == "event_id"))
+            .and_then(|h| h.value)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .expect("outboxd's records carry event_id");
+        deleted.push(id);
+    }
+    let admin: AdminClient<DefaultClientContext> = config.create().unwrap();
+    let mut up_to = TopicPartitionList::new();
+    up_to
+        .add_partition_offset(TOPIC, 0, Offset::Offset(cut))
+        .unwrap();
+    admin
+        .delete_records(&up_to, &AdminOptions::new())
+        .await
+        .unwrap();
+    // A record another producer wrote: no event id header.
+    let producer: ThreadedProducer<DefaultProducerContext> = config.create().unwrap();
+    producer
+        .send(BaseRecord::to(TOPIC).key("stranger").payload("{}"))
+        .unwrap();
+    producer.flush(Duration::from_secs(10)).unwrap();
+
+    let (code, found) = audit(&url, &brokers, &details);
+    assert_eq!(code, 1, "findings: {found}");
+    assert_eq!(found["missing"], cut as u64, "{found}");
+    assert_eq!(found["unexplained_without_id"], 1, "{found}");
+    assert_eq!(found["expired"], 0, "deleted, not expired: {found}");
+    let mut missing = findings(&details, "missing");
+    missing.sort();
+    deleted.sort();
+    assert_eq!(missing, deleted, "exactly the deleted records are missing");
+    println!(
+        "audit: {} events checked, {} records deleted and found missing",
+        found["checked"], cut
+    );
+}
