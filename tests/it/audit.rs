@@ -130,3 +130,87 @@ async fn audit_finds_exactly_the_deleted_records_and_a_foreign_one() {
         found["checked"], cut
     );
 }
+
+/// Records written by hand next to outboxd's: two events of one aggregate in the reverse of their insert
+/// order (reordered), a copy of an event on the wrong partition (misplaced and duplicated), and an event
+/// whose row says published but that no topic holds (missing); the rest of the topic audits clean.
+#[tokio::test(flavor = "multi_thread")]
+async fn audit_names_reordered_misplaced_and_duplicated_events() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    insert_events(&mut client, 0, 5, 2, 4, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    outboxd.kill();
+
+    // Rows outboxd never saw, marked published (as a bug or a hand-made mark would).
+    let ids: Vec<uuid::Uuid> = client
+        .query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT gen_random_uuid(), 'Order', 'by-hand', 'Step' || n, '{}', now()
+             FROM generate_series(1, 4) AS n ORDER BY n
+             RETURNING event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let (first, second, misplaced, missing) = (ids[0], ids[1], ids[2], ids[3]);
+    let partitions = 6;
+    let home = java_partition(b"by-hand", partitions);
+    let elsewhere = (home + 1) % partitions;
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &brokers);
+    let producer: ThreadedProducer<DefaultProducerContext> = config.create().unwrap();
+    let send = |id: uuid::Uuid, partition: i32| {
+        let id = id.to_string();
+        let headers = rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
+            key: "event_id",
+            value: Some(id.as_bytes()),
+        });
+        producer
+            .send(
+                BaseRecord::to(TOPIC)
+                    .key("by-hand")
+                    .payload("{}")
+                    .partition(partition)
+                    .headers(headers),
+            )
+            .unwrap();
+        producer.flush(Duration::from_secs(10)).unwrap();
+    };
+    send(second, home);
+    send(first, home);
+    send(misplaced, home);
+    send(misplaced, elsewhere);
+
+    let details = scratch_dir("audit").join("details.jsonl");
+    let (code, found) = audit(&url, &brokers, &details);
+    assert_eq!(code, 1, "findings: {found}");
+    assert_eq!(
+        findings(&details, "reordered"),
+        vec![first.to_string()],
+        "{found}"
+    );
+    assert_eq!(
+        findings(&details, "misplaced"),
+        vec![misplaced.to_string()],
+        "{found}"
+    );
+    assert_eq!(
+        findings(&details, "duplicated"),
+        vec![misplaced.to_string()],
+        "{found}"
+    );
+    assert_eq!(
+        findings(&details, "missing"),
+        vec![missing.to_string()],
+        "{found}"
+    );
+    assert_eq!(found["unexplained_without_id"], 0, "{found}");
+    assert_eq!(found["unexplained_foreign"], 0, "{found}");
+}
