@@ -97,6 +97,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             json,
             details,
             fail_on_duplicates,
+            heal,
             ..
         } => {
             let range = outboxd::audit::Range {
@@ -109,6 +110,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                     .map(|t| point_in_time("--until", t))
                     .transpose()?,
                 aggregate_type,
+                heal,
             };
             audit(&options, &range, json, details, fail_on_duplicates).await
         }

@@ -44,6 +44,8 @@ pub struct Range {
     pub until: Option<SystemTime>,
     /// Of this aggregate type only.
     pub aggregate_type: Option<String>,
+    /// `--heal`: hand every missing event back to the polling path, which publishes it again.
+    pub heal: bool,
 }
 
 /// How long a metadata or watermark request may take.
@@ -60,7 +62,7 @@ pub async fn audit(
     range: &Range,
     mut details: Option<&mut dyn Write>,
 ) -> Result<Summary> {
-    let sql = crate::pg::connect(&settings.database.database_url).await?;
+    let mut sql = crate::pg::connect(&settings.database.database_url).await?;
     let tables = crate::pg::slot::inspect_all(&sql, &settings.database.tables).await?;
     let mode = settings.mode;
     let settings = settings.inspected(tables, mode);
@@ -70,6 +72,12 @@ pub async fn audit(
             return Err(Error::setup(
                 format!("{} has no published_at column: nothing records which events were published, so there is nothing to audit", table.name),
                 "run `outboxd migrate --add-polling-columns` (outboxd then records each event it publishes)",
+            ));
+        }
+        if range.heal && !table.polling {
+            return Err(Error::setup(
+                format!("{} has no polling columns: --heal hands missing events to the polling path, which this table lacks", table.name),
+                "run `outboxd migrate --add-polling-columns`, or audit without --heal",
             ));
         }
     }
@@ -101,7 +109,40 @@ pub async fn audit(
         Ok(())
     };
     compare(&sql, &db.tables, &mut summary, &mut report).await?;
+    if range.heal {
+        for (index, table) in db.tables.iter().enumerate() {
+            summary.healed += heal(&mut sql, index, table).await?;
+        }
+    }
     Ok(summary)
+}
+
+/// Hands the missing events of `table` (not the expired ones) back to the polling path, 1,000 per
+/// transaction; returns how many.
+async fn heal(sql: &mut Client, index: usize, table: &OutboxTable) -> Result<u64> {
+    let index = index as i32;
+    let mut healed = 0;
+    loop {
+        let ids: Vec<Uuid> = sql
+            .query(
+                "DELETE FROM outboxd_audit_absent WHERE ctid = ANY(ARRAY(
+                     SELECT ctid FROM outboxd_audit_absent WHERE tbl = $1 AND NOT expired LIMIT 1000))
+                 RETURNING event_id",
+                &[&index],
+            )
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        if ids.is_empty() {
+            break;
+        }
+        healed += crate::pg::outbox::hand_back_published(sql, table, &ids).await?;
+    }
+    if healed > 0 {
+        tracing::info!(table = %table.name, events = healed, "handed the missing events back to the polling path: outboxd publishes them again, each after its aggregate's earlier unpublished events");
+    }
+    Ok(healed)
 }
 
 async fn create_scratch_tables(sql: &Client) -> Result<()> {
@@ -408,12 +449,17 @@ async fn compare(
     report: &mut impl FnMut(Finding) -> Result<()>,
 ) -> Result<()> {
     summary.checked = count(sql, "SELECT count(*) FROM outboxd_audit_expected").await?;
+    sql.batch_execute(
+        "CREATE TEMP TABLE outboxd_audit_absent AS
+         SELECT e.tbl, e.event_id, e.topic, t.retention_ms IS NOT NULL
+                AND e.published_at < now() - t.retention_ms * interval '1 millisecond' AS expired
+         FROM outboxd_audit_expected e JOIN outboxd_audit_topic t USING (topic)
+         WHERE NOT EXISTS (SELECT FROM outboxd_audit_record r WHERE r.event_id = e.event_id)",
+    )
+    .await?;
     let absent = sql
         .query(
-            "SELECT e.event_id, e.topic, t.retention_ms IS NOT NULL
-                    AND e.published_at < now() - t.retention_ms * interval '1 millisecond'
-             FROM outboxd_audit_expected e JOIN outboxd_audit_topic t USING (topic)
-             WHERE NOT EXISTS (SELECT FROM outboxd_audit_record r WHERE r.event_id = e.event_id)",
+            "SELECT event_id, topic, expired FROM outboxd_audit_absent",
             &[],
         )
         .await?;

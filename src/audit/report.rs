@@ -73,6 +73,8 @@ pub struct Summary {
     pub topics: u64,
     /// Records read.
     pub records: u64,
+    /// Missing events handed back to the polling path (`--heal`).
+    pub healed: u64,
 }
 
 /// The verdict, as `status` gives it: 0 clean, 1 findings, 2 could not audit.
@@ -134,6 +136,12 @@ impl Summary {
             if count > 0 || what.starts_with("present") {
                 text.push_str(&format!("  {count:>10}  {what}\n"));
             }
+        }
+        if self.healed > 0 {
+            text.push_str(&format!(
+                "  {:>10}  missing events handed back to the polling path (--heal): outboxd publishes them again\n",
+                self.healed
+            ));
         }
         if self.extra_copies > 0 {
             text.push_str(&format!(

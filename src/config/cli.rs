@@ -94,6 +94,10 @@ pub enum Command {
         /// Count duplicated events as findings (exit code 1); by default they are reported only.
         #[arg(long)]
         fail_on_duplicates: bool,
+        /// Hand every missing event back to the polling path, which publishes it again (same event id),
+        /// after its aggregate's earlier unpublished events. Without it the audit only reads.
+        #[arg(long)]
+        heal: bool,
     },
 }
 

@@ -1499,31 +1499,77 @@ pub async fn replay_dead(
         }
         ReplayFilter::AllDead => tx.query(&format!("{base} {returning}"), &[]).await?,
     };
+    notify_hand_offs(&tx, table, &rows).await?;
+    tx.commit().await?;
+    Ok(rows.len() as u64)
+}
+
+/// Hands published events back to the polling path (`outboxd audit --heal`: events the topics lost):
+/// `published_at` cleared and `handoff_at` set, so that the polling path publishes them again, each
+/// after its aggregate's earlier unpublished events, with a [`HANDOFF_MESSAGE`] per aggregate for a CDC
+/// leader (as [`replay_dead`]). Event ids are kept, so inboxes dedupe. Returns how many.
+pub async fn hand_back_published(
+    client: &mut Client,
+    table: &OutboxTable,
+    event_ids: &[Uuid],
+) -> Result<u64> {
+    let t = table.name.quoted();
+    let id = table.col(Role::EventId);
+    let aggregate = format!(
+        "coalesce({}, ''), coalesce({}::text, '')",
+        table.text_expr(Role::AggregateType, "''::text"),
+        table.col(Role::AggregateId)
+    );
+    let tx = client.transaction().await?;
+    let rows = tx
+        .query(
+            &format!(
+                "UPDATE {t} SET published_at = NULL, attempts = 0, last_error = NULL, available_at = now(),
+                                lease_token = NULL, lease_until = NULL, handoff_at = now()
+                 WHERE {id} = ANY($1) AND published_at IS NOT NULL AND dead_at IS NULL
+                 RETURNING {aggregate}"
+            ),
+            &[&event_ids],
+        )
+        .await?;
+    notify_hand_offs(&tx, table, &rows).await?;
+    tx.commit().await?;
+    Ok(rows.len() as u64)
+}
+
+/// In the transaction that hands events to the polling path: a [`HANDOFF_MESSAGE`] per aggregate of `rows`
+/// (aggregate type, aggregate id) tells a CDC leader that its later events must wait behind them, when the
+/// server decodes logically (`wal_level = logical`).
+async fn notify_hand_offs(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &OutboxTable,
+    rows: &[tokio_postgres::Row],
+) -> Result<()> {
     let logical: bool = tx
         .query_one("SELECT current_setting('wal_level') = 'logical'", &[])
         .await?
         .get(0);
-    if logical {
-        let aggregates: std::collections::BTreeSet<(String, String)> =
-            rows.iter().map(|row| (row.get(0), row.get(1))).collect();
-        for (aggregate_type, aggregate_id) in aggregates {
-            let notice = HandOffNotice {
-                table: table.name.to_string(),
-                aggregate_type,
-                aggregate_id,
-            };
-            let content = serde_json::to_string(&notice).map_err(|error| {
-                crate::error::Error::bug(format!("cannot write a hand-off notice: {error}"))
-            })?;
-            tx.execute(
-                "SELECT pg_logical_emit_message(true, $1, $2)",
-                &[&HANDOFF_MESSAGE, &content],
-            )
-            .await?;
-        }
+    if !logical {
+        return Ok(());
     }
-    tx.commit().await?;
-    Ok(rows.len() as u64)
+    let aggregates: std::collections::BTreeSet<(String, String)> =
+        rows.iter().map(|row| (row.get(0), row.get(1))).collect();
+    for (aggregate_type, aggregate_id) in aggregates {
+        let notice = HandOffNotice {
+            table: table.name.to_string(),
+            aggregate_type,
+            aggregate_id,
+        };
+        let content = serde_json::to_string(&notice).map_err(|error| {
+            crate::error::Error::bug(format!("cannot write a hand-off notice: {error}"))
+        })?;
+        tx.execute(
+            "SELECT pg_logical_emit_message(true, $1, $2)",
+            &[&HANDOFF_MESSAGE, &content],
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// Which dead events `outboxd replay` re-queues.
