@@ -181,6 +181,10 @@ impl StatusUpdates {
     }
 }
 
+/// How long a session confirmed past `SessionMemory::failover_after` waits for the aggregates waiting in the
+/// polling path to drain before it ends anyway to make the slot a failover slot.
+const FAILOVER_RESTART_PATIENCE: Duration = Duration::from_secs(300);
+
 /// Per-session state of the stream loop, publishing into `S`.
 pub(super) struct Session<'a, S> {
     settings: &'a RunSettings,
@@ -209,6 +213,9 @@ pub(super) struct Session<'a, S> {
     /// The slot is confirmed past `SessionMemory::failover_after`: reading stops, and the session ends once
     /// nothing is in flight, for the next one to make the slot a failover slot.
     restart_for_failover: bool,
+    /// Since when the slot has been confirmed past `SessionMemory::failover_after` while aggregates waited
+    /// in the polling path (see [`FAILOVER_RESTART_PATIENCE`]).
+    failover_due_since: Option<tokio::time::Instant>,
     hand_offs_in_flight: usize,
     handed_off: u64,
     /// Topics held and refused events owed to the polling path, kept across sessions.
@@ -276,6 +283,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             pausing_for_check: false,
             restart_after_hand_offs: false,
             restart_for_failover: false,
+            failover_due_since: None,
             hand_offs_in_flight: 0,
             handed_off: 0,
             memory,
@@ -509,7 +517,16 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             .failover_after
             .is_some_and(|after| confirmed >= after)
         {
-            self.restart_for_failover = true;
+            // The next session hands the events it is sent again of aggregates waiting in the polling path to
+            // that path (their order there is by position): ending while none waits spares those hand-offs,
+            // and ending anyway after a while keeps an aggregate that waits for good (behind a dead letter)
+            // from keeping the slot a plain one.
+            let due_since = *self
+                .failover_due_since
+                .get_or_insert_with(tokio::time::Instant::now);
+            if !self.gate.has_blocked() || due_since.elapsed() >= FAILOVER_RESTART_PATIENCE {
+                self.restart_for_failover = true;
+            }
         }
         let tell_now = Instant::now() >= status.gap_ends_at() || !self.window_open();
         if reply_now || (confirmed > status.last_sent && tell_now) {
