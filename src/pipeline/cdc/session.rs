@@ -24,8 +24,8 @@ use crate::error::{replication_error, Error, Result};
 use crate::event::{OutboxEvent, Text};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, OutboxSql, RowState};
+use crate::pg::pgoutput;
 use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
-use crate::pg::{self, pgoutput};
 use crate::pipeline::backfill::{CdcTag, Finished, ToBackfill};
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::progress::{Progress, ProgressKey};
@@ -1030,18 +1030,6 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 let answer = sql.row_states(&self.sql, &ids).await?;
                 states.extend(answer.into_iter().map(|(id, state)| ((table, id), state)));
             }
-        }
-        // A row handed off before (by an earlier session, which may have ended before it could confirm past
-        // the hand-off) is finished here: nothing between its transaction and the hand-off is confirmed, as
-        // for this session's own hand-offs (see `Watermark::hold_until`). The WAL position read now is past
-        // the hand-off, whose row was just seen.
-        if states
-            .values()
-            .any(|state| *state == RowState::WaitingInPollingPath)
-        {
-            let end = pg::current_wal_position(&self.sql).await?;
-            tracing::debug!(%end, "re-sent rows found handed off before: confirming nothing before the stream passes the WAL position now");
-            self.watermark.hold_until(end);
         }
         let mut marked_covered = 0;
         for pending in std::mem::take(&mut self.replay_buffer) {
