@@ -1467,11 +1467,7 @@ pub async fn replay_dead(
 ) -> Result<u64> {
     let t = table.name.quoted();
     let id = table.col(Role::EventId);
-    let aggregate = format!(
-        "coalesce({}, ''), coalesce({}::text, '')",
-        table.text_expr(Role::AggregateType, "''::text"),
-        table.col(Role::AggregateId)
-    );
+    let aggregate = aggregate_of_row(table);
     // Handed to the polling path: the slot streamed the row long ago, and next to the CDC path only handed-off
     // rows are swept (a row dead-lettered in poll mode never was). `--mode poll` claims every row regardless.
     // A row without an event id (a fitted table's nullable column) stays dead: it can never be published.
@@ -1515,11 +1511,7 @@ pub async fn hand_back_published(
 ) -> Result<u64> {
     let t = table.name.quoted();
     let id = table.col(Role::EventId);
-    let aggregate = format!(
-        "coalesce({}, ''), coalesce({}::text, '')",
-        table.text_expr(Role::AggregateType, "''::text"),
-        table.col(Role::AggregateId)
-    );
+    let aggregate = aggregate_of_row(table);
     let tx = client.transaction().await?;
     let rows = tx
         .query(
@@ -1535,6 +1527,16 @@ pub async fn hand_back_published(
     notify_hand_offs(&tx, table, &rows).await?;
     tx.commit().await?;
     Ok(rows.len() as u64)
+}
+
+/// The row's (aggregate type, aggregate id) as two text columns for `RETURNING` (what [`notify_hand_offs`]
+/// reads).
+fn aggregate_of_row(table: &OutboxTable) -> String {
+    format!(
+        "coalesce({}, ''), coalesce({}::text, '')",
+        table.text_expr(Role::AggregateType, "''::text"),
+        table.col(Role::AggregateId)
+    )
 }
 
 /// In the transaction that hands events to the polling path: a [`HANDOFF_MESSAGE`] per aggregate of `rows`
