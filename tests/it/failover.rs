@@ -999,6 +999,29 @@ impl ProtectedStandby {
         .await;
     }
 
+    /// Waits until every one of `events` is handed off or published on the (promoted) standby: owed to
+    /// the polling path, or delivered.
+    async fn wait_owed_on_the_promoted_standby(&self, events: &[uuid::Uuid], what: &str) {
+        wait_for_async(
+            &format!("{what} on the promoted standby"),
+            Duration::from_secs(120),
+            || async {
+                let owed: i64 = self
+                    .standby_client
+                    .query_one(
+                        "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1)
+                           AND (handoff_at IS NOT NULL OR published_at IS NOT NULL)",
+                        &[&events],
+                    )
+                    .await
+                    .ok()?
+                    .get(0);
+                (owed == events.len() as i64).then_some(())
+            },
+        )
+        .await;
+    }
+
     /// Waits until the standby has flushed the WAL up to `position` (`what` ends there).
     async fn wait_standby_flushed(&self, position: Lsn, what: &str) {
         wait_for_async(
@@ -1114,23 +1137,8 @@ async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_even
     );
 
     pair.fail_over(&address);
-    wait_for_async(
-        "the events handed to the polling path on the promoted standby",
-        Duration::from_secs(120),
-        || async {
-            let owed: i64 = standby_client
-                .query_one(
-                    "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1)
-                       AND (handoff_at IS NOT NULL OR published_at IS NOT NULL)",
-                    &[&events],
-                )
-                .await
-                .ok()?
-                .get(0);
-            (owed == 2).then_some(())
-        },
-    )
-    .await;
+    pair.wait_owed_on_the_promoted_standby(&events, "the events handed to the polling path")
+        .await;
     assert!(
         outboxd
             .log_text()
@@ -1153,7 +1161,7 @@ async fn a_new_slot_fails_over_only_once_confirmed_past_the_hand_off_of_the_rows
     let Some(pair) = protected_standby_with_hand_off_gate().await else {
         return;
     };
-    let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
+    let primary_client = &pair.primary_client;
     let older: Vec<uuid::Uuid> = primary_client
         .query(
             "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
@@ -1227,21 +1235,9 @@ async fn a_new_slot_fails_over_only_once_confirmed_past_the_hand_off_of_the_rows
     );
 
     pair.fail_over(&address);
-    wait_for_async(
-        "the rows older than the slot handed off (or published) on the promoted standby",
-        Duration::from_secs(120),
-        || async {
-            let owed: i64 = standby_client
-                .query_one(
-                    "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1)
-                       AND (handoff_at IS NOT NULL OR published_at IS NOT NULL)",
-                    &[&older],
-                )
-                .await
-                .ok()?
-                .get(0);
-            (owed == 3).then_some(())
-        },
+    pair.wait_owed_on_the_promoted_standby(
+        &older,
+        "the rows older than the slot handed off (or published)",
     )
     .await;
     drop(outboxd);
