@@ -971,6 +971,27 @@ async fn protected_standby_with_hand_off_gate() -> Option<ProtectedStandby> {
     })
 }
 
+/// Inserts `n` events of aggregate `Order` `aggregate_id`, type `event_type`, in one transaction; their ids.
+async fn insert_orders(
+    client: &tokio_postgres::Client,
+    aggregate_id: &str,
+    event_type: &str,
+    n: i32,
+) -> Vec<uuid::Uuid> {
+    client
+        .query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', $1, $2, '{}' FROM generate_series(1, $3)
+             RETURNING event_id",
+            &[&aggregate_id, &event_type, &n],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
 impl ProtectedStandby {
     /// outboxd through `address`, with a window of 8: one event of a blocked aggregate parks (an eighth of
     /// it), the next hands them off.
@@ -1098,18 +1119,7 @@ async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_even
     wait_synced_copy(standby_client).await;
 
     let gate = pair.close_gate().await;
-    let events: Vec<uuid::Uuid> = primary_client
-        .query(
-            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
-             SELECT gen_random_uuid(), 'Order', 'held', 'Next', '{}' FROM generate_series(1, 2)
-             RETURNING event_id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+    let events = insert_orders(primary_client, "held", "Next", 2).await;
     let committed = current_wal_lsn(primary_client).await;
     pair.wait_hand_off_at_gate().await;
     pair.wait_standby_flushed(committed, "the events' transaction")
@@ -1162,18 +1172,7 @@ async fn a_new_slot_fails_over_only_once_confirmed_past_the_hand_off_of_the_rows
         return;
     };
     let primary_client = &pair.primary_client;
-    let older: Vec<uuid::Uuid> = primary_client
-        .query(
-            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
-             SELECT gen_random_uuid(), 'Order', 'older', 'Placed', '{}' FROM generate_series(1, 3)
-             RETURNING event_id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+    let older = insert_orders(primary_client, "older", "Placed", 3).await;
     let gate = pair.close_gate().await;
     let address = Address::of(&pair.primary);
     let outboxd = pair.spawn_outboxd(&address);
