@@ -61,7 +61,8 @@ if [ "$status" -ne 0 ]; then
 fi
 if [ -s "$OUTBOXD_TEST_TIMES" ]; then
   echo "the slowest integration tests (seconds, every major):"
-  sort -t$'\t' -k2,2nr "$OUTBOXD_TEST_TIMES" | head -12 | awk -F'\t' '{ printf "  %5d  %s\n", $2, $1 }'
+  # awk reads every line (no head): under pipefail, sort killed by SIGPIPE would fail the run (exit 141).
+  sort -t$'\t' -k2,2nr "$OUTBOXD_TEST_TIMES" | awk -F'\t' 'NR <= 12 { printf "  %5d  %s\n", $2, $1 }'
 fi
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

@@ -11,7 +11,7 @@ need_apt=()
 # curl: the demo samples /metrics with it.
 # xz-utils: the PostgreSQL servers of the other majors come as .txz (pg-servers.sh).
 for pkg in build-essential pkg-config zlib1g-dev libssl-dev openssl sqlite3 postgresql-15 postgresql-client-15 curl xz-utils; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+  [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" == *"install ok installed"* ]] || need_apt+=("$pkg")
 done
 # Apache Kafka runs on Java 17; Maven fetches its jars and builds examples/java-order-service (any Java 17+ and
 # Maven already installed will do). The JDK, not only the runtime: kafka.sh compiles its small Admin API tool

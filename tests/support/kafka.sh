@@ -274,7 +274,7 @@ broker_jvm_opts() {
 # broker started and stopped here; made again when the JVM changes.
 broker_class_archive() {
   local jvm
-  jvm="$(java -version 2>&1 | head -1)"
+  jvm="$(java -version 2>&1 | sed -n 1p)"
   if [ -f "$BROKER_CDS" ] && [ "$(cat "$BROKER_CDS.jvm" 2>/dev/null)" = "$jvm" ]; then return 0; fi
   local work port controller
   work="$(mktemp -d)"
