@@ -1456,6 +1456,48 @@ pub struct HandOffNotice {
     pub aggregate_id: String,
 }
 
+/// Prefix of the logical decoding message outboxd writes in the transaction of each hand-off from the CDC
+/// path (content: a [`HandedOffNotice`] as JSON), so that a later process meeting one of these events again
+/// learns where its hand-off ended: the message's transaction's commit in the stream
+/// (`pipeline::cdc::earlier_hand_offs`).
+pub const HANDED_OFF_MESSAGE: &str = "outboxd.handed_off";
+
+/// Most event ids in one [`HANDED_OFF_MESSAGE`]: about 39 bytes each as JSON, under the 64 KiB a stream
+/// reads of a logical decoding message.
+pub const HANDED_OFF_IDS_PER_MESSAGE: usize = 1_000;
+
+/// The content of a [`HANDED_OFF_MESSAGE`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HandedOffNotice {
+    /// The outbox table, `schema.name`.
+    pub table: String,
+    /// The events handed off in this transaction.
+    pub event_ids: Vec<Uuid>,
+}
+
+/// Names `event_ids`, handed off in `tx`, in [`HANDED_OFF_MESSAGE`]s of the same transaction.
+pub async fn name_handed_off_events(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &OutboxTable,
+    event_ids: &[Uuid],
+) -> Result<()> {
+    for chunk in event_ids.chunks(HANDED_OFF_IDS_PER_MESSAGE) {
+        let notice = HandedOffNotice {
+            table: table.name.to_string(),
+            event_ids: chunk.to_vec(),
+        };
+        let content = serde_json::to_string(&notice).map_err(|error| {
+            crate::error::Error::bug(format!("cannot write a hand-off's event ids: {error}"))
+        })?;
+        tx.execute(
+            "SELECT pg_logical_emit_message(true, $1, $2)",
+            &[&HANDED_OFF_MESSAGE, &content],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// Re-queues dead events (not rows without an event id, which can never be published): clears `dead_at`,
 /// `attempts` and `last_error`, and hands them to the polling path.
 /// In the same transaction, a [`HANDOFF_MESSAGE`] per re-queued aggregate tells a CDC leader (when the server

@@ -276,6 +276,9 @@ async fn hand_off_together(
             outbox::write_back_handed_off(&tx, table, sql, &rows).await?;
             tracing::info!(table = %table.name, rows = rows.len(), "events handed to the polling path whose rows their own transaction deleted were written back, handed off");
         }
+        // Where this hand-off ends, for a process that meets these events again (see
+        // `pipeline::cdc::earlier_hand_offs`).
+        outbox::name_handed_off_events(&tx, table, &ids).await?;
         tx.commit().await?;
         if let Ok(mut rows) = hand_off_rows.lock() {
             for id in &ids {

@@ -13,7 +13,9 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::event::{MappingError, OutboxEvent, RowImage, RowMapping};
 use crate::lsn::Lsn;
-use crate::pg::outbox::{AggregateKey, HandOffNotice, HANDOFF_MESSAGE};
+use crate::pg::outbox::{
+    AggregateKey, HandOffNotice, HandedOffNotice, HANDED_OFF_MESSAGE, HANDOFF_MESSAGE,
+};
 use crate::pg::pgoutput::{Begin, Insert, Message, PgOutputMessage};
 use crate::pipeline::backfill::CdcTag;
 use crate::pipeline::watermark::{TxnId, Watermark};
@@ -63,6 +65,12 @@ pub enum Decoded {
         /// The transaction that says so: until it has ended on the server, what it wrote may not be visible
         /// yet (a commit waiting for a synchronous standby is decoded before it is visible).
         xid: u32,
+    },
+    /// A transaction ending at `end_lsn` committed that handed `events` (table index, event id) to the polling
+    /// path, as its messages said (see `earlier_hand_offs`).
+    HandOffsCommitted {
+        end_lsn: Lsn,
+        events: Vec<(usize, Uuid)>,
     },
     /// Nothing to do (a commit, a relation, a row of another table or of a skipped re-sent transaction).
     Nothing,
@@ -114,6 +122,8 @@ pub struct TransactionDecoder {
     warned_divergence: bool,
     /// The last transaction that committed in this session's stream.
     last_committed: Option<DecodedUpto>,
+    /// The events the current transaction's messages say it handed off (see [`HANDED_OFF_MESSAGE`]).
+    handed_off_here: Vec<(usize, Uuid)>,
 }
 
 impl TransactionDecoder {
@@ -128,6 +138,7 @@ impl TransactionDecoder {
             in_replay_region: false,
             warned_divergence: false,
             last_committed: None,
+            handed_off_here: Vec::new(),
         }
     }
 
@@ -165,7 +176,13 @@ impl TransactionDecoder {
                         events_decoded: None,
                     });
                 }
-                Ok(Decoded::Nothing)
+                if self.handed_off_here.is_empty() {
+                    return Ok(Decoded::Nothing);
+                }
+                Ok(Decoded::HandOffsCommitted {
+                    end_lsn: commit.end_lsn,
+                    events: std::mem::take(&mut self.handed_off_here),
+                })
             }
             PgOutputMessage::Relation(relation) => {
                 let table = self.tables.iter().position(|t| {
@@ -200,6 +217,7 @@ impl TransactionDecoder {
     }
 
     fn begin(&mut self, begin: Begin, watermark: &mut Watermark) -> Decoded {
+        self.handed_off_here.clear();
         let resent = watermark.is_resent(begin.final_lsn, begin.commit_time_micros);
         let mut diverged = false;
         let mut left_replay_region = false;
@@ -232,8 +250,15 @@ impl TransactionDecoder {
     /// WAL order, the event's aggregate waits in the polling path. Other messages are not outboxd's, and
     /// neither is a notice for a table without a polling path (replay re-queues nothing there; any login may
     /// emit a message with outboxd's prefix, and blocking such a table's aggregate would stop the stream).
-    fn message(&self, message: &Message) -> Decoded {
-        if !message.transactional || message.prefix != HANDOFF_MESSAGE || self.current.is_none() {
+    fn message(&mut self, message: &Message) -> Decoded {
+        if !message.transactional || self.current.is_none() {
+            return Decoded::Nothing;
+        }
+        if message.prefix == HANDED_OFF_MESSAGE {
+            self.handed_off_events(message);
+            return Decoded::Nothing;
+        }
+        if message.prefix != HANDOFF_MESSAGE {
             return Decoded::Nothing;
         }
         let Ok(notice) = serde_json::from_slice::<HandOffNotice>(&message.content) else {
@@ -251,6 +276,23 @@ impl TransactionDecoder {
                 xid: self.current.map_or(0, |current| current.xid),
             },
             _ => Decoded::Nothing,
+        }
+    }
+
+    /// The CDC path handed events off in this transaction (see [`HANDED_OFF_MESSAGE`]): reported at its
+    /// Commit. A table outboxd does not stream is not its concern.
+    fn handed_off_events(&mut self, message: &Message) {
+        let Ok(notice) = serde_json::from_slice::<HandedOffNotice>(&message.content) else {
+            tracing::warn!(prefix = %message.prefix, "a logical decoding message outboxd cannot read; ignored");
+            return;
+        };
+        if let Some(table) = self
+            .tables
+            .iter()
+            .position(|t| t.name.to_string() == notice.table)
+        {
+            self.handed_off_here
+                .extend(notice.event_ids.into_iter().map(|id| (table, id)));
         }
     }
 
@@ -552,6 +594,54 @@ mod tests {
                 "polling path: {polling}"
             );
         }
+    }
+
+    /// The events a transaction's messages say it handed off are reported at its Commit, with its end; a
+    /// message naming another table, and a transaction without such messages, report nothing.
+    #[test]
+    fn the_events_a_transaction_handed_off_are_reported_at_its_commit() {
+        let (first, second) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let named = |table: &str, ids: &[Uuid]| {
+            PgOutputMessage::Message(Message {
+                transactional: true,
+                prefix: HANDED_OFF_MESSAGE.into(),
+                content: serde_json::to_vec(&HandedOffNotice {
+                    table: table.into(),
+                    event_ids: ids.to_vec(),
+                })
+                .unwrap()
+                .into(),
+            })
+        };
+        let mut watermark = Watermark::new(Lsn(100));
+        let mut decoder = decoder(table(true, true), 0);
+        decoder
+            .decode(begin(200, 5_000, 42), &mut watermark)
+            .unwrap();
+        for message in [
+            named("public.outbox_event", &[first]),
+            named("public.other", &[Uuid::from_u128(3)]),
+            named("public.outbox_event", &[second]),
+        ] {
+            assert!(matches!(
+                decoder.decode(message, &mut watermark).unwrap(),
+                Decoded::Nothing
+            ));
+        }
+        let Decoded::HandOffsCommitted { end_lsn, events } =
+            decoder.decode(commit(216, 5_000), &mut watermark).unwrap()
+        else {
+            panic!("the hand-offs are reported at the commit");
+        };
+        assert_eq!(end_lsn, Lsn(216));
+        assert_eq!(events, [(0, first), (0, second)]);
+        decoder
+            .decode(begin(300, 6_000, 43), &mut watermark)
+            .unwrap();
+        assert!(matches!(
+            decoder.decode(commit(316, 6_000), &mut watermark).unwrap(),
+            Decoded::Nothing
+        ));
     }
 
     #[test]

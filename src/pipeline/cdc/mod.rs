@@ -9,7 +9,8 @@
 //! This module owns leadership and reconnecting: sessions run while this instance leads, with the sweeper
 //! alongside. Its rooms: `bootstrap` (a session's connections, slot and start position), `session` (the
 //! stream loop), and the pure cores it drives: `decoder` (pgoutput to tagged events), `gate` (publish,
-//! park or hand off, per aggregate) and `window` (how much may be in flight).
+//! park or hand off, per aggregate), `window` (how much may be in flight) and `earlier_hand_offs` (when events
+//! found handed off before may be confirmed).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,6 +33,7 @@ use crate::sink::{Sink, Sinks};
 
 mod bootstrap;
 mod decoder;
+mod earlier_hand_offs;
 mod gate;
 mod owed;
 mod session;

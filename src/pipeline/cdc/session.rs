@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use super::bootstrap::Bootstrapped;
 use super::decoder::{Decoded, Pending, TransactionDecoder};
+use super::earlier_hand_offs::{EarlierHandOffs, Released};
 use super::gate::{Admission, AggregateGate, GateKey};
 use super::window::InFlightWindow;
 use super::{SessionMemory, MAX_TRACKED_BLOCKED};
@@ -24,7 +25,7 @@ use crate::error::{replication_error, Error, Result};
 use crate::event::{OutboxEvent, Text};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, OutboxSql, RowState};
-use crate::pg::pgoutput;
+use crate::pg::{self, pgoutput};
 use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
 use crate::pipeline::backfill::{CdcTag, Finished, ToBackfill};
 use crate::pipeline::watermark::{TxnId, Watermark};
@@ -196,6 +197,9 @@ pub(super) struct Session<'a, S> {
     decoder: TransactionDecoder,
     /// Rows of the replay region and of re-sent transactions, waiting for their rows' states.
     replay_buffer: Vec<Pending>,
+    /// Events met again whose rows were handed off before: confirmable once the stream passed their
+    /// hand-off (see [`earlier_hand_offs`](super::earlier_hand_offs)).
+    earlier_hand_offs: EarlierHandOffs,
     window: InFlightWindow,
     published: u64,
     skipped_already_published: u64,
@@ -272,6 +276,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             publisher,
             decoder,
             replay_buffer: Vec::new(),
+            earlier_hand_offs: EarlierHandOffs::default(),
             window: InFlightWindow::new(
                 settings.cdc.max_in_flight_events,
                 settings.cdc.max_in_flight_bytes,
@@ -549,6 +554,8 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 reply_requested,
             } => {
                 self.flush_replay_buffer().await?;
+                let released = self.earlier_hand_offs.passed(wal_end);
+                self.release(released);
                 self.watermark.keepalive(wal_end);
                 Ok(reply_requested)
             }
@@ -573,6 +580,8 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     tracing::warn!(%final_lsn, highest_confirmed = %self.watermark.highest_confirmed(), "the server sends a transaction below the confirmed position that committed after it: its WAL diverged from what was confirmed (a restore from a snapshot?); publishing what it holds");
                     crate::metrics::history_changed();
                 }
+                let released = self.earlier_hand_offs.passed(final_lsn);
+                self.release(released);
                 if left_replay_region {
                     self.flush_replay_buffer().await?;
                     // Whatever was sent again has passed: events owed to the polling path that did not come
@@ -638,15 +647,33 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     tracing::debug!(table = %outbox_table.name, "a hand-off notice for an aggregate with nothing waiting in the polling path: ignored");
                 }
             }
+            Decoded::HandOffsCommitted { end_lsn, events } => {
+                let released = self.earlier_hand_offs.hand_offs_committed(
+                    events,
+                    end_lsn,
+                    !self.replay_buffer.is_empty(),
+                );
+                self.release(released);
+            }
             Decoded::Nothing => {}
         }
         Ok(())
     }
 
+    /// Events found handed off before are finished: nothing below their hand-off's end is confirmed from
+    /// now on (see [`earlier_hand_offs`](super::earlier_hand_offs)).
+    fn release(&mut self, released: Vec<Released>) {
+        for Released { txn, hold_until } in released {
+            self.watermark.hold_until(hold_until);
+            self.watermark.event_finished(txn);
+            self.skipped_already_published += 1;
+        }
+    }
+
     /// Room for another event (see [`window`]). Under a hold (see [`Watermark::hold_until`]) finished
     /// events do not count: they can be reported only once the stream passes the hold, so reading must go on.
     fn window_open(&self) -> bool {
-        let unreported = if self.watermark.holding() {
+        let unreported = if self.watermark.holding() || self.earlier_hand_offs.waiting() {
             0
         } else {
             self.watermark.unreported_events()
@@ -1031,9 +1058,20 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 states.extend(answer.into_iter().map(|(id, state)| ((table, id), state)));
             }
         }
+        // Rows handed off before whose hand-off the stream did not pass yet wait for it, or for the WAL
+        // position read now (past their hand-offs, which committed before their rows were read).
+        let past_the_hand_offs = if states.iter().any(|(key, state)| {
+            *state == RowState::WaitingInPollingPath && !self.earlier_hand_offs.seen(key)
+        }) {
+            Some(pg::current_wal_position(&self.sql).await?)
+        } else {
+            None
+        };
         let mut marked_covered = 0;
+        let mut found_handed_off = 0;
         for pending in std::mem::take(&mut self.replay_buffer) {
-            let state = states.get(&(pending.tag.table, pending.event_id)).copied();
+            let key = (pending.tag.table, pending.event_id);
+            let state = states.get(&key).copied();
             // A row gone: a re-sent one was finished before (deleted after publishing, or by retention); a
             // replayed one may have been deleted by its own transaction and is published from the stream.
             // A re-sent row that exists unfinished lost its marks (a server restored from a snapshot taken
@@ -1043,8 +1081,17 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 // Handed off by an earlier session or leader, possibly after this session read the
                 // aggregates waiting in the polling path: its aggregate's later events wait behind it.
                 self.block_met_in_stream((pending.tag.table, aggregate_of(&pending.event)));
-            }
-            if finished || (state.is_none() && self.covered_before(&pending)) {
+                self.memory.owed.met(&pending.event_id);
+                // Out of the window (it waits for the stream to go on), finished once past its hand-off.
+                self.window.finish(pending.event.size_bytes());
+                let released = self.earlier_hand_offs.found_handed_off(
+                    key,
+                    pending.tag.txn,
+                    past_the_hand_offs,
+                );
+                found_handed_off += 1;
+                self.release(released.into_iter().collect());
+            } else if finished || (state.is_none() && self.covered_before(&pending)) {
                 self.memory.owed.met(&pending.event_id);
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());
                 self.skipped_already_published += 1;
@@ -1064,6 +1111,14 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             } else {
                 self.publish(pending).await?;
             }
+        }
+        self.earlier_hand_offs.looked_up();
+        if found_handed_off > 0 {
+            tracing::debug!(
+                events = found_handed_off,
+                waiting = self.earlier_hand_offs.waiting(),
+                "events met again were found handed off before: confirming nothing before the stream passes their hand-off"
+            );
         }
         if marked_covered > 0 {
             tracing::info!(
