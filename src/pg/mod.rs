@@ -109,6 +109,37 @@ pub async fn current_wal_position(client: &tokio_postgres::Client) -> Result<cra
     })
 }
 
+/// How far every standby that could keep a synchronised copy of a logical slot has flushed WAL, as the
+/// primary knows it: the lowest `restart_lsn` of its physical slots (a standby syncs copies only through
+/// one, `primary_slot_name`, and reports its flush position there). [`Lsn::ZERO`] while a physical slot
+/// has none (not reserved yet, or lost: its standby's position is unknown); `None` without physical slots
+/// (no standby can keep a copy).
+///
+/// [`Lsn::ZERO`]: crate::lsn::Lsn::ZERO
+pub async fn standbys_flushed(client: &tokio_postgres::Client) -> Result<Option<crate::lsn::Lsn>> {
+    let row = client
+        .query_one(
+            "SELECT count(*), coalesce(bool_or(restart_lsn IS NULL), false), min(restart_lsn)::text
+               FROM pg_replication_slots WHERE slot_type = 'physical'",
+            &[],
+        )
+        .await?;
+    let (slots, unknown, lowest): (i64, bool, Option<String>) =
+        (row.get(0), row.get(1), row.get(2));
+    if slots == 0 {
+        return Ok(None);
+    }
+    if unknown {
+        return Ok(Some(crate::lsn::Lsn::ZERO));
+    }
+    let lowest = lowest.unwrap_or_default();
+    lowest.parse().map(Some).map_err(|_| {
+        crate::error::Error::bug(format!(
+            "PostgreSQL answered an unexpected WAL position {lowest:?}"
+        ))
+    })
+}
+
 /// A connection for periodic figures and `outboxd status`: each statement is bounded by `statement_timeout`.
 pub async fn connect_for_figures(
     url: &PgUrl,

@@ -118,6 +118,14 @@ impl Watermark {
         }
     }
 
+    /// Every standby that could keep a copy of the slot has flushed WAL up to `flushed`: a hold at or below
+    /// it protects nothing any more (each of them has the write), and ends.
+    pub fn standbys_flushed(&mut self, flushed: Lsn) {
+        if self.hold <= flushed {
+            self.hold = Lsn::ZERO;
+        }
+    }
+
     /// True while a hold keeps finished transactions from being confirmed: their events stay unreported
     /// until the stream passes the hold, so reading must go on (see `window`).
     pub fn holding(&self) -> bool {
@@ -363,6 +371,25 @@ mod tests {
         // A hold below the confirmed position holds nothing.
         w.hold_until(Lsn(300));
         assert!(!w.holding());
+    }
+
+    #[test]
+    fn a_hold_ends_once_the_standbys_flushed_past_it() {
+        let mut w = Watermark::new(Lsn(100));
+        let t = w.begin();
+        w.event_started(t);
+        w.commit(t, Lsn(200));
+        w.hold_until(Lsn(350));
+        w.event_finished(t);
+        w.standbys_flushed(Lsn(349));
+        assert_eq!(
+            w.advance(),
+            Lsn(100),
+            "a standby may still lack the write at 349"
+        );
+        w.standbys_flushed(Lsn(350));
+        assert!(!w.holding());
+        assert_eq!(w.advance(), Lsn(200));
     }
 
     #[test]

@@ -737,16 +737,21 @@ fn keep_synced_copies(standby: &Postgres) {
     std::fs::write(&conf, text).unwrap();
 }
 
-/// Names the standby's physical slot (the primary's only one) in `synchronized_standby_slots`; returns it.
-async fn protect_with_the_standby_slot(primary_client: &tokio_postgres::Client) -> String {
-    let physical: String = primary_client
+/// The standby's physical slot (the primary's only one).
+async fn physical_slot(primary_client: &tokio_postgres::Client) -> String {
+    primary_client
         .query_one(
             "SELECT slot_name::text FROM pg_replication_slots WHERE slot_type = 'physical'",
             &[],
         )
         .await
         .unwrap()
-        .get(0);
+        .get(0)
+}
+
+/// Names the standby's physical slot (the primary's only one) in `synchronized_standby_slots`; returns it.
+async fn protect_with_the_standby_slot(primary_client: &tokio_postgres::Client) -> String {
+    let physical = physical_slot(primary_client).await;
     for statement in [
         format!("ALTER SYSTEM SET synchronized_standby_slots = '{physical}'"),
         "SELECT pg_reload_conf()".to_string(),
@@ -923,10 +928,10 @@ async fn promotion(synced_copy: bool) {
     }
 }
 
-/// A primary (17+) whose physical standby keeps a synchronised copy of the failover slot, protected by
-/// `synchronized_standby_slots`, with a gate on the primary: a trigger holds every hand-off (an UPDATE that
-/// sets `handoff_at`) while a session holds the gate's advisory lock (no transaction: a slot being created
-/// waits for every running one). `None` before 17.
+/// A primary (17+) whose physical standby keeps a synchronised copy of the failover slot (protected by
+/// `synchronized_standby_slots`, or left out of it), with a gate on the primary: a trigger holds every
+/// hand-off (an UPDATE that sets `handoff_at`) while a session holds the gate's advisory lock (no
+/// transaction: a slot being created waits for every running one). `None` before 17.
 struct ProtectedStandby {
     primary: Postgres,
     standby: Postgres,
@@ -937,7 +942,7 @@ struct ProtectedStandby {
     broker: Broker,
 }
 
-async fn protected_standby_with_hand_off_gate() -> Option<ProtectedStandby> {
+async fn standby_with_hand_off_gate(protected: bool) -> Option<ProtectedStandby> {
     let primary = Postgres::start();
     migrate(&primary);
     let primary_client = primary.client().await;
@@ -951,7 +956,11 @@ async fn protected_standby_with_hand_off_gate() -> Option<ProtectedStandby> {
     keep_synced_copies(&standby);
     standby.start_again();
     let standby_client = standby.client().await;
-    let physical = protect_with_the_standby_slot(&primary_client).await;
+    let physical = if protected {
+        protect_with_the_standby_slot(&primary_client).await
+    } else {
+        physical_slot(&primary_client).await
+    };
     primary_client
         .batch_execute(
             "CREATE FUNCTION hold_hand_off() RETURNS trigger LANGUAGE plpgsql AS
@@ -1076,11 +1085,7 @@ impl ProtectedStandby {
             .await
             .unwrap()
             .get(0);
-        let stopped = std::process::Command::new("kill")
-            .args(["-STOP", &walsender.to_string()])
-            .status()
-            .unwrap();
-        assert!(stopped.success(), "kill -STOP of the standby's walsender");
+        stop_process(walsender, "-STOP");
     }
 
     /// The primary dies (a stopped walsender with it) and the standby is promoted behind `address`.
@@ -1102,7 +1107,7 @@ impl ProtectedStandby {
 /// events and their hand-off's end, the copy stays behind them, and they are handed off again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_event() {
-    let Some(pair) = protected_standby_with_hand_off_gate().await else {
+    let Some(pair) = standby_with_hand_off_gate(true).await else {
         return;
     };
     let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
@@ -1168,7 +1173,7 @@ async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_even
 /// rows off again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_slot_fails_over_only_once_confirmed_past_the_hand_off_of_the_rows_older_than_it() {
-    let Some(pair) = protected_standby_with_hand_off_gate().await else {
+    let Some(pair) = standby_with_hand_off_gate(true).await else {
         return;
     };
     let primary_client = &pair.primary_client;
@@ -1567,4 +1572,129 @@ async fn decoding_on_a_standby_is_refused_with_the_reason() {
     let report = String::from_utf8_lossy(&doctor.stdout);
     assert_eq!(doctor.status.code(), Some(2), "{report}");
     assert!(report.contains("decoding on a standby"), "{report}");
+}
+
+/// Finding B of the review of the hold: a process killed after its hand-off committed, before it confirmed
+/// past it, leaves the next one to meet the events again and find them handed off, without knowing where
+/// the hand-off ended. A standby left out of `synchronized_standby_slots` that flushed the events'
+/// transaction but not the hand-off must not get a copy of the slot between the two (17+). Staged: the
+/// hand-off of two events of a blocked aggregate waits at the gate until the events are on the standby,
+/// whose walsender is then stopped; outboxd's own walsender is stopped too (it never streams past the
+/// hand-off), the gate opens, the hand-off commits, and outboxd is killed. Six later events are inserted,
+/// whose `published_at` writes wait at a second gate, so the next process's window (8) fills with the
+/// events and them, and it looks them up together: the later ones stay unfinished, the two found handed off
+/// are finished. Before the fix it confirmed their transaction's end at once, the copy followed, and on the
+/// promoted standby the two events had neither `handoff_at` nor `published_at`. Now it waits for their
+/// hand-off (its message) in the stream and confirms nothing before its end: the copy stays behind the
+/// events, and they are handed off again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_that_meets_events_handed_off_before_it_keeps_the_copy_of_the_slot_behind_them() {
+    let Some(pair) = standby_with_hand_off_gate(false).await else {
+        return;
+    };
+    let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
+    primary_client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, handoff_at, available_at)
+             VALUES (gen_random_uuid(), 'Order', 'held', 'Waiting', '{}', now(), now() + interval '1 hour');
+             CREATE FUNCTION hold_marks() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_advisory_xact_lock_shared(1919, 3939); RETURN NEW; END $$;
+             CREATE TRIGGER hold_marks BEFORE UPDATE ON outbox_event FOR EACH ROW
+               WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL AND NEW.aggregate_id = 'later')
+               EXECUTE FUNCTION hold_marks();",
+        )
+        .await
+        .unwrap();
+    let address = Address::of(&pair.primary);
+    let mut first = pair.spawn_outboxd(&address);
+    wait_slot_active(primary_client, SLOT).await;
+    wait_synced_copy(standby_client).await;
+
+    let gate = pair.close_gate().await;
+    let events = insert_orders(primary_client, "held", "Next", 2).await;
+    let committed = current_wal_lsn(primary_client).await;
+    pair.wait_hand_off_at_gate().await;
+    pair.wait_standby_flushed(committed, "the events' transaction")
+        .await;
+    pair.stop_standby_walsender().await;
+    let walsender = slot_walsender(primary_client, SLOT)
+        .await
+        .expect("outboxd's walsender");
+    stop_process(walsender, "-STOP");
+    gate.batch_execute("SELECT pg_advisory_unlock(1919, 2929)")
+        .await
+        .unwrap();
+    wait_for_async(
+        "the hand-off to commit on the primary",
+        Duration::from_secs(60),
+        || async {
+            let handed_off: i64 = primary_client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE event_id = ANY($1) AND handoff_at IS NOT NULL",
+                    &[&events],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (handed_off == 2).then_some(())
+        },
+    )
+    .await;
+    first.kill();
+    // The stopped walsender ends once it runs again (its client is gone).
+    primary_client
+        .execute("SELECT pg_terminate_backend($1)", &[&walsender])
+        .await
+        .unwrap();
+    stop_process(walsender, "-CONT");
+    let before = confirmed_flush(primary_client, SLOT).await;
+    assert!(
+        before < committed,
+        "the killed process confirmed nothing past the events ({before}, committed by {committed})"
+    );
+
+    let marks = pair.primary.client().await;
+    marks
+        .batch_execute("SELECT pg_advisory_lock(1919, 3939)")
+        .await
+        .unwrap();
+    insert_orders(primary_client, "later", "Placed", 6).await;
+    let mut second = pair.spawn_outboxd(&address);
+    const WAITS: &str = "events met again were found handed off before";
+    wait_for_async(
+        "the copy of the slot to pass the events, or the next process to wait for their hand-off",
+        Duration::from_secs(120),
+        || async {
+            let copy = confirmed_flush(standby_client, SLOT).await;
+            let waited = second.log_text().contains(WAITS)
+                && confirmed_flush(primary_client, SLOT).await >= committed;
+            (copy > before || waited).then_some(())
+        },
+    )
+    .await;
+    println!(
+        "before the promotion: the copy of the slot at {}, the events' transaction committed by {committed}",
+        confirmed_flush(standby_client, SLOT).await
+    );
+
+    pair.fail_over(&address);
+    pair.wait_owed_on_the_promoted_standby(&events, "the events handed to the polling path")
+        .await;
+    assert!(
+        second
+            .log_text()
+            .contains("continuing from the failover slot synchronised to it"),
+        "the synced copy was used"
+    );
+    second.kill();
+    drop(marks);
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`) to a server process the test stopped or resumes.
+fn stop_process(pid: i32, signal: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill {signal} {pid}");
 }

@@ -33,6 +33,9 @@ pub(super) struct Bootstrapped {
     pub history: ServerHistory,
     /// Where the slot starts when this session created it.
     pub slot_created_at: Option<Lsn>,
+    /// The slot is, or is to become, a failover slot (17+, not opted out): a standby may keep a copy, so
+    /// confirmations wait for hand-offs (see `Watermark::hold_until`). Without one they need not.
+    pub failover_slot: bool,
 }
 
 impl<K: Sinks> CdcPipeline<K> {
@@ -192,6 +195,7 @@ impl<K: Sinks> CdcPipeline<K> {
             gate,
             history: here,
             slot_created_at,
+            failover_slot: db.failover_slot && version.has_failover_slots(),
         };
         Ok((stream, boot))
     }

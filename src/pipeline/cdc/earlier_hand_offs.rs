@@ -118,7 +118,8 @@ impl EarlierHandOffs {
     }
 
     /// The stream has passed `position` (a transaction committing at it begins, or a keepalive outside a
-    /// transaction): events waiting for a hand-off that ended before it without naming them are released.
+    /// transaction), or every standby that could keep a copy of the slot flushed WAL past it: events whose
+    /// hand-off ended before it are released (those that were waiting for a message that never comes too).
     pub fn passed(&mut self, position: Lsn) -> Vec<Released> {
         if self.awaiting.is_empty() {
             return Vec::new();

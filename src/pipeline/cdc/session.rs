@@ -25,8 +25,8 @@ use crate::error::{replication_error, Error, Result};
 use crate::event::{OutboxEvent, Text};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, AggregateKey, OutboxSql, RowState};
-use crate::pg::{self, pgoutput};
 use crate::pg::replication::{protocol, ReplicationStream, ServerMessage};
+use crate::pg::{self, pgoutput};
 use crate::pipeline::backfill::{CdcTag, Finished, ToBackfill};
 use crate::pipeline::watermark::{TxnId, Watermark};
 use crate::progress::{Progress, ProgressKey};
@@ -35,6 +35,8 @@ use crate::table::OutboxTable;
 
 /// Rows of re-sent transactions are checked against `published_at` in batches of this size.
 const REPLAY_BATCH: usize = 1_000;
+/// How often, while a hold keeps confirmations back, the standbys' flush positions are asked for.
+const STANDBY_CHECK: Duration = Duration::from_millis(200);
 /// Least time between two status updates sent because the watermark moved.
 const MIN_CONFIRM_GAP: Duration = Duration::from_millis(100);
 /// How often, at most, a session with blocked aggregates asks whether the polling path has drained them.
@@ -200,6 +202,9 @@ pub(super) struct Session<'a, S> {
     /// Events met again whose rows were handed off before: confirmable once the stream passed their
     /// hand-off (see [`earlier_hand_offs`](super::earlier_hand_offs)).
     earlier_hand_offs: EarlierHandOffs,
+    /// The slot is, or is to become, a failover slot: no position between an event and its hand-off is
+    /// confirmed (see [`Watermark::hold_until`]). Without one, nothing can follow such a position.
+    holds: bool,
     window: InFlightWindow,
     published: u64,
     skipped_already_published: u64,
@@ -277,6 +282,7 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             decoder,
             replay_buffer: Vec::new(),
             earlier_hand_offs: EarlierHandOffs::default(),
+            holds: boot.failover_slot,
             window: InFlightWindow::new(
                 settings.cdc.max_in_flight_events,
                 settings.cdc.max_in_flight_bytes,
@@ -336,6 +342,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         };
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         let mut next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK;
+        let mut next_standby_check = tokio::time::Instant::now();
         stream.send_status(status.last_sent).await?;
         loop {
             let window_open = self.window_open();
@@ -368,6 +375,10 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     self.unblock_drained_aggregates().await?;
                     next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK.max(started.elapsed() * UNBLOCK_CHECK_COST_FACTOR);
                 }
+                _ = tokio::time::sleep_until(next_standby_check), if self.watermark.holding() || self.earlier_hand_offs.waiting() => {
+                    self.end_holds_the_standbys_flushed().await?;
+                    next_standby_check = tokio::time::Instant::now() + STANDBY_CHECK;
+                }
                 _ = sleep_until_opt(drain_deadline) => {
                     tracing::warn!(in_flight = self.window.events(), "shutdown timeout reached; unacknowledged events will be re-sent on the next start");
                     break;
@@ -399,7 +410,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             }) => {
                 // Nothing between these events and the end of their hand-off is confirmed: a standby's copy
                 // of a failover slot would follow to a position its standby flushed without the hand-off.
-                if let Some(end) = hand_offs_end {
+                if let Some(end) = hand_offs_end.filter(|_| self.holds) {
                     self.watermark.hold_until(end);
                     tracing::debug!(%end, "hand-offs written: confirming nothing before the stream passes their end");
                 }
@@ -647,7 +658,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     tracing::debug!(table = %outbox_table.name, "a hand-off notice for an aggregate with nothing waiting in the polling path: ignored");
                 }
             }
-            Decoded::HandOffsCommitted { end_lsn, events } => {
+            Decoded::HandOffsCommitted { end_lsn, events } if self.holds => {
                 let released = self.earlier_hand_offs.hand_offs_committed(
                     events,
                     end_lsn,
@@ -655,8 +666,22 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 );
                 self.release(released);
             }
-            Decoded::Nothing => {}
+            Decoded::HandOffsCommitted { .. } | Decoded::Nothing => {}
         }
+        Ok(())
+    }
+
+    /// A hold protects the standbys that could keep a copy of the slot and lack the write it stands for:
+    /// once each of them flushed past it (as their physical slots on this server say), it ends, and so does
+    /// the wait of events found handed off before (their hand-offs ended before the position read then).
+    /// Otherwise the stream must pass it, which after a backlog takes until the backlog is read.
+    async fn end_holds_the_standbys_flushed(&mut self) -> Result<()> {
+        let flushed = pg::standbys_flushed(&self.sql)
+            .await?
+            .unwrap_or(Lsn(u64::MAX));
+        let released = self.earlier_hand_offs.passed(flushed);
+        self.release(released);
+        self.watermark.standbys_flushed(flushed);
         Ok(())
     }
 
@@ -1060,9 +1085,10 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         }
         // Rows handed off before whose hand-off the stream did not pass yet wait for it, or for the WAL
         // position read now (past their hand-offs, which committed before their rows were read).
-        let past_the_hand_offs = if states.iter().any(|(key, state)| {
-            *state == RowState::WaitingInPollingPath && !self.earlier_hand_offs.seen(key)
-        }) {
+        let past_the_hand_offs = if self.holds
+            && states.iter().any(|(key, state)| {
+                *state == RowState::WaitingInPollingPath && !self.earlier_hand_offs.seen(key)
+            }) {
             Some(pg::current_wal_position(&self.sql).await?)
         } else {
             None
@@ -1081,6 +1107,8 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 // Handed off by an earlier session or leader, possibly after this session read the
                 // aggregates waiting in the polling path: its aggregate's later events wait behind it.
                 self.block_met_in_stream((pending.tag.table, aggregate_of(&pending.event)));
+            }
+            if state == Some(RowState::WaitingInPollingPath) && self.holds {
                 self.memory.owed.met(&pending.event_id);
                 // Out of the window (it waits for the stream to go on), finished once past its hand-off.
                 self.window.finish(pending.event.size_bytes());
