@@ -5,6 +5,7 @@
 pub mod audit;
 pub mod backoff;
 pub mod config;
+pub mod dead;
 pub mod doctor;
 pub mod error;
 pub mod event;

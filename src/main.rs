@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use outboxd::config::{Cli, Command, LogFormat, Options};
+use outboxd::config::{Cli, Command, DeadCommand, LogFormat, Options};
 use outboxd::pg::outbox::ReplayFilter;
 use outboxd::{config, logging, pg, pipeline, status};
 use tokio::sync::watch;
@@ -45,7 +45,10 @@ fn main() -> ExitCode {
         Command::Status { options, .. }
         | Command::Replay { options, .. }
         | Command::Doctor { options, .. }
-        | Command::Audit { options, .. } => options.clone(),
+        | Command::Audit { options, .. }
+        | Command::Dead {
+            command: DeadCommand::List { options, .. } | DeadCommand::Show { options, .. },
+        } => options.clone(),
     };
     let options = match options.with_file() {
         Ok(options) => options,
@@ -90,6 +93,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             json, thresholds, ..
         } => status(&options, json, &thresholds).await,
         Command::Doctor { json, .. } => doctor(&options, json).await,
+        Command::Dead { command } => dead(&options, command).await,
         Command::Audit {
             since,
             until,
@@ -269,6 +273,69 @@ async fn replay(
     }
     println!("re-queued {count} dead event(s)");
     Ok(ExitCode::SUCCESS)
+}
+
+/// `outboxd dead list` / `dead show`: dead events of every table with polling columns. `show` exits 1 when no
+/// dead event has the id.
+async fn dead(options: &Options, command: DeadCommand) -> outboxd::Result<ExitCode> {
+    let settings = options.database()?;
+    let client = pg::connect(&settings.database_url).await?;
+    let tables: Vec<_> = pg::slot::inspect_all(&client, &settings.tables)
+        .await?
+        .into_iter()
+        .filter(|table| table.polling)
+        .collect();
+    if tables.is_empty() {
+        return Err(outboxd::Error::setup(
+            "no outbox table has the polling columns, so none holds dead events",
+            "run `outboxd migrate --add-polling-columns`",
+        ));
+    }
+    match command {
+        DeadCommand::List {
+            aggregate_type,
+            aggregate_id,
+            since,
+            limit,
+            json,
+            ..
+        } => {
+            let filter = outboxd::dead::DeadFilter {
+                aggregate_type,
+                aggregate_id,
+                since: since
+                    .as_deref()
+                    .map(|t| point_in_time("--since", t))
+                    .transpose()?,
+                limit: limit.max(1),
+            };
+            let mut events = Vec::new();
+            for table in &tables {
+                events.extend(outboxd::dead::list(&client, table, &filter).await?);
+            }
+            if json {
+                println!("{}", serde_json::to_string(&events).unwrap_or_default());
+            } else {
+                print!("{}", outboxd::dead::to_text(&events, filter.limit));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadCommand::Show { event_id, json, .. } => {
+            for table in &tables {
+                if let Some((event, row)) = outboxd::dead::show(&client, table, event_id).await? {
+                    if json {
+                        let value = serde_json::json!({ "event": event, "row": row });
+                        println!("{value}");
+                    } else {
+                        print!("{}", outboxd::dead::show_text(&event, &row));
+                    }
+                    return Ok(ExitCode::SUCCESS);
+                }
+            }
+            eprintln!("no dead event has the id {event_id} (outboxd dead list shows them)");
+            Ok(ExitCode::FAILURE)
+        }
+    }
 }
 
 /// `outboxd doctor`: every check, each with its fix, and the exit code of the worst.

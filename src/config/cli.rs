@@ -69,6 +69,12 @@ pub enum Command {
         #[command(flatten)]
         thresholds: Thresholds,
     },
+    /// Look at dead-lettered events (reads only); `replay` publishes them again.
+    Dead {
+        /// `list` or `show`.
+        #[command(subcommand)]
+        command: DeadCommand,
+    },
     /// Check that the topics hold every event the table says was published: on its topic and partition, in
     /// its aggregate's order, and name every record no row explains (reads only). Exit code 0: clean,
     /// 1: findings, 2: could not audit.
@@ -98,6 +104,44 @@ pub enum Command {
         /// after its aggregate's earlier unpublished events. Without it the audit only reads.
         #[arg(long)]
         heal: bool,
+    },
+}
+
+/// `outboxd dead ...`.
+#[derive(Debug, Subcommand)]
+pub enum DeadCommand {
+    /// The dead events, the most recently dead-lettered first: when, why, after how many attempts, and how
+    /// many events of their aggregate are not published yet.
+    List {
+        /// Every option; needs only the database ones.
+        #[command(flatten)]
+        options: Options,
+        /// Only events of this aggregate type.
+        #[arg(long)]
+        aggregate_type: Option<String>,
+        /// Only events of this aggregate id.
+        #[arg(long)]
+        aggregate_id: Option<String>,
+        /// Dead-lettered at or after this time: RFC 3339 or an age (2h, 7d).
+        #[arg(long)]
+        since: Option<String>,
+        /// At most this many (per table).
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print only JSON on stdout (one array).
+        #[arg(long)]
+        json: bool,
+    },
+    /// One dead event: its whole row, the last error, its attempts.
+    Show {
+        /// Every option; needs only the database ones.
+        #[command(flatten)]
+        options: Options,
+        /// The dead event's id.
+        event_id: uuid::Uuid,
+        /// Print only JSON on stdout.
+        #[arg(long)]
+        json: bool,
     },
 }
 

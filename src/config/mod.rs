@@ -16,7 +16,7 @@ mod settings;
 mod tests;
 mod validate;
 
-pub use cli::{Cli, Command, LogFormat, Options, Thresholds};
+pub use cli::{Cli, Command, DeadCommand, LogFormat, Options, Thresholds};
 pub use parse::{
     holds_secret, parse_duration, parse_identifier, parse_postgres_url, parse_slot_name,
     parse_table, redact_url,

@@ -378,6 +378,49 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         dead_letters[0].headers
     );
 
+    // `dead list` and `dead show` name it, its error and its attempts (reads only).
+    let listed = run_outboxd(&["dead", "list", "--database-url", &url, "--json"]);
+    assert!(listed.status.success(), "{}", stderr_of(&listed));
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["event_id"], poison.to_string());
+    assert_eq!(listed[0]["aggregate_id"], "A");
+    assert_eq!(listed[0]["attempts"], 1);
+    assert_eq!(listed[0]["unpublished_of_aggregate"], 0, "A3 went on");
+    assert!(listed[0]["last_error"]
+        .as_str()
+        .unwrap()
+        .to_lowercase()
+        .contains("size"));
+    let none = run_outboxd(&[
+        "dead",
+        "list",
+        "--database-url",
+        &url,
+        "--aggregate-id",
+        "B",
+    ]);
+    assert_eq!(String::from_utf8_lossy(&none.stdout), "no dead events\n");
+    let shown = run_outboxd(&["dead", "show", "--database-url", &url, &poison.to_string()]);
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.status.success()
+            && text.contains("after 1 attempt(s)")
+            && text.contains("\"payload\""),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("outboxd replay --event-id {poison}")),
+        "{text}"
+    );
+    let unknown = run_outboxd(&["dead", "show", "--database-url", &url, &a1.to_string()]);
+    assert_eq!(
+        unknown.status.code(),
+        Some(1),
+        "a published event is not dead"
+    );
+
     // Each replay re-queues it with its attempts reset: it is tried again (it is still too large) and
     // dead-lettered again at once, with a new record.
     let mut last_dead_at = dead_at;
