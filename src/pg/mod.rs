@@ -109,24 +109,33 @@ pub async fn current_wal_position(client: &tokio_postgres::Client) -> Result<cra
     })
 }
 
-/// How far every standby that could keep a synchronised copy of a logical slot has flushed WAL, as the
-/// primary knows it: the lowest `restart_lsn` of its physical slots (a standby syncs copies only through
-/// one, `primary_slot_name`, and reports its flush position there). [`Lsn::ZERO`] while a physical slot
-/// has none (not reserved yet, or lost: its standby's position is unknown); `None` without physical slots
-/// (no standby can keep a copy).
+/// How far every standby that could keep a copy of a logical slot has flushed WAL, as the primary knows
+/// it: the lowest of the `restart_lsn` of its physical slots (a standby's flush position, as it reports it
+/// through `primary_slot_name`; outboxd's own marks are not standbys) and the `flush_lsn` of walsenders
+/// streaming without a slot. [`Lsn::ZERO`] while any of them is unknown (a slot not reserved yet or lost, a
+/// base backup under way, a walsender this role may not see the figures of); `None` without any (no
+/// standby is known). A standby the primary does not know of is not counted: one that keeps a copy must
+/// stream through its own physical slot, created before its base backup (README: *Failover slots*).
 ///
 /// [`Lsn::ZERO`]: crate::lsn::Lsn::ZERO
 pub async fn standbys_flushed(client: &tokio_postgres::Client) -> Result<Option<crate::lsn::Lsn>> {
     let row = client
         .query_one(
-            "SELECT count(*), coalesce(bool_or(restart_lsn IS NULL), false), min(restart_lsn)::text
-               FROM pg_replication_slots WHERE slot_type = 'physical'",
+            &format!(
+                "WITH standby (flushed) AS (
+                     SELECT restart_lsn FROM pg_replication_slots WHERE {}
+                     UNION ALL
+                     SELECT r.flush_lsn FROM pg_stat_replication r
+                      WHERE NOT EXISTS (SELECT FROM pg_replication_slots s WHERE s.active_pid = r.pid))
+                 SELECT count(*), coalesce(bool_or(flushed IS NULL), false), min(flushed)::text FROM standby",
+                slot::STANDBY_PHYSICAL_SLOT
+            ),
             &[],
         )
         .await?;
-    let (slots, unknown, lowest): (i64, bool, Option<String>) =
+    let (standbys, unknown, lowest): (i64, bool, Option<String>) =
         (row.get(0), row.get(1), row.get(2));
-    if slots == 0 {
+    if standbys == 0 {
         return Ok(None);
     }
     if unknown {

@@ -56,6 +56,8 @@ pub struct Watermark {
     confirmable_unreported: u64,
     /// While above `confirmed`: nothing below it is confirmed (see [`Watermark::hold_until`]).
     hold: Lsn,
+    /// A hold that may be lowered again (see [`Watermark::provisional_hold`]).
+    provisional: Lsn,
 }
 
 impl Watermark {
@@ -118,6 +120,13 @@ impl Watermark {
         }
     }
 
+    /// Like [`Watermark::hold_until`], but replaced by the next call (`Lsn::ZERO`: none): a hold whose
+    /// position is only a bound for now, lowered once the write it stands for is found. Folded into the
+    /// hold on a reconnect (whoever lowered it is gone).
+    pub fn provisional_hold(&mut self, position: Lsn) {
+        self.provisional = position;
+    }
+
     /// Every standby that could keep a copy of the slot has flushed WAL up to `flushed`: a hold at or below
     /// it protects nothing any more (each of them has the write), and ends.
     pub fn standbys_flushed(&mut self, flushed: Lsn) {
@@ -129,11 +138,17 @@ impl Watermark {
     /// True while a hold keeps finished transactions from being confirmed: their events stay unreported
     /// until the stream passes the hold, so reading must go on (see `window`).
     pub fn holding(&self) -> bool {
-        self.hold > self.confirmed
+        self.held_below() > self.confirmed
+    }
+
+    fn held_below(&self) -> Lsn {
+        self.hold.max(self.provisional)
     }
 
     /// Forgets everything in flight (after a reconnect the server re-sends it); keeps the confirmed position.
     pub fn restart(&mut self) {
+        self.hold = self.held_below();
+        self.provisional = Lsn::ZERO;
         self.first_id += self.entries.len() as u64;
         self.entries.clear();
         self.open = None;
@@ -245,9 +260,10 @@ impl Watermark {
             .entries
             .iter()
             .map_while(|entry| entry.position.filter(|_| entry.pending_events == 0));
+        let held_below = self.held_below();
         let confirmable = finished
             .enumerate()
-            .filter(|(_, position)| *position >= self.hold)
+            .filter(|(_, position)| *position >= held_below)
             .last()
             .map_or(0, |(index, _)| index + 1);
         for front in self.entries.drain(..confirmable) {
@@ -390,6 +406,30 @@ mod tests {
         w.standbys_flushed(Lsn(350));
         assert!(!w.holding());
         assert_eq!(w.advance(), Lsn(200));
+    }
+
+    #[test]
+    fn a_provisional_hold_can_be_lowered_and_a_reconnect_keeps_it() {
+        let mut w = Watermark::new(Lsn(100));
+        let t = w.begin();
+        w.event_started(t);
+        w.commit(t, Lsn(200));
+        w.event_finished(t);
+        w.provisional_hold(Lsn(900));
+        w.keepalive(Lsn(500));
+        assert_eq!(w.advance(), Lsn(100), "500 is below the provisional hold");
+        assert_eq!(w.unconfirmed_entries(), 1, "held entries merge");
+        // The write was found to end at 450: the hold is lowered to it.
+        w.hold_until(Lsn(450));
+        w.provisional_hold(Lsn::ZERO);
+        assert_eq!(w.advance(), Lsn(500));
+        // A provisional hold still in place at a reconnect stays, as a hold.
+        w.provisional_hold(Lsn(900));
+        w.restart();
+        w.provisional_hold(Lsn::ZERO);
+        assert!(w.holding());
+        w.standbys_flushed(Lsn(900));
+        assert!(!w.holding());
     }
 
     #[test]

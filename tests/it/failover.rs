@@ -1698,3 +1698,57 @@ fn stop_process(pid: i32, signal: &str) {
         .unwrap();
     assert!(sent.success(), "kill {signal} {pid}");
 }
+
+/// How far the standbys flushed, as a hold's early end reads it: outboxd's own marks (physical slots that
+/// reserve no WAL) are no standbys, a reserved physical slot counts at its position, and a walsender
+/// streaming without a slot whose position is not known yet makes the answer unknown (zero).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_standbys_a_hold_waits_for_are_the_physical_slots_and_walsenders_the_primary_knows() {
+    let pg = Postgres::start();
+    let client = pg.client().await;
+    let flushed = || async { outboxd::pg::standbys_flushed(&client).await.unwrap() };
+    assert_eq!(flushed().await, None, "no standby");
+    client
+        .batch_execute(
+            "SELECT pg_create_physical_replication_slot('outboxd_tl2');
+             SELECT pg_create_physical_replication_slot('outboxd_creating');",
+        )
+        .await
+        .unwrap();
+    assert_eq!(flushed().await, None, "outboxd's marks are no standbys");
+    client
+        .batch_execute("SELECT pg_create_physical_replication_slot('standby_a', true)")
+        .await
+        .unwrap();
+    let reserved: String = client
+        .query_one(
+            "SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = 'standby_a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(flushed().await, Some(reserved.parse::<Lsn>().unwrap()));
+    client
+        .batch_execute("SELECT pg_create_physical_replication_slot('standby_b')")
+        .await
+        .unwrap();
+    assert_eq!(
+        flushed().await,
+        Some(Lsn::ZERO),
+        "a standby slot not reserved yet"
+    );
+    client
+        .batch_execute("SELECT pg_drop_replication_slot('standby_b')")
+        .await
+        .unwrap();
+    let url = outboxd::pg::PgUrl::parse("test", &pg.url()).unwrap();
+    let _walsender = outboxd::pg::replication::ReplicationConnection::connect(&url)
+        .await
+        .unwrap();
+    assert_eq!(
+        flushed().await,
+        Some(Lsn::ZERO),
+        "a walsender without a slot that reported no position"
+    );
+}

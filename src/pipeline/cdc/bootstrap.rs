@@ -33,9 +33,6 @@ pub(super) struct Bootstrapped {
     pub history: ServerHistory,
     /// Where the slot starts when this session created it.
     pub slot_created_at: Option<Lsn>,
-    /// The slot is, or is to become, a failover slot (17+, not opted out): a standby may keep a copy, so
-    /// confirmations wait for hand-offs (see `Watermark::hold_until`). Without one they need not.
-    pub failover_slot: bool,
 }
 
 impl<K: Sinks> CdcPipeline<K> {
@@ -195,7 +192,6 @@ impl<K: Sinks> CdcPipeline<K> {
             gate,
             history: here,
             slot_created_at,
-            failover_slot: db.failover_slot && version.has_failover_slots(),
         };
         Ok((stream, boot))
     }
@@ -251,14 +247,15 @@ impl<K: Sinks> CdcPipeline<K> {
         self.watermark.reset(created.consistent_point);
         self.memory.failover_after = None;
         let failover_now = failover && (!can_hand_off || hand_off_end.is_none());
+        // The hand-off was committed after the consistent point: no position in between is confirmed (see
+        // `Watermark::hold_until`; a copy of the slot may be kept by other means than a failover slot).
+        if let Some(end) = hand_off_end {
+            self.watermark.hold_until(end);
+        }
         if failover && can_hand_off {
             match hand_off_end {
-                // The hand-off was committed after the consistent point: no position in between is
-                // confirmed (see `Watermark::hold_until`), and the slot fails over once past it.
-                Some(end) => {
-                    self.watermark.hold_until(end);
-                    self.memory.failover_after = Some(end);
-                }
+                // The slot fails over once confirmed past the hand-off.
+                Some(end) => self.memory.failover_after = Some(end),
                 // Nothing handed off: a copy at the consistent point owes nothing.
                 None => conn
                     .alter_slot_failover(&db.slot, true)

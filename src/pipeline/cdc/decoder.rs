@@ -76,6 +76,11 @@ pub enum Decoded {
     Nothing,
 }
 
+/// Most event ids of one transaction's [`HANDED_OFF_MESSAGE`]s kept (more than a hand-off names at the
+/// default window, about 2 MiB): any login may emit such messages, and one naming more only bounds memory. An id
+/// left out only makes an event wait longer for its hand-off (see `earlier_hand_offs`).
+const HANDED_OFF_IDS_PER_TRANSACTION: usize = 50_000;
+
 /// What a relation of the stream is to outboxd.
 enum Mapped {
     /// An outbox table (index into the settings' tables) and how its rows map.
@@ -291,8 +296,14 @@ impl TransactionDecoder {
             .iter()
             .position(|t| t.name.to_string() == notice.table)
         {
-            self.handed_off_here
-                .extend(notice.event_ids.into_iter().map(|id| (table, id)));
+            let room = HANDED_OFF_IDS_PER_TRANSACTION.saturating_sub(self.handed_off_here.len());
+            self.handed_off_here.extend(
+                notice
+                    .event_ids
+                    .into_iter()
+                    .take(room)
+                    .map(|id| (table, id)),
+            );
         }
     }
 

@@ -10,105 +10,92 @@
 //! message naming its events (`pg::outbox::HANDED_OFF_MESSAGE`): its commit in the stream is that end.
 //!
 //! An event found handed off whose hand-off was decoded already (while the event waited to be looked up) is
-//! confirmable from there at once; one whose hand-off is still ahead waits for it. A hand-off written without
-//! a message (by `outboxd replay`, `audit --heal`, or an older outboxd) never comes: the event waits until
-//! the stream passes the server's WAL position read after its row was found handed off (its hand-off had
-//! committed by then). Any login may emit a message with outboxd's prefix; a forged one can only release an
-//! event early, which opens again the window it closes for a standby left out of `synchronized_standby_slots`.
+//! confirmable from that end. One whose hand-off is still ahead is finished at once too (so the watermark's
+//! entries behind it merge and memory stays flat), under a provisional hold at the server's WAL position read
+//! after its row was found handed off (its hand-off had committed by then): when the hand-off's message
+//! comes, the hold is lowered to its end. A hand-off written without a message (by `outboxd replay`, `audit
+//! --heal`, or an older outboxd) never comes: the provisional hold stays until the stream passes it, or until
+//! every standby that could keep a copy of the slot flushed past it. Any login may emit a message with
+//! outboxd's prefix; a forged one can only lower a hold early, which opens again the window it closes for a
+//! standby that lags behind the stream. Memory: one position per event waiting (a provisional hold), and
+//! the ids of hand-offs decoded while events wait to be looked up, only for those events.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use uuid::Uuid;
 
 use crate::lsn::Lsn;
-use crate::pipeline::watermark::TxnId;
 
 /// An outbox row: the index of its table in the settings' tables, and its event id.
 pub type RowKey = (usize, Uuid);
 
-/// An event released: its transaction in the watermark, and the position below which nothing may be
-/// confirmed any more (its hand-off's end, or a position past it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Released {
-    pub txn: TxnId,
-    pub hold_until: Lsn,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Awaiting {
-    txn: TxnId,
-    /// The server's WAL position read after the row was found handed off: its hand-off ended before it.
-    past_the_hand_off: Lsn,
-}
-
 /// See the module's documentation.
 #[derive(Debug, Default)]
 pub struct EarlierHandOffs {
-    /// Hand-offs decoded while events waited to be looked up: each event's hand-off end.
+    /// Hand-offs decoded while events waited to be looked up (of those events only): each one's end.
     seen: HashMap<RowKey, Lsn>,
-    /// Events found handed off whose hand-off the stream has not passed yet.
-    awaiting: HashMap<RowKey, Awaiting>,
+    /// Events found handed off whose hand-off was not decoded yet: the WAL position read after each was
+    /// found (an event id can be met in more than one transaction: one position each).
+    awaiting: HashMap<RowKey, Vec<Lsn>>,
+    /// The positions of `awaiting`, counted: the highest is the provisional hold.
+    provisional: BTreeMap<Lsn, usize>,
 }
 
 impl EarlierHandOffs {
-    /// The stream decoded a transaction ending at `end` that handed `events` off. `remember`: events still
-    /// wait to be looked up (one of them may be among these). Returns the events now released.
+    /// The stream decoded a transaction ending at `end` that handed `events` off. `buffered`: the events
+    /// still waiting to be looked up (a hand-off of one of them is remembered). Returns whether an event
+    /// waiting for its hand-off met it: then nothing below `end` may be confirmed any more.
     pub fn hand_offs_committed(
         &mut self,
         events: Vec<RowKey>,
         end: Lsn,
-        remember: bool,
-    ) -> Vec<Released> {
-        let mut released = Vec::new();
+        buffered: &HashSet<RowKey>,
+    ) -> bool {
+        let mut met = false;
         for key in events {
-            if let Some(awaiting) = self.awaiting.remove(&key) {
-                released.push(Released {
-                    txn: awaiting.txn,
-                    hold_until: end,
-                });
-            } else if remember {
+            if let Some(positions) = self.awaiting.get_mut(&key) {
+                // The earliest wait is this hand-off's (a later one of the same id waits on).
+                let earliest = positions
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, position)| **position)
+                    .map(|(index, _)| index);
+                let position = earliest.map(|index| positions.swap_remove(index));
+                if positions.is_empty() {
+                    self.awaiting.remove(&key);
+                }
+                if let Some(position) = position {
+                    self.forget_provisional(position);
+                    met = true;
+                }
+            } else if buffered.contains(&key) {
                 self.seen.insert(key, end);
             }
         }
-        released
+        met
     }
 
-    /// Whether `key`'s hand-off was decoded already (then [`EarlierHandOffs::found_handed_off`] releases it
-    /// at once, without a WAL position).
+    /// Whether `key`'s hand-off was decoded already (then [`EarlierHandOffs::found_handed_off`] needs no WAL
+    /// position).
     pub fn seen(&self, key: &RowKey) -> bool {
         self.seen.contains_key(key)
     }
 
-    /// The row of `key`, an event of `txn`, was found handed off; `past_the_hand_off`: the server's WAL
-    /// position read after that (needed only when its hand-off was not decoded yet). Returns it released
-    /// when its hand-off was decoded already; otherwise it waits.
-    pub fn found_handed_off(
-        &mut self,
-        key: RowKey,
-        txn: TxnId,
-        past_the_hand_off: Option<Lsn>,
-    ) -> Option<Released> {
+    /// The row of `key` was found handed off; `past_the_hand_off`: the server's WAL position read after that
+    /// (needed only when its hand-off was not decoded yet). Returns the end of its hand-off when it was
+    /// decoded already (nothing below it may be confirmed any more); otherwise the event waits for it under
+    /// a provisional hold.
+    pub fn found_handed_off(&mut self, key: RowKey, past_the_hand_off: Option<Lsn>) -> Option<Lsn> {
         if let Some(end) = self.seen.get(&key) {
-            return Some(Released {
-                txn,
-                hold_until: *end,
-            });
+            return Some(*end);
         }
-        // Without a position to wait for (a caller's mistake) the event is released with no hold: never
-        // kept waiting for good.
-        let Some(past_the_hand_off) = past_the_hand_off else {
-            return Some(Released {
-                txn,
-                hold_until: Lsn(0),
-            });
-        };
-        self.awaiting.insert(
-            key,
-            Awaiting {
-                txn,
-                past_the_hand_off,
-            },
-        );
+        // Without a position to wait for (a caller's mistake) nothing is held: never kept waiting for good.
+        let past_the_hand_off = past_the_hand_off?;
+        self.awaiting
+            .entry(key)
+            .or_default()
+            .push(past_the_hand_off);
+        *self.provisional.entry(past_the_hand_off).or_default() += 1;
         None
     }
 
@@ -118,115 +105,124 @@ impl EarlierHandOffs {
     }
 
     /// The stream has passed `position` (a transaction committing at it begins, or a keepalive outside a
-    /// transaction), or every standby that could keep a copy of the slot flushed WAL past it: events whose
-    /// hand-off ended before it are released (those that were waiting for a message that never comes too).
-    pub fn passed(&mut self, position: Lsn) -> Vec<Released> {
-        if self.awaiting.is_empty() {
-            return Vec::new();
+    /// transaction), or every standby that could keep a copy of the slot flushed WAL past it: the waits at
+    /// or below it end (those for a message that never comes too). Returns the highest of them: nothing
+    /// below it may be confirmed any more.
+    pub fn passed(&mut self, position: Lsn) -> Option<Lsn> {
+        let ended: Vec<Lsn> = self
+            .provisional
+            .range(..=position)
+            .map(|(position, _)| *position)
+            .collect();
+        let highest = *ended.last()?;
+        for ended in &ended {
+            self.provisional.remove(ended);
         }
-        let mut released = Vec::new();
-        self.awaiting.retain(|_, awaiting| {
-            if awaiting.past_the_hand_off <= position {
-                released.push(Released {
-                    txn: awaiting.txn,
-                    hold_until: awaiting.past_the_hand_off,
-                });
-                false
-            } else {
-                true
-            }
+        self.awaiting.retain(|_, positions| {
+            positions.retain(|waits_for| *waits_for > position);
+            !positions.is_empty()
         });
-        released
+        Some(highest)
     }
 
-    /// Whether events wait for their hand-off: what is finished after them cannot be confirmed before, so
-    /// reading must go on (see `window`).
+    /// The provisional hold: nothing below it may be confirmed while events wait for their hand-off
+    /// ([`Lsn::ZERO`] when none waits).
+    pub fn provisional_hold(&self) -> Lsn {
+        self.provisional
+            .last_key_value()
+            .map_or(Lsn::ZERO, |(position, _)| *position)
+    }
+
+    /// Whether events wait for their hand-off.
     pub fn waiting(&self) -> bool {
-        !self.awaiting.is_empty()
+        !self.provisional.is_empty()
+    }
+
+    fn forget_provisional(&mut self, position: Lsn) {
+        if let Some(count) = self.provisional.get_mut(&position) {
+            *count -= 1;
+            if *count == 0 {
+                self.provisional.remove(&position);
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::watermark::Watermark;
 
     fn key(n: u128) -> RowKey {
         (0, Uuid::from_u128(n))
     }
 
-    fn txns(n: usize) -> Vec<TxnId> {
-        let mut w = Watermark::new(Lsn(0));
-        (0..n).map(|_| w.begin()).collect()
+    fn buffered(keys: &[RowKey]) -> HashSet<RowKey> {
+        keys.iter().copied().collect()
     }
 
     #[test]
-    fn a_hand_off_decoded_before_the_lookup_releases_the_event_at_its_end() {
-        let t = txns(1);
+    fn a_hand_off_decoded_before_the_lookup_gives_its_end() {
         let mut e = EarlierHandOffs::default();
-        assert!(e
-            .hand_offs_committed(vec![key(1), key(2)], Lsn(500), true)
-            .is_empty());
+        assert!(!e.hand_offs_committed(
+            vec![key(1), key(2), key(3)],
+            Lsn(500),
+            &buffered(&[key(1), key(2)])
+        ));
         assert!(e.seen(&key(1)));
-        assert_eq!(
-            e.found_handed_off(key(1), t[0], None),
-            Some(Released {
-                txn: t[0],
-                hold_until: Lsn(500)
-            })
+        assert!(
+            !e.seen(&key(3)),
+            "only events waiting to be looked up are remembered"
         );
+        assert_eq!(e.found_handed_off(key(1), None), Some(Lsn(500)));
         assert!(!e.waiting());
         e.looked_up();
         assert!(!e.seen(&key(2)));
     }
 
     #[test]
-    fn a_hand_off_still_ahead_releases_the_event_when_it_commits() {
-        let t = txns(2);
+    fn a_hand_off_still_ahead_lowers_the_provisional_hold_to_its_end_when_it_commits() {
         let mut e = EarlierHandOffs::default();
-        assert_eq!(e.found_handed_off(key(1), t[0], Some(Lsn(900))), None);
-        assert_eq!(e.found_handed_off(key(2), t[1], Some(Lsn(900))), None);
-        assert!(e.waiting());
-        // A transaction beginning before the WAL position read releases nothing.
-        assert!(e.passed(Lsn(400)).is_empty());
-        assert_eq!(
-            e.hand_offs_committed(vec![key(2), key(3)], Lsn(450), false),
-            vec![Released {
-                txn: t[1],
-                hold_until: Lsn(450)
-            }]
-        );
-        assert!(e.waiting());
+        assert_eq!(e.found_handed_off(key(1), Some(Lsn(900))), None);
+        assert_eq!(e.found_handed_off(key(2), Some(Lsn(950))), None);
+        assert_eq!(e.provisional_hold(), Lsn(950));
+        // A transaction beginning before the WAL positions read ends no wait.
+        assert_eq!(e.passed(Lsn(400)), None);
+        assert!(e.hand_offs_committed(vec![key(2), key(3)], Lsn(450), &HashSet::new()));
+        assert_eq!(e.provisional_hold(), Lsn(900), "key 2's wait ended");
         assert!(!e.seen(&key(3)), "nothing waits to be looked up");
+        assert!(e.hand_offs_committed(vec![key(1)], Lsn(460), &HashSet::new()));
+        assert!(!e.waiting());
+        assert_eq!(e.provisional_hold(), Lsn::ZERO);
     }
 
     #[test]
-    fn a_hand_off_without_a_message_releases_the_event_once_the_stream_passes_the_position_read() {
-        let t = txns(1);
+    fn a_hand_off_without_a_message_ends_its_wait_once_the_stream_passes_the_position_read() {
         let mut e = EarlierHandOffs::default();
-        assert_eq!(e.found_handed_off(key(1), t[0], Some(Lsn(900))), None);
-        assert!(e.passed(Lsn(899)).is_empty());
-        assert_eq!(
-            e.passed(Lsn(900)),
-            vec![Released {
-                txn: t[0],
-                hold_until: Lsn(900)
-            }]
-        );
+        assert_eq!(e.found_handed_off(key(1), Some(Lsn(900))), None);
+        assert_eq!(e.found_handed_off(key(2), Some(Lsn(700))), None);
+        assert_eq!(e.passed(Lsn(699)), None);
+        assert_eq!(e.passed(Lsn(899)), Some(Lsn(700)));
+        assert_eq!(e.provisional_hold(), Lsn(900));
+        assert_eq!(e.passed(Lsn(900)), Some(Lsn(900)));
         assert!(!e.waiting());
     }
 
     #[test]
-    fn without_a_position_to_wait_for_an_event_not_seen_is_released_without_a_hold() {
-        let t = txns(1);
+    fn an_event_id_met_in_two_transactions_waits_twice() {
         let mut e = EarlierHandOffs::default();
-        assert_eq!(
-            e.found_handed_off(key(1), t[0], None),
-            Some(Released {
-                txn: t[0],
-                hold_until: Lsn(0)
-            })
-        );
+        assert_eq!(e.found_handed_off(key(1), Some(Lsn(900))), None);
+        assert_eq!(e.found_handed_off(key(1), Some(Lsn(1_200))), None);
+        assert!(e.hand_offs_committed(vec![key(1)], Lsn(850), &HashSet::new()));
+        assert!(e.waiting(), "the second wait goes on");
+        assert_eq!(e.provisional_hold(), Lsn(1_200));
+        assert_eq!(e.passed(Lsn(1_200)), Some(Lsn(1_200)));
+        assert!(!e.waiting());
+    }
+
+    #[test]
+    fn without_a_position_to_wait_for_an_event_not_seen_is_not_held() {
+        let mut e = EarlierHandOffs::default();
+        assert_eq!(e.found_handed_off(key(1), None), None);
         assert!(!e.waiting());
     }
 }

@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::bootstrap::Bootstrapped;
 use super::decoder::{Decoded, Pending, TransactionDecoder};
-use super::earlier_hand_offs::{EarlierHandOffs, Released};
+use super::earlier_hand_offs::{EarlierHandOffs, RowKey};
 use super::gate::{Admission, AggregateGate, GateKey};
 use super::window::InFlightWindow;
 use super::{SessionMemory, MAX_TRACKED_BLOCKED};
@@ -199,12 +199,9 @@ pub(super) struct Session<'a, S> {
     decoder: TransactionDecoder,
     /// Rows of the replay region and of re-sent transactions, waiting for their rows' states.
     replay_buffer: Vec<Pending>,
-    /// Events met again whose rows were handed off before: confirmable once the stream passed their
-    /// hand-off (see [`earlier_hand_offs`](super::earlier_hand_offs)).
+    /// Events met again whose rows were handed off before: nothing between them and their hand-off is
+    /// confirmed (see [`earlier_hand_offs`](super::earlier_hand_offs)).
     earlier_hand_offs: EarlierHandOffs,
-    /// The slot is, or is to become, a failover slot: no position between an event and its hand-off is
-    /// confirmed (see [`Watermark::hold_until`]). Without one, nothing can follow such a position.
-    holds: bool,
     window: InFlightWindow,
     published: u64,
     skipped_already_published: u64,
@@ -282,7 +279,6 @@ impl<'a, S: Sink<CdcTag>> Session<'a, S> {
             decoder,
             replay_buffer: Vec::new(),
             earlier_hand_offs: EarlierHandOffs::default(),
-            holds: boot.failover_slot,
             window: InFlightWindow::new(
                 settings.cdc.max_in_flight_events,
                 settings.cdc.max_in_flight_bytes,
@@ -375,7 +371,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     self.unblock_drained_aggregates().await?;
                     next_unblock_check = tokio::time::Instant::now() + UNBLOCK_CHECK.max(started.elapsed() * UNBLOCK_CHECK_COST_FACTOR);
                 }
-                _ = tokio::time::sleep_until(next_standby_check), if self.watermark.holding() || self.earlier_hand_offs.waiting() => {
+                _ = tokio::time::sleep_until(next_standby_check), if self.watermark.holding() => {
                     self.end_holds_the_standbys_flushed().await?;
                     next_standby_check = tokio::time::Instant::now() + STANDBY_CHECK;
                 }
@@ -410,7 +406,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             }) => {
                 // Nothing between these events and the end of their hand-off is confirmed: a standby's copy
                 // of a failover slot would follow to a position its standby flushed without the hand-off.
-                if let Some(end) = hand_offs_end.filter(|_| self.holds) {
+                if let Some(end) = hand_offs_end {
                     self.watermark.hold_until(end);
                     tracing::debug!(%end, "hand-offs written: confirming nothing before the stream passes their end");
                 }
@@ -565,8 +561,8 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 reply_requested,
             } => {
                 self.flush_replay_buffer().await?;
-                let released = self.earlier_hand_offs.passed(wal_end);
-                self.release(released);
+                let ended = self.earlier_hand_offs.passed(wal_end);
+                self.hold_for_earlier_hand_offs(ended);
                 self.watermark.keepalive(wal_end);
                 Ok(reply_requested)
             }
@@ -591,8 +587,8 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     tracing::warn!(%final_lsn, highest_confirmed = %self.watermark.highest_confirmed(), "the server sends a transaction below the confirmed position that committed after it: its WAL diverged from what was confirmed (a restore from a snapshot?); publishing what it holds");
                     crate::metrics::history_changed();
                 }
-                let released = self.earlier_hand_offs.passed(final_lsn);
-                self.release(released);
+                let ended = self.earlier_hand_offs.passed(final_lsn);
+                self.hold_for_earlier_hand_offs(ended);
                 if left_replay_region {
                     self.flush_replay_buffer().await?;
                     // Whatever was sent again has passed: events owed to the polling path that did not come
@@ -658,15 +654,18 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                     tracing::debug!(table = %outbox_table.name, "a hand-off notice for an aggregate with nothing waiting in the polling path: ignored");
                 }
             }
-            Decoded::HandOffsCommitted { end_lsn, events } if self.holds => {
-                let released = self.earlier_hand_offs.hand_offs_committed(
-                    events,
-                    end_lsn,
-                    !self.replay_buffer.is_empty(),
-                );
-                self.release(released);
+            Decoded::HandOffsCommitted { end_lsn, events } => {
+                let buffered: HashSet<RowKey> = self
+                    .replay_buffer
+                    .iter()
+                    .map(|pending| (pending.tag.table, pending.event_id))
+                    .collect();
+                let met = self
+                    .earlier_hand_offs
+                    .hand_offs_committed(events, end_lsn, &buffered);
+                self.hold_for_earlier_hand_offs(met.then_some(end_lsn));
             }
-            Decoded::HandOffsCommitted { .. } | Decoded::Nothing => {}
+            Decoded::Nothing => {}
         }
         Ok(())
     }
@@ -679,26 +678,27 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         let flushed = pg::standbys_flushed(&self.sql)
             .await?
             .unwrap_or(Lsn(u64::MAX));
-        let released = self.earlier_hand_offs.passed(flushed);
-        self.release(released);
+        let ended = self.earlier_hand_offs.passed(flushed);
+        self.hold_for_earlier_hand_offs(ended);
         self.watermark.standbys_flushed(flushed);
         Ok(())
     }
 
-    /// Events found handed off before are finished: nothing below their hand-off's end is confirmed from
-    /// now on (see [`earlier_hand_offs`](super::earlier_hand_offs)).
-    fn release(&mut self, released: Vec<Released>) {
-        for Released { txn, hold_until } in released {
-            self.watermark.hold_until(hold_until);
-            self.watermark.event_finished(txn);
-            self.skipped_already_published += 1;
+    /// Events found handed off before: nothing below `hold` (the end of a hand-off of theirs, or a position
+    /// past it) is confirmed from now on, nor below the provisional hold of those still waiting for theirs
+    /// (see [`earlier_hand_offs`](super::earlier_hand_offs)).
+    fn hold_for_earlier_hand_offs(&mut self, hold: Option<Lsn>) {
+        if let Some(hold) = hold {
+            self.watermark.hold_until(hold);
         }
+        self.watermark
+            .provisional_hold(self.earlier_hand_offs.provisional_hold());
     }
 
     /// Room for another event (see [`window`]). Under a hold (see [`Watermark::hold_until`]) finished
     /// events do not count: they can be reported only once the stream passes the hold, so reading must go on.
     fn window_open(&self) -> bool {
-        let unreported = if self.watermark.holding() || self.earlier_hand_offs.waiting() {
+        let unreported = if self.watermark.holding() {
             0
         } else {
             self.watermark.unreported_events()
@@ -1085,10 +1085,9 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         }
         // Rows handed off before whose hand-off the stream did not pass yet wait for it, or for the WAL
         // position read now (past their hand-offs, which committed before their rows were read).
-        let past_the_hand_offs = if self.holds
-            && states.iter().any(|(key, state)| {
-                *state == RowState::WaitingInPollingPath && !self.earlier_hand_offs.seen(key)
-            }) {
+        let past_the_hand_offs = if states.iter().any(|(key, state)| {
+            *state == RowState::WaitingInPollingPath && !self.earlier_hand_offs.seen(key)
+        }) {
             Some(pg::current_wal_position(&self.sql).await?)
         } else {
             None
@@ -1108,17 +1107,15 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 // aggregates waiting in the polling path: its aggregate's later events wait behind it.
                 self.block_met_in_stream((pending.tag.table, aggregate_of(&pending.event)));
             }
-            if state == Some(RowState::WaitingInPollingPath) && self.holds {
+            if state == Some(RowState::WaitingInPollingPath) {
                 self.memory.owed.met(&pending.event_id);
-                // Out of the window (it waits for the stream to go on), finished once past its hand-off.
-                self.window.finish(pending.event.size_bytes());
-                let released = self.earlier_hand_offs.found_handed_off(
-                    key,
-                    pending.tag.txn,
-                    past_the_hand_offs,
-                );
+                self.finish_event(pending.tag.txn, pending.event.size_bytes());
+                self.skipped_already_published += 1;
+                let hand_off_end = self
+                    .earlier_hand_offs
+                    .found_handed_off(key, past_the_hand_offs);
+                self.hold_for_earlier_hand_offs(hand_off_end);
                 found_handed_off += 1;
-                self.release(released.into_iter().collect());
             } else if finished || (state.is_none() && self.covered_before(&pending)) {
                 self.memory.owed.met(&pending.event_id);
                 self.finish_event(pending.tag.txn, pending.event.size_bytes());
