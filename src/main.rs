@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use outboxd::config::{Cli, Command, DeadCommand, LogFormat, Options};
-use outboxd::pg::outbox::ReplayFilter;
+use outboxd::pg::outbox::{DeadRange, ReplayFilter};
 use outboxd::{config, logging, pg, pipeline, status};
 use tokio::sync::watch;
 
@@ -87,8 +87,33 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             event_id,
             aggregate_id,
             all_dead,
+            aggregate_type,
+            since,
+            until,
             ..
-        } => replay(&options, event_id, aggregate_id, all_dead).await,
+        } => {
+            let narrowed = [&aggregate_type, &since, &until]
+                .iter()
+                .any(|flag| flag.is_some());
+            let filter = match (event_id, aggregate_id, all_dead) {
+                (Some(_), _, _) if narrowed => Err(outboxd::config::ConfigError::Invalid(
+                    "--aggregate-type, --since and --until narrow --all-dead or --aggregate-id, not --event-id".into(),
+                )
+                .into()),
+                (Some(id), _, _) => Ok(ReplayFilter::EventId(id)),
+                (None, aggregate_id, all_dead) if aggregate_id.is_some() || all_dead => {
+                    dead_range(aggregate_id, aggregate_type, since, until).map(ReplayFilter::Dead)
+                }
+                _ => Err(outboxd::config::ConfigError::Invalid(
+                    "replay needs one of --event-id ID, --aggregate-id ID or --all-dead".into(),
+                )
+                .into()),
+            };
+            match filter {
+                Ok(filter) => replay(&options, &filter).await,
+                Err(error) => Err(error),
+            }
+        }
         Command::Status {
             json, thresholds, ..
         } => status(&options, json, &thresholds).await,
@@ -247,29 +272,33 @@ async fn run(options: &Options) -> outboxd::Result<ExitCode> {
 }
 
 /// `outboxd replay`: re-queues dead-lettered events.
-async fn replay(
-    options: &Options,
-    event_id: Option<uuid::Uuid>,
+fn dead_range(
     aggregate_id: Option<String>,
-    all_dead: bool,
-) -> outboxd::Result<ExitCode> {
+    aggregate_type: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+) -> outboxd::Result<DeadRange> {
+    Ok(DeadRange {
+        aggregate_id,
+        aggregate_type,
+        since: since
+            .as_deref()
+            .map(|t| point_in_time("--since", t))
+            .transpose()?,
+        until: until
+            .as_deref()
+            .map(|t| point_in_time("--until", t))
+            .transpose()?,
+    })
+}
+
+async fn replay(options: &Options, filter: &ReplayFilter) -> outboxd::Result<ExitCode> {
     let settings = options.database()?;
-    let filter = match (event_id, aggregate_id, all_dead) {
-        (Some(id), _, _) => ReplayFilter::EventId(id),
-        (_, Some(aggregate), _) => ReplayFilter::AggregateId(aggregate),
-        (_, _, true) => ReplayFilter::AllDead,
-        _ => {
-            return Err(outboxd::config::ConfigError::Invalid(
-                "replay needs one of --event-id ID, --aggregate-id ID or --all-dead".into(),
-            )
-            .into())
-        }
-    };
     let mut client = pg::connect(&settings.database_url).await?;
     let mut count = 0;
     for table in &pg::slot::inspect_all(&client, &settings.tables).await? {
         pg::slot::check_polling_columns(table)?;
-        count += pg::outbox::replay_dead(&mut client, table, &filter).await?;
+        count += pg::outbox::replay_dead(&mut client, table, filter).await?;
     }
     println!("re-queued {count} dead event(s)");
     Ok(ExitCode::SUCCESS)

@@ -46,6 +46,16 @@ pub enum Command {
         /// Re-queue every dead event.
         #[arg(long, group = "which")]
         all_dead: bool,
+        /// With --all-dead or --aggregate-id: only events of this aggregate type.
+        #[arg(long)]
+        aggregate_type: Option<String>,
+        /// With --all-dead or --aggregate-id: only events dead-lettered at or after this time, RFC 3339
+        /// (2026-12-01T00:00:00Z) or an age (2h, 7d).
+        #[arg(long)]
+        since: Option<String>,
+        /// With --all-dead or --aggregate-id: only events dead-lettered before this time, RFC 3339 or an age.
+        #[arg(long)]
+        until: Option<String>,
     },
     /// Check everything `run` needs of PostgreSQL and Kafka, and what would hurt it, each with its fix (reads
     /// only). Exit code 0: ok, 1: warnings, 2: a check failed, 3: a check could not be made.

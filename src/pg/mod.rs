@@ -95,11 +95,12 @@ const DURABLE_COMMITS: &str = "SELECT set_config('synchronous_commit',
      CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END,
      false)";
 
-/// The server's current WAL write position (`pg_current_wal_lsn()`): past the end of every transaction
-/// this session committed. A primary's only.
+/// The server's current WAL insert position (`pg_current_wal_insert_lsn()`): past the end of every
+/// transaction committed (visible) by then, in this session or another, even one committed with
+/// `synchronous_commit = off` whose commit record was not written yet. A primary's only.
 pub async fn current_wal_position(client: &tokio_postgres::Client) -> Result<crate::lsn::Lsn> {
     let position: String = client
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
         .await?
         .get(0);
     position.parse().map_err(|_| {

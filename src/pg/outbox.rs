@@ -345,20 +345,41 @@ pub async fn hand_off_rows_older_than_slot(
             let rows = republish_history(&tx, table).await?;
             tracing::warn!(table = %table.name, rows, "a new slot: the rows marked published before outboxd may not all have been streamed by the slot it replaces; handed them all to the polling path (some are published again)");
         }
-        number_rows_without_position(&tx, table).await?;
-        marked += tx
-            .execute(
-                &format!(
-                    "UPDATE {} SET handoff_at = now()
-                     WHERE published_at IS NULL AND dead_at IS NULL AND handoff_at IS NULL",
-                    table.name.quoted()
-                ),
-                &[],
-            )
-            .await?;
+        marked += hand_off_unpublished_rows_of(&tx, table).await?;
     }
     tx.commit().await?;
     Ok(marked)
+}
+
+/// Marks every unpublished row visible now as handed to the polling path, in one transaction (a slot that
+/// may skip some of them: see `pipeline::cdc::bootstrap`). Rows the slot sends again are found handed off.
+/// Tables without polling columns are skipped. Returns how many.
+pub async fn hand_off_unpublished_rows(client: &mut Client, tables: &[OutboxTable]) -> Result<u64> {
+    let tx = client.transaction().await?;
+    tx.batch_execute(WITHOUT_STATEMENT_TIMEOUT).await?;
+    let mut marked = 0;
+    for table in tables.iter().filter(|t| t.polling) {
+        marked += hand_off_unpublished_rows_of(&tx, table).await?;
+    }
+    tx.commit().await?;
+    Ok(marked)
+}
+
+async fn hand_off_unpublished_rows_of(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &OutboxTable,
+) -> Result<u64> {
+    number_rows_without_position(tx, table).await?;
+    Ok(tx
+        .execute(
+            &format!(
+                "UPDATE {} SET handoff_at = now()
+                 WHERE published_at IS NULL AND dead_at IS NULL AND handoff_at IS NULL",
+                table.name.quoted()
+            ),
+            &[],
+        )
+        .await?)
 }
 
 /// The start of `published_at`'s comment that records up to which WAL position rows were marked published
@@ -1525,17 +1546,28 @@ pub async fn replay_dead(
             tx.query(&format!("{base} AND {id} = $1 {returning}"), &[event_id])
                 .await?
         }
-        ReplayFilter::AggregateId(aggregate_id) => {
+        ReplayFilter::Dead(range) => {
+            let at = |time: Option<std::time::SystemTime>| {
+                time.map(|t| humantime::format_rfc3339_micros(t).to_string())
+            };
             tx.query(
                 &format!(
-                    "{base} AND {}::text = $1 {returning}",
-                    table.col(Role::AggregateId)
+                    "{base} AND ($1::text IS NULL OR {aggregate_id}::text = $1)
+                       AND ($2::text IS NULL OR {aggregate_type} = $2)
+                       AND ($3::text IS NULL OR dead_at >= $3::timestamptz)
+                       AND ($4::text IS NULL OR dead_at < $4::timestamptz) {returning}",
+                    aggregate_id = table.col(Role::AggregateId),
+                    aggregate_type = table.text_expr(Role::AggregateType, "''::text"),
                 ),
-                &[aggregate_id],
+                &[
+                    &range.aggregate_id,
+                    &range.aggregate_type,
+                    &at(range.since),
+                    &at(range.until),
+                ],
             )
             .await?
         }
-        ReplayFilter::AllDead => tx.query(&format!("{base} {returning}"), &[]).await?,
     };
     notify_hand_offs(&tx, table, &rows).await?;
     tx.commit().await?;
@@ -1621,8 +1653,19 @@ async fn notify_hand_offs(
 pub enum ReplayFilter {
     /// The dead event with this event id.
     EventId(Uuid),
-    /// Every dead event of this aggregate_id (of any aggregate_type).
-    AggregateId(String),
-    /// Every dead event.
-    AllDead,
+    /// Every dead event `DeadRange` selects.
+    Dead(DeadRange),
+}
+
+/// Dead events by aggregate and by when they were dead-lettered; every field unset selects them all.
+#[derive(Debug, Clone, Default)]
+pub struct DeadRange {
+    /// Of this aggregate id (of any aggregate type unless `aggregate_type` says).
+    pub aggregate_id: Option<String>,
+    /// Of this aggregate type.
+    pub aggregate_type: Option<String>,
+    /// Dead-lettered at or after this time.
+    pub since: Option<std::time::SystemTime>,
+    /// Dead-lettered before this time.
+    pub until: Option<std::time::SystemTime>,
 }

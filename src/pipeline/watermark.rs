@@ -121,8 +121,9 @@ impl Watermark {
     }
 
     /// Like [`Watermark::hold_until`], but replaced by the next call (`Lsn::ZERO`: none): a hold whose
-    /// position is only a bound for now, lowered once the write it stands for is found. Folded into the
-    /// hold on a reconnect (whoever lowered it is gone).
+    /// position is only a bound for now, lowered once the write it stands for is found. Dropped on a
+    /// reconnect: it stands for events met again after the confirmed position, which the server sends
+    /// again, and which are held again when met.
     pub fn provisional_hold(&mut self, position: Lsn) {
         self.provisional = position;
     }
@@ -147,7 +148,6 @@ impl Watermark {
 
     /// Forgets everything in flight (after a reconnect the server re-sends it); keeps the confirmed position.
     pub fn restart(&mut self) {
-        self.hold = self.held_below();
         self.provisional = Lsn::ZERO;
         self.first_id += self.entries.len() as u64;
         self.entries.clear();
@@ -409,26 +409,29 @@ mod tests {
     }
 
     #[test]
-    fn a_provisional_hold_can_be_lowered_and_a_reconnect_keeps_it() {
+    fn a_provisional_hold_can_be_lowered_and_a_reconnect_drops_it() {
         let mut w = Watermark::new(Lsn(100));
-        let t = w.begin();
-        w.event_started(t);
-        w.commit(t, Lsn(200));
-        w.event_finished(t);
+        for end in [200, 300] {
+            let t = w.begin();
+            w.event_started(t);
+            w.commit(t, Lsn(end));
+            w.event_finished(t);
+        }
         w.provisional_hold(Lsn(900));
         w.keepalive(Lsn(500));
         assert_eq!(w.advance(), Lsn(100), "500 is below the provisional hold");
-        assert_eq!(w.unconfirmed_entries(), 1, "held entries merge");
+        assert_eq!(w.unconfirmed_entries(), 1, "three held entries merged");
+        assert_eq!(w.unreported_events(), 2);
         // The write was found to end at 450: the hold is lowered to it.
         w.hold_until(Lsn(450));
         w.provisional_hold(Lsn::ZERO);
         assert_eq!(w.advance(), Lsn(500));
-        // A provisional hold still in place at a reconnect stays, as a hold.
+        // A reconnect drops a provisional hold (what it stands for is sent again), not a hold.
         w.provisional_hold(Lsn(900));
+        w.hold_until(Lsn(700));
         w.restart();
-        w.provisional_hold(Lsn::ZERO);
         assert!(w.holding());
-        w.standbys_flushed(Lsn(900));
+        w.standbys_flushed(Lsn(700));
         assert!(!w.holding());
     }
 

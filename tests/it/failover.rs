@@ -1752,3 +1752,117 @@ async fn the_standbys_a_hold_waits_for_are_the_physical_slots_and_walsenders_the
         "a walsender without a slot that reported no position"
     );
 }
+
+/// A copy of the slot kept by other means than PostgreSQL's slot synchronisation (Patroni's permanent slots,
+/// pg_failover_slots) follows the primary's slot only as far as its standby *replayed*: it can rest between
+/// an event and its hand-off on a standby that lacks the hand-off, whatever outboxd confirms. Staged as
+/// Patroni does it: a plain slot on the primary, a slot of the same name created on the standby and advanced
+/// to the lesser of the primary's confirmed position and the standby's replay position, once the standby has
+/// the events' transaction but (its walsender stopped) not their hand-off. After the promotion, the code
+/// before streamed from the copy and the events were owed to nobody (`timed out after 120s waiting for the
+/// events handed to the polling path on the promoted standby`); now a slot copied from an earlier timeline
+/// that PostgreSQL did not synchronise has every unpublished row handed to the polling path.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_copied_by_other_means_between_an_event_and_its_hand_off_has_the_event_swept() {
+    let Some(pair) = standby_with_hand_off_gate(false).await else {
+        return;
+    };
+    let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
+    primary_client
+        .batch_execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, handoff_at, available_at)
+             VALUES (gen_random_uuid(), 'Order', 'held', 'Waiting', '{}', now(), now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    let address = Address::of(&pair.primary);
+    let (url, brokers) = (address.url("postgres"), pair.broker.addr());
+    let mut args = run_args(&url, &brokers);
+    // As `ProtectedStandby::spawn_outboxd`: a window of 8 hands the blocked aggregate's events off.
+    args.extend([
+        "--reconnect-timeout",
+        "120s",
+        "--max-in-flight-events",
+        "8",
+        "--no-failover-slot",
+    ]);
+    let mut first = Outboxd::spawn(&args);
+    wait_slot_active(primary_client, SLOT).await;
+    // The copy on the standby (creating a logical slot there waits for the primary's next snapshot record).
+    let creating = {
+        let standby = pair.standby.client().await;
+        tokio::spawn(async move {
+            standby
+                .batch_execute("SELECT pg_create_logical_replication_slot('outboxd', 'pgoutput')")
+                .await
+        })
+    };
+    wait_for_async(
+        "the copy to be created on the standby",
+        Duration::from_secs(60),
+        || async {
+            primary_client
+                .batch_execute("SELECT pg_log_standby_snapshot()")
+                .await
+                .unwrap();
+            creating.is_finished().then_some(())
+        },
+    )
+    .await;
+    creating.await.unwrap().unwrap();
+
+    let gate = pair.close_gate().await;
+    let events = insert_orders(primary_client, "held", "Next", 2).await;
+    let committed = current_wal_lsn(primary_client).await;
+    pair.wait_hand_off_at_gate().await;
+    pair.wait_standby_flushed(committed, "the events' transaction")
+        .await;
+    pair.stop_standby_walsender().await;
+    gate.batch_execute("SELECT pg_advisory_unlock(1919, 2929)")
+        .await
+        .unwrap();
+    // Later events move the primary's slot past the hand-off.
+    insert_orders(primary_client, "later", "Placed", 3).await;
+    let past_the_hand_off = current_wal_lsn(primary_client).await;
+    wait_for_async(
+        "the primary's slot to be confirmed past the hand-off",
+        Duration::from_secs(60),
+        || async {
+            (confirmed_flush(primary_client, SLOT).await >= past_the_hand_off).then_some(())
+        },
+    )
+    .await;
+    // Patroni's step: the copy goes to min(the primary's confirmed position, the standby's replay position).
+    let copy: String = standby_client
+        .query_one(
+            "SELECT (pg_replication_slot_advance('outboxd', pg_last_wal_replay_lsn())).end_lsn::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let copy: Lsn = copy.parse().unwrap();
+    assert!(
+        copy >= committed && copy < past_the_hand_off,
+        "the copy at {copy}: past the events ({committed}), before the hand-off"
+    );
+    first.kill();
+
+    pair.fail_over(&address);
+    let mut second = Outboxd::spawn(&args);
+    pair.wait_owed_on_the_promoted_standby(&events, "the events handed to the polling path")
+        .await;
+    wait_for(
+        "the copy to be recognised in the log",
+        Duration::from_secs(30),
+        || {
+            second
+                .log_text()
+                .contains(
+                    "copied from an earlier timeline without PostgreSQL's slot synchronisation",
+                )
+                .then_some(())
+        },
+    );
+    second.kill();
+}

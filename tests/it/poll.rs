@@ -421,6 +421,35 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         "a published event is not dead"
     );
 
+    // A range or aggregate type that leaves it out re-queues nothing; a range does not narrow --event-id.
+    for narrowed in [
+        ["--aggregate-type", "Invoice"],
+        ["--until", "2000-01-01T00:00:00Z"],
+    ] {
+        let mut args = vec!["replay", "--database-url", url.as_str(), "--all-dead"];
+        args.extend(narrowed);
+        let replay = run_outboxd(&args);
+        assert!(
+            String::from_utf8_lossy(&replay.stdout).contains("re-queued 0"),
+            "{narrowed:?}: {}",
+            stderr_of(&replay)
+        );
+    }
+    let misused = run_outboxd(&[
+        "replay",
+        "--database-url",
+        &url,
+        "--event-id",
+        &poison.to_string(),
+        "--since",
+        "2h",
+    ]);
+    assert!(
+        !misused.status.success() && stderr_of(&misused).contains("not --event-id"),
+        "{}",
+        stderr_of(&misused)
+    );
+
     // Each replay re-queues it with its attempts reset: it is tried again (it is still too large) and
     // dead-lettered again at once, with a new record.
     let mut last_dead_at = dead_at;
@@ -428,7 +457,7 @@ async fn poison_event_is_dead_lettered(mode: &str) {
     let selectors = [
         ["--event-id", poison_id.as_str()],
         ["--aggregate-id", "A"],
-        ["--all-dead", ""],
+        ["--all-dead", "--since=1h"],
     ];
     for (n, selector) in selectors.iter().enumerate() {
         let mut replay_args = vec!["replay", "--database-url", url.as_str()];

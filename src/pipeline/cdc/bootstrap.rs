@@ -75,10 +75,11 @@ impl<K: Sinks> CdcPipeline<K> {
         // a later timeline since (the server is an old primary). A slot that does not fit is
         // dropped and a new slot hands the unpublished rows to the polling path; without polling columns
         // nothing could cover it, and outboxd stops, naming why.
+        let synced = existing.as_ref().is_some_and(|s| s.synced == Some(true));
+        let marked = slot_position.is_some()
+            && identity.timeline > 1
+            && slot::marked_on_timeline(&sql, &db.slot, identity.timeline).await?;
         if let Some(position) = slot_position {
-            let synced = existing.as_ref().is_some_and(|s| s.synced == Some(true));
-            let marked = identity.timeline > 1
-                && slot::marked_on_timeline(&sql, &db.slot, identity.timeline).await?;
             let moved_on = match &change {
                 // A server behind the timeline this process streamed on (an old primary, reached again
                 // before it was fenced) is off the slot's history whatever outboxd once marked there.
@@ -123,6 +124,21 @@ impl<K: Sinks> CdcPipeline<K> {
                     }
                 }
             }
+        }
+        // A slot on a timeline after the first that outboxd never streamed from there, and that PostgreSQL did
+        // not synchronise, was copied from an earlier timeline by other means (Patroni's permanent slots,
+        // pg_failover_slots, a file-level copy). Such tools move a copy as far as their standby replayed, so
+        // it may rest between an event and its hand-off on a standby that lacks the hand-off: that event is
+        // owed to nobody. Every unpublished row goes to the polling path (those the slot sends again are
+        // found handed off and skipped by the stream).
+        if slot_position.is_some() && identity.timeline > 1 && !marked && !synced {
+            let handed_off = outbox::hand_off_unpublished_rows(&mut sql, &db.tables).await?;
+            tracing::warn!(
+                slot = %db.slot,
+                timeline = identity.timeline,
+                handed_off_to_polling = handed_off,
+                "the replication slot was copied from an earlier timeline without PostgreSQL's slot synchronisation (Patroni, pg_failover_slots, a file copy): such a copy may rest past an event whose hand-off this server lacks, so every unpublished row was handed to the polling path (some are published twice)"
+            );
         }
         if let Some(change) = &change {
             match (change, existing.as_ref(), slot_position) {

@@ -75,22 +75,14 @@ impl EarlierHandOffs {
         met
     }
 
-    /// Whether `key`'s hand-off was decoded already (then [`EarlierHandOffs::found_handed_off`] needs no WAL
-    /// position).
-    pub fn seen(&self, key: &RowKey) -> bool {
-        self.seen.contains_key(key)
-    }
-
-    /// The row of `key` was found handed off; `past_the_hand_off`: the server's WAL position read after that
-    /// (needed only when its hand-off was not decoded yet). Returns the end of its hand-off when it was
-    /// decoded already (nothing below it may be confirmed any more); otherwise the event waits for it under
-    /// a provisional hold.
-    pub fn found_handed_off(&mut self, key: RowKey, past_the_hand_off: Option<Lsn>) -> Option<Lsn> {
-        if let Some(end) = self.seen.get(&key) {
-            return Some(*end);
+    /// The row of `key` was found handed off; `past_the_hand_off`: the server's WAL position read after that.
+    /// Returns the end of its hand-off when it was decoded already (nothing below it may be confirmed any
+    /// more); otherwise the event waits for it under a provisional hold. A decoded end serves one event:
+    /// another of the same id met later waits (the end remembered may be an earlier row's).
+    pub fn found_handed_off(&mut self, key: RowKey, past_the_hand_off: Lsn) -> Option<Lsn> {
+        if let Some(end) = self.seen.remove(&key) {
+            return Some(end);
         }
-        // Without a position to wait for (a caller's mistake) nothing is held: never kept waiting for good.
-        let past_the_hand_off = past_the_hand_off?;
         self.awaiting
             .entry(key)
             .or_default()
@@ -168,28 +160,29 @@ mod tests {
             Lsn(500),
             &buffered(&[key(1), key(2)])
         ));
-        assert!(e.seen(&key(1)));
-        assert!(
-            !e.seen(&key(3)),
-            "only events waiting to be looked up are remembered"
-        );
-        assert_eq!(e.found_handed_off(key(1), None), Some(Lsn(500)));
+        assert_eq!(e.found_handed_off(key(1), Lsn(900)), Some(Lsn(500)));
         assert!(!e.waiting());
+        // Only events waiting to be looked up are remembered.
+        assert_eq!(e.found_handed_off(key(3), Lsn(900)), None);
+        assert!(e.waiting());
         e.looked_up();
-        assert!(!e.seen(&key(2)));
+        assert_eq!(
+            e.found_handed_off(key(2), Lsn(950)),
+            None,
+            "forgotten once looked up"
+        );
     }
 
     #[test]
     fn a_hand_off_still_ahead_lowers_the_provisional_hold_to_its_end_when_it_commits() {
         let mut e = EarlierHandOffs::default();
-        assert_eq!(e.found_handed_off(key(1), Some(Lsn(900))), None);
-        assert_eq!(e.found_handed_off(key(2), Some(Lsn(950))), None);
+        assert_eq!(e.found_handed_off(key(1), Lsn(900)), None);
+        assert_eq!(e.found_handed_off(key(2), Lsn(950)), None);
         assert_eq!(e.provisional_hold(), Lsn(950));
         // A transaction beginning before the WAL positions read ends no wait.
         assert_eq!(e.passed(Lsn(400)), None);
         assert!(e.hand_offs_committed(vec![key(2), key(3)], Lsn(450), &HashSet::new()));
         assert_eq!(e.provisional_hold(), Lsn(900), "key 2's wait ended");
-        assert!(!e.seen(&key(3)), "nothing waits to be looked up");
         assert!(e.hand_offs_committed(vec![key(1)], Lsn(460), &HashSet::new()));
         assert!(!e.waiting());
         assert_eq!(e.provisional_hold(), Lsn::ZERO);
@@ -198,8 +191,8 @@ mod tests {
     #[test]
     fn a_hand_off_without_a_message_ends_its_wait_once_the_stream_passes_the_position_read() {
         let mut e = EarlierHandOffs::default();
-        assert_eq!(e.found_handed_off(key(1), Some(Lsn(900))), None);
-        assert_eq!(e.found_handed_off(key(2), Some(Lsn(700))), None);
+        assert_eq!(e.found_handed_off(key(1), Lsn(900)), None);
+        assert_eq!(e.found_handed_off(key(2), Lsn(700)), None);
         assert_eq!(e.passed(Lsn(699)), None);
         assert_eq!(e.passed(Lsn(899)), Some(Lsn(700)));
         assert_eq!(e.provisional_hold(), Lsn(900));
@@ -210,8 +203,8 @@ mod tests {
     #[test]
     fn an_event_id_met_in_two_transactions_waits_twice() {
         let mut e = EarlierHandOffs::default();
-        assert_eq!(e.found_handed_off(key(1), Some(Lsn(900))), None);
-        assert_eq!(e.found_handed_off(key(1), Some(Lsn(1_200))), None);
+        assert_eq!(e.found_handed_off(key(1), Lsn(900)), None);
+        assert_eq!(e.found_handed_off(key(1), Lsn(1_200)), None);
         assert!(e.hand_offs_committed(vec![key(1)], Lsn(850), &HashSet::new()));
         assert!(e.waiting(), "the second wait goes on");
         assert_eq!(e.provisional_hold(), Lsn(1_200));
@@ -220,9 +213,16 @@ mod tests {
     }
 
     #[test]
-    fn without_a_position_to_wait_for_an_event_not_seen_is_not_held() {
+    fn a_hand_off_end_remembered_serves_one_event_of_its_id() {
         let mut e = EarlierHandOffs::default();
-        assert_eq!(e.found_handed_off(key(1), None), None);
-        assert!(!e.waiting());
+        // Two rows of one event id wait to be looked up; the hand-off of the first was decoded.
+        e.hand_offs_committed(vec![key(1)], Lsn(500), &buffered(&[key(1)]));
+        assert_eq!(e.found_handed_off(key(1), Lsn(900)), Some(Lsn(500)));
+        assert_eq!(
+            e.found_handed_off(key(1), Lsn(900)),
+            None,
+            "the second waits for its own hand-off"
+        );
+        assert_eq!(e.provisional_hold(), Lsn(900));
     }
 }

@@ -1085,12 +1085,13 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
         }
         // Rows handed off before whose hand-off the stream did not pass yet wait for it, or for the WAL
         // position read now (past their hand-offs, which committed before their rows were read).
-        let past_the_hand_offs = if states.iter().any(|(key, state)| {
-            *state == RowState::WaitingInPollingPath && !self.earlier_hand_offs.seen(key)
-        }) {
-            Some(pg::current_wal_position(&self.sql).await?)
+        let past_the_hand_offs = if states
+            .values()
+            .any(|state| *state == RowState::WaitingInPollingPath)
+        {
+            pg::current_wal_position(&self.sql).await?
         } else {
-            None
+            Lsn::ZERO
         };
         let mut marked_covered = 0;
         let mut found_handed_off = 0;
