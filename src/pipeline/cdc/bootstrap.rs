@@ -125,21 +125,6 @@ impl<K: Sinks> CdcPipeline<K> {
                 }
             }
         }
-        // A slot on a timeline after the first that outboxd never streamed from there, and that PostgreSQL did
-        // not synchronise, was copied from an earlier timeline by other means (Patroni's permanent slots,
-        // pg_failover_slots, a file-level copy). Such tools move a copy as far as their standby replayed, so
-        // it may rest between an event and its hand-off on a standby that lacks the hand-off: that event is
-        // owed to nobody. Every unpublished row goes to the polling path (those the slot sends again are
-        // found handed off and skipped by the stream).
-        if slot_position.is_some() && identity.timeline > 1 && !marked && !synced {
-            let handed_off = outbox::hand_off_unpublished_rows(&mut sql, &db.tables).await?;
-            tracing::warn!(
-                slot = %db.slot,
-                timeline = identity.timeline,
-                handed_off_to_polling = handed_off,
-                "the replication slot was copied from an earlier timeline without PostgreSQL's slot synchronisation (Patroni, pg_failover_slots, a file copy): such a copy may rest past an event whose hand-off this server lacks, so every unpublished row was handed to the polling path (some are published twice)"
-            );
-        }
         if let Some(change) = &change {
             match (change, existing.as_ref(), slot_position) {
                 // A promoted standby that kept a copy of the slot (a failover slot, PostgreSQL 17+), within
@@ -166,13 +151,45 @@ impl<K: Sinks> CdcPipeline<K> {
             self.watermark.reset(slot_position.unwrap_or(Lsn::ZERO));
             self.memory.failover_after = None;
         }
+        // A slot on a timeline after the first that outboxd never streamed from there (not this process, not
+        // one that marked it), and that PostgreSQL did not synchronise, was copied from an earlier timeline
+        // by other means (Patroni's permanent slots, pg_failover_slots, a file-level copy). Such tools move a
+        // copy as far as their standby replayed, so it may rest between an event and its hand-off on a
+        // standby that lacked the hand-off: that event is owed to nobody. Every unpublished row goes to the
+        // polling path (those the slot sends again are found handed off and skipped by the stream), and that
+        // hand-off is protected as any other: nothing between the slot and its end is confirmed, and the slot
+        // is not a failover slot until confirmed past it (a copy synchronised from here meanwhile could rest
+        // before it on a standby that lacks it).
+        let swept = if slot_position.is_some()
+            && identity.timeline > 1
+            && !marked
+            && !synced
+            && self.history.as_ref() != Some(&here)
+            && db.tables.iter().any(|t| t.polling)
+        {
+            let handed_off = outbox::hand_off_unpublished_rows(&mut sql, &db.tables).await?;
+            let end = pg::current_wal_position(&sql).await?;
+            tracing::warn!(
+                slot = %db.slot,
+                timeline = identity.timeline,
+                handed_off_to_polling = handed_off,
+                confirming_nothing_before = %end,
+                "the replication slot was copied from an earlier timeline without PostgreSQL's slot synchronisation (Patroni, pg_failover_slots, a file copy): such a copy may rest past an event whose hand-off this server lacks, so every unpublished row was handed to the polling path (some are published twice)"
+            );
+            Some(end)
+        } else {
+            None
+        };
         let conn = match slot_position {
             // The slot belongs to the server's own history: stream from its position (what lies between it
             // and a higher position confirmed before is re-sent and recognised).
             Some(position) => {
                 self.watermark.resume_at(position);
+                if let Some(end) = swept {
+                    self.watermark.hold_until(end);
+                }
                 if let Some(state) = &existing {
-                    self.set_failover(&mut conn, state, version, identity.xlog_position)
+                    self.set_failover(&mut conn, state, version, identity.xlog_position, swept)
                         .await?;
                 }
                 conn
@@ -191,7 +208,7 @@ impl<K: Sinks> CdcPipeline<K> {
         // before anything is confirmed, for a process that starts after this one.
         self.history = Some(here.clone());
         if let Err(error) = slot::mark_on_timeline(&sql, &db.slot, identity.timeline).await {
-            tracing::warn!(%error, slot = %db.slot, timeline = identity.timeline, "could not mark streaming on this timeline (a physical slot that reserves no WAL; max_replication_slots?): a process started later replaces the slot once, handing its unpublished rows to the polling path");
+            tracing::warn!(%error, slot = %db.slot, timeline = identity.timeline, "could not mark streaming on this timeline (a physical slot that reserves no WAL; max_replication_slots?): a process started later cannot tell the slot from a copy made by other means, and hands every unpublished row to the polling path once (duplicates)");
         }
         // Read only now that this session holds the slot: an instance that led before may have handed off
         // rows until it let go of it.
@@ -302,11 +319,28 @@ impl<K: Sinks> CdcPipeline<K> {
         state: &slot::SlotState,
         version: ServerVersion,
         wal_end: Lsn,
+        swept: Option<Lsn>,
     ) -> Result<()> {
         let wanted = self.settings.database.failover_slot;
         let Some(current) = state.failover else {
             return Ok(());
         };
+        // Rows were just handed off (a slot copied by other means): a failover slot only once confirmed past
+        // that hand-off, so one that is already goes back to being a plain slot (PostgreSQL then drops the
+        // copies its standbys synchronised, which could rest before the hand-off).
+        if let Some(end) = swept {
+            if wanted && version.has_failover_slots() {
+                self.memory.failover_after =
+                    Some(self.memory.failover_after.map_or(end, |a| a.max(end)));
+            }
+            if current && !state.active {
+                conn.alter_slot_failover(&state.slot_name, false)
+                    .await
+                    .map_err(replication_error)?;
+                tracing::info!(slot = %state.slot_name, failover_once_confirmed_past = %end, "the replication slot is a plain slot until confirmed past the rows just handed off");
+            }
+            return Ok(());
+        }
         if current == wanted || !version.has_failover_slots() {
             self.memory.failover_after = None;
             return Ok(());
