@@ -130,14 +130,8 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             ..
         } => {
             let range = outboxd::audit::Range {
-                since: since
-                    .as_deref()
-                    .map(|t| point_in_time("--since", t))
-                    .transpose()?,
-                until: until
-                    .as_deref()
-                    .map(|t| point_in_time("--until", t))
-                    .transpose()?,
+                since: optional_point_in_time("--since", since.as_deref())?,
+                until: optional_point_in_time("--until", until.as_deref())?,
                 aggregate_type,
                 heal,
             };
@@ -147,6 +141,13 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
 }
 
 /// `--since` / `--until`: RFC 3339, or an age ("2h": two hours ago).
+fn optional_point_in_time(
+    flag: &str,
+    value: Option<&str>,
+) -> outboxd::Result<Option<std::time::SystemTime>> {
+    value.map(|t| point_in_time(flag, t)).transpose()
+}
+
 fn point_in_time(flag: &str, value: &str) -> outboxd::Result<std::time::SystemTime> {
     if let Ok(at) = humantime::parse_rfc3339_weak(value) {
         return Ok(at);
@@ -281,14 +282,8 @@ fn dead_range(
     Ok(DeadRange {
         aggregate_id,
         aggregate_type,
-        since: since
-            .as_deref()
-            .map(|t| point_in_time("--since", t))
-            .transpose()?,
-        until: until
-            .as_deref()
-            .map(|t| point_in_time("--until", t))
-            .transpose()?,
+        since: optional_point_in_time("--since", since.as_deref())?,
+        until: optional_point_in_time("--until", until.as_deref())?,
     })
 }
 
@@ -332,10 +327,7 @@ async fn dead(options: &Options, command: DeadCommand) -> outboxd::Result<ExitCo
             let filter = outboxd::dead::DeadFilter {
                 aggregate_type,
                 aggregate_id,
-                since: since
-                    .as_deref()
-                    .map(|t| point_in_time("--since", t))
-                    .transpose()?,
+                since: optional_point_in_time("--since", since.as_deref())?,
                 limit: limit.max(1),
             };
             let mut events = Vec::new();

@@ -1011,6 +1011,18 @@ impl ProtectedStandby {
         Outboxd::spawn(&args)
     }
 
+    /// An event of aggregate `held` waits in the polling path (a retry an hour away): the CDC path hands the
+    /// aggregate's next events off.
+    async fn hold_in_polling_path(&self) {
+        self.primary_client
+            .batch_execute(
+                "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, handoff_at, available_at)
+                 VALUES (gen_random_uuid(), 'Order', 'held', 'Waiting', '{}', now(), now() + interval '1 hour')",
+            )
+            .await
+            .unwrap();
+    }
+
     /// Closes the gate: hand-offs wait until the returned session opens it (or ends).
     async fn close_gate(&self) -> tokio_postgres::Client {
         let gate = self.primary.client().await;
@@ -1111,13 +1123,7 @@ async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_even
         return;
     };
     let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
-    primary_client
-        .batch_execute(
-            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, handoff_at, available_at)
-             VALUES (gen_random_uuid(), 'Order', 'held', 'Waiting', '{}', now(), now() + interval '1 hour')",
-        )
-        .await
-        .unwrap();
+    pair.hold_in_polling_path().await;
     let address = Address::of(&pair.primary);
     let mut outboxd = pair.spawn_outboxd(&address);
     wait_slot_active(primary_client, SLOT).await;
@@ -1593,11 +1599,10 @@ async fn a_process_that_meets_events_handed_off_before_it_keeps_the_copy_of_the_
         return;
     };
     let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
+    pair.hold_in_polling_path().await;
     primary_client
         .batch_execute(
-            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, handoff_at, available_at)
-             VALUES (gen_random_uuid(), 'Order', 'held', 'Waiting', '{}', now(), now() + interval '1 hour');
-             CREATE FUNCTION hold_marks() RETURNS trigger LANGUAGE plpgsql AS
+            "CREATE FUNCTION hold_marks() RETURNS trigger LANGUAGE plpgsql AS
                $$ BEGIN PERFORM pg_advisory_xact_lock_shared(1919, 3939); RETURN NEW; END $$;
              CREATE TRIGGER hold_marks BEFORE UPDATE ON outbox_event FOR EACH ROW
                WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL AND NEW.aggregate_id = 'later')
@@ -1768,13 +1773,7 @@ async fn a_slot_copied_by_other_means_between_an_event_and_its_hand_off_has_the_
         return;
     };
     let (primary_client, standby_client) = (&pair.primary_client, &pair.standby_client);
-    primary_client
-        .batch_execute(
-            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, handoff_at, available_at)
-             VALUES (gen_random_uuid(), 'Order', 'held', 'Waiting', '{}', now(), now() + interval '1 hour')",
-        )
-        .await
-        .unwrap();
+    pair.hold_in_polling_path().await;
     let address = Address::of(&pair.primary);
     let (url, brokers) = (address.url("postgres"), pair.broker.addr());
     let mut args = run_args(&url, &brokers);
