@@ -166,6 +166,8 @@ impl<K: Sinks> CdcPipeline<K> {
             && !synced
             && self.history.as_ref() != Some(&here)
             && db.tables.iter().any(|t| t.polling)
+            // Another walsender streams from it: START_REPLICATION fails below, and a later try sweeps.
+            && !existing.as_ref().is_some_and(|s| s.active)
         {
             let handed_off = outbox::hand_off_unpublished_rows(&mut sql, &db.tables).await?;
             let end = pg::current_wal_position(&sql).await?;
