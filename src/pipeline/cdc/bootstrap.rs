@@ -14,7 +14,9 @@ use crate::config::RunSettings;
 use crate::error::{replication_error, Error, Result};
 use crate::lsn::Lsn;
 use crate::pg::outbox::{self, OutboxSql};
-use crate::pg::replication::{ReplicationConnection, ReplicationStream, SystemIdentity};
+use crate::pg::replication::{
+    ReplicationConnection, ReplicationError, ReplicationStream, SystemIdentity,
+};
 use crate::pg::version::ServerVersion;
 use crate::pg::{self, slot};
 use crate::pipeline::history::{self, HistoryChange, Reached, ServerHistory, SlotOnTimeline};
@@ -160,15 +162,23 @@ impl<K: Sinks> CdcPipeline<K> {
         // hand-off is protected as any other: nothing between the slot and its end is confirmed, and the slot
         // is not a failover slot until confirmed past it (a copy synchronised from here meanwhile could rest
         // before it on a standby that lacks it).
-        let swept = if slot_position.is_some()
+        let copied = slot_position.is_some()
             && identity.timeline > 1
             && !marked
             && !synced
             && self.history.as_ref() != Some(&here)
-            && db.tables.iter().any(|t| t.polling)
-            // Another walsender streams from it: START_REPLICATION fails below, and a later try sweeps.
-            && !existing.as_ref().is_some_and(|s| s.active)
-        {
+            && db.tables.iter().any(|t| t.polling);
+        // Another process holds it (a tool advancing the copy, a client): nothing is swept or streamed until
+        // it lets go, retried as a busy slot is (streaming first and sweeping never would lose the event).
+        if copied && existing.as_ref().is_some_and(|s| s.active) {
+            return Err(Error::Replication(ReplicationError::Server {
+                severity: "ERROR".into(),
+                code: "55006".into(),
+                message: format!("replication slot \"{}\" is active: it was copied from an earlier timeline by other means, and outboxd hands its unpublished rows to the polling path before streaming from it", db.slot),
+                detail: None,
+            }));
+        }
+        let swept = if copied {
             let handed_off = outbox::hand_off_unpublished_rows(&mut sql, &db.tables).await?;
             let end = pg::current_wal_position(&sql).await?;
             tracing::warn!(
@@ -210,7 +220,7 @@ impl<K: Sinks> CdcPipeline<K> {
         // before anything is confirmed, for a process that starts after this one.
         self.history = Some(here.clone());
         if let Err(error) = slot::mark_on_timeline(&sql, &db.slot, identity.timeline).await {
-            tracing::warn!(%error, slot = %db.slot, timeline = identity.timeline, "could not mark streaming on this timeline (a physical slot that reserves no WAL; max_replication_slots?): a process started later cannot tell the slot from a copy made by other means, and hands every unpublished row to the polling path once (duplicates)");
+            tracing::warn!(%error, slot = %db.slot, timeline = identity.timeline, "could not mark streaming on this timeline (a physical slot that reserves no WAL; max_replication_slots?): each process started later cannot tell the slot from a copy made by other means, and hands every unpublished row to the polling path at its start (duplicates)");
         }
         // Read only now that this session holds the slot: an instance that led before may have handed off
         // rows until it let go of it.
