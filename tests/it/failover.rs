@@ -1023,6 +1023,21 @@ impl ProtectedStandby {
             .unwrap();
     }
 
+    /// Two events of aggregate `held` (see [`ProtectedStandby::hold_in_polling_path`]) whose hand-off waits
+    /// at the closed gate until their transaction is on the standby, whose walsender is then stopped: the
+    /// standby will lack the hand-off. Returns the gate's session (open it to let the hand-off commit), the
+    /// events and a position past their transaction.
+    async fn hand_off_the_standby_lacks(&self) -> (tokio_postgres::Client, Vec<uuid::Uuid>, Lsn) {
+        let gate = self.close_gate().await;
+        let events = insert_orders(&self.primary_client, "held", "Next", 2).await;
+        let committed = current_wal_lsn(&self.primary_client).await;
+        self.wait_hand_off_at_gate().await;
+        self.wait_standby_flushed(committed, "the events' transaction")
+            .await;
+        self.stop_standby_walsender().await;
+        (gate, events, committed)
+    }
+
     /// Closes the gate: hand-offs wait until the returned session opens it (or ends).
     async fn close_gate(&self) -> tokio_postgres::Client {
         let gate = self.primary.client().await;
@@ -1129,13 +1144,7 @@ async fn a_hand_off_the_standby_lacks_keeps_the_copy_of_the_slot_behind_its_even
     wait_slot_active(primary_client, SLOT).await;
     wait_synced_copy(standby_client).await;
 
-    let gate = pair.close_gate().await;
-    let events = insert_orders(primary_client, "held", "Next", 2).await;
-    let committed = current_wal_lsn(primary_client).await;
-    pair.wait_hand_off_at_gate().await;
-    pair.wait_standby_flushed(committed, "the events' transaction")
-        .await;
-    pair.stop_standby_walsender().await;
+    let (gate, events, committed) = pair.hand_off_the_standby_lacks().await;
     const HOLDING: &str =
         "hand-offs written: confirming nothing before the stream passes their end";
     let holds_before = outboxd.log_text().matches(HOLDING).count();
@@ -1615,13 +1624,7 @@ async fn a_process_that_meets_events_handed_off_before_it_keeps_the_copy_of_the_
     wait_slot_active(primary_client, SLOT).await;
     wait_synced_copy(standby_client).await;
 
-    let gate = pair.close_gate().await;
-    let events = insert_orders(primary_client, "held", "Next", 2).await;
-    let committed = current_wal_lsn(primary_client).await;
-    pair.wait_hand_off_at_gate().await;
-    pair.wait_standby_flushed(committed, "the events' transaction")
-        .await;
-    pair.stop_standby_walsender().await;
+    let (gate, events, committed) = pair.hand_off_the_standby_lacks().await;
     let walsender = slot_walsender(primary_client, SLOT)
         .await
         .expect("outboxd's walsender");
@@ -1812,13 +1815,7 @@ async fn a_slot_copied_by_other_means_between_an_event_and_its_hand_off_has_the_
     .await;
     creating.await.unwrap().unwrap();
 
-    let gate = pair.close_gate().await;
-    let events = insert_orders(primary_client, "held", "Next", 2).await;
-    let committed = current_wal_lsn(primary_client).await;
-    pair.wait_hand_off_at_gate().await;
-    pair.wait_standby_flushed(committed, "the events' transaction")
-        .await;
-    pair.stop_standby_walsender().await;
+    let (gate, events, committed) = pair.hand_off_the_standby_lacks().await;
     gate.batch_execute("SELECT pg_advisory_unlock(1919, 2929)")
         .await
         .unwrap();
