@@ -101,6 +101,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 applied += 1;
             }
             Consumed::Duplicate => duplicates += 1,
+            // Only with `Inbox::with_retention` and `record_created_at`: an event older than the inbox keeps.
+            Consumed::BeyondRetention => {
+                eprintln!(
+                    "event {event_id} is older than the inbox's retention: not applied, reported"
+                );
+            }
         }
         tx.commit().await?;
         // Only now: a crash before this line re-delivers the record, and the inbox absorbs it.

@@ -140,3 +140,82 @@ async fn the_example_consumer_applies_each_effect_once_through_duplicates_and_ki
         "the last run saw no duplicate: the inbox was not exercised ({summary})"
     );
 }
+
+async fn record(
+    client: &mut tokio_postgres::Client,
+    inbox: &outboxd::inbox::Inbox,
+    event_id: uuid::Uuid,
+    age: Duration,
+) -> outboxd::inbox::Consumed {
+    let tx = client.transaction().await.unwrap();
+    let consumed = inbox
+        .record_created_at(&tx, event_id, std::time::SystemTime::now() - age)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    consumed
+}
+
+/// An inbox with a retention: `prune` deletes rows consumed longer ago than it, and an event re-read after
+/// its row was pruned is told apart (`BeyondRetention`, nothing recorded), never applied as new; an event
+/// within the retention is recorded as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_re_read_after_its_inbox_row_expired_is_reported_not_applied_again() {
+    use outboxd::inbox::{Consumed, Inbox};
+    let pg = Postgres::start();
+    migrate(&pg);
+    let mut client = pg.client().await;
+    let inbox = Inbox::new("inventory").with_retention(Duration::from_secs(3600));
+    let old = uuid::Uuid::new_v4();
+    assert_eq!(
+        record(&mut client, &inbox, old, Duration::from_secs(60)).await,
+        Consumed::Applied
+    );
+    assert_eq!(
+        record(&mut client, &inbox, old, Duration::from_secs(60)).await,
+        Consumed::Duplicate
+    );
+    assert_eq!(
+        inbox.prune(&client, 1000).await.unwrap(),
+        0,
+        "consumed a minute ago"
+    );
+    // Two hours pass (the row is made two hours old).
+    client
+        .execute(
+            "UPDATE consumed_event SET consumed_at = now() - interval '2 hours' WHERE event_id = $1",
+            &[&old],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        record(&mut client, &inbox, old, Duration::from_secs(7260)).await,
+        Consumed::Duplicate,
+        "its row is still there: a duplicate"
+    );
+    assert_eq!(inbox.prune(&client, 1000).await.unwrap(), 1);
+    assert_eq!(
+        record(&mut client, &inbox, old, Duration::from_secs(7260)).await,
+        Consumed::BeyondRetention,
+        "re-read after its row expired"
+    );
+    let held: i64 = client
+        .query_one(
+            "SELECT count(*) FROM consumed_event WHERE event_id = $1",
+            &[&old],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(held, 0, "nothing recorded for it");
+    let new = uuid::Uuid::new_v4();
+    assert_eq!(
+        record(&mut client, &inbox, new, Duration::from_secs(5)).await,
+        Consumed::Applied
+    );
+    assert_eq!(
+        Inbox::new("other").prune(&client, 1000).await.unwrap(),
+        0,
+        "without a retention nothing is pruned"
+    );
+}
