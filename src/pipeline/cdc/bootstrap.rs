@@ -345,7 +345,8 @@ impl<K: Sinks> CdcPipeline<K> {
                 self.memory.failover_after =
                     Some(self.memory.failover_after.map_or(end, |a| a.max(end)));
             }
-            if current && !state.active {
+            // Not held by another walsender: a copied slot that is held is not swept (see `bootstrap`).
+            if current {
                 conn.alter_slot_failover(&state.slot_name, false)
                     .await
                     .map_err(replication_error)?;
