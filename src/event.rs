@@ -86,6 +86,9 @@ pub struct OutboxEvent {
     pub created_at: Option<Text>,
     /// `--header-column` values that are not NULL, as (header name, text).
     pub headers: Vec<(Arc<str>, Text)>,
+    /// The replay (or heal) that republishes this event, if one does: its records carry it in the
+    /// [`REPLAY_HEADER`](crate::record::REPLAY_HEADER) header. Set only by the polling path.
+    pub replay: Option<Text>,
 }
 
 impl OutboxEvent {
@@ -97,6 +100,7 @@ impl OutboxEvent {
             + self.event_type.as_ref().map_or(0, |t| t.len())
             + self.payload.as_ref().map_or(0, Bytes::len)
             + self.created_at.as_ref().map_or(0, |t| t.len())
+            + self.replay.as_ref().map_or(0, |t| t.len())
             + self
                 .headers
                 .iter()
@@ -319,6 +323,7 @@ impl RowMapping {
             payload,
             created_at: text(Role::CreatedAt)?.map(|t| Text::from(to_rfc3339(&t))),
             headers,
+            replay: None,
         })
     }
 }

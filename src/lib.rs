@@ -20,6 +20,7 @@ pub mod pg;
 pub mod pipeline;
 pub mod progress;
 pub mod record;
+pub mod replay;
 pub mod retention;
 pub mod sink;
 pub mod stats;

@@ -87,11 +87,43 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             event_id,
             aggregate_id,
             all_dead,
+            published,
             aggregate_type,
             since,
             until,
+            event_type,
+            predicate,
+            to_topic,
+            rate,
+            resume,
             ..
         } => {
+            if published || resume.is_some() {
+                let plan = outboxd::replay::Plan {
+                    since: optional_point_in_time("--since", since.as_deref())?,
+                    until: optional_point_in_time("--until", until.as_deref())?,
+                    aggregate_type,
+                    aggregate_id,
+                    event_type,
+                    predicate,
+                    to_topic,
+                    rate,
+                };
+                return replay_published(&options, plan, published, resume, event_id, all_dead)
+                    .await;
+            }
+            let time_travel_only = [
+                ("--event-type", event_type.is_some()),
+                ("--where", predicate.is_some()),
+                ("--to-topic", to_topic.is_some()),
+                ("--rate", rate.is_some()),
+            ];
+            if let Some((flag, _)) = time_travel_only.iter().find(|(_, given)| *given) {
+                return Err(outboxd::config::ConfigError::Invalid(format!(
+                    "{flag} selects events already published: add --published (dead events are replayed with --event-id, --aggregate-id or --all-dead)"
+                ))
+                .into());
+            }
             let narrowed = [&aggregate_type, &since, &until]
                 .iter()
                 .any(|flag| flag.is_some());
@@ -105,7 +137,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                     dead_range(aggregate_id, aggregate_type, since, until).map(ReplayFilter::Dead)
                 }
                 _ => Err(outboxd::config::ConfigError::Invalid(
-                    "replay needs one of --event-id ID, --aggregate-id ID or --all-dead".into(),
+                    "replay needs one of --event-id ID, --aggregate-id ID or --all-dead (dead events), or --published (events already published)".into(),
                 )
                 .into()),
             };
@@ -296,6 +328,64 @@ async fn replay(options: &Options, filter: &ReplayFilter) -> outboxd::Result<Exi
         count += pg::outbox::replay_dead(&mut client, table, filter).await?;
     }
     println!("re-queued {count} dead event(s)");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outboxd replay --published` (or `--resume`): prints the replay's id first (for `--resume`), then what
+/// it republished.
+async fn replay_published(
+    options: &Options,
+    plan: outboxd::replay::Plan,
+    published: bool,
+    resume: Option<String>,
+    event_id: Option<uuid::Uuid>,
+    all_dead: bool,
+) -> outboxd::Result<ExitCode> {
+    let invalid = |message: &str| -> outboxd::Result<ExitCode> {
+        Err(outboxd::config::ConfigError::Invalid(message.into()).into())
+    };
+    if event_id.is_some() || all_dead {
+        return invalid("--event-id and --all-dead replay dead events; --published replays events already published: give one or the other");
+    }
+    if plan
+        .rate
+        .is_some_and(|rate| !(rate > 0.0 && rate.is_finite()))
+    {
+        return invalid("--rate must be a number of events per second above 0");
+    }
+    if plan.to_topic.as_deref().is_some_and(str::is_empty) {
+        return invalid("--to-topic needs a topic name");
+    }
+    let plan = match (&resume, published) {
+        (Some(_), true) => {
+            return invalid("--resume goes on with a replay as it was started: give it without --published and the selection flags")
+        }
+        (Some(_), false) if plan != outboxd::replay::Plan::default() => {
+            return invalid("--resume goes on with a replay as it was started: give it without the selection flags")
+        }
+        (Some(_), false) => None,
+        (None, _) => Some(plan),
+    };
+    let database = options.database()?;
+    // Kafka's settings only where the replay produces itself (to another topic), or may (a resumed one).
+    let kafka = match &plan {
+        Some(plan) if plan.to_topic.is_none() => None,
+        Some(_) => Some(options.run()?),
+        None => options.run().ok(),
+    };
+    let replay_id = match resume {
+        Some(id) => id,
+        None => {
+            let id = outboxd::replay::new_replay_id(std::time::SystemTime::now());
+            println!("replay {id} started (if it is interrupted: outboxd replay --resume {id})");
+            id
+        }
+    };
+    let outcome = outboxd::replay::replay(database, kafka, plan, replay_id).await?;
+    println!(
+        "replay {}: {} event(s) selected, {} republished",
+        outcome.replay_id, outcome.selected, outcome.republished
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -54,6 +54,10 @@ const SPEC_VERSION: &str = "1.0";
 /// `type` for an event whose row has neither an event type nor an aggregate type.
 const FALLBACK_TYPE: &str = "outboxd.event";
 
+/// The header of a record that republishes an event already published (`outboxd replay --published`, or
+/// `outboxd audit --heal`): the replay's id, in every format, so that consumers and `audit` can tell.
+pub const REPLAY_HEADER: &str = "outboxd-replay";
+
 impl RecordFormat {
     /// The headers and value of `event`'s record. `event_id_header` names outboxd's event id header
     /// (`event_id`, or `id` for Debezium-style tables); `error` adds an `error` header (dead letters).
@@ -72,6 +76,9 @@ impl RecordFormat {
             parts
                 .headers
                 .push((Cow::Borrowed("error"), Cow::Borrowed(error.as_bytes())));
+        }
+        if let Some(replay) = &event.replay {
+            parts.headers.push(header(REPLAY_HEADER, replay));
         }
         parts
     }
@@ -338,6 +345,7 @@ mod tests {
             payload: Some(bytes::Bytes::from_static(br#"{"total": 12}"#)),
             created_at: Some("2026-12-03T07:00:00.123456Z".into()),
             headers: vec![(Arc::from("traceparent"), "00-abc-def-01".into())],
+            replay: None,
         }
     }
 
@@ -392,6 +400,28 @@ mod tests {
             ])
         );
         assert_eq!(parts.value.as_deref(), Some(&br#"{"total": 12}"#[..]));
+    }
+
+    #[test]
+    fn a_republished_event_carries_its_replay_in_every_format() {
+        let replayed = OutboxEvent {
+            replay: Some("r-1".into()),
+            ..event()
+        };
+        for format in [
+            RecordFormat::Outboxd,
+            cloudevents(ContentMode::Binary),
+            cloudevents(ContentMode::Structured),
+        ] {
+            let parts = record(&format, PayloadType::Json, &replayed);
+            assert!(
+                headers(&parts).contains(&(REPLAY_HEADER.into(), "r-1".into())),
+                "{format:?}"
+            );
+        }
+        let original = event();
+        let live = record(&RecordFormat::Outboxd, PayloadType::Json, &original);
+        assert!(!headers(&live).iter().any(|(k, _)| k == REPLAY_HEADER));
     }
 
     #[test]

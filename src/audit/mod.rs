@@ -110,16 +110,20 @@ pub async fn audit(
     };
     compare(&sql, &db.tables, &mut summary, &mut report).await?;
     if range.heal {
+        let heal_id = format!(
+            "heal-{}",
+            humantime::format_rfc3339_seconds(SystemTime::now())
+        );
         for (index, table) in db.tables.iter().enumerate() {
-            summary.healed += heal(&mut sql, index, table).await?;
+            summary.healed += heal(&mut sql, index, table, &heal_id).await?;
         }
     }
     Ok(summary)
 }
 
 /// Hands the missing events of `table` (not the expired ones) back to the polling path, 1,000 per
-/// transaction; returns how many.
-async fn heal(sql: &mut Client, index: usize, table: &OutboxTable) -> Result<u64> {
+/// transaction, under `heal_id` (their records carry it in the `outboxd-replay` header); returns how many.
+async fn heal(sql: &mut Client, index: usize, table: &OutboxTable, heal_id: &str) -> Result<u64> {
     let index = index as i32;
     let mut healed = 0;
     loop {
@@ -137,7 +141,7 @@ async fn heal(sql: &mut Client, index: usize, table: &OutboxTable) -> Result<u64
         if ids.is_empty() {
             break;
         }
-        healed += crate::pg::outbox::hand_back_published(sql, table, &ids).await?;
+        healed += crate::pg::outbox::hand_back_published(sql, table, &ids, heal_id, false).await?;
     }
     if healed > 0 {
         tracing::info!(table = %table.name, events = healed, "handed the missing events back to the polling path: outboxd publishes them again, each after its aggregate's earlier unpublished events");
@@ -152,7 +156,7 @@ async fn create_scratch_tables(sql: &Client) -> Result<()> {
              event_type text, position bigint, published_at timestamptz NOT NULL, topic text);
          CREATE TEMP TABLE outboxd_audit_record (
              topic text NOT NULL, partition int NOT NULL, \"offset\" bigint NOT NULL, key text,
-             event_id uuid, ts timestamptz, wrong_partition bool NOT NULL);
+             event_id uuid, ts timestamptz, wrong_partition bool NOT NULL, replay_id text);
          CREATE TEMP TABLE outboxd_audit_topic (
              topic text PRIMARY KEY, partitions int NOT NULL, retention_ms bigint);",
     )
@@ -337,7 +341,7 @@ async fn read_topic(
     let event_id_header = settings.database.style.event_id_header();
     let sink = sql
         .copy_in(
-            "COPY outboxd_audit_record (topic, partition, \"offset\", key, event_id, ts, wrong_partition)
+            "COPY outboxd_audit_record (topic, partition, \"offset\", key, event_id, ts, wrong_partition, replay_id)
              FROM STDIN BINARY",
         )
         .await?;
@@ -351,6 +355,7 @@ async fn read_topic(
             Type::UUID,
             Type::TIMESTAMPTZ,
             Type::BOOL,
+            Type::TEXT,
         ],
     );
     let mut writer = std::pin::pin!(writer);
@@ -389,6 +394,7 @@ async fn read_topic(
             .key()
             .is_some_and(|k| partitioner::partition_of(k, partitions) != partition);
         let event_id = event_id_of(&message, event_id_header);
+        let replay_id = header_text(&message, crate::record::REPLAY_HEADER);
         let ts = message
             .timestamp()
             .to_millis()
@@ -404,6 +410,7 @@ async fn read_topic(
                 &event_id,
                 &ts,
                 &wrong_partition,
+                &replay_id,
             ])
             .await?;
         read += 1;
@@ -415,6 +422,16 @@ async fn read_topic(
     writer.finish().await?;
     tracing::info!(topic, records = read, "read the topic");
     Ok(read)
+}
+
+/// The text of header `name`, if the record has it.
+fn header_text<M: Message>(message: &M, name: &str) -> Option<String> {
+    message
+        .headers()?
+        .iter()
+        .find(|header| header.key == name)
+        .and_then(|header| header.value)
+        .map(|value| String::from_utf8_lossy(value).into_owned())
 }
 
 /// The event id a record carries: outboxd's header (by `--table-style`), a CloudEvent's `ce_id` header, or
@@ -488,10 +505,16 @@ async fn compare(
         .checked
         .saturating_sub(summary.missing + summary.expired);
 
+    summary.replayed = count(
+        sql,
+        "SELECT count(*) FROM outboxd_audit_record WHERE replay_id IS NOT NULL",
+    )
+    .await?;
     let duplicated = sql
         .query(
             "SELECT r.event_id, count(*) FROM outboxd_audit_record r
              JOIN outboxd_audit_expected e USING (event_id)
+             WHERE r.replay_id IS NULL
              GROUP BY r.event_id HAVING count(*) > 1",
             &[],
         )
@@ -552,14 +575,14 @@ async fn compare(
         })?;
     }
 
-    // Each event's first copy on its own topic, in offset order per partition and key; an event is reordered
-    // when an event of its aggregate inserted after it came before it.
+    // Each event's first copy on its own topic (republished copies aside), in offset order per partition and key; an
+    // event is reordered when an event of its aggregate inserted after it came before it.
     let reordered = sql
         .query(
             "WITH firsts AS (
                  SELECT DISTINCT ON (r.event_id) r.event_id, r.topic, r.partition, r.\"offset\", r.key, e.position
                  FROM outboxd_audit_record r JOIN outboxd_audit_expected e USING (event_id)
-                 WHERE r.topic = e.topic AND e.position IS NOT NULL
+                 WHERE r.topic = e.topic AND e.position IS NOT NULL AND r.replay_id IS NULL
                  ORDER BY r.event_id, r.\"offset\"),
              ordered AS (
                  SELECT *, max(position) OVER (PARTITION BY topic, partition, key ORDER BY \"offset\"

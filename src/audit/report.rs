@@ -69,6 +69,10 @@ pub struct Summary {
     /// Records of an event id no row has, within the table's span (another producer, or a row deleted by
     /// hand).
     pub unexplained_foreign: u64,
+    /// Records that republish an event (an `outboxd-replay` header: `outboxd replay --published` to the live
+    /// topic, or `--heal`): no duplicates, and not in the order check (a republished event comes after its
+    /// aggregate's later ones by design).
+    pub replayed: u64,
     /// Topics and records read.
     pub topics: u64,
     /// Records read.
@@ -126,6 +130,7 @@ impl Summary {
             (self.missing, "MISSING: published, but no topic holds them (their event ids: --details FILE)"),
             (self.expired, "expired: published before their topic's retention.ms could keep them"),
             (self.duplicated, "duplicated (at least once delivery: consumers dedupe by event id)"),
+            (self.replayed, "republished records (an outboxd-replay header: a replay or a heal), not counted as duplicates or in the order check"),
             (self.misplaced, "MISPLACED: on another topic, or on another partition than their key hashes to"),
             (self.reordered, "REORDERED: after a later event of their aggregate"),
             (self.unexplained_without_id, "UNEXPLAINED records without an event id (another producer writes to the topic)"),

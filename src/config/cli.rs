@@ -34,28 +34,52 @@ pub enum Command {
     Run(Options),
     /// Re-queue dead-lettered events (they are retried from scratch by the polling path).
     Replay {
-        /// Every option; replay needs only the database ones.
+        /// Every option; a replay to the live topic needs only the database ones, `--to-topic` the Kafka ones
+        /// too.
         #[command(flatten)]
         options: Options,
         /// Re-queue this dead event.
         #[arg(long, group = "which")]
         event_id: Option<uuid::Uuid>,
-        /// Re-queue every dead event of this aggregate.
+        /// Re-queue every dead event of this aggregate (with --published: replay this aggregate's events).
         #[arg(long, group = "which")]
         aggregate_id: Option<String>,
         /// Re-queue every dead event.
         #[arg(long, group = "which")]
         all_dead: bool,
-        /// With --all-dead or --aggregate-id: only events of this aggregate type.
+        /// Replay events already published (time travel), selected by --since, --until, --aggregate-type,
+        /// --aggregate-id, --event-type and --where: to the live topics through the per-aggregate gate, or
+        /// to --to-topic. Each record carries an `outboxd-replay: <replay id>` header.
+        #[arg(long)]
+        published: bool,
+        /// Only events of this aggregate type.
         #[arg(long)]
         aggregate_type: Option<String>,
-        /// With --all-dead or --aggregate-id: only events dead-lettered at or after this time, RFC 3339
+        /// Only events created (dead events: dead-lettered) at or after this time, RFC 3339
         /// (2026-12-01T00:00:00Z) or an age (2h, 7d).
         #[arg(long)]
         since: Option<String>,
-        /// With --all-dead or --aggregate-id: only events dead-lettered before this time, RFC 3339 or an age.
+        /// Only events created (dead events: dead-lettered) before this time, RFC 3339 or an age; a replay of
+        /// published events stops at its start when not given.
         #[arg(long)]
         until: Option<String>,
+        /// With --published: only events of this event type.
+        #[arg(long)]
+        event_type: Option<String>,
+        /// With --published: only events this SQL condition over the outbox table's columns holds for
+        /// (evaluated by PostgreSQL in a read-only transaction), e.g. "payload->>'currency' = 'EUR'".
+        #[arg(long = "where", value_name = "SQL")]
+        predicate: Option<String>,
+        /// With --published: produce the events to this topic (a new consumer's history) instead of the live
+        /// topics, in order per aggregate.
+        #[arg(long, value_name = "TOPIC")]
+        to_topic: Option<String>,
+        /// With --published: at most this many events per second.
+        #[arg(long, value_name = "N")]
+        rate: Option<f64>,
+        /// Go on with an interrupted replay of published events (its id, as printed and in `outboxd status`).
+        #[arg(long, value_name = "REPLAY_ID")]
+        resume: Option<String>,
     },
     /// Check everything `run` needs of PostgreSQL and Kafka, and what would hurt it, each with its fix (reads
     /// only). Exit code 0: ok, 1: warnings, 2: a check failed, 3: a check could not be made.

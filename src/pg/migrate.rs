@@ -45,6 +45,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "dead_letters",
         include_str!("../../migrations/0005_dead_letters.sql"),
     ),
+    (
+        6,
+        "replay",
+        include_str!("../../migrations/0006_replay.sql"),
+    ),
 ];
 
 /// The migration that puts the claim index in `position NULLS FIRST` order (skipped where it already is).
@@ -149,6 +154,8 @@ fn render_migration(sql: &str, table: &OutboxTable, existing: Option<ExistingRow
             "{{published_index}}",
             format!("\"{}\"", derived_name(bare, "published_idx")),
         ),
+        ("{{replay_table}}", replay_tables(name).progress),
+        ("{{replayed_table}}", replay_tables(name).replayed),
         ("{{event_id}}", table.col(Role::EventId)),
         ("{{aggregate_type}}", table.col(Role::AggregateType)),
         ("{{aggregate_id}}", table.col(Role::AggregateId)),
@@ -678,7 +685,34 @@ async fn check_neighbours(client: &impl GenericClient, table: &TableName) -> Res
         AlsoTrusted::Nobody,
     )
     .await?;
+    for relation in [replay_tables(table).progress, replay_tables(table).replayed] {
+        check_owner(
+            client,
+            "table",
+            &relation,
+            (RELATION_OWNER, &relation),
+            AlsoTrusted::Nobody,
+        )
+        .await?;
+    }
     check_index_names(client, table).await
+}
+
+/// The quoted names of the two tables migration 0006 creates next to an outbox table.
+pub struct ReplayTables {
+    /// Each replay's selection and progress.
+    pub progress: String,
+    /// The events a replay or heal handed back, with the replay's id.
+    pub replayed: String,
+}
+
+/// The replay tables of the outbox table `table`, in its schema.
+pub fn replay_tables(table: &TableName) -> ReplayTables {
+    let schema = format!("\"{}\"", table.schema);
+    ReplayTables {
+        progress: format!("{schema}.\"{}\"", derived_name(&table.name, "replay")),
+        replayed: format!("{schema}.\"{}\"", derived_name(&table.name, "replayed")),
+    }
 }
 
 /// SQL listing the roles (`PUBLIC` for everyone) that may insert into the table `table` (an SQL expression of

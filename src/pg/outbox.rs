@@ -918,6 +918,8 @@ enum ClaimColumn {
     CreatedAt,
     Attempts,
     Position,
+    /// The replay (or heal) that handed the row back (see [`replayed_column`]).
+    ReplayId,
     Headers,
 }
 
@@ -944,9 +946,7 @@ pub struct PollSql {
     claim: String,
     /// The last_error of a row a claim dead-lettered because its event id is NULL.
     without_id_error: String,
-    payload_type: PayloadType,
-    has_aggregate_type: bool,
-    header_columns: Vec<std::sync::Arc<str>>,
+    columns: EventColumns,
     serialize_claims: bool,
     table_key: String,
     /// Set when a claim gave up waiting for the former claim lock; cleared when one gets it again.
@@ -956,6 +956,129 @@ pub struct PollSql {
     dead_letter: tokio_postgres::Statement,
     release: tokio_postgres::Statement,
     renew: tokio_postgres::Statement,
+}
+
+/// An event's columns as a claim (or a replay's read) returns them, after a first column telling what the row
+/// is (see [`ClaimColumn`]), and how to read them back.
+pub struct EventColumns {
+    payload_type: PayloadType,
+    has_aggregate_type: bool,
+    header_columns: Vec<std::sync::Arc<str>>,
+}
+
+impl EventColumns {
+    /// The columns of `outbox`'s events.
+    pub fn of(outbox: &OutboxTable) -> Self {
+        EventColumns {
+            payload_type: outbox.payload_type,
+            has_aggregate_type: outbox.column(Role::AggregateType).is_some(),
+            header_columns: outbox
+                .header_columns
+                .iter()
+                .map(|c| std::sync::Arc::from(c.as_str()))
+                .collect(),
+        }
+    }
+
+    /// The select list of an event's columns, from `outbox` as `e`, from [`ClaimColumn::EventId`] on; `replay`:
+    /// the expression of [`ClaimColumn::ReplayId`].
+    pub fn select_list(outbox: &OutboxTable, replay: &str) -> String {
+        let payload = match outbox.payload_type {
+            PayloadType::Text | PayloadType::Json => {
+                format!("e.{}::text", outbox.col(Role::Payload))
+            }
+            PayloadType::Bytes => format!("e.{}", outbox.col(Role::Payload)),
+        };
+        let created_at_text = outbox
+            .column(Role::CreatedAt)
+            .map_or("NULL::text".to_string(), |c| format!("e.\"{c}\"::text"));
+        let headers: String = outbox
+            .header_columns
+            .iter()
+            .map(|c| format!(", e.\"{c}\"::text"))
+            .collect();
+        format!(
+            "e.{id}, {aggregate_type}, e.{aggregate_id}::text, {event_type}, {payload}, {created_at_text},
+             e.attempts, e.position, {replay}{headers}",
+            id = outbox.col(Role::EventId),
+            aggregate_type = outbox.text_expr(Role::AggregateType, "NULL::text"),
+            aggregate_id = outbox.col(Role::AggregateId),
+            event_type = outbox.text_expr(Role::EventType, "NULL::text"),
+        )
+    }
+
+    /// A claimed (or replayed) row, with its position and created_at (its place in the claim order).
+    pub fn claimed_row(
+        &self,
+        row: &tokio_postgres::Row,
+    ) -> Result<(Option<i64>, String, ClaimedRow)> {
+        use ClaimColumn as C;
+        // The claim leased it by its id: never NULL.
+        let event_id: Uuid = row
+            .get::<_, Option<Uuid>>(C::EventId as usize)
+            .ok_or_else(|| {
+                crate::error::Error::bug("the claim returned a claimed row without event id")
+            })?;
+        let text = |column: C| row.get::<_, Option<String>>(column as usize);
+        let created_at = text(C::CreatedAt);
+        // As on the CDC path: a NULL event_type only leaves its header out.
+        let null_columns: Vec<&str> = [
+            (C::AggregateType, "aggregate_type", self.has_aggregate_type),
+            (C::AggregateId, "aggregate_id", true),
+        ]
+        .into_iter()
+        .filter(|(column, _, present)| *present && text(*column).is_none())
+        .map(|(_, name, _)| name)
+        .collect();
+        let invalid = (!null_columns.is_empty()).then(|| {
+            format!(
+                "{} is NULL: an event cannot be published without it",
+                null_columns.join(", ")
+            )
+        });
+        // A NULL payload is a tombstone.
+        let payload = match self.payload_type {
+            PayloadType::Text | PayloadType::Json => text(C::Payload).map(bytes::Bytes::from),
+            PayloadType::Bytes => row
+                .get::<_, Option<Vec<u8>>>(C::Payload as usize)
+                .map(bytes::Bytes::from),
+        };
+        let headers = self
+            .header_columns
+            .iter()
+            .enumerate()
+            .filter_map(|(at, name)| {
+                let value = row.get::<_, Option<String>>(C::Headers as usize + at)?;
+                Some((name.clone(), value.into()))
+            })
+            .collect();
+        let event = crate::event::OutboxEvent {
+            event_id: event_id.to_string().into(),
+            aggregate_type: text(C::AggregateType).map(Into::into),
+            aggregate_id: text(C::AggregateId).unwrap_or_default().into(),
+            event_type: text(C::EventType).map(Into::into),
+            payload,
+            created_at: created_at
+                .as_deref()
+                .map(|c| crate::event::to_rfc3339(c).into()),
+            headers,
+            replay: row
+                .get::<_, Option<String>>(C::ReplayId as usize)
+                .map(Into::into),
+        };
+        Ok((
+            row.get(C::Position as usize),
+            created_at.unwrap_or_default(),
+            ClaimedRow {
+                event_id,
+                event,
+                attempts: row
+                    .get::<_, Option<i32>>(C::Attempts as usize)
+                    .unwrap_or_default(),
+                invalid,
+            },
+        ))
+    }
 }
 
 impl PollSql {
@@ -1055,28 +1178,8 @@ impl PollSql {
                  without_id AS (SELECT row_table, row_tid FROM head WHERE head_id IS NULL)"
             ),
         };
-        let payload = match outbox.payload_type {
-            PayloadType::Text | PayloadType::Json => {
-                format!("e.{}::text", outbox.col(Role::Payload))
-            }
-            PayloadType::Bytes => format!("e.{}", outbox.col(Role::Payload)),
-        };
-        let created_at_text = created_at
-            .as_ref()
-            .map_or("NULL::text".to_string(), |c| format!("e.{c}::text"));
-        let headers: String = outbox
-            .header_columns
-            .iter()
-            .map(|c| format!(", e.\"{c}\"::text"))
-            .collect();
-        // The event's columns as a claim returns them (see [`ClaimColumn`]).
-        let event_columns = format!(
-            "e.{id}, {aggregate_type}, e.{aggregate_id}::text, {event_type}, {payload}, {created_at_text},
-             e.attempts, e.position{headers}",
-            aggregate_type = outbox.text_expr(Role::AggregateType, "NULL::text"),
-            aggregate_id = outbox.col(Role::AggregateId),
-            event_type = outbox.text_expr(Role::EventType, "NULL::text"),
-        );
+        let replay = replayed_column(client, outbox).await?;
+        let event_columns = EventColumns::select_list(outbox, &replay);
         // A row whose event id is NULL (a fitted table's nullable column) can never be published, and no
         // statement that names rows by their id reaches it (mark, retry, dead-letter, renew): it is never
         // leased, but dead-lettered here, in place, by its physical address (`tableoid`, `ctid`), with `$6`
@@ -1120,13 +1223,7 @@ impl PollSql {
             without_id_error: format!(
                 "{event_id_column} is NULL: the row can be neither published nor named by its id (dead-lettered in place); make {event_id_column} NOT NULL"
             ),
-            payload_type: outbox.payload_type,
-            has_aggregate_type: outbox.column(Role::AggregateType).is_some(),
-            header_columns: outbox
-                .header_columns
-                .iter()
-                .map(|c| std::sync::Arc::from(c.as_str()))
-                .collect(),
+            columns: EventColumns::of(outbox),
             serialize_claims: order == PollOrder::PerAggregate,
             table_key: format!("outboxd.claim.{table}"),
             former_claim_lock_busy: std::sync::atomic::AtomicBool::new(false),
@@ -1269,14 +1366,14 @@ impl PollSql {
         tx.commit().await?;
         use ClaimColumn as C;
         // After the event's columns and the header columns: a blocked aggregate's key, wait and lease.
-        let blocked_key = C::Headers as usize + self.header_columns.len();
+        let blocked_key = C::Headers as usize + self.columns.header_columns.len();
         let text = |row: &tokio_postgres::Row, column: usize| row.get::<_, Option<String>>(column);
         let mut blocked = Vec::new();
         let mut dead_without_id = Vec::new();
         let mut claimed: Vec<(Option<i64>, String, ClaimedRow)> = Vec::with_capacity(rows.len());
         for row in &rows {
             match row.get::<_, Option<&str>>(C::Kind as usize) {
-                Some("claimed") => claimed.push(self.claimed_row(row)?),
+                Some("claimed") => claimed.push(self.columns.claimed_row(row)?),
                 Some("dead_without_id") => dead_without_id.push(RowWithoutId {
                     aggregate_type: text(row, C::AggregateType as usize),
                     aggregate_id: text(row, C::AggregateId as usize),
@@ -1316,73 +1413,6 @@ impl PollSql {
             blocked,
             dead_without_id,
         })
-    }
-
-    /// A claimed row of the claim's answer, with its position and created_at (its place in the claim order).
-    fn claimed_row(&self, row: &tokio_postgres::Row) -> Result<(Option<i64>, String, ClaimedRow)> {
-        use ClaimColumn as C;
-        // The claim leased it by its id: never NULL.
-        let event_id: Uuid = row
-            .get::<_, Option<Uuid>>(C::EventId as usize)
-            .ok_or_else(|| {
-                crate::error::Error::bug("the claim returned a claimed row without event id")
-            })?;
-        let text = |column: C| row.get::<_, Option<String>>(column as usize);
-        let created_at = text(C::CreatedAt);
-        // As on the CDC path: a NULL event_type only leaves its header out.
-        let null_columns: Vec<&str> = [
-            (C::AggregateType, "aggregate_type", self.has_aggregate_type),
-            (C::AggregateId, "aggregate_id", true),
-        ]
-        .into_iter()
-        .filter(|(column, _, present)| *present && text(*column).is_none())
-        .map(|(_, name, _)| name)
-        .collect();
-        let invalid = (!null_columns.is_empty()).then(|| {
-            format!(
-                "{} is NULL: an event cannot be published without it",
-                null_columns.join(", ")
-            )
-        });
-        // A NULL payload is a tombstone.
-        let payload = match self.payload_type {
-            PayloadType::Text | PayloadType::Json => text(C::Payload).map(bytes::Bytes::from),
-            PayloadType::Bytes => row
-                .get::<_, Option<Vec<u8>>>(C::Payload as usize)
-                .map(bytes::Bytes::from),
-        };
-        let headers = self
-            .header_columns
-            .iter()
-            .enumerate()
-            .filter_map(|(at, name)| {
-                let value = row.get::<_, Option<String>>(C::Headers as usize + at)?;
-                Some((name.clone(), value.into()))
-            })
-            .collect();
-        let event = crate::event::OutboxEvent {
-            event_id: event_id.to_string().into(),
-            aggregate_type: text(C::AggregateType).map(Into::into),
-            aggregate_id: text(C::AggregateId).unwrap_or_default().into(),
-            event_type: text(C::EventType).map(Into::into),
-            payload,
-            created_at: created_at
-                .as_deref()
-                .map(|c| crate::event::to_rfc3339(c).into()),
-            headers,
-        };
-        Ok((
-            row.get(C::Position as usize),
-            created_at.unwrap_or_default(),
-            ClaimedRow {
-                event_id,
-                event,
-                attempts: row
-                    .get::<_, Option<i32>>(C::Attempts as usize)
-                    .unwrap_or_default(),
-                invalid,
-            },
-        ))
     }
 
     /// Marks the given rows published and ends their lease (only rows still under `token`); returns how many.
@@ -1574,33 +1604,109 @@ pub async fn replay_dead(
     Ok(rows.len() as u64)
 }
 
-/// Hands published events back to the polling path (`outboxd audit --heal`: events the topics lost):
-/// `published_at` cleared and `handoff_at` set, so that the polling path publishes them again, each
-/// after its aggregate's earlier unpublished events, with a [`HANDOFF_MESSAGE`] per aggregate for a CDC
-/// leader (as [`replay_dead`]). Event ids are kept, so inboxes dedupe. Returns how many.
+/// The claim's [`ClaimColumn::ReplayId`]: the id of the replay (or heal) that handed a row back, read from the
+/// table migration 0006 made for it while the row's `handoff_at` is still the one it was handed back with (a
+/// later hand-off by the CDC path is not a replay). `NULL` where that table is missing (an earlier migrate) or
+/// the role may not read it: records then go without the header, as before.
+async fn replayed_column(client: &Client, outbox: &OutboxTable) -> Result<String> {
+    let replayed = crate::pg::migrate::replay_tables(&outbox.name).replayed;
+    let readable: bool = client
+        .query_one(
+            "SELECT CASE WHEN to_regclass($1) IS NULL THEN false
+                         ELSE has_table_privilege(to_regclass($1), 'SELECT') END",
+            &[&replayed],
+        )
+        .await?
+        .get(0);
+    Ok(if readable {
+        format!(
+            "CASE WHEN e.handoff_at IS NOT NULL THEN (SELECT r.replay_id FROM {replayed} r
+                  WHERE r.event_id = e.{id} AND r.handed_back_at = e.handoff_at) END",
+            id = outbox.col(Role::EventId)
+        )
+    } else {
+        "NULL::text".into()
+    })
+}
+
+/// Hands published events back to the polling path: `published_at` cleared and `handoff_at` set, so that
+/// the polling path publishes them again, each after its aggregate's earlier unpublished events, with a
+/// [`HANDOFF_MESSAGE`] per aggregate for a CDC leader (as [`replay_dead`]). Event ids are kept, so inboxes
+/// dedupe. Each event is recorded under `replay_id` in the table of replayed events (where migration 0006 made
+/// it), so that its record carries the `outboxd-replay` header. `held`: made claimable only by
+/// [`release_replay`] (`available_at` infinity), for a replay that first waits for what is already on its way.
+/// Returns how many.
 pub async fn hand_back_published(
     client: &mut Client,
     table: &OutboxTable,
     event_ids: &[Uuid],
+    replay_id: &str,
+    held: bool,
 ) -> Result<u64> {
     let t = table.name.quoted();
     let id = table.col(Role::EventId);
     let aggregate = aggregate_of_row(table);
+    let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
     let tx = client.transaction().await?;
     let rows = tx
         .query(
             &format!(
-                "UPDATE {t} SET published_at = NULL, attempts = 0, last_error = NULL, available_at = now(),
+                "UPDATE {t} SET published_at = NULL, attempts = 0, last_error = NULL,
+                                available_at = CASE WHEN $2 THEN 'infinity' ELSE now() END,
                                 lease_token = NULL, lease_until = NULL, handoff_at = now()
                  WHERE {id} = ANY($1) AND published_at IS NOT NULL AND dead_at IS NULL
-                 RETURNING {aggregate}"
+                 RETURNING {aggregate}, {id}"
             ),
-            &[&event_ids],
+            &[&event_ids, &held],
         )
         .await?;
+    let tagged: bool = tx
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&replayed])
+        .await?
+        .get(0);
+    if tagged {
+        let ids: Vec<Uuid> = rows.iter().map(|row| row.get(2)).collect();
+        tx.execute(
+            &format!(
+                "INSERT INTO {replayed} (event_id, replay_id, handed_back_at)
+                 SELECT unnest($1::uuid[]), $2, now()
+                 ON CONFLICT (event_id) DO UPDATE SET replay_id = excluded.replay_id,
+                                                      handed_back_at = excluded.handed_back_at"
+            ),
+            &[&ids, &replay_id],
+        )
+        .await?;
+    }
     notify_hand_offs(&tx, table, &rows).await?;
     tx.commit().await?;
     Ok(rows.len() as u64)
+}
+
+/// Makes the events `replay_id` handed back held ([`hand_back_published`]) claimable: at once, or `rate` per
+/// second in their order (`available_at` spread from now). Returns how many.
+pub async fn release_replay(
+    client: &Client,
+    table: &OutboxTable,
+    replay_id: &str,
+    rate: Option<f64>,
+) -> Result<u64> {
+    let t = table.name.quoted();
+    let id = table.col(Role::EventId);
+    let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
+    let per_second = rate.unwrap_or(f64::INFINITY);
+    Ok(client
+        .execute(
+            &format!(
+                "UPDATE {t} e SET available_at = now() + make_interval(secs => (held.n - 1) / $2::float8)
+                 FROM (SELECT r.event_id, row_number() OVER (ORDER BY o.position) AS n
+                       FROM {replayed} r JOIN {t} o ON o.{id} = r.event_id
+                       WHERE r.replay_id = $1 AND o.handoff_at = r.handed_back_at
+                         AND o.available_at = 'infinity' AND o.published_at IS NULL) AS held
+                 WHERE e.{id} = held.event_id"
+            ),
+            &[&replay_id, &per_second],
+        )
+        .await?)
 }
 
 /// The row's (aggregate type, aggregate id) as two text columns for `RETURNING` (what [`notify_hand_offs`]

@@ -27,6 +27,7 @@ mod migrate;
 mod operate;
 mod poll;
 mod refusals;
+mod replay;
 mod retention;
 mod security;
 mod sink;

@@ -419,6 +419,7 @@ pub fn placeholder_event(event_id: &str) -> OutboxEvent {
         payload: None,
         created_at: None,
         headers: Vec::new(),
+        replay: None,
     }
 }
 

@@ -1,0 +1,354 @@
+//! `outboxd replay --published` (time travel) against Apache Kafka: 100,000 events replayed to a new topic
+//! while the live stream runs (every event once, in each aggregate's order, at no more than the rate asked);
+//! a replay to the live topic while the application keeps writing the same aggregates (no live event lands
+//! between an aggregate's replayed ones); a replay to a topic SIGKILLed mid-way and resumed (nothing skipped,
+//! at most one batch sent twice).
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+
+const REPLAY_HEADER: &str = "outboxd-replay";
+
+/// Inserts `count` published-to-be events of aggregate type `History` over `aggregates` aggregates in one
+/// transaction, in order; returns each event id's place in that order.
+async fn insert_history(
+    client: &tokio_postgres::Client,
+    count: i64,
+    aggregates: i64,
+) -> HashMap<String, i64> {
+    client
+        .query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'History', 'history-' || (n % $2), 'Step', jsonb_build_object('n', n)
+             FROM generate_series(1, $1::int8) AS n ORDER BY n
+             RETURNING event_id::text, (payload->>'n')::int8",
+            &[&count, &aggregates],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+/// The replay id a `replay` run printed first.
+fn replay_id_of(stdout: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stdout);
+    text.split_whitespace()
+        .find(|word| word.starts_with("replay-"))
+        .unwrap_or_else(|| panic!("replay printed no id: {text}"))
+        .to_string()
+}
+
+/// Per key, in offset order (one partition per key), the first copies' places must only grow.
+fn assert_in_order_per_aggregate(records: &[&Record], place: &HashMap<String, i64>) {
+    let mut by_key: HashMap<&str, Vec<&Record>> = HashMap::new();
+    for record in records {
+        by_key
+            .entry(record.key.as_deref().unwrap_or_default())
+            .or_default()
+            .push(record);
+    }
+    for (key, mut list) in by_key {
+        list.sort_by_key(|r| (r.partition, r.offset));
+        let mut seen = HashSet::new();
+        let mut last = i64::MIN;
+        for record in list {
+            let id = &record.headers["event_id"];
+            if !seen.insert(id.clone()) {
+                continue;
+            }
+            let at = place[id];
+            assert!(
+                at > last,
+                "{key}: event {id} (place {at}) after place {last}"
+            );
+            last = at;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hundred_thousand_events_replay_to_a_new_topic_in_order_while_the_live_stream_runs() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let outboxd = Outboxd::spawn_with_env(&run_args(&url, &brokers), &[("RUST_LOG", "warn")]);
+    wait_slot_active(&client, "outboxd").await;
+    let count = 100_000;
+    let place = insert_history(&client, count, 500).await;
+    wait_all_published(&client, Duration::from_secs(300)).await;
+
+    let writer = Writer::start(url.clone(), 1, 20);
+    writer.wait_more(5, "live writes before the replay").await;
+    let rate = 5_000.0;
+    let started = Instant::now();
+    let args: Vec<String> = [
+        "replay",
+        "--database-url",
+        &url,
+        "--brokers",
+        &brokers,
+        "--topic-replication-factor",
+        "1",
+        "--published",
+        "--aggregate-type",
+        "History",
+        "--to-topic",
+        "history.replayed",
+        "--rate",
+        "5000",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let output = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_outboxd(&args)
+    })
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    let replay_id = replay_id_of(&output.stdout);
+    writer.wait_more(5, "live writes after the replay").await;
+    writer.stop().await;
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    drop(outboxd);
+
+    let records = consume_all(
+        &brokers,
+        &["history.replayed"],
+        count as usize,
+        Duration::from_secs(300),
+    );
+    let ids: HashSet<&str> = records
+        .iter()
+        .map(|r| r.headers["event_id"].as_str())
+        .collect();
+    assert_eq!(
+        ids.len(),
+        count as usize,
+        "every History event, once or more"
+    );
+    assert!(
+        ids.iter().all(|id| place.contains_key(*id)),
+        "nothing but the History events"
+    );
+    assert!(
+        records
+            .iter()
+            .all(|r| r.headers.get(REPLAY_HEADER) == Some(&replay_id)),
+        "every record carries the replay's header"
+    );
+    let all: Vec<&Record> = records.iter().collect();
+    assert_in_order_per_aggregate(&all, &place);
+    // Paced: it cannot have sent faster than the rate asked.
+    assert!(
+        took >= Duration::from_secs_f64(count as f64 / rate),
+        "{count} events at {rate}/s in {took:?}"
+    );
+    println!(
+        "replayed {count} events to a new topic in {took:?} ({:.0}/s, --rate {rate}), {} records",
+        count as f64 / took.as_secs_f64(),
+        records.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_to_the_live_topic_lets_no_live_event_between_an_aggregates_replayed_ones() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    insert_events(&mut client, 0, 100, 3, 10, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+
+    // The application keeps writing the same aggregates (order-0..9) during the replay.
+    let writer = Writer::start_at(url.clone(), 1_000, 1, 10);
+    writer.wait_more(20, "live writes before the replay").await;
+    let args: Vec<String> = [
+        "replay",
+        "--database-url",
+        &url,
+        "--published",
+        "--aggregate-type",
+        "Order",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let output = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_outboxd(&args)
+    })
+    .await
+    .unwrap();
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    let replay_id = replay_id_of(&output.stdout);
+    writer.wait_more(20, "live writes after the replay").await;
+    writer.stop().await;
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    drop(outboxd);
+
+    let (selected, total): (i64, i64) = {
+        let row = client
+            .query_one(
+                "SELECT total, done FROM outbox_event_replay WHERE replay_id = $1 AND state = 'done'",
+                &[&replay_id],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(selected, total);
+    let place: HashMap<String, i64> = client
+        .query("SELECT event_id::text, position FROM outbox_event", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let records = consume_all(
+        &brokers,
+        &[TOPIC],
+        place.len() + selected as usize,
+        Duration::from_secs(120),
+    );
+    let replayed: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.headers.get(REPLAY_HEADER) == Some(&replay_id))
+        .collect();
+    let replayed_ids: HashSet<&str> = replayed
+        .iter()
+        .map(|r| r.headers["event_id"].as_str())
+        .collect();
+    assert_eq!(
+        replayed_ids.len() as i64,
+        selected,
+        "every selected event republished"
+    );
+    assert_in_order_per_aggregate(&replayed, &place);
+    // Per aggregate, between its first and last replayed record, only replayed records of it.
+    let mut by_key: HashMap<&str, Vec<&Record>> = HashMap::new();
+    for record in &records {
+        by_key
+            .entry(record.key.as_deref().unwrap_or_default())
+            .or_default()
+            .push(record);
+    }
+    let mut interleaved = Vec::new();
+    for (key, mut list) in by_key {
+        list.sort_by_key(|r| (r.partition, r.offset));
+        let is_replayed = |r: &&Record| r.headers.get(REPLAY_HEADER) == Some(&replay_id);
+        let (Some(first), Some(last)) = (
+            list.iter().position(is_replayed),
+            list.iter().rposition(is_replayed),
+        ) else {
+            continue;
+        };
+        interleaved.extend(
+            list[first..=last]
+                .iter()
+                .filter(|r| !is_replayed(r))
+                .map(|r| {
+                    format!(
+                        "{key}: live {} at offset {}",
+                        r.headers["event_id"], r.offset
+                    )
+                }),
+        );
+    }
+    assert!(
+        interleaved.is_empty(),
+        "live events between replayed ones: {interleaved:?}"
+    );
+    println!("replayed {selected} events to the live topic next to live writes; none interleaved");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_killed_mid_way_resumes_with_nothing_skipped_and_at_most_one_batch_again() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let count = 6_000;
+    let place = insert_history(&client, count, 50).await;
+    wait_all_published(&client, Duration::from_secs(120)).await;
+    drop(outboxd);
+
+    let common = [
+        "--database-url",
+        url.as_str(),
+        "--brokers",
+        brokers.as_str(),
+        "--topic-replication-factor",
+        "1",
+    ];
+    let mut first = vec!["replay"];
+    first.extend(common);
+    first.extend([
+        "--published",
+        "--to-topic",
+        "history.again",
+        "--rate",
+        "1000",
+    ]);
+    let mut replay = Outboxd::spawn(&first);
+    let (replay_id, done_at_kill): (String, i64) = wait_for_async(
+        "the replay past its first batch",
+        Duration::from_secs(60),
+        || async {
+            client
+                .query_opt(
+                    "SELECT replay_id, done FROM outbox_event_replay WHERE done >= 1000",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .map(|row| (row.get(0), row.get(1)))
+        },
+    )
+    .await;
+    replay.kill();
+    assert!(
+        done_at_kill < count,
+        "killed mid-way ({done_at_kill} of {count})"
+    );
+
+    let mut resume = vec!["replay"];
+    resume.extend(common);
+    resume.extend(["--resume", replay_id.as_str()]);
+    let args: Vec<String> = resume.iter().map(|s| s.to_string()).collect();
+    let output = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_outboxd(&args)
+    })
+    .await
+    .unwrap();
+    assert!(output.status.success(), "{}", stderr_of(&output));
+
+    let records = consume_all(
+        &brokers,
+        &["history.again"],
+        count as usize,
+        Duration::from_secs(120),
+    );
+    let ids: HashSet<&str> = records
+        .iter()
+        .map(|r| r.headers["event_id"].as_str())
+        .collect();
+    assert_eq!(ids.len(), count as usize, "nothing skipped");
+    let again = records.len() - ids.len();
+    assert!(
+        again <= 1_000,
+        "{again} records sent twice: more than one batch"
+    );
+    let all: Vec<&Record> = records.iter().collect();
+    assert_in_order_per_aggregate(&all, &place);
+    println!("killed at {done_at_kill} of {count}; after --resume: {again} sent twice");
+}
