@@ -5,7 +5,9 @@
 #   kafka.sh start DIR PORT [ADVERTISED_PORT]
 #                                  format DIR and start one node in the background (pid in DIR/kafka.pid),
 #                                  clients on 127.0.0.1:PORT (sent to ADVERTISED_PORT, e.g. a test's proxy);
-#                                  waits until it has started
+#                                  waits until it has started. OUTBOXD_KAFKA_PROPERTIES (lines of key=value)
+#                                  is added to a new node's server.properties (e.g. a test's quick retention
+#                                  check); no other node gets it
 #   kafka.sh start-cluster DIR PORT1 PORT2 PORT3
 #                                  three nodes (DIR/node1..3, one cluster, a static quorum of all three),
 #                                  replication factor 3 and min.insync.replicas=2 by default
@@ -360,6 +362,9 @@ case "$cmd" in
     if [ ! -f "$dir/server.properties" ]; then
       controller="$(free_port)"
       write_node_config "$dir" 1 "$port" "$advertised" "$controller" "1@127.0.0.1:$controller" 1
+      if [ -n "${OUTBOXD_KAFKA_PROPERTIES:-}" ]; then
+        printf '%s\n' "$OUTBOXD_KAFKA_PROPERTIES" >>"$dir/server.properties"
+      fi
       format_node "$dir" "$(new_uuid)"
     fi
     launch_node "$dir"

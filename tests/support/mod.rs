@@ -574,12 +574,25 @@ pub struct Broker {
 
 impl Broker {
     pub fn start() -> Self {
+        Self::start_with_properties(&[])
+    }
+
+    /// An Apache Kafka node with `properties` (`key=value`) added to its server.properties, e.g. a quick
+    /// `log.retention.check.interval.ms` (tests/support/kafka.sh: OUTBOXD_KAFKA_PROPERTIES; tansu ignores
+    /// them).
+    pub fn start_with_properties(properties: &[&str]) -> Self {
         let dir = scratch_dir("broker");
         let port = free_port();
+        let properties = properties.join("\n");
+        let envs: Vec<(&str, &str)> = if properties.is_empty() {
+            Vec::new()
+        } else {
+            vec![("OUTBOXD_KAFKA_PROPERTIES", properties.as_str())]
+        };
         run_script(
             "broker.sh",
             &["start", dir.to_str().unwrap(), &port.to_string()],
-            &[],
+            &envs,
         );
         Broker {
             dir,
