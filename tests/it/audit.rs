@@ -3,12 +3,15 @@
 //! where events are missing, that `--heal` and a run of outboxd leave nothing missing.
 //!
 //! - A clean topic audits clean; records deleted from a partition (the admin API's DeleteRecords) are
-//!   missing, exactly those, and a record without an event id is unexplained; `--heal` brings them back.
+//!   missing, exactly those, and a record without an event id is unexplained; `--heal` brings them back,
+//!   marked `outboxd-replay`, and the next audit is clean (a healed event is not reordered).
 //! - Records written by hand: two events of one aggregate in reverse order (reordered), a copy on another
 //!   partition than its key hashes to (misplaced and duplicated), a row marked published that no record
-//!   holds (missing).
+//!   holds (missing), and one marked published before the topic's retention whose partition lost no
+//!   record (missing, not expired).
 //! - A topic deleted (and then created again, empty) while outboxd was stopped: every event published
-//!   before is missing, not expired (retention.ms is the default 7 days); `--heal` brings them back.
+//!   before is missing, not expired (retention.ms is the default 7 days); `--heal` brings them back and the
+//!   next audit is clean.
 //! - A topic whose `retention.ms` was shortened below its records' age: the broker deletes them and the
 //!   audit counts them expired, not missing (exit code 0), and `--heal` hands none back.
 //! - A duplicate burst from a crash loop (records produced again with their key, partition and headers):
@@ -335,12 +338,21 @@ async fn audit_finds_exactly_the_deleted_records_and_a_foreign_one() {
     let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     wait_all_published(&client, Duration::from_secs(60)).await;
     drop(outboxd);
-    let (_, after) = audit(&url, &brokers, &details);
+    let (code, after) = audit(&url, &brokers, &details);
     assert_eq!(after["missing"], 0, "{after}");
     assert_eq!(after["present"], after["checked"], "{after}");
-    println!(
-        "after --heal: 0 missing, {} reordered (a healed event comes after its aggregate's later ones)",
-        after["reordered"]
+    assert_eq!(
+        after["replayed"], cut as u64,
+        "the healed records carry outboxd-replay: {after}"
+    );
+    assert_eq!(
+        after["reordered"], 0,
+        "a healed record (after its aggregate's later events by design) is not reordered: {after}"
+    );
+    assert_eq!(
+        (code, &after["unexplained_without_id"]),
+        (1, &serde_json::json!(1)),
+        "healed, only the stranger's record is left: {after}"
     );
 }
 
@@ -362,8 +374,9 @@ async fn audit_names_reordered_misplaced_and_duplicated_events() {
     let ids: Vec<uuid::Uuid> = client
         .query(
             "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
-             SELECT gen_random_uuid(), 'Order', 'by-hand', 'Step' || n, '{}', now()
-             FROM generate_series(1, 4) AS n ORDER BY n
+             SELECT gen_random_uuid(), 'Order', 'by-hand', 'Step' || n, '{}',
+                    CASE WHEN n = 5 THEN now() - interval '8 days' ELSE now() END
+             FROM generate_series(1, 5) AS n ORDER BY n
              RETURNING event_id",
             &[],
         )
@@ -372,7 +385,9 @@ async fn audit_names_reordered_misplaced_and_duplicated_events() {
         .iter()
         .map(|row| row.get(0))
         .collect();
-    let (first, second, misplaced, missing) = (ids[0], ids[1], ids[2], ids[3]);
+    // The last one is older than the topic's retention (7 days), but the broker removed nothing from its
+    // partition: missing, not expired.
+    let (first, second, misplaced, missing, old) = (ids[0], ids[1], ids[2], ids[3], ids[4]);
     let partitions = 6;
     let home = java_partition(b"by-hand", partitions);
     let elsewhere = (home + 1) % partitions;
@@ -420,10 +435,15 @@ async fn audit_names_reordered_misplaced_and_duplicated_events() {
         "{found}"
     );
     assert_eq!(
-        findings(&details, "missing"),
-        vec![missing.to_string()],
+        sorted_findings(&details, "missing"),
+        {
+            let mut both = vec![missing.to_string(), old.to_string()];
+            both.sort();
+            both
+        },
         "{found}"
     );
+    assert_eq!(found["expired"], 0, "{found}");
     assert_eq!(found["unexplained_without_id"], 0, "{found}");
     assert_eq!(found["unexplained_foreign"], 0, "{found}");
 }
@@ -519,20 +539,22 @@ async fn a_topic_deleted_and_created_again_loses_every_earlier_event_until_heale
     let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
     wait_all_published(&client, Duration::from_secs(60)).await;
     outboxd.kill();
-    let (_code, after) = audit(&url, &brokers, &details);
+    let (code, after) = audit(&url, &brokers, &details);
     assert_eq!(after["checked"], n, "{after}");
     assert_eq!(after["missing"], 0, "{after}");
     assert_eq!(after["present"], after["checked"], "{after}");
     assert!(findings(&details, "missing").is_empty(), "{after}");
-    // TODO(heal-marker): assert_eq!(_code, 0) once healed records are marked (a healed event may count as
-    // reordered today).
+    assert_eq!(
+        after["replayed"], n,
+        "every healed record carries outboxd-replay: {after}"
+    );
+    assert_eq!(code, 0, "healed, the audit is clean: {after}");
 }
 
 /// `retention.ms` shortened below the age of the topic's records: the broker deletes them (its retention
 /// check runs every 200 ms on this broker) and the audit counts them expired, not missing: exit code 0, and
-/// `--heal` hands none of them back. (The audit's rule is time alone, published_at older than retention.ms:
-/// an absent event that old counts expired even where the broker deleted nothing, every low watermark 0.
-/// Not covered here.)
+/// `--heal` hands none of them back. (An event that old whose partition lost no record is missing, not
+/// expired: `audit_names_reordered_misplaced_and_duplicated_events`.)
 #[tokio::test(flavor = "multi_thread")]
 async fn records_deleted_by_a_shortened_retention_are_expired_not_missing() {
     let pg = Postgres::start();
