@@ -166,6 +166,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                 until: optional_point_in_time("--until", until.as_deref())?,
                 aggregate_type,
                 heal,
+                read_since: None,
             };
             audit(&options, &range, json, details, fail_on_duplicates).await
         }
@@ -216,7 +217,7 @@ async fn audit(
     let summary = outboxd::audit::audit(
         settings,
         range,
-        file.as_mut().map(|f| f as &mut dyn std::io::Write),
+        file.as_mut().map(|f| f as &mut (dyn std::io::Write + Send)),
     )
     .await;
     if let Some(mut file) = file {
@@ -299,6 +300,9 @@ async fn run(options: &Options) -> outboxd::Result<ExitCode> {
     tokio::spawn(outboxd::stats::run(shared.clone()));
     if settings.mode != outboxd::config::Mode::Poll {
         tokio::spawn(outboxd::stats::watch_failover(shared));
+    }
+    if let Some(every) = settings.audit_interval {
+        tokio::spawn(outboxd::audit::continuous::run(settings.clone(), every));
     }
     pipeline::run(settings, stop_rx).await?;
     Ok(ExitCode::SUCCESS)

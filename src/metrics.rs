@@ -54,8 +54,21 @@ pub const FAILOVER_READY: &str = "outboxd_failover_ready";
 /// from start-up on.
 pub const STANDBY_SLOT_BEHIND_BYTES: &str = "outboxd_standby_slot_behind_bytes";
 
+/// Counter per `result` label (clean, findings, failed): audits `run --audit-interval` made.
+pub const AUDIT_RUNS: &str = "outboxd_audit_runs_total";
+/// Gauge: published events the last audit checked (`run --audit-interval`).
+pub const AUDIT_CHECKED: &str = "outboxd_audit_checked_events";
+/// Gauge: events the last audit found missing from their topic.
+pub const AUDIT_MISSING: &str = "outboxd_audit_missing_events";
+/// Gauge: events the last audit found more than once in their topic.
+pub const AUDIT_DUPLICATED: &str = "outboxd_audit_duplicated_events";
+/// Gauge: findings that fail an audit (missing, misplaced, reordered, unexplained) in the last one.
+pub const AUDIT_FINDINGS: &str = "outboxd_audit_findings";
+/// Gauge: Unix time of the end of the last range an audit found clean (0: none yet).
+pub const AUDIT_LAST_CLEAN: &str = "outboxd_audit_last_clean_timestamp_seconds";
+
 /// Every metric name `/metrics` exports (the Grafana dashboard may only use these).
-pub const ALL: [&str; 20] = [
+pub const ALL: [&str; 26] = [
     SLOT_LAG_BYTES,
     SLOT_RETAINED_WAL_BYTES,
     SLOT_SAFE_WAL_BYTES,
@@ -76,7 +89,16 @@ pub const ALL: [&str; 20] = [
     RETENTION_LAST_SUCCESS,
     FAILOVER_SLOT_CONTINUATIONS,
     FAILOVER_READY,
+    AUDIT_RUNS,
+    AUDIT_CHECKED,
+    AUDIT_MISSING,
+    AUDIT_DUPLICATED,
+    AUDIT_FINDINGS,
+    AUDIT_LAST_CLEAN,
 ];
+
+/// `outboxd_audit_runs_total{result}` values.
+const AUDIT_RESULTS: [&str; 3] = ["clean", "findings", "failed"];
 
 /// Kinds of publish errors counted in `outboxd_publish_errors_total{kind}`.
 pub const ERROR_KINDS: [&str; 3] = ["refused", "delivery", "database"];
@@ -173,6 +195,27 @@ pub fn install() -> Result<PrometheusHandle, String> {
         STANDBY_SLOT_BEHIND_BYTES,
         "bytes the standby's copy of the slot is behind the primary's (-1: no usable copy)"
     );
+    describe_counter!(
+        AUDIT_RUNS,
+        "audits of run --audit-interval, by result (clean, findings, failed)"
+    );
+    describe_gauge!(AUDIT_CHECKED, "published events the last audit checked");
+    describe_gauge!(
+        AUDIT_MISSING,
+        "events the last audit found missing from their topic"
+    );
+    describe_gauge!(
+        AUDIT_DUPLICATED,
+        "events the last audit found more than once"
+    );
+    describe_gauge!(
+        AUDIT_FINDINGS,
+        "findings that fail an audit (missing, misplaced, reordered, unexplained) in the last one"
+    );
+    describe_gauge!(
+        AUDIT_LAST_CLEAN,
+        "Unix time of the end of the last range an audit found clean"
+    );
     for path in ["cdc", "poll"] {
         counter!(EVENTS_PUBLISHED, "path" => path).increment(0);
     }
@@ -183,6 +226,9 @@ pub fn install() -> Result<PrometheusHandle, String> {
     counter!(HISTORY_CHANGES).increment(0);
     counter!(FAILOVER_SLOT_CONTINUATIONS).increment(0);
     counter!(RETENTION_FAILURES).increment(0);
+    for result in AUDIT_RESULTS {
+        counter!(AUDIT_RUNS, "result" => result).increment(0);
+    }
     for name in [
         SLOT_LAG_BYTES,
         SLOT_RETAINED_WAL_BYTES,
@@ -194,6 +240,11 @@ pub fn install() -> Result<PrometheusHandle, String> {
         RETENTION_CONSECUTIVE_FAILURES,
         RETENTION_LAST_SUCCESS,
         FAILOVER_READY,
+        AUDIT_CHECKED,
+        AUDIT_MISSING,
+        AUDIT_DUPLICATED,
+        AUDIT_FINDINGS,
+        AUDIT_LAST_CLEAN,
     ] {
         gauge!(name).set(0.0);
     }
@@ -253,6 +304,28 @@ pub fn publish_error(kind: &'static str) {
 /// Counts `events` dead-lettered.
 pub fn dead(events: u64) {
     counter!(EVENTS_DEAD).increment(events);
+}
+
+/// What one audit of `run --audit-interval` found: (checked, missing, duplicated, failing findings), and the
+/// end of its range when it was clean; `None`: the audit could not be made.
+pub fn audited(found: Option<(u64, u64, u64, u64)>, range_end: std::time::SystemTime) {
+    let Some((checked, missing, duplicated, failing)) = found else {
+        counter!(AUDIT_RUNS, "result" => "failed").increment(1);
+        return;
+    };
+    gauge!(AUDIT_CHECKED).set(checked as f64);
+    gauge!(AUDIT_MISSING).set(missing as f64);
+    gauge!(AUDIT_DUPLICATED).set(duplicated as f64);
+    gauge!(AUDIT_FINDINGS).set(failing as f64);
+    if failing == 0 {
+        counter!(AUDIT_RUNS, "result" => "clean").increment(1);
+        let end = range_end
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        gauge!(AUDIT_LAST_CLEAN).set(end.as_secs_f64());
+    } else {
+        counter!(AUDIT_RUNS, "result" => "findings").increment(1);
+    }
 }
 
 /// Counts one change of the server history behind the URL.

@@ -759,7 +759,7 @@ mod tests {
     fn replay_ids_are_named_for_their_start_and_never_shared() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_000_000);
         let (a, b) = (new_replay_id(now), new_replay_id(now));
-        assert!(a.starts_with("replay-20261124T"), "{a}");
+        assert!(a.starts_with("replay-20261130T005320Z-"), "{a}");
         assert_ne!(a, b);
         assert!(!a.contains(':'), "{a}");
     }

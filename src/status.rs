@@ -49,6 +49,8 @@ pub struct Status {
     /// Whether the slot would survive a promotion (PostgreSQL 17+ failover slots); `None` before 17 or
     /// under `--mode poll`.
     pub failover: Option<crate::failover::FailoverReadiness>,
+    /// Replays of published events not yet done (`outboxd replay --published`).
+    pub replays: Vec<crate::replay::Progress>,
 }
 
 /// How retention fares, as the running sweepers record it.
@@ -248,6 +250,7 @@ pub async fn read(
     let (active_instances, standby_instances) = instances(&client, &settings.slot, &quoted).await?;
     let retention = worst(crate::retention::read_states(&client, &settings.slot).await?);
     let uses_slot = mode != crate::config::Mode::Poll;
+    let replays = crate::replay::under_way(&client, &tables).await?;
     let failover = if uses_slot {
         let version = pg::server_version(&client).await?;
         pg::failover::read(&client, version, &settings.slot, &settings.standby_urls).await?
@@ -272,6 +275,7 @@ pub async fn read(
         retention,
         uses_slot,
         failover,
+        replays,
     })
 }
 
@@ -367,6 +371,24 @@ impl Status {
         if let Some(failover) = &self.failover {
             rows.extend(failover_rows(failover));
         }
+        for replay in &self.replays {
+            rows.push((
+                "replay",
+                format!(
+                    "{} of {}: {}, {} of {} republished{}",
+                    replay.replay_id,
+                    replay.table,
+                    replay.state,
+                    replay.done,
+                    replay.total,
+                    replay
+                        .to_topic
+                        .as_ref()
+                        .map(|t| format!(" to {t}"))
+                        .unwrap_or_default()
+                ),
+            ));
+        }
         rows.iter().map(|(k, v)| format!("{k:<28}{v}\n")).collect()
     }
 }
@@ -434,6 +456,7 @@ mod tests {
                 last_success_age_seconds: Some(5),
             }),
             failover: None,
+            replays: Vec::new(),
         }
     }
 

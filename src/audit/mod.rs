@@ -11,6 +11,7 @@
 //! It owns the reading and comparing; the counts, verdict and rendering are [`report`]'s, the partitioner
 //! [`partitioner`]'s. It writes nothing to the outbox table.
 
+pub mod continuous;
 pub mod partitioner;
 pub mod report;
 
@@ -46,6 +47,9 @@ pub struct Range {
     pub aggregate_type: Option<String>,
     /// `--heal`: hand every missing event back to the polling path, which publishes it again.
     pub heal: bool,
+    /// Read each topic only from its records of this time on (by their timestamps), not from its first:
+    /// for a range of recent events (`run --audit-interval`), earlier than any of them was published.
+    pub read_since: Option<SystemTime>,
 }
 
 /// How long a metadata or watermark request may take.
@@ -60,7 +64,7 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 pub async fn audit(
     settings: RunSettings<TableSpec>,
     range: &Range,
-    mut details: Option<&mut dyn Write>,
+    mut details: Option<&mut (dyn Write + Send)>,
 ) -> Result<Summary> {
     let mut sql = crate::pg::connect(&settings.database.database_url).await?;
     let tables = crate::pg::slot::inspect_all(&sql, &settings.database.tables).await?;
@@ -89,7 +93,7 @@ pub async fn audit(
     let topics = assign_topics(&sql, &settings).await?;
     summary.topics = topics.len() as u64;
     for (topic, &partitions) in &topics {
-        summary.records += read_topic(&sql, &settings, topic, partitions).await?;
+        summary.records += read_topic(&sql, &settings, topic, partitions, range.read_since).await?;
     }
     sql.batch_execute(
         "CREATE INDEX ON outboxd_audit_record (event_id);
@@ -301,6 +305,7 @@ async fn read_topic(
     settings: &RunSettings,
     topic: &str,
     partitions: i32,
+    read_since: Option<SystemTime>,
 ) -> Result<u64> {
     if partitions == 0 {
         return Ok(0);
@@ -332,10 +337,14 @@ async fn read_topic(
             &[&topic, &partition, &low],
         )
         .await?;
-        if high > low {
+        let start = match read_since {
+            Some(since) => first_offset_since(&consumer, topic, partition, since)?.max(low),
+            None => low,
+        };
+        if high > start {
             ends.insert(partition, high);
             assignment
-                .add_partition_offset(topic, partition, Offset::Offset(low))
+                .add_partition_offset(topic, partition, Offset::Offset(start))
                 .map_err(|e| Error::bug(e.to_string()))?;
         }
     }
@@ -429,6 +438,36 @@ async fn read_topic(
     writer.finish().await?;
     tracing::info!(topic, records = read, "read the topic");
     Ok(read)
+}
+
+/// The first offset of `topic [partition]` whose record's timestamp is `since` or later (the partition's end
+/// when none is).
+fn first_offset_since(
+    consumer: &StreamConsumer<RedactingContext>,
+    topic: &str,
+    partition: i32,
+    since: SystemTime,
+) -> Result<i64> {
+    let millis = since
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as i64;
+    let mut wanted = TopicPartitionList::new();
+    wanted
+        .add_partition_offset(topic, partition, Offset::Offset(millis))
+        .map_err(|e| Error::bug(e.to_string()))?;
+    let found = tokio::task::block_in_place(|| consumer.offsets_for_times(wanted, REQUEST_TIMEOUT))
+        .map_err(|e| {
+            kafka_error(format!(
+                "cannot find the offsets of {topic} [{partition}] by time: {e}"
+            ))
+        })?;
+    Ok(
+        match found.find_partition(topic, partition).map(|p| p.offset()) {
+            Some(Offset::Offset(offset)) => offset,
+            _ => i64::MAX,
+        },
+    )
 }
 
 /// The text of header `name`, if the record has it.

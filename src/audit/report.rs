@@ -97,11 +97,7 @@ impl Summary {
     /// when `fail_on_duplicates` (at-least-once delivery makes some, and consumers dedupe them). Expired
     /// events are the topic's retention at work.
     pub fn verdict(&self, fail_on_duplicates: bool) -> Verdict {
-        let failing = self.missing
-            + self.misplaced
-            + self.reordered
-            + self.unexplained_without_id
-            + self.unexplained_foreign
+        let failing = self.failing()
             + if fail_on_duplicates {
                 self.duplicated
             } else {
@@ -112,6 +108,15 @@ impl Summary {
         } else {
             Verdict::Clean
         }
+    }
+
+    /// Findings that fail every audit: missing, misplaced, reordered and unexplained (not retention's).
+    pub fn failing(&self) -> u64 {
+        self.missing
+            + self.misplaced
+            + self.reordered
+            + self.unexplained_without_id
+            + self.unexplained_foreign
     }
 
     /// The summary a person reads.

@@ -393,6 +393,10 @@ pub struct Options {
     /// How often retention runs [default: 1m].
     #[arg(long, env = "OUTBOXD_RETENTION_INTERVAL")]
     pub retention_interval: Option<String>,
+    /// Audit the events created in each past interval against the topics (as `outboxd audit` does), and
+    /// export the outboxd_audit_* metrics; off by default (e.g. 10m).
+    #[arg(long, env = "OUTBOXD_AUDIT_INTERVAL")]
+    pub audit_interval: Option<String>,
     /// Address of /metrics, /healthz and /readyz, or `off` [default: 127.0.0.1:9187].
     #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
     pub metrics_addr: Option<String>,

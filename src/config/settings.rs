@@ -138,6 +138,8 @@ pub struct RunSettings<T = OutboxTable> {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// `None`: no `--retention`, published rows are kept.
     pub retention: Option<Retention>,
+    /// `--audit-interval`: how often `run` audits the events of the last interval; `None`: it does not.
+    pub audit_interval: Option<Duration>,
 }
 
 impl DatabaseSettings<TableSpec> {
@@ -175,6 +177,7 @@ impl RunSettings<TableSpec> {
             poll: self.poll,
             metrics_addr: self.metrics_addr,
             retention: self.retention,
+            audit_interval: self.audit_interval,
         }
     }
 }

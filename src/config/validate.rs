@@ -220,7 +220,18 @@ impl Options {
                 )?,
             }),
         };
+        let audit_interval = self
+            .audit_interval
+            .as_deref()
+            .map(|every| parse_duration("--audit-interval", every))
+            .transpose()?;
+        if audit_interval.is_some_and(|every| every < Duration::from_secs(10)) {
+            return Err(invalid(
+                "--audit-interval must be at least 10s: each audit reads the topics since the interval began",
+            ));
+        }
         Ok(RunSettings {
+            audit_interval,
             retention,
             metrics_addr,
             mode: self.mode.unwrap_or_default(),

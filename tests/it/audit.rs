@@ -818,3 +818,90 @@ async fn records_of_another_producer_are_unexplained_by_kind_and_nothing_is_miss
     expected.sort();
     assert_eq!(named, expected, "exactly the two foreign records");
 }
+
+/// `run --audit-interval`: each audit checks the events created in the interval before the settling time,
+/// and exports what it found. Events created a minute ago (their `created_at` set so) audit clean; events
+/// whose records were deleted make `outboxd_audit_missing_events` and `outboxd_audit_findings` rise.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_with_an_audit_interval_exports_clean_audits_and_then_the_missing_events() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let (_outboxd, metrics_addr) =
+        spawn_serving_metrics(&url, &brokers, &["--audit-interval", "10s"]);
+    wait_slot_active(&client, "outboxd").await;
+    let scrape = |metric: &'static str, labels: &'static str| {
+        let addr = metrics_addr.clone();
+        move || {
+            http_get(&addr, "/metrics").and_then(|(_, text)| metric_value(&text, metric, labels))
+        }
+    };
+    assert_eq!(
+        scrape("outboxd_audit_findings", "")(),
+        Some(0.0),
+        "exported from start-up on"
+    );
+    // One event per second of creation time, from 55 to 15 s ago: the audit windows (10 s, ending 60 s before
+    // each audit) of the next half minute hold some.
+    let spread = |prefix: &str| {
+        format!(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             SELECT gen_random_uuid(), 'Order', '{prefix}' || n, 'Step', '{{}}', now() - make_interval(secs => 55 - n)
+             FROM generate_series(0, 40) AS n ORDER BY n"
+        )
+    };
+    client.execute(&spread("audited-"), &[]).await.unwrap();
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let checked = wait_for(
+        "a clean audit of published events",
+        Duration::from_secs(90),
+        || {
+            let clean = scrape("outboxd_audit_runs_total", "result=\"clean\"")()?;
+            let checked = scrape("outboxd_audit_checked_events", "")()?;
+            (clean >= 1.0 && checked > 0.0).then_some(checked)
+        },
+    );
+    assert!(
+        scrape("outboxd_audit_last_clean_timestamp_seconds", "")().unwrap_or_default() > 0.0,
+        "the end of the clean range is exported"
+    );
+    assert_eq!(scrape("outboxd_audit_missing_events", "")(), Some(0.0));
+
+    // More events, published, then every record of the topic deleted (DeleteRecords up to each partition's
+    // end): the audits whose window holds the new events find them missing.
+    client.execute(&spread("lost-"), &[]).await.unwrap();
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", "audit-test")
+        .create()
+        .unwrap();
+    let mut up_to = TopicPartitionList::new();
+    for partition in 0..6 {
+        let (_, high) = consumer
+            .fetch_watermarks(TOPIC, partition, Duration::from_secs(10))
+            .unwrap();
+        up_to
+            .add_partition_offset(TOPIC, partition, Offset::Offset(high))
+            .unwrap();
+    }
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .unwrap();
+    admin
+        .delete_records(&up_to, &AdminOptions::new())
+        .await
+        .unwrap();
+    let missing = wait_for(
+        "an audit that finds the missing events",
+        Duration::from_secs(90),
+        || {
+            let missing = scrape("outboxd_audit_missing_events", "")()?;
+            let findings = scrape("outboxd_audit_findings", "")()?;
+            let runs = scrape("outboxd_audit_runs_total", "result=\"findings\"")()?;
+            (missing > 0.0 && findings >= missing && runs >= 1.0).then_some(missing)
+        },
+    );
+    println!("a clean audit checked {checked} events; a later one found {missing} missing");
+}

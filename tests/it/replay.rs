@@ -319,6 +319,14 @@ async fn a_replay_killed_mid_way_resumes_with_nothing_skipped_and_at_most_one_ba
         done_at_kill < count,
         "killed mid-way ({done_at_kill} of {count})"
     );
+    // `status` names the interrupted replay and how far it got.
+    let status = run_outboxd(&["status", "--database-url", &url, "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let under_way = &status["replays"][0];
+    assert_eq!(under_way["replay_id"], replay_id.as_str(), "{status}");
+    assert_eq!(under_way["state"], "sending", "{status}");
+    assert_eq!(under_way["done"], done_at_kill, "{status}");
+    assert_eq!(under_way["to_topic"], "history.again", "{status}");
 
     let mut resume = vec!["replay"];
     resume.extend(common);
