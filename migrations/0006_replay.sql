@@ -2,6 +2,7 @@
 -- changes). {{replay_table}}: each replay's selection and progress, for --resume and `outboxd status`.
 -- {{replayed_table}}: the events a replay or a heal handed back to the polling path, so that their records carry
 -- an outboxd-replay header; a row counts only while the event's handoff_at is the one it was handed back with.
+-- published_at: when the event was first published (what `outboxd replay --cancel` puts back).
 CREATE TABLE IF NOT EXISTS {{replay_table}} (
     replay_id      text PRIMARY KEY,
     plan           text NOT NULL,
@@ -16,5 +17,6 @@ CREATE TABLE IF NOT EXISTS {{replay_table}} (
 CREATE TABLE IF NOT EXISTS {{replayed_table}} (
     event_id       uuid PRIMARY KEY,
     replay_id      text NOT NULL,
-    handed_back_at timestamptz NOT NULL
+    handed_back_at timestamptz NOT NULL,
+    published_at   timestamptz
 );

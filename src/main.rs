@@ -96,8 +96,16 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             to_topic,
             rate,
             resume,
+            cancel,
             ..
         } => {
+            if let Some(replay_id) = cancel {
+                let let_go = outboxd::replay::cancel(options.database()?, &replay_id).await?;
+                println!(
+                    "replay {replay_id} cancelled: {let_go} held event(s) count as published again"
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
             if published || resume.is_some() {
                 let plan = outboxd::replay::Plan {
                     since: optional_point_in_time("--since", since.as_deref())?,
@@ -385,11 +393,23 @@ async fn replay_published(
             id
         }
     };
-    let outcome = outboxd::replay::replay(database, kafka, plan, replay_id).await?;
+    let pipeline = outboxd::replay::Pipeline {
+        mode: options.mode.unwrap_or_default(),
+        poll_order: options.poll_order.unwrap_or_default(),
+        slot: database.slot.clone(),
+    };
+    let outcome = outboxd::replay::replay(database, kafka, pipeline, plan, replay_id).await?;
     println!(
         "replay {}: {} event(s) selected, {} republished",
         outcome.replay_id, outcome.selected, outcome.republished
     );
+    if outcome.dead > 0 {
+        eprintln!(
+            "error: {} event(s) of the replay were dead-lettered instead of republished: see `outboxd dead list`",
+            outcome.dead
+        );
+        return Ok(ExitCode::FAILURE);
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -24,7 +24,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use crate::config::{DatabaseSettings, RunSettings};
+use crate::config::{DatabaseSettings, Mode, PollOrder, RunSettings};
 use crate::error::{Error, Result};
 use crate::pg::migrate::replay_tables;
 use crate::pg::outbox::{self, EventColumns};
@@ -110,8 +110,6 @@ pub struct Progress {
 
 /// Events read and produced per batch (`--to-topic`); a `--resume` sends at most one batch again.
 const BATCH: i64 = 1_000;
-/// Event ids handed back per statement (live).
-const HAND_BACK_CHUNK: usize = 10_000;
 /// How often a replay checks the stream, the leases and the polling path while it waits.
 const CHECK_EVERY: Duration = Duration::from_millis(200);
 /// How often a long replay says how far it got.
@@ -141,15 +139,28 @@ pub fn pace(rate: Option<f64>, sent: u64, elapsed: Duration) -> Duration {
 
 /// The selection's conditions on `table` (as `e`), with its parameters from `$first` on: published rows (not
 /// those marked published before outboxd, nor dead ones) of the plan's range, and the `--where` predicate in
-/// parentheses. Pure.
-pub fn selection_sql(table: &OutboxTable, plan: &Plan, first: usize) -> String {
+/// parentheses. `handed_back`: the table of replayed events, whose rows count as published while another
+/// replay or a heal has handed them back (a replay to another topic must not skip them). Pure.
+pub fn selection_sql(
+    table: &OutboxTable,
+    plan: &Plan,
+    first: usize,
+    handed_back: Option<&str>,
+) -> String {
     let created = match table.column(Role::CreatedAt) {
         Some(column) => format!("e.\"{column}\""),
         None => "e.published_at".into(),
     };
     let p = |n: usize| format!("${}", first + n);
+    let published = match handed_back {
+        Some(replayed) => format!(
+            "(e.published_at > '-infinity' OR e.published_at IS NULL AND e.{} IN (SELECT event_id FROM {replayed}))",
+            table.col(Role::EventId)
+        ),
+        None => "e.published_at > '-infinity'".into(),
+    };
     let mut sql = format!(
-        "e.published_at IS NOT NULL AND e.published_at > '-infinity' AND e.dead_at IS NULL
+        "{published} AND e.dead_at IS NULL
          AND ({p0}::timestamptz IS NULL OR {created} >= {p0})
          AND ({p1}::timestamptz IS NULL OR {created} < {p1})
          AND ({p2}::text IS NULL OR {aggregate_type} = {p2})
@@ -191,6 +202,18 @@ fn predicate_error(plan: &Plan, error: tokio_postgres::Error) -> Error {
     }
 }
 
+/// How the pipeline that publishes the live topics runs (`--mode`, `--poll-order`, `--slot`, as `run` is
+/// given them): a replay to the live topics waits for what it has on its way.
+#[derive(Debug, Clone)]
+pub struct Pipeline {
+    /// `--mode`: under `poll` no slot is waited for.
+    pub mode: Mode,
+    /// `--poll-order`: `none` keeps no order, so a replay to the live topics is refused.
+    pub poll_order: PollOrder,
+    /// `--slot`.
+    pub slot: String,
+}
+
 /// What a replay did.
 #[derive(Debug, Default)]
 pub struct Outcome {
@@ -200,6 +223,9 @@ pub struct Outcome {
     pub selected: u64,
     /// Events republished.
     pub republished: u64,
+    /// Events handed back to the live topics that were dead-lettered instead of republished (`outboxd dead
+    /// list`).
+    pub dead: u64,
 }
 
 /// Starts the replay `plan` describes under the id `replay_id` (see [`new_replay_id`]), or, without a plan,
@@ -209,6 +235,7 @@ pub struct Outcome {
 pub async fn replay(
     database: DatabaseSettings<TableSpec>,
     kafka: Option<RunSettings<TableSpec>>,
+    pipeline: Pipeline,
     plan: Option<Plan>,
     replay_id: String,
 ) -> Result<Outcome> {
@@ -257,7 +284,10 @@ pub async fn replay(
                 ))
             }
             (None, _) => {
-                replay_live(&mut sql, &database.slot, table, &replay_id, &plan, stage).await?
+                let live =
+                    replay_live(&mut sql, &pipeline, table, &replay_id, &plan, stage).await?;
+                outcome.dead += live.2;
+                (live.0, live.1)
             }
         };
         outcome.selected += selected;
@@ -330,7 +360,14 @@ async fn load(sql: &Client, table: &OutboxTable, replay_id: &str) -> Result<Opti
     };
     let plan: Plan = serde_json::from_str(row.get(0))
         .map_err(|e| Error::bug(format!("replay {replay_id}'s plan cannot be read: {e}")))?;
-    let stage = Stage::parse(row.get(1))
+    let state: &str = row.get(1);
+    if state == "cancelled" {
+        return Err(Error::setup(
+            format!("replay {replay_id} was cancelled"),
+            "start a new replay (outboxd replay --published ...)",
+        ));
+    }
+    let stage = Stage::parse(state)
         .ok_or_else(|| Error::bug(format!("replay {replay_id} is in an unknown state")))?;
     Ok(Some((plan, stage)))
 }
@@ -369,37 +406,35 @@ async fn set_stage(
 }
 
 /// Live: hand back held, wait until nothing of theirs is on its way, release, wait until published. Returns
-/// (selected, republished).
+/// (selected, republished, dead-lettered instead).
 async fn replay_live(
     sql: &mut Client,
-    slot: &str,
+    pipeline: &Pipeline,
     table: &OutboxTable,
     replay_id: &str,
     plan: &Plan,
     mut stage: Stage,
-) -> Result<(u64, u64)> {
+) -> Result<(u64, u64, u64)> {
     let progress = replay_tables(&table.name).progress;
     if stage == Stage::HandingBack {
-        // Rows handed back by an interrupted run are no longer published, so a second selection skips them.
+        check_pipeline(sql, pipeline).await?;
+        // One transaction: an interrupted run handed back nothing, or everything it selected.
         let ids = select_ids(sql, table, plan).await?;
-        for chunk in ids.chunks(HAND_BACK_CHUNK) {
-            outbox::hand_back_published(sql, table, chunk, replay_id, true).await?;
-        }
-        let held = held_count(sql, table, replay_id).await?;
+        let handed = outbox::hand_back_published(sql, table, &ids, replay_id, true).await?;
         sql.execute(
             &format!(
                 "UPDATE {progress} SET state = $2, total = $3, stream_past = pg_current_wal_insert_lsn(),
                                        updated_at = now()
                  WHERE replay_id = $1"
             ),
-            &[&replay_id, &Stage::Held.as_str(), &held],
+            &[&replay_id, &Stage::Held.as_str(), &(handed as i64)],
         )
         .await?;
-        tracing::info!(replay = %replay_id, table = %table.name, events = held, "handed back, held until nothing of their aggregates is on its way");
+        tracing::info!(replay = %replay_id, table = %table.name, events = handed, "handed back, held until nothing of their aggregates is on its way");
         stage = Stage::Held;
     }
     if stage == Stage::Held {
-        wait_until_nothing_on_its_way(sql, slot, table, replay_id).await?;
+        wait_until_nothing_on_its_way(sql, pipeline, table, replay_id).await?;
         let released = outbox::release_replay(sql, table, replay_id, plan.rate).await?;
         set_stage(sql, table, replay_id, Stage::Released, None).await?;
         tracing::info!(replay = %replay_id, table = %table.name, events = released, "released to the polling path");
@@ -415,13 +450,13 @@ async fn replay_live(
     if stage == Stage::Released {
         let mut last_progress = Instant::now();
         loop {
-            let waiting = waiting_count(sql, table, replay_id).await?;
-            let done = (total - waiting).max(0);
+            check_not_cancelled(sql, table, replay_id).await?;
+            let waiting = replay_rows(sql, table, replay_id, "o.dead_at IS NULL").await?;
             if waiting == 0 {
-                set_stage(sql, table, replay_id, Stage::Done, Some((total, total))).await?;
                 break;
             }
             if last_progress.elapsed() >= PROGRESS_EVERY {
+                let done = (total - waiting).max(0);
                 set_stage(sql, table, replay_id, Stage::Released, Some((total, done))).await?;
                 tracing::info!(replay = %replay_id, table = %table.name, done, total, "republishing through the polling path");
                 last_progress = Instant::now();
@@ -429,7 +464,58 @@ async fn replay_live(
             tokio::time::sleep(CHECK_EVERY).await;
         }
     }
-    Ok((total as u64, total as u64))
+    // Dead-lettered on the way (refused for good): not republished, and named.
+    let dead = replay_rows(sql, table, replay_id, "o.dead_at IS NOT NULL").await?;
+    set_stage(
+        sql,
+        table,
+        replay_id,
+        Stage::Done,
+        Some((total, total - dead)),
+    )
+    .await?;
+    if dead > 0 {
+        tracing::error!(replay = %replay_id, table = %table.name, dead, "events of the replay were dead-lettered instead of republished: see `outboxd dead list`");
+    }
+    Ok((total as u64, (total - dead) as u64, dead as u64))
+}
+
+/// A replay to the live topics keeps each aggregate's order only where the pipeline does, and waits for the
+/// slot `run` streams: refuses `--poll-order none`, and a `--slot` this database lacks while it has other
+/// logical slots (a replay given another `--slot` than `run` would not wait for the stream at all).
+async fn check_pipeline(sql: &Client, pipeline: &Pipeline) -> Result<()> {
+    if pipeline.poll_order == PollOrder::None {
+        return Err(Error::setup(
+            "--poll-order none keeps no order in the polling path, so a replay to the live topics could put live events between an aggregate's replayed ones",
+            "replay to another topic (--to-topic), or run with --poll-order per-aggregate",
+        ));
+    }
+    if pipeline.mode == Mode::Poll {
+        return Ok(());
+    }
+    let others: Vec<String> = sql
+        .query(
+            "SELECT slot_name::text FROM pg_replication_slots
+             WHERE database = current_database() AND slot_type = 'logical'
+               AND NOT EXISTS (SELECT 1 FROM pg_replication_slots s WHERE s.slot_name = $1
+                               AND s.database = current_database() AND s.slot_type = 'logical')",
+            &[&pipeline.slot],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if !others.is_empty() {
+        return Err(Error::setup(
+            format!(
+                "no logical slot named {} in this database, but {} exist: a replay to the live topics waits for the slot outboxd streams",
+                pipeline.slot,
+                others.join(", ")
+            ),
+            "give replay the --slot `outboxd run` has (or --mode poll where outboxd only polls)",
+        ));
+    }
+    Ok(())
 }
 
 /// The event ids of the selection, in their order, read in a read-only transaction.
@@ -439,7 +525,7 @@ async fn select_ids(sql: &mut Client, table: &OutboxTable, plan: &Plan) -> Resul
          ORDER BY e.position NULLS FIRST, e.{id}",
         id = table.col(Role::EventId),
         t = table.name.quoted(),
-        selection = selection_sql(table, plan, 1),
+        selection = selection_sql(table, plan, 1, None),
     );
     let tx = sql.build_transaction().read_only(true).start().await?;
     let rows = tx
@@ -450,15 +536,12 @@ async fn select_ids(sql: &mut Client, table: &OutboxTable, plan: &Plan) -> Resul
     Ok(rows.iter().map(|row| row.get(0)).collect())
 }
 
-/// Held rows of the replay, and (`waiting_count`) rows of it the polling path has not yet published.
-async fn held_count(sql: &Client, table: &OutboxTable, replay_id: &str) -> Result<i64> {
-    replay_rows(sql, table, replay_id, "o.available_at = 'infinity'").await
+/// Fails once `outboxd replay --cancel` gave the replay up (a replay still waiting stops then).
+async fn check_not_cancelled(sql: &Client, table: &OutboxTable, replay_id: &str) -> Result<()> {
+    load(sql, table, replay_id).await.map(|_| ())
 }
 
-async fn waiting_count(sql: &Client, table: &OutboxTable, replay_id: &str) -> Result<i64> {
-    replay_rows(sql, table, replay_id, "true").await
-}
-
+/// Rows of the replay still unpublished (with `condition` on the outbox row `o`).
 async fn replay_rows(
     sql: &Client,
     table: &OutboxTable,
@@ -470,7 +553,7 @@ async fn replay_rows(
             &format!(
                 "SELECT count(*) FROM {replayed} r JOIN {t} o ON o.{id} = r.event_id
                  WHERE r.replay_id = $1 AND o.handoff_at = r.handed_back_at AND o.published_at IS NULL
-                   AND o.dead_at IS NULL AND {condition}",
+                   AND {condition}",
                 replayed = replay_tables(&table.name).replayed,
                 t = table.name.quoted(),
                 id = table.col(Role::EventId),
@@ -486,18 +569,22 @@ async fn replay_rows(
 /// event of theirs waits behind the held ones.
 async fn wait_until_nothing_on_its_way(
     sql: &Client,
-    slot: &str,
+    pipeline: &Pipeline,
     table: &OutboxTable,
     replay_id: &str,
 ) -> Result<()> {
+    let slot = pipeline.slot.as_str();
     let progress = replay_tables(&table.name).progress;
     let replayed = replay_tables(&table.name).replayed;
     let t = table.name.quoted();
     let id = table.col(Role::EventId);
     let aggregate = table.aggregate_key();
     let stream = format!(
-        "SELECT s.confirmed_flush_lsn >= p.stream_past, s.active, s.confirmed_flush_lsn::text, p.stream_past::text
-         FROM {progress} p, pg_replication_slots s WHERE p.replay_id = $1 AND s.slot_name = $2"
+        "SELECT coalesce(s.confirmed_flush_lsn >= p.stream_past, false), s.active, s.confirmed_flush_lsn::text,
+                p.stream_past::text
+         FROM {progress} p, pg_replication_slots s
+         WHERE p.replay_id = $1 AND s.slot_name = $2 AND s.database = current_database()
+           AND s.slot_type = 'logical'"
     );
     let leases = format!(
         "WITH held AS (
@@ -509,7 +596,12 @@ async fn wait_until_nothing_on_its_way(
     );
     let mut last_said = Instant::now();
     loop {
-        let stream_state = sql.query_opt(&stream, &[&replay_id, &slot]).await?;
+        check_not_cancelled(sql, table, replay_id).await?;
+        let stream_state = if pipeline.mode == Mode::Poll {
+            None
+        } else {
+            sql.query_opt(&stream, &[&replay_id, &slot]).await?
+        };
         let stream_passed = stream_state.as_ref().is_none_or(|row| row.get(0));
         let leased: i64 = if stream_passed {
             sql.query_one(&leases, &[&replay_id]).await?.get(0)
@@ -577,7 +669,7 @@ async fn send_to_topic(
          ORDER BY {key} LIMIT $3",
         columns = EventColumns::select_list(table, "$4::text"),
         t = table.name.quoted(),
-        selection = selection_sql(table, plan, 5),
+        selection = selection_sql(table, plan, 5, Some(&replay_tables(&table.name).replayed)),
     );
     let columns = EventColumns::of(table);
     let (deliveries_tx, mut deliveries) = tokio::sync::mpsc::unbounded_channel::<Delivery<u64>>();
@@ -605,6 +697,20 @@ async fn send_to_topic(
         for row in &rows {
             let (position, _, claimed) = columns.claimed_row(row)?;
             batch.push((position.unwrap_or(i64::MIN), claimed));
+        }
+        for (_, claimed) in &batch {
+            let event = &claimed.event;
+            let live = settings.topic.render(
+                &table.name,
+                event.aggregate_type.as_deref().unwrap_or_default(),
+                event.event_type.as_deref().unwrap_or_default(),
+            );
+            if live == topic {
+                return Err(Error::setup(
+                    format!("--to-topic {topic} is where event {} is published live: a replay to it would go around the per-aggregate gate", claimed.event_id),
+                    "leave out --to-topic to replay to the live topics (through the gate), or give another topic",
+                ));
+            }
         }
         for (n, (_, claimed)) in batch.iter().enumerate() {
             let wait = pace(plan.rate, sent_this_run, started.elapsed());
@@ -702,6 +808,42 @@ fn replay_stopped(replay_id: &str, error: Error) -> Error {
     )
 }
 
+/// `outboxd replay --cancel`: a replay to the live topics that has not released its events yet lets them go
+/// (they count as published again, as before it); one to another topic stops where it got. Returns the
+/// events let go; fails when no table has a replay of that id.
+pub async fn cancel(database: DatabaseSettings<TableSpec>, replay_id: &str) -> Result<u64> {
+    let sql = crate::pg::connect(&database.database_url).await?;
+    let tables = crate::pg::slot::inspect_all(&sql, &database.tables).await?;
+    let mut found = false;
+    let mut let_go = 0;
+    for table in tables.iter().filter(|t| t.polling) {
+        check_replay_tables(&sql, table).await?;
+        let Some((_, stage)) = load(&sql, table, replay_id).await? else {
+            continue;
+        };
+        found = true;
+        if stage == Stage::Done {
+            continue;
+        }
+        let_go += outbox::cancel_replay(&sql, table, replay_id).await?;
+        sql.execute(
+            &format!(
+                "UPDATE {} SET state = 'cancelled', updated_at = now() WHERE replay_id = $1",
+                replay_tables(&table.name).progress
+            ),
+            &[&replay_id],
+        )
+        .await?;
+    }
+    if !found {
+        return Err(Error::setup(
+            format!("no replay has the id {replay_id}"),
+            "give --cancel the id a replay printed (outboxd status lists the replays under way)",
+        ));
+    }
+    Ok(let_go)
+}
+
 /// Every replay of `tables` not yet done, for `outboxd status`.
 pub async fn under_way(sql: &Client, tables: &[OutboxTable]) -> Result<Vec<Progress>> {
     let mut found = Vec::new();
@@ -717,7 +859,8 @@ pub async fn under_way(sql: &Client, tables: &[OutboxTable]) -> Result<Vec<Progr
         for row in sql
             .query(
                 &format!(
-                    "SELECT replay_id, state, total, done, plan FROM {} WHERE state <> 'done' ORDER BY started_at",
+                    "SELECT replay_id, state, total, done, plan FROM {} WHERE state NOT IN ('done', 'cancelled')
+                     ORDER BY started_at",
                     names.progress
                 ),
                 &[],
@@ -771,7 +914,7 @@ mod tests {
             predicate: Some("payload->>'currency' = 'EUR'".into()),
             ..Plan::default()
         };
-        let sql = selection_sql(&table, &plan, 4);
+        let sql = selection_sql(&table, &plan, 4, None);
         assert!(sql.contains("$4::timestamptz IS NULL"), "{sql}");
         assert!(sql.contains("$8::text IS NULL"), "{sql}");
         assert!(
@@ -779,7 +922,9 @@ mod tests {
                 .ends_with("AND (payload->>'currency' = 'EUR')"),
             "{sql}"
         );
-        assert!(!selection_sql(&table, &Plan::default(), 1).contains("AND ()"));
+        assert!(!selection_sql(&table, &Plan::default(), 1, None).contains("AND ()"));
+        let with = selection_sql(&table, &Plan::default(), 1, Some("r"));
+        assert!(with.contains("IN (SELECT event_id FROM r)"), "{with}");
     }
 
     #[test]

@@ -52,6 +52,10 @@ pub struct Range {
     pub read_since: Option<SystemTime>,
 }
 
+/// The start of a heal's id in the `outboxd-replay` header: a healed copy makes its event present (it was
+/// missing), while a replay's copy (`replay-...`) does not (a replay republishes what the topic had).
+pub const HEAL_PREFIX: &str = "heal-";
+
 /// How long a metadata or watermark request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// A topic read that gets no record for this long, short of its end, fails the audit.
@@ -114,10 +118,8 @@ pub async fn audit(
     };
     compare(&sql, &db.tables, &mut summary, &mut report).await?;
     if range.heal {
-        let heal_id = format!(
-            "heal-{}",
-            humantime::format_rfc3339_seconds(SystemTime::now())
-        );
+        let replay_id = crate::replay::new_replay_id(SystemTime::now());
+        let heal_id = replay_id.replacen("replay-", HEAL_PREFIX, 1);
         for (index, table) in db.tables.iter().enumerate() {
             summary.healed += heal(&mut sql, index, table, &heal_id).await?;
         }
@@ -512,13 +514,15 @@ async fn compare(
     report: &mut impl FnMut(Finding) -> Result<()>,
 ) -> Result<()> {
     summary.checked = count(sql, "SELECT count(*) FROM outboxd_audit_expected").await?;
-    sql.batch_execute(
+    // Present: a copy outboxd published, or a heal's; a replay's copy alone does not make up for a loss.
+    sql.batch_execute(&format!(
         "CREATE TEMP TABLE outboxd_audit_absent AS
          SELECT e.tbl, e.event_id, e.topic, e.aggregate_id, t.partitions, t.retention_ms IS NOT NULL
                 AND e.published_at < now() - t.retention_ms * interval '1 millisecond' AS expired
          FROM outboxd_audit_expected e JOIN outboxd_audit_topic t USING (topic)
-         WHERE NOT EXISTS (SELECT FROM outboxd_audit_record r WHERE r.event_id = e.event_id)",
-    )
+         WHERE NOT EXISTS (SELECT FROM outboxd_audit_record r WHERE r.event_id = e.event_id
+                           AND (r.replay_id IS NULL OR starts_with(r.replay_id, '{HEAL_PREFIX}')))"
+    ))
     .await?;
     // Old enough for the topic's retention to have taken it is not enough: the broker must have removed
     // records from the partition its key hashes to (its first offset past 0). An old event absent from a

@@ -80,6 +80,10 @@ pub enum Command {
         /// Go on with an interrupted replay of published events (its id, as printed and in `outboxd status`).
         #[arg(long, value_name = "REPLAY_ID")]
         resume: Option<String>,
+        /// Give up a replay of published events: the events it still holds count as published again, as
+        /// before it (those it released or sent stay republished).
+        #[arg(long, value_name = "REPLAY_ID", conflicts_with = "resume")]
+        cancel: Option<String>,
     },
     /// Check everything `run` needs of PostgreSQL and Kafka, and what would hurt it, each with its fix (reads
     /// only). Exit code 0: ok, 1: warnings, 2: a check failed, 3: a check could not be made.

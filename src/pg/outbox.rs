@@ -567,21 +567,22 @@ pub async fn number_rows_without_position(
 /// An aggregate: (aggregate_type, aggregate_id).
 pub type AggregateKey = (String, String);
 
-/// Aggregates with handed-off rows still waiting for the polling path. The CDC path must not publish their
-/// later events ahead of them. At most `limit + 1` (more than `limit` means "too many to track").
+/// Aggregates with handed-off rows still waiting for the polling path, each with whether some of them are
+/// held by a replay (see [`HandOffNotice::held`]). The CDC path must not publish their later events ahead of
+/// them. At most `limit + 1` (more than `limit` means "too many to track").
 pub async fn aggregates_pending_hand_off(
     client: &Client,
     table: &OutboxTable,
     limit: usize,
-) -> Result<std::collections::HashSet<AggregateKey>> {
+) -> Result<std::collections::HashMap<AggregateKey, bool>> {
     let rows = client
         .query(
             &format!(
                 // NULLs (nullable columns of a fitted table) read as '', as the CDC path keys such rows;
                 // the polling path dead-letters them.
-                "SELECT DISTINCT coalesce({}, ''), coalesce({}::text, '') FROM {}
+                "SELECT coalesce({0}, ''), coalesce({1}::text, ''), bool_or(available_at = 'infinity') FROM {2}
                  WHERE handoff_at IS NOT NULL AND published_at IS NULL AND dead_at IS NULL
-                 LIMIT $1",
+                 GROUP BY 1, 2 LIMIT $1",
                 table.text_expr(Role::AggregateType, "''::text"),
                 table.col(Role::AggregateId),
                 table.name.quoted()
@@ -589,7 +590,10 @@ pub async fn aggregates_pending_hand_off(
             &[&(limit as i64 + 1)],
         )
         .await?;
-    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(rows
+        .iter()
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .collect())
 }
 
 /// Whether transaction `xid` is still running on the server. A commit is on disk (and decoded) before it
@@ -1505,6 +1509,11 @@ pub struct HandOffNotice {
     pub aggregate_type: String,
     /// As the polling path names it ('' for NULL).
     pub aggregate_id: String,
+    /// The aggregate's rows are held (`outboxd replay --published`: not claimable until the stream passed
+    /// the hand-back): its later events must go to the polling path, never wait in memory for a release that
+    /// waits for the stream. Absent in notices of earlier versions.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub held: bool,
 }
 
 /// Prefix of the logical decoding message outboxd writes in the transaction of each hand-off from the CDC
@@ -1599,7 +1608,7 @@ pub async fn replay_dead(
             .await?
         }
     };
-    notify_hand_offs(&tx, table, &rows).await?;
+    notify_hand_offs(&tx, table, &rows, false).await?;
     tx.commit().await?;
     Ok(rows.len() as u64)
 }
@@ -1648,38 +1657,73 @@ pub async fn hand_back_published(
     let aggregate = aggregate_of_row(table);
     let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
     let tx = client.transaction().await?;
-    let rows = tx
-        .query(
-            &format!(
-                "UPDATE {t} SET published_at = NULL, attempts = 0, last_error = NULL,
-                                available_at = CASE WHEN $2 THEN 'infinity' ELSE now() END,
-                                lease_token = NULL, lease_until = NULL, handoff_at = now()
-                 WHERE {id} = ANY($1) AND published_at IS NOT NULL AND dead_at IS NULL
-                 RETURNING {aggregate}, {id}"
-            ),
-            &[&event_ids, &held],
-        )
-        .await?;
     let tagged: bool = tx
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&replayed])
         .await?
         .get(0);
-    if tagged {
-        let ids: Vec<Uuid> = rows.iter().map(|row| row.get(2)).collect();
-        tx.execute(
-            &format!(
-                "INSERT INTO {replayed} (event_id, replay_id, handed_back_at)
-                 SELECT unnest($1::uuid[]), $2, now()
-                 ON CONFLICT (event_id) DO UPDATE SET replay_id = excluded.replay_id,
-                                                      handed_back_at = excluded.handed_back_at"
-            ),
-            &[&ids, &replay_id],
-        )
-        .await?;
+    let mut rows = Vec::new();
+    // One transaction, however many: a replay's aggregates are handed back whole, and its notices all come
+    // before any later event of theirs.
+    for chunk in event_ids.chunks(HAND_BACK_CHUNK) {
+        let handed = tx
+            .query(
+                &format!(
+                    "WITH before AS (
+                         SELECT {id} AS event_id, published_at FROM {t}
+                         WHERE {id} = ANY($1) AND published_at IS NOT NULL AND dead_at IS NULL FOR UPDATE)
+                     UPDATE {t} e SET published_at = NULL, attempts = 0, last_error = NULL,
+                                    available_at = CASE WHEN $2 THEN 'infinity' ELSE now() END,
+                                    lease_token = NULL, lease_until = NULL, handoff_at = now()
+                     FROM before WHERE e.{id} = before.event_id
+                     RETURNING {aggregate}, e.{id}, before.published_at"
+                ),
+                &[&chunk, &held],
+            )
+            .await?;
+        if tagged {
+            let ids: Vec<Uuid> = handed.iter().map(|row| row.get(2)).collect();
+            let first_published: Vec<Option<std::time::SystemTime>> =
+                handed.iter().map(|row| row.get(3)).collect();
+            tx.execute(
+                &format!(
+                    "INSERT INTO {replayed} (event_id, replay_id, handed_back_at, published_at)
+                     SELECT id, $2, now(), at FROM unnest($1::uuid[], $3::timestamptz[]) AS u(id, at)
+                     ON CONFLICT (event_id) DO UPDATE SET replay_id = excluded.replay_id,
+                                                          handed_back_at = excluded.handed_back_at,
+                                                          published_at = excluded.published_at"
+                ),
+                &[&ids, &replay_id, &first_published],
+            )
+            .await?;
+        }
+        rows.extend(handed);
     }
-    notify_hand_offs(&tx, table, &rows).await?;
+    notify_hand_offs(&tx, table, &rows, held).await?;
     tx.commit().await?;
     Ok(rows.len() as u64)
+}
+
+/// Event ids a hand-back names per statement (all in one transaction).
+const HAND_BACK_CHUNK: usize = 10_000;
+
+/// `outboxd replay --cancel`: the events `replay_id` still holds (handed back, not yet released) count as
+/// published again, as they were before it. Returns how many.
+pub async fn cancel_replay(client: &Client, table: &OutboxTable, replay_id: &str) -> Result<u64> {
+    let t = table.name.quoted();
+    let id = table.col(Role::EventId);
+    let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
+    Ok(client
+        .execute(
+            &format!(
+                "UPDATE {t} e SET published_at = coalesce(r.published_at, now()), available_at = now(),
+                                handoff_at = NULL
+                 FROM {replayed} r
+                 WHERE r.replay_id = $1 AND e.{id} = r.event_id AND e.handoff_at = r.handed_back_at
+                   AND e.available_at = 'infinity' AND e.published_at IS NULL AND e.dead_at IS NULL"
+            ),
+            &[&replay_id],
+        )
+        .await?)
 }
 
 /// Makes the events `replay_id` handed back held ([`hand_back_published`]) claimable: at once, or `rate` per
@@ -1698,7 +1742,7 @@ pub async fn release_replay(
         .execute(
             &format!(
                 "UPDATE {t} e SET available_at = now() + make_interval(secs => (held.n - 1) / $2::float8)
-                 FROM (SELECT r.event_id, row_number() OVER (ORDER BY o.position) AS n
+                 FROM (SELECT r.event_id, row_number() OVER (ORDER BY o.position NULLS FIRST, r.event_id) AS n
                        FROM {replayed} r JOIN {t} o ON o.{id} = r.event_id
                        WHERE r.replay_id = $1 AND o.handoff_at = r.handed_back_at
                          AND o.available_at = 'infinity' AND o.published_at IS NULL) AS held
@@ -1726,6 +1770,7 @@ async fn notify_hand_offs(
     tx: &tokio_postgres::Transaction<'_>,
     table: &OutboxTable,
     rows: &[tokio_postgres::Row],
+    held: bool,
 ) -> Result<()> {
     let logical: bool = tx
         .query_one("SELECT current_setting('wal_level') = 'logical'", &[])
@@ -1741,6 +1786,7 @@ async fn notify_hand_offs(
             table: table.name.to_string(),
             aggregate_type,
             aggregate_id,
+            held,
         };
         let content = serde_json::to_string(&notice).map_err(|error| {
             crate::error::Error::bug(format!("cannot write a hand-off notice: {error}"))

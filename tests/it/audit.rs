@@ -415,6 +415,28 @@ async fn audit_names_reordered_misplaced_and_duplicated_events() {
     send(first, home);
     send(misplaced, home);
     send(misplaced, elsewhere);
+    // A replay's copy of the missing event (`outboxd-replay: replay-...`) does not make up for the loss: live
+    // consumers never had it in its place.
+    let id = missing.to_string();
+    let headers = rdkafka::message::OwnedHeaders::new()
+        .insert(rdkafka::message::Header {
+            key: "event_id",
+            value: Some(id.as_bytes()),
+        })
+        .insert(rdkafka::message::Header {
+            key: "outboxd-replay",
+            value: Some("replay-20261207T000000Z-abcdef".as_bytes()),
+        });
+    producer
+        .send(
+            BaseRecord::to(TOPIC)
+                .key("by-hand")
+                .payload("{}")
+                .partition(home)
+                .headers(headers),
+        )
+        .unwrap();
+    producer.flush(Duration::from_secs(10)).unwrap();
 
     let details = scratch_dir("audit").join("details.jsonl");
     let (code, found) = audit(&url, &brokers, &details);

@@ -267,6 +267,91 @@ async fn a_replay_to_the_live_topic_lets_no_live_event_between_an_aggregates_rep
         "live events between replayed ones: {interleaved:?}"
     );
     println!("replayed {selected} events to the live topic next to live writes; none interleaved");
+
+    // What would let live events between replayed ones is refused, each with its fix.
+    for (extra, says) in [
+        (
+            vec!["--to-topic", TOPIC, "--brokers", brokers.as_str()],
+            "around the per-aggregate gate",
+        ),
+        (
+            vec!["--slot", "elsewhere"],
+            "no logical slot named elsewhere",
+        ),
+        (
+            vec!["--poll-order", "none"],
+            "--poll-order none keeps no order",
+        ),
+    ] {
+        let mut args = vec!["replay", "--database-url", url.as_str(), "--published"];
+        args.extend(extra);
+        let output = run_outboxd(&args);
+        assert!(!output.status.success(), "{args:?} was accepted");
+        assert!(
+            stderr_of(&output).contains(says),
+            "{args:?}: {}",
+            stderr_of(&output)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_waiting_for_the_stream_can_be_cancelled_and_its_events_count_as_published_again()
+{
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    insert_events(&mut client, 0, 10, 3, 4, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    outboxd.kill();
+
+    // No outboxd streams the slot: the replay holds the events and waits for the stream.
+    let mut replay = Outboxd::spawn(&["replay", "--database-url", &url, "--published"]);
+    let (replay_id, held): (String, i64) = wait_for_async(
+        "the replay holding its events",
+        Duration::from_secs(60),
+        || async {
+            client
+                .query_opt(
+                    "SELECT replay_id, total FROM outbox_event_replay WHERE state = 'held'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .map(|row| (row.get(0), row.get(1)))
+        },
+    )
+    .await;
+    assert_eq!(unpublished(&client).await, held);
+    let status = run_outboxd(&["status", "--database-url", &url, "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(status["replays"][0]["state"], "held", "{status}");
+
+    let output = run_outboxd(&["replay", "--database-url", &url, "--cancel", &replay_id]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    assert_eq!(
+        unpublished(&client).await,
+        0,
+        "the held events count as published again"
+    );
+    let stopped = replay.wait_exit();
+    assert!(!stopped.success(), "the waiting replay stops");
+    assert!(
+        replay.log_text().contains("was cancelled"),
+        "{}",
+        replay.log_text()
+    );
+    let status = run_outboxd(&["status", "--database-url", &url, "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(status["replays"], serde_json::json!([]), "{status}");
+    let resumed = run_outboxd(&["replay", "--database-url", &url, "--resume", &replay_id]);
+    assert!(
+        stderr_of(&resumed).contains("was cancelled"),
+        "{}",
+        stderr_of(&resumed)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -328,6 +413,29 @@ async fn a_replay_killed_mid_way_resumes_with_nothing_skipped_and_at_most_one_ba
     assert_eq!(under_way["done"], done_at_kill, "{status}");
     assert_eq!(under_way["to_topic"], "history.again", "{status}");
 
+    // Meanwhile a replay to the live topics hands an aggregate's events back (`--mode poll`: outboxd is
+    // stopped, and nothing publishes them): a replay to another topic must not skip them for being unpublished.
+    let mut live = vec!["replay", "--database-url", url.as_str(), "--mode", "poll"];
+    live.extend(["--published", "--aggregate-id", "history-7"]);
+    let mut live = Outboxd::spawn(&live);
+    let handed_back: i64 = wait_for_async(
+        "the live replay released",
+        Duration::from_secs(60),
+        || async {
+            client
+                .query_opt(
+                    "SELECT total FROM outbox_event_replay WHERE state = 'released'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .map(|row| row.get(0))
+        },
+    )
+    .await;
+    assert!(handed_back > 0);
+    assert_eq!(unpublished(&client).await, handed_back);
+
     let mut resume = vec!["replay"];
     resume.extend(common);
     resume.extend(["--resume", replay_id.as_str()]);
@@ -339,6 +447,7 @@ async fn a_replay_killed_mid_way_resumes_with_nothing_skipped_and_at_most_one_ba
     .await
     .unwrap();
     assert!(output.status.success(), "{}", stderr_of(&output));
+    live.kill();
 
     let records = consume_all(
         &brokers,
@@ -350,7 +459,11 @@ async fn a_replay_killed_mid_way_resumes_with_nothing_skipped_and_at_most_one_ba
         .iter()
         .map(|r| r.headers["event_id"].as_str())
         .collect();
-    assert_eq!(ids.len(), count as usize, "nothing skipped");
+    assert_eq!(
+        ids.len(),
+        count as usize,
+        "nothing skipped (not the events handed back meanwhile either)"
+    );
     let again = records.len() - ids.len();
     assert!(
         again <= 1_000,

@@ -507,8 +507,12 @@ async fn blocked_aggregates(
             gate.hold_table(index);
             continue;
         }
-        for aggregate in pending {
-            gate.block((index, aggregate));
+        for (aggregate, held) in pending {
+            if held {
+                gate.block_handing_off((index, aggregate));
+            } else {
+                gate.block((index, aggregate));
+            }
         }
     }
     Ok(gate)

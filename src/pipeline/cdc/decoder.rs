@@ -62,6 +62,8 @@ pub enum Decoded {
     WaitsInPollingPath {
         table: usize,
         aggregate: AggregateKey,
+        /// A replay holds the aggregate's rows (see `HandOffNotice::held`): its later events hand off.
+        held: bool,
         /// The transaction that says so: until it has ended on the server, what it wrote may not be visible
         /// yet (a commit waiting for a synchronous standby is decoded before it is visible).
         xid: u32,
@@ -278,6 +280,7 @@ impl TransactionDecoder {
             Some(table) if self.can_hand_off[table] => Decoded::WaitsInPollingPath {
                 table,
                 aggregate: (notice.aggregate_type, notice.aggregate_id),
+                held: notice.held,
                 xid: self.current.map_or(0, |current| current.xid),
             },
             _ => Decoded::Nothing,
@@ -343,6 +346,7 @@ impl TransactionDecoder {
             return Ok(Decoded::WaitsInPollingPath {
                 table,
                 aggregate: mapping.aggregate_key(&insert),
+                held: false,
                 xid: current.xid,
             });
         }

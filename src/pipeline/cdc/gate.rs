@@ -85,6 +85,18 @@ impl<T> AggregateGate<T> {
         }
     }
 
+    /// `aggregate`'s rows in the polling path are held by a replay until the stream has passed them: its later
+    /// events go to the polling path from now on, never parked (a parked event would keep the stream from
+    /// passing them, and the release waits for that). Returns its parked events, to hand off first.
+    pub fn block_handing_off(&mut self, aggregate: GateKey) -> Vec<T> {
+        if self.held_tables.contains(&aggregate.0) {
+            return Vec::new();
+        }
+        let parked = self.take_parked_of(&aggregate);
+        self.blocked.insert(aggregate, Blocked::HANDING_OFF);
+        parked
+    }
+
     /// Every event of `table` goes to the polling path until [`Self::release_table`].
     pub fn hold_table(&mut self, table: usize) {
         self.held_tables.insert(table);
@@ -182,11 +194,20 @@ impl<T> AggregateGate<T> {
         self.held_tables.iter().copied().collect()
     }
 
-    /// A held table whose waiting aggregates (`pending`, complete) are few enough is tracked one by one.
-    pub fn release_table(&mut self, table: usize, pending: impl IntoIterator<Item = AggregateKey>) {
+    /// A held table whose waiting aggregates (`pending`, complete, each with whether a replay holds its
+    /// rows) are few enough is tracked one by one.
+    pub fn release_table(
+        &mut self,
+        table: usize,
+        pending: impl IntoIterator<Item = (AggregateKey, bool)>,
+    ) {
         self.held_tables.remove(&table);
-        for aggregate in pending {
-            self.block((table, aggregate));
+        for (aggregate, held) in pending {
+            if held {
+                self.block_handing_off((table, aggregate));
+            } else {
+                self.block((table, aggregate));
+            }
         }
     }
 
@@ -359,7 +380,8 @@ mod tests {
                 .collect();
             let mut released = HashSet::new();
             for table in self.gate.held_tables() {
-                let waiting: Vec<AggregateKey> = pending.iter().map(|(_, a)| a.clone()).collect();
+                let waiting: Vec<(AggregateKey, bool)> =
+                    pending.iter().map(|(_, a)| (a.clone(), false)).collect();
                 self.gate.release_table(table, waiting);
                 released.insert(table);
             }
@@ -506,8 +528,32 @@ mod tests {
             Admission::HandOff(vec![10])
         );
         assert_eq!(gate.admit(1, 11, |_| aggregate(1)), Admission::Publish(11));
-        gate.release_table(0, vec![aggregate(1)]);
+        gate.release_table(0, vec![(aggregate(1), false), (aggregate(3), true)]);
         assert_eq!(gate.admit(0, 12, |_| aggregate(1)), Admission::Parked);
         assert_eq!(gate.admit(0, 13, |_| aggregate(2)), Admission::Publish(13));
+        assert_eq!(
+            gate.admit(0, 14, |_| aggregate(3)),
+            Admission::HandOff(vec![14])
+        );
+    }
+
+    #[test]
+    fn an_aggregate_a_replay_holds_hands_its_later_events_off_instead_of_parking_them() {
+        let mut gate = AggregateGate::new(8);
+        gate.block((0, aggregate(1)));
+        assert_eq!(gate.admit(0, 10, |_| aggregate(1)), Admission::Parked);
+        // Held by a replay: what was parked goes first, and nothing parks from now on (a parked event would
+        // keep the stream from passing the hand-back the release waits for).
+        assert_eq!(gate.block_handing_off((0, aggregate(1))), vec![10]);
+        assert_eq!(
+            gate.admit(0, 11, |_| aggregate(1)),
+            Admission::HandOff(vec![11])
+        );
+        assert!(gate.block_handing_off((0, aggregate(2))).is_empty());
+        assert_eq!(
+            gate.admit(0, 12, |_| aggregate(2)),
+            Admission::HandOff(vec![12])
+        );
+        assert_eq!(gate.admit(0, 13, |_| aggregate(3)), Admission::Publish(13));
     }
 }

@@ -629,6 +629,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             Decoded::WaitsInPollingPath {
                 table,
                 aggregate,
+                held,
                 xid,
             } => {
                 // Re-queued by `outboxd replay` (its UPDATE committed with the notice): later events of its
@@ -644,12 +645,12 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
                 if running {
                     self.awaiting_visibility
                         .push((xid, (table, aggregate.clone())));
-                    self.block_met_in_stream((table, aggregate));
+                    self.block_met_in_stream((table, aggregate), held)?;
                     return Ok(());
                 }
                 self.ended_xid = Some(xid);
                 if outbox::aggregate_pending_hand_off(&self.sql, outbox_table, &aggregate).await? {
-                    self.block_met_in_stream((table, aggregate));
+                    self.block_met_in_stream((table, aggregate), held)?;
                 } else {
                     tracing::debug!(table = %outbox_table.name, "a hand-off notice for an aggregate with nothing waiting in the polling path: ignored");
                 }
@@ -861,7 +862,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
     /// and found handed off): its later events wait behind it. Should an earlier event of it still be on its
     /// way (it could fail and come back from the slot after them), the session ends instead, and the next
     /// one hands the aggregate to the polling path from its start.
-    fn block_met_in_stream(&mut self, aggregate: GateKey) {
+    fn block_met_in_stream(&mut self, aggregate: GateKey, held: bool) -> Result<()> {
         if self
             .outstanding
             .values()
@@ -872,9 +873,13 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             self.give_up(
                 "an aggregate with events on their way to Kafka waits in the polling path".into(),
             );
+        } else if held {
+            let parked = self.gate.block_handing_off(aggregate);
+            self.hand_off_blocked(parked)?;
         } else {
             self.gate.block(aggregate);
         }
+        Ok(())
     }
 
     /// `event_id` of `aggregate` goes to the polling path when the slot sends it again (see `owed`).
@@ -1045,7 +1050,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             if aggregates.len() > MAX_TRACKED_BLOCKED {
                 cut.insert(table);
             }
-            pending.extend(aggregates.into_iter().map(|aggregate| (table, aggregate)));
+            pending.extend(aggregates.into_keys().map(|aggregate| (table, aggregate)));
         }
         // Aggregates with events owed to the polling path stay blocked until the slot sent those again.
         pending.extend(self.memory.owed.aggregates().cloned());
@@ -1106,7 +1111,7 @@ impl<S: Sink<CdcTag>> Session<'_, S> {
             if state == Some(RowState::WaitingInPollingPath) {
                 // Handed off by an earlier session or leader, possibly after this session read the
                 // aggregates waiting in the polling path: its aggregate's later events wait behind it.
-                self.block_met_in_stream((pending.tag.table, aggregate_of(&pending.event)));
+                self.block_met_in_stream((pending.tag.table, aggregate_of(&pending.event)), false)?;
             }
             if state == Some(RowState::WaitingInPollingPath) {
                 self.memory.owed.met(&pending.event_id);
