@@ -262,6 +262,11 @@ pub async fn replay(
                 } else {
                     Stage::HandingBack
                 };
+                // Refusals before anything is recorded: a replay refused leaves no trace.
+                if plan.to_topic.is_none() {
+                    check_pipeline(&sql, &pipeline).await?;
+                }
+                check_selection(&mut sql, table, &plan).await?;
                 start(&sql, table, &replay_id, &plan, first).await?;
                 (plan, first)
             }
@@ -417,7 +422,6 @@ async fn replay_live(
 ) -> Result<(u64, u64, u64)> {
     let progress = replay_tables(&table.name).progress;
     if stage == Stage::HandingBack {
-        check_pipeline(sql, pipeline).await?;
         // One transaction: an interrupted run handed back nothing, or everything it selected.
         let ids = select_ids(sql, table, plan).await?;
         let handed = outbox::hand_back_published(sql, table, &ids, replay_id, true).await?;
@@ -515,6 +519,21 @@ async fn check_pipeline(sql: &Client, pipeline: &Pipeline) -> Result<()> {
             "give replay the --slot `outboxd run` has (or --mode poll where outboxd only polls)",
         ));
     }
+    Ok(())
+}
+
+/// Fails with the server's reason when the selection (its `--where`, above all) cannot be read.
+async fn check_selection(sql: &mut Client, table: &OutboxTable, plan: &Plan) -> Result<()> {
+    let statement = format!(
+        "SELECT 1 FROM {t} e WHERE {selection} LIMIT 1",
+        t = table.name.quoted(),
+        selection = selection_sql(table, plan, 1, None),
+    );
+    let tx = sql.build_transaction().read_only(true).start().await?;
+    tx.query(&statement, &selection_params(plan))
+        .await
+        .map_err(|e| predicate_error(plan, e))?;
+    tx.commit().await?;
     Ok(())
 }
 
@@ -706,6 +725,12 @@ async fn send_to_topic(
                 event.event_type.as_deref().unwrap_or_default(),
             );
             if live == topic {
+                // Refused before anything was sent: the replay is given up, not left under way.
+                sql.execute(
+                    &format!("UPDATE {progress} SET state = 'cancelled' WHERE replay_id = $1 AND done = 0"),
+                    &[&replay_id],
+                )
+                .await?;
                 return Err(Error::setup(
                     format!("--to-topic {topic} is where event {} is published live: a replay to it would go around the per-aggregate gate", claimed.event_id),
                     "leave out --to-topic to replay to the live topics (through the gate), or give another topic",

@@ -471,3 +471,102 @@ async fn the_java_order_service_and_inventory_consumer_apply_every_confirmed_ord
         report.duplicates
     );
 }
+
+/// The inventory consumer with `--inbox-retention-hours 1`: an inbox row consumed two hours ago is pruned, a
+/// new event is applied, and an event created two hours ago that the inbox lacks (its row may have been pruned
+/// after it was applied) is reported as beyond the retention and not applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_inventory_consumer_prunes_its_inbox_and_reports_an_event_older_than_its_retention() {
+    let jar = build_example();
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let orders_db = pg.client().await;
+    orders_db
+        .batch_execute("CREATE DATABASE inventory")
+        .await
+        .unwrap();
+    let (inventory, connection) =
+        tokio_postgres::connect(&pg.url_of_database("inventory"), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    // The consumer's inbox, with a row consumed two hours ago.
+    inventory
+        .batch_execute(
+            "CREATE TABLE consumed_event (
+                 consumer_name text NOT NULL, event_id uuid NOT NULL,
+                 consumed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (consumer_name, event_id));
+             INSERT INTO consumed_event VALUES ('inventory', gen_random_uuid(), now() - interval '2 hours');",
+        )
+        .await
+        .unwrap();
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&orders_db, "outboxd").await;
+    let ids: Vec<uuid::Uuid> = orders_db
+        .query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             VALUES (gen_random_uuid(), 'Order', 'o-1', 'OrderPlaced', '{}', now()),
+                    (gen_random_uuid(), 'Order', 'o-2', 'OrderPlaced', '{}', now() - interval '2 hours')
+             RETURNING event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    wait_all_published(&orders_db, Duration::from_secs(60)).await;
+    drop(outboxd);
+
+    let jdbc = format!(
+        "jdbc:postgresql://127.0.0.1:{}/inventory?user=postgres",
+        pg.port
+    );
+    let log = scratch_dir("java-inbox-retention").join("consumer.log");
+    let mut consumer = Java::spawn(
+        &[
+            "-Dloader.main=dev.outboxd.example.inventory.InventoryConsumer",
+            "-cp",
+            jar.to_str().unwrap(),
+            "org.springframework.boot.loader.launch.PropertiesLauncher",
+            "--brokers",
+            &brokers,
+            "--database-url",
+            &jdbc,
+            "--group",
+            CONSUMER_GROUP,
+            "--idle-exit-secs",
+            "5",
+            "--inbox-retention-hours",
+            "1",
+        ],
+        &[],
+        log,
+    );
+    let status = wait_for("the consumer to exit", Duration::from_secs(120), || {
+        consumer.child.try_wait().unwrap()
+    });
+    let text = consumer.log_text();
+    assert!(status.success(), "{text}");
+    assert!(
+        text.contains(&format!("applied OrderPlaced {}", ids[0])),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("beyond-retention OrderPlaced {}", ids[1])),
+        "{text}"
+    );
+    assert!(text.contains("\"beyond_retention\": 1"), "{text}");
+    let inbox: Vec<uuid::Uuid> = inventory
+        .query("SELECT event_id FROM consumed_event", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(
+        inbox,
+        vec![ids[0]],
+        "the old row pruned, the old event not recorded"
+    );
+}

@@ -282,6 +282,15 @@ async fn a_replay_to_the_live_topic_lets_no_live_event_between_an_aggregates_rep
             vec!["--poll-order", "none"],
             "--poll-order none keeps no order",
         ),
+        // --where can read, never write: evaluated in a read-only transaction, inside parentheses.
+        (
+            vec!["--where", "nextval('outbox_event_position_seq') > 0"],
+            "read-only transaction",
+        ),
+        (
+            vec!["--where", "true); DELETE FROM outbox_event; SELECT (true"],
+            "cannot select events",
+        ),
     ] {
         let mut args = vec!["replay", "--database-url", url.as_str(), "--published"];
         args.extend(extra);
@@ -293,6 +302,19 @@ async fn a_replay_to_the_live_topic_lets_no_live_event_between_an_aggregates_rep
             stderr_of(&output)
         );
     }
+    assert_eq!(
+        events_in_table(&client, "position").await.len(),
+        place.len(),
+        "nothing deleted"
+    );
+    assert_eq!(unpublished(&client).await, 0, "nothing handed back");
+    let status = run_outboxd(&["status", "--database-url", &url, "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        status["replays"],
+        serde_json::json!([]),
+        "a refused replay is not left under way: {status}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

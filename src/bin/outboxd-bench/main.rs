@@ -107,6 +107,8 @@ enum Part {
     Sweep,
     /// A standby taking over after the leader is SIGKILLed.
     Takeover,
+    /// `outboxd audit` over 10k, 100k and 1M published events: time, peak RSS, records read per second.
+    Audit,
 }
 
 #[tokio::main]
@@ -174,6 +176,17 @@ async fn run(mut args: Args) -> BenchResult<()> {
         let rounds = if args.quick { 2 } else { 5 };
         eprintln!("takeover: {rounds} SIGKILLs of the leader ...");
         results.takeovers = bench.takeover(rounds).await?;
+    }
+    if runs(Part::Audit) {
+        let sizes: &[usize] = if args.quick {
+            &[2_000, 10_000]
+        } else {
+            &[10_000, 100_000, 1_000_000]
+        };
+        for &events in sizes {
+            eprintln!("audit: {events} published events ...");
+            results.audits.push(bench.audit(events).await?);
+        }
     }
     let table = results.table(&machine)?;
     println!("{table}");
@@ -323,6 +336,7 @@ struct Results {
     big: Option<(usize, f64, stack::Usage)>,
     sweep: Vec<(sweep::Axis, Vec<sweep::Point>)>,
     takeovers: Vec<scenarios::Takeover>,
+    audits: Vec<scenarios::Audited>,
 }
 
 /// The drain scenarios with the limits measured on their backlog.
@@ -368,6 +382,23 @@ impl Results {
         }
         for (axis, points) in &self.sweep {
             writeln!(table, "\n```\n{}```", sweep::chart(*axis, points))?;
+        }
+        if !self.audits.is_empty() {
+            writeln!(
+                table,
+                "\n| outboxd audit of | seconds | records read/s | peak RSS MiB |"
+            )?;
+            writeln!(table, "| ---: | ---: | ---: | ---: |")?;
+            for audit in &self.audits {
+                writeln!(
+                    table,
+                    "| {} events | {:.1} | {:.0} | {:.1} |",
+                    audit.events,
+                    audit.seconds,
+                    audit.records as f64 / audit.seconds,
+                    mib(audit.peak_rss_kib)
+                )?;
+            }
         }
         if !self.takeovers.is_empty() {
             let seconds = |of: fn(&scenarios::Takeover) -> f64| {

@@ -971,6 +971,79 @@ impl Bench {
         Ok((seconds, outboxd.usage()?))
     }
 
+    /// `events` published events of their own aggregate type (their own topic), then `outboxd audit` over
+    /// them, its memory sampled while it runs. Fails unless the audit is clean and checked every event.
+    pub async fn audit(&self, events: usize) -> BenchResult<Audited> {
+        self.reset().await?;
+        let aggregate_type = format!("Audit{events}");
+        let mut outboxd = self.spawn("cdc", &[], &format!("audit-{events}.log"))?;
+        self.wait_slot_streaming().await?;
+        for first in (0..events).step_by(100_000) {
+            let count = (events - first).min(100_000) as i32;
+            self.sql
+                .execute(
+                    "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+                     SELECT gen_random_uuid(), $3, 'order-' || (($1::int + n) % 1000), 'OrderPlaced',
+                            jsonb_build_object('orderId', 'order-' || (($1::int + n) % 1000), 'note', repeat('x', 150))
+                     FROM generate_series(1, $2::int) AS n",
+                    &[&(first as i32), &count, &aggregate_type],
+                )
+                .await?;
+        }
+        wait_until(
+            "every event published",
+            Duration::from_secs(1800),
+            Duration::from_millis(200),
+            || async {
+                self.sql
+                    .query_one(
+                        "SELECT count(*) = 0 FROM outbox_event WHERE published_at IS NULL",
+                        &[],
+                    )
+                    .await
+                    .is_ok_and(|row| row.get(0))
+            },
+        )
+        .await?;
+        outboxd.stop();
+        let (url, brokers) = (self.stack.pg_url(), self.stack.brokers());
+        let started = Instant::now();
+        let mut child = std::process::Command::new(&self.outboxd)
+            .args([
+                "audit",
+                "--database-url",
+                &url,
+                "--brokers",
+                &brokers,
+                "--aggregate-type",
+                &aggregate_type,
+                "--json",
+            ])
+            .env("OUTBOXD_METRICS_ADDR", "off")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        let mut peak_rss_kib = 0;
+        while child.try_wait()?.is_none() {
+            if let Ok(usage) = crate::stack::usage(child.id()) {
+                peak_rss_kib = peak_rss_kib.max(usage.peak_rss_kib);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let output = child.wait_with_output()?;
+        let summary: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+        if summary["exit_code"] != 0 || summary["checked"] != events as u64 {
+            return Err(format!("the audit of {events} events was not clean: {summary}").into());
+        }
+        Ok(Audited {
+            events,
+            seconds,
+            records: summary["records"].as_u64().unwrap_or_default(),
+            peak_rss_kib,
+        })
+    }
+
     /// Records the events' topic holds now.
     fn records_in_kafka(&self) -> BenchResult<i64> {
         observe::topic_end(&self.stack.brokers(), EVENTS_TOPIC)
@@ -988,6 +1061,18 @@ impl Bench {
         }
         Ok(())
     }
+}
+
+/// One `outboxd audit` of the benchmark.
+pub struct Audited {
+    /// Published events audited.
+    pub events: usize,
+    /// Wall time of the whole audit.
+    pub seconds: f64,
+    /// Records it read from the topic.
+    pub records: u64,
+    /// outboxd's peak resident memory while it ran (sampled every 50 ms; VmHWM).
+    pub peak_rss_kib: u64,
 }
 
 /// How often a soak run scrapes `/metrics`, for file names and the report: `15s`, or `never`.

@@ -36,15 +36,22 @@ import tools.jackson.databind.json.JsonMapper;
  * <p>Effects: {@code OrderConfirmed} reserves each line's quantity ({@code reservation} rows, {@code
  * stock.reserved}); {@code OrderCancelled} releases what the order holds. Other events are only recorded.
  *
- * <p>Prints one line per record ({@code applied TYPE EVENT_ID} or {@code duplicate TYPE EVENT_ID}) after its
- * transaction committed, and a JSON summary when it exits after {@code --idle-exit-secs} without a record.
+ * <p>Inbox retention ({@code --inbox-retention-hours}, off by default): rows consumed longer ago are pruned, a few
+ * thousand per statement at each offset commit. The retention must outlive every copy of an event the consumer
+ * could still read: the topic's {@code retention.ms}, plus the time an {@code outboxd audit --heal} or {@code
+ * outboxd replay} may republish it. An event created before the horizon whose id the inbox lacks may have been
+ * applied before its row was pruned: it is reported ({@code beyond-retention TYPE EVENT_ID}) and not applied.
+ *
+ * <p>Prints one line per record ({@code applied TYPE EVENT_ID}, {@code duplicate TYPE EVENT_ID} or {@code
+ * beyond-retention TYPE EVENT_ID}) after its transaction committed, and a JSON summary when it exits after {@code
+ * --idle-exit-secs} without a record.
  *
  * <pre>
  * java -Dloader.main=dev.outboxd.example.inventory.InventoryConsumer \
  *      -cp target/order-service.jar org.springframework.boot.loader.launch.PropertiesLauncher \
  *      --brokers 127.0.0.1:9092 --database-url 'jdbc:postgresql://127.0.0.1:5432/inventory?user=postgres' \
  *      [--topic outbox.Order] [--group inventory] [--instance-id ID] [--commit-interval-ms 1000]
- *      [--idle-exit-secs 0 (never)]
+ *      [--idle-exit-secs 0 (never)] [--inbox-retention-hours 0 (off)]
  * </pre>
  */
 public final class InventoryConsumer {
@@ -68,13 +75,17 @@ public final class InventoryConsumer {
 
     private final Connection db;
     private final String consumerName;
+    /** Zero: the inbox keeps every row. */
+    private final Duration inboxRetention;
     private final JsonMapper json = JsonMapper.builder().build();
     private long applied;
     private long duplicates;
+    private long beyondRetention;
 
-    private InventoryConsumer(Connection db, String consumerName) {
+    private InventoryConsumer(Connection db, String consumerName, Duration inboxRetention) {
         this.db = db;
         this.consumerName = consumerName;
+        this.inboxRetention = inboxRetention;
     }
 
     public static void main(String[] argv) throws Exception {
@@ -88,6 +99,7 @@ public final class InventoryConsumer {
         String instanceId = args.get("instance-id");
         Duration commitInterval = Duration.ofMillis(Long.parseLong(args.getOrDefault("commit-interval-ms", "1000")));
         Duration idleExit = Duration.ofSeconds(Long.parseLong(args.getOrDefault("idle-exit-secs", "0")));
+        Duration inboxRetention = Duration.ofHours(Long.parseLong(args.getOrDefault("inbox-retention-hours", "0")));
 
         Properties config = new Properties();
         config.put(ConsumerConfig.BOOTSTRAP_SERVERS_CONFIG, brokers);
@@ -109,7 +121,7 @@ public final class InventoryConsumer {
                 ddl.execute(SCHEMA);
             }
             db.setAutoCommit(false);
-            InventoryConsumer consumer = new InventoryConsumer(db, group);
+            InventoryConsumer consumer = new InventoryConsumer(db, group, inboxRetention);
             kafka.subscribe(List.of(topic));
             Instant lastRecord = Instant.now();
             Instant lastCommit = Instant.now();
@@ -131,12 +143,14 @@ public final class InventoryConsumer {
                     kafka.commitSync();
                     lastCommit = Instant.now();
                     uncommitted = false;
+                    consumer.pruneInbox();
                 }
             }
             if (uncommitted) {
                 kafka.commitSync();
             }
-            System.out.printf("{\"applied\": %d, \"duplicates\": %d}%n", consumer.applied, consumer.duplicates);
+            System.out.printf("{\"applied\": %d, \"duplicates\": %d, \"beyond_retention\": %d}%n",
+                    consumer.applied, consumer.duplicates, consumer.beyondRetention);
         }
     }
 
@@ -152,6 +166,13 @@ public final class InventoryConsumer {
         UUID id = UUID.fromString(eventId);
         try {
             boolean first = recordInInbox(id);
+            if (first && beforeRetention(header(record, "created_at"))) {
+                // Its inbox row may have been pruned after it was applied: never apply it blindly again.
+                db.rollback();
+                beyondRetention++;
+                System.out.printf("beyond-retention %s %s%n", eventType, eventId);
+                return;
+            }
             if (first) {
                 JsonNode payload = json.readTree(record.value());
                 switch (eventType) {
@@ -170,6 +191,34 @@ public final class InventoryConsumer {
         } catch (SQLException | RuntimeException e) {
             db.rollback();
             throw e;
+        }
+    }
+
+    /** Whether an event created at {@code createdAt} (RFC 3339; none: unknown) is older than the inbox keeps. */
+    private boolean beforeRetention(String createdAt) {
+        if (inboxRetention.isZero() || createdAt == null) {
+            return false;
+        }
+        return java.time.OffsetDateTime.parse(createdAt).toInstant().isBefore(Instant.now().minus(inboxRetention));
+    }
+
+    /** Deletes this consumer's inbox rows consumed before the retention, 5,000 per statement (short locks). */
+    private void pruneInbox() throws SQLException {
+        if (inboxRetention.isZero()) {
+            return;
+        }
+        try (PreparedStatement prune = db.prepareStatement("""
+                DELETE FROM consumed_event WHERE (consumer_name, event_id) IN (
+                    SELECT consumer_name, event_id FROM consumed_event
+                     WHERE consumer_name = ? AND consumed_at < now() - make_interval(secs => ?)
+                     LIMIT 5000)""")) {
+            prune.setString(1, consumerName);
+            prune.setDouble(2, inboxRetention.toSeconds());
+            int deleted;
+            do {
+                deleted = prune.executeUpdate();
+                db.commit();
+            } while (deleted == 5000);
         }
     }
 
