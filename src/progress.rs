@@ -84,6 +84,10 @@ pub struct Progress {
     /// since was not produced from. And rows are numbered among theirs, so a part (`events_included`)
     /// means the same rows only to an instance streaming the same tables.
     pub tables: Vec<String>,
+    /// A replay to another topic (`outboxd replay --published --to-topic` under `--delivery exactly-once`):
+    /// how far its committed Kafka transactions got, as the replay writes it (the positions are `0/0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_cursor: Option<String>,
 }
 
 /// Why a progress record read at start-up cannot be used (its events are then published again if their
@@ -138,6 +142,7 @@ impl Progress {
             commit_lsn: commit_lsn.to_string(),
             commit_micros,
             events_included,
+            replay_cursor: None,
             tables,
         }
     }

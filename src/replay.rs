@@ -28,7 +28,8 @@ use crate::config::{DatabaseSettings, Mode, PollOrder, RunSettings};
 use crate::error::{Error, Result};
 use crate::pg::migrate::replay_tables;
 use crate::pg::outbox::{self, EventColumns};
-use crate::sink::{Delivery, Sink};
+use crate::progress::ProgressKey;
+use crate::sink::{Delivery, Sink, Sinks};
 use crate::table::{OutboxTable, Role, TableSpec};
 
 /// What a replay republishes, where, and how fast; kept with its progress, so `--resume` goes on with it.
@@ -692,7 +693,43 @@ async fn send_to_topic(
     );
     let columns = EventColumns::of(table);
     let (deliveries_tx, mut deliveries) = tokio::sync::mpsc::unbounded_channel::<Delivery<u64>>();
-    let publisher = crate::kafka::Publisher::new(settings, Default::default(), deliveries_tx)?;
+    let producing = settings
+        .clone()
+        .inspected(vec![table.clone()], settings.mode);
+    let sinks = crate::kafka::KafkaSinks::default();
+    // Exactly-once: each batch is one Kafka transaction with a progress record of its own key, and what the
+    // last committed one says is where the replay goes on (the table's cursor may be a batch behind it).
+    let transactions = match settings.kafka.exactly_once {
+        Some(_) => {
+            let system_id = crate::pg::system_identifier(sql).await?.ok_or_else(|| {
+                Error::setup(
+                    "--delivery exactly-once: the role may not read the server's system identifier, which names a replay's Kafka transactions",
+                    "run replay as a role that may call pg_control_system() (GRANT pg_monitor, or EXECUTE on it)",
+                )
+            })?;
+            Some(ProgressKey {
+                system_id,
+                slot: format!("replay.{replay_id}.{}", table.name),
+            })
+        }
+        None => None,
+    };
+    let publisher = match &transactions {
+        Some(key) => sinks.exactly_once_sink(&producing, deliveries_tx, key)?,
+        None => sinks.sink(&producing, deliveries_tx)?,
+    };
+    if let Some(key) = &transactions {
+        let committed = publisher.begin_transactions(key).await?;
+        if let Some(text) = committed.and_then(|progress| progress.replay_cursor) {
+            let found: Cursor = serde_json::from_str(&text).map_err(|e| {
+                Error::bug(format!(
+                    "replay {replay_id}'s committed cursor cannot be read: {e}"
+                ))
+            })?;
+            cursor = found;
+            done = found.done;
+        }
+    }
     let started = Instant::now();
     let mut sent_this_run = 0u64;
     let mut last_progress = Instant::now();
@@ -755,6 +792,41 @@ async fn send_to_topic(
                 .map_err(|e| replay_stopped(replay_id, Error::from(e)))?;
             sent_this_run += 1;
         }
+        let (position, last) = batch
+            .last()
+            .map(|(p, c)| (*p, c.event_id))
+            .unwrap_or_default();
+        let reached = Cursor {
+            position,
+            event_id: last,
+            done: done + batch.len() as i64,
+        };
+        let cursor_text = serde_json::to_string(&reached).map_err(|e| Error::bug(e.to_string()))?;
+        if let Some(key) = &transactions {
+            let progress = crate::progress::Progress {
+                replay_cursor: Some(cursor_text.clone()),
+                ..crate::progress::Progress::new(
+                    key.clone(),
+                    0,
+                    crate::lsn::Lsn(0),
+                    0,
+                    None,
+                    Vec::new(),
+                )
+            };
+            publisher.commit(&progress).await.map_err(|rejection| {
+                replay_stopped(
+                    replay_id,
+                    Error::Kafka {
+                        message: format!(
+                            "the batch's Kafka transaction did not commit: {}",
+                            rejection.reason
+                        ),
+                        transient: true,
+                    },
+                )
+            })?;
+        }
         let mut acknowledged = 0;
         while acknowledged < batch.len() {
             let delivery = tokio::time::timeout(BATCH_ACK_TIMEOUT, deliveries.recv())
@@ -782,16 +854,8 @@ async fn send_to_topic(
             }
             acknowledged += 1;
         }
-        let (position, last) = batch
-            .last()
-            .map(|(p, c)| (*p, c.event_id))
-            .unwrap_or_default();
-        cursor = Cursor {
-            position,
-            event_id: last,
-        };
-        done += batch.len() as i64;
-        let cursor_text = serde_json::to_string(&cursor).map_err(|e| Error::bug(e.to_string()))?;
+        cursor = reached;
+        done = reached.done;
         sql.execute(
             &format!(
                 "UPDATE {progress} SET cursor = $2, done = $3, total = greatest(total, $3), updated_at = now()
@@ -811,10 +875,14 @@ async fn send_to_topic(
 }
 
 /// Where a replay to another topic got: every selected event up to this (position, event id) is acknowledged.
+/// With `--delivery exactly-once` it is also written in each Kafka transaction's progress record, with `done`.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 struct Cursor {
     position: i64,
     event_id: Uuid,
+    /// Events sent up to here.
+    #[serde(default)]
+    done: i64,
 }
 
 impl Default for Cursor {
@@ -822,6 +890,7 @@ impl Default for Cursor {
         Cursor {
             position: i64::MIN,
             event_id: Uuid::nil(),
+            done: 0,
         }
     }
 }
