@@ -95,6 +95,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
             predicate,
             to_topic,
             rate,
+            from_archive,
             resume,
             cancel,
             ..
@@ -116,6 +117,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                     predicate,
                     to_topic,
                     rate,
+                    from_archive,
                 };
                 return replay_published(&options, plan, published, resume, event_id, all_dead)
                     .await;
@@ -125,6 +127,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                 ("--where", predicate.is_some()),
                 ("--to-topic", to_topic.is_some()),
                 ("--rate", rate.is_some()),
+                ("--from-archive", from_archive.is_some()),
             ];
             if let Some((flag, _)) = time_travel_only.iter().find(|(_, given)| *given) {
                 return Err(outboxd::config::ConfigError::Invalid(format!(

@@ -51,6 +51,10 @@ pub struct Plan {
     pub to_topic: Option<String>,
     /// `--rate`: at most this many events per second.
     pub rate: Option<f64>,
+    /// `--from-archive`: read the events from this table (retention's `--archive-table`, `schema.name`)
+    /// instead of the outbox table; only with `to_topic`.
+    #[serde(default)]
+    pub from_archive: Option<String>,
 }
 
 /// Where a replay of one table stands (the `state` column).
@@ -251,6 +255,13 @@ pub async fn replay(
         replay_id: replay_id.clone(),
         ..Outcome::default()
     };
+    // An archive holds the rows of every table: read once, with the first table's columns.
+    let from_archive = plan.as_ref().is_some_and(|p| p.from_archive.is_some());
+    let tables: Vec<OutboxTable> = if from_archive {
+        tables.into_iter().take(1).collect()
+    } else {
+        tables
+    };
     for table in &tables {
         let (plan, stage) = match &plan {
             Some(plan) => {
@@ -266,6 +277,9 @@ pub async fn replay(
                 // Refusals before anything is recorded: a replay refused leaves no trace.
                 if plan.to_topic.is_none() {
                     check_pipeline(&sql, &pipeline).await?;
+                }
+                if let Some(archive) = &plan.from_archive {
+                    archive_source(&sql, table, archive).await?;
                 }
                 check_selection(&mut sql, table, &plan).await?;
                 start(&sql, table, &replay_id, &plan, first).await?;
@@ -683,13 +697,21 @@ async fn send_to_topic(
     };
     let id = table.col(Role::EventId);
     let key = format!("coalesce(e.position, {}), e.{id}", i64::MIN);
+    // From the archive: its rows are published ones (retention moved them), read by the outbox table's
+    // column names.
+    let (source, handed_back) = match &plan.from_archive {
+        Some(archive) => (archive_source(sql, table, archive).await?, None),
+        None => (
+            table.name.quoted(),
+            Some(replay_tables(&table.name).replayed),
+        ),
+    };
     let statement = format!(
-        "SELECT 'replayed', {columns} FROM {t} e
+        "SELECT 'replayed', {columns} FROM {source} e
          WHERE {selection} AND ({key}) > ($1, $2)
          ORDER BY {key} LIMIT $3",
         columns = EventColumns::select_list(table, "$4::text"),
-        t = table.name.quoted(),
-        selection = selection_sql(table, plan, 5, Some(&replay_tables(&table.name).replayed)),
+        selection = selection_sql(table, plan, 5, handed_back.as_deref()),
     );
     let columns = EventColumns::of(table);
     let (deliveries_tx, mut deliveries) = tokio::sync::mpsc::unbounded_channel::<Delivery<u64>>();
@@ -893,6 +915,58 @@ impl Default for Cursor {
             done: 0,
         }
     }
+}
+
+/// The archive `archive` names, quoted, once it is known to hold every column a replay reads (by the outbox
+/// table's names).
+async fn archive_source(sql: &Client, table: &OutboxTable, archive: &str) -> Result<String> {
+    let name = crate::config::parse_table(archive).map_err(|_| {
+        Error::setup(
+            format!("--from-archive {archive:?} is not a table name"),
+            "give it as retention's --archive-table is given (schema.name)",
+        )
+    })?;
+    let mut needed: Vec<String> = [
+        Role::EventId,
+        Role::AggregateType,
+        Role::AggregateId,
+        Role::EventType,
+        Role::Payload,
+        Role::CreatedAt,
+    ]
+    .into_iter()
+    .filter_map(|role| table.column(role).map(str::to_string))
+    .collect();
+    needed.extend(table.header_columns.iter().cloned());
+    needed.extend(
+        ["published_at", "dead_at", "position", "attempts"]
+            .into_iter()
+            .map(String::from),
+    );
+    let present: Vec<String> = sql
+        .query(
+            "SELECT attname::text FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+            &[&name.quoted()],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if present.is_empty() {
+        return Err(Error::setup(
+            format!("--from-archive: there is no table {name}"),
+            "give the table retention archives into (--archive-table)",
+        ));
+    }
+    let missing: Vec<&String> = needed.iter().filter(|c| !present.contains(c)).collect();
+    if !missing.is_empty() {
+        return Err(Error::setup(
+            format!("--from-archive: {name} lacks the columns {missing:?} a replay reads"),
+            format!("add them (ALTER TABLE {name} ADD COLUMN ..., as the outbox table has them)"),
+        ));
+    }
+    Ok(name.quoted())
 }
 
 fn replay_stopped(replay_id: &str, error: Error) -> Error {

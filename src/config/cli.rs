@@ -77,6 +77,10 @@ pub enum Command {
         /// With --published: at most this many events per second.
         #[arg(long, value_name = "N")]
         rate: Option<f64>,
+        /// With --published --to-topic: read the events from this table (retention's --archive-table)
+        /// instead of the outbox table.
+        #[arg(long, value_name = "TABLE", requires = "to_topic")]
+        from_archive: Option<String>,
         /// Go on with an interrupted replay of published events (its id, as printed and in `outboxd status`).
         #[arg(long, value_name = "REPLAY_ID")]
         resume: Option<String>,

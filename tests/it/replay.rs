@@ -558,3 +558,92 @@ async fn kill_and_resume(delivery: &[&str]) -> usize {
     );
     again
 }
+
+/// Events retention moved to its archive (`--archive-table`) replay from there to a topic, each once, in each
+/// aggregate's order.
+#[tokio::test(flavor = "multi_thread")]
+async fn archived_events_replay_from_the_archive_to_a_topic() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let mut args = run_args(&url, &brokers);
+    args.extend([
+        "--retention",
+        "1s",
+        "--retention-interval",
+        "200ms",
+        "--archive-table",
+        "outbox_archive",
+    ]);
+    let outboxd = Outboxd::spawn(&args);
+    wait_slot_active(&client, "outboxd").await;
+    let count = 500;
+    let place = insert_history(&client, count, 20).await;
+    wait_for_async("every event archived", Duration::from_secs(120), || async {
+        let archived: i64 = client
+            .query_one("SELECT count(*) FROM outbox_archive", &[])
+            .await
+            .ok()?
+            .get(0);
+        let left: i64 = client
+            .query_one("SELECT count(*) FROM outbox_event", &[])
+            .await
+            .ok()?
+            .get(0);
+        (archived == count && left == 0).then_some(())
+    })
+    .await;
+    drop(outboxd);
+
+    let output = run_outboxd(&[
+        "replay",
+        "--database-url",
+        &url,
+        "--brokers",
+        &brokers,
+        "--topic-replication-factor",
+        "1",
+        "--published",
+        "--from-archive",
+        "outbox_archive",
+        "--to-topic",
+        "history.archived",
+    ]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    let replay_id = replay_id_of(&output.stdout);
+    let records = consume_all(
+        &brokers,
+        &["history.archived"],
+        count as usize,
+        Duration::from_secs(60),
+    );
+    let ids: HashSet<&str> = records
+        .iter()
+        .map(|r| r.headers["event_id"].as_str())
+        .collect();
+    assert_eq!(ids.len(), count as usize, "every archived event");
+    assert_eq!(records.len(), count as usize, "each once");
+    assert!(records
+        .iter()
+        .all(|r| r.headers.get(REPLAY_HEADER) == Some(&replay_id)));
+    let all: Vec<&Record> = records.iter().collect();
+    assert_in_order_per_aggregate(&all, &place);
+
+    let missing_columns = run_outboxd(&[
+        "replay",
+        "--database-url",
+        &url,
+        "--brokers",
+        &brokers,
+        "--published",
+        "--from-archive",
+        "no_such_archive",
+        "--to-topic",
+        "history.none",
+    ]);
+    assert!(
+        stderr_of(&missing_columns).contains("there is no table"),
+        "{}",
+        stderr_of(&missing_columns)
+    );
+}
