@@ -118,6 +118,7 @@ async fn dispatch(command: Command, options: Options) -> outboxd::Result<ExitCod
                     to_topic,
                     rate,
                     from_archive,
+                    pipeline: None,
                 };
                 return replay_published(&options, plan, published, resume, event_id, all_dead)
                     .await;

@@ -55,6 +55,9 @@ pub struct Plan {
     /// instead of the outbox table; only with `to_topic`.
     #[serde(default)]
     pub from_archive: Option<String>,
+    /// The pipeline it waits for (to the live topics), as the replay was started: a `--resume` keeps it.
+    #[serde(default)]
+    pub pipeline: Option<Pipeline>,
 }
 
 /// Where a replay of one table stands (the `state` column).
@@ -209,7 +212,7 @@ fn predicate_error(plan: &Plan, error: tokio_postgres::Error) -> Error {
 
 /// How the pipeline that publishes the live topics runs (`--mode`, `--poll-order`, `--slot`, as `run` is
 /// given them): a replay to the live topics waits for what it has on its way.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Pipeline {
     /// `--mode`: under `poll` no slot is waited for.
     pub mode: Mode,
@@ -267,6 +270,7 @@ pub async fn replay(
             Some(plan) => {
                 let plan = Plan {
                     until: plan.until.or(Some(SystemTime::now())),
+                    pipeline: Some(pipeline.clone()),
                     ..plan.clone()
                 };
                 let first = if plan.to_topic.is_some() {
@@ -304,8 +308,11 @@ pub async fn replay(
                 ))
             }
             (None, _) => {
+                // As it was started (a --resume given other --mode or --slot does not change what it waits
+                // for).
+                let waits_for = plan.pipeline.clone().unwrap_or_else(|| pipeline.clone());
                 let live =
-                    replay_live(&mut sql, &pipeline, table, &replay_id, &plan, stage).await?;
+                    replay_live(&mut sql, &waits_for, table, &replay_id, &plan, stage).await?;
                 outcome.dead += live.2;
                 (live.0, live.1)
             }
@@ -411,7 +418,7 @@ async fn set_stage(
     sql.execute(
         &format!(
             "UPDATE {} SET state = $2, total = coalesce($3, total), done = coalesce($4, done), updated_at = now()
-             WHERE replay_id = $1",
+             WHERE replay_id = $1 AND state <> 'cancelled'",
             replay_tables(&table.name).progress
         ),
         &[
@@ -422,7 +429,8 @@ async fn set_stage(
         ],
     )
     .await?;
-    Ok(())
+    // A `--cancel` in between wins: the replay stops (see `check_not_cancelled`).
+    check_not_cancelled(sql, table, replay_id).await
 }
 
 /// Live: hand back held, wait until nothing of theirs is on its way, release, wait until published. Returns
@@ -439,16 +447,31 @@ async fn replay_live(
     if stage == Stage::HandingBack {
         // One transaction: an interrupted run handed back nothing, or everything it selected.
         let ids = select_ids(sql, table, plan).await?;
-        let handed = outbox::hand_back_published(sql, table, &ids, replay_id, true).await?;
-        sql.execute(
-            &format!(
-                "UPDATE {progress} SET state = $2, total = $3, stream_past = pg_current_wal_insert_lsn(),
-                                       updated_at = now()
-                 WHERE replay_id = $1"
-            ),
-            &[&replay_id, &Stage::Held.as_str(), &(handed as i64)],
-        )
-        .await?;
+        outbox::hand_back_published(sql, table, &ids, replay_id, true).await?;
+        // Counted from what is recorded, so that a run interrupted after the hand-back counts it too.
+        let handed: i64 = sql
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM {} WHERE replay_id = $1",
+                    replay_tables(&table.name).replayed
+                ),
+                &[&replay_id],
+            )
+            .await?
+            .get(0);
+        let updated = sql
+            .execute(
+                &format!(
+                    "UPDATE {progress} SET state = $2, total = $3, stream_past = pg_current_wal_insert_lsn(),
+                                           updated_at = now()
+                     WHERE replay_id = $1 AND state <> 'cancelled'"
+                ),
+                &[&replay_id, &Stage::Held.as_str(), &handed],
+            )
+            .await?;
+        if updated == 0 {
+            check_not_cancelled(sql, table, replay_id).await?;
+        }
         tracing::info!(replay = %replay_id, table = %table.name, events = handed, "handed back, held until nothing of their aggregates is on its way");
         stage = Stage::Held;
     }
@@ -496,7 +519,11 @@ async fn replay_live(
     if dead > 0 {
         tracing::error!(replay = %replay_id, table = %table.name, dead, "events of the replay were dead-lettered instead of republished: see `outboxd dead list`");
     }
-    Ok((total as u64, (total - dead) as u64, dead as u64))
+    Ok((
+        total.max(0) as u64,
+        (total - dead).max(0) as u64,
+        dead.max(0) as u64,
+    ))
 }
 
 /// A replay to the live topics keeps each aggregate's order only where the pipeline does, and waits for the
@@ -628,6 +655,10 @@ async fn wait_until_nothing_on_its_way(
          SELECT count(*) FROM {t}
          WHERE published_at IS NULL AND lease_until >= now() AND ROW({aggregate})::text IN (SELECT k FROM held)"
     );
+    let logical: bool = sql
+        .query_one("SELECT current_setting('wal_level') = 'logical'", &[])
+        .await?
+        .get(0);
     let mut last_said = Instant::now();
     loop {
         check_not_cancelled(sql, table, replay_id).await?;
@@ -636,7 +667,12 @@ async fn wait_until_nothing_on_its_way(
         } else {
             sql.query_opt(&stream, &[&replay_id, &slot]).await?
         };
-        let stream_passed = stream_state.as_ref().is_none_or(|row| row.get(0));
+        // No such slot: passed only where the server cannot decode logically (no stream to wait for);
+        // otherwise the slot `run` will create or stream is waited for.
+        let stream_passed = match &stream_state {
+            Some(row) => row.get(0),
+            None => pipeline.mode == Mode::Poll || !logical,
+        };
         let leased: i64 = if stream_passed {
             sql.query_one(&leases, &[&replay_id]).await?.get(0)
         } else {
@@ -655,6 +691,9 @@ async fn wait_until_nothing_on_its_way(
                     } else {
                         tracing::warn!(replay = %replay_id, slot, confirmed = ?at, needed = ?past, "waiting for the stream to pass the hand-back, but no outboxd streams the slot: start outboxd run (the held events wait until it has)");
                     }
+                }
+                None if !stream_passed => {
+                    tracing::warn!(replay = %replay_id, slot, "waiting for the stream to pass the hand-back, but this database has no slot of that name yet: start outboxd run (or --cancel the replay)");
                 }
                 _ => {
                     tracing::info!(replay = %replay_id, leased, "waiting for the events of the held aggregates polling workers hold")
@@ -1017,11 +1056,10 @@ pub async fn under_way(sql: &Client, tables: &[OutboxTable]) -> Result<Vec<Progr
     let mut found = Vec::new();
     for table in tables {
         let names = replay_tables(&table.name);
-        let present: bool = sql
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&names.progress])
-            .await?
-            .get(0);
-        if !present {
+        // Missing (an earlier migrate), or not readable by the role `status` runs as (README's role): no
+        // replay to show.
+        let readable = crate::pg::may_read(sql, &names.progress).await?;
+        if !readable {
             continue;
         }
         for row in sql

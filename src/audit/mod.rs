@@ -116,7 +116,14 @@ pub async fn audit(
         }
         Ok(())
     };
-    compare(&sql, &db.tables, &mut summary, &mut report).await?;
+    compare(
+        &sql,
+        &db.tables,
+        range.read_since.is_none(),
+        &mut summary,
+        &mut report,
+    )
+    .await?;
     if range.heal {
         let replay_id = crate::replay::new_replay_id(SystemTime::now());
         let heal_id = replay_id.replacen("replay-", HEAL_PREFIX, 1);
@@ -188,10 +195,22 @@ async fn copy_published_rows(
     } else {
         "NULL::bigint"
     };
+    // A replayed or healed event was first published when the table of replayed events says (the polling
+    // path marked it published again when it republished it): its age, for the topic's retention, is that.
+    let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
+    let readable = crate::pg::may_read(sql, &replayed).await?;
+    let first_published = if readable {
+        format!(
+            "coalesce((SELECT r.published_at FROM {replayed} r WHERE r.event_id = o.{}), o.published_at)",
+            table.col(Role::EventId)
+        )
+    } else {
+        "o.published_at".into()
+    };
     let statement = format!(
         "INSERT INTO outboxd_audit_expected
-         SELECT $1, {event_id}, {aggregate_type}, {aggregate_id}::text, {event_type}, {position}, published_at
-         FROM {name}
+         SELECT $1, {event_id}, {aggregate_type}, {aggregate_id}::text, {event_type}, {position}, {first_published}
+         FROM {name} o
          WHERE published_at IS NOT NULL AND published_at > '-infinity'
            AND ($2::timestamptz IS NULL OR {created} >= $2)
            AND ($3::timestamptz IS NULL OR {created} < $3)
@@ -510,6 +529,7 @@ fn event_id_of<M: Message>(message: &M, event_id_header: &str) -> Option<Uuid> {
 async fn compare(
     sql: &Client,
     tables: &[OutboxTable],
+    read_from_start: bool,
     summary: &mut Summary,
     report: &mut impl FnMut(Finding) -> Result<()>,
 ) -> Result<()> {
@@ -517,7 +537,7 @@ async fn compare(
     // Present: a copy outboxd published, or a heal's; a replay's copy alone does not make up for a loss.
     sql.batch_execute(&format!(
         "CREATE TEMP TABLE outboxd_audit_absent AS
-         SELECT e.tbl, e.event_id, e.topic, e.aggregate_id, t.partitions, t.retention_ms IS NOT NULL
+         SELECT e.tbl, e.event_id, e.topic, e.aggregate_id, e.published_at, t.partitions, t.retention_ms IS NOT NULL
                 AND e.published_at < now() - t.retention_ms * interval '1 millisecond' AS expired
          FROM outboxd_audit_expected e JOIN outboxd_audit_topic t USING (topic)
          WHERE NOT EXISTS (SELECT FROM outboxd_audit_record r WHERE r.event_id = e.event_id
@@ -525,8 +545,9 @@ async fn compare(
     ))
     .await?;
     // Old enough for the topic's retention to have taken it is not enough: the broker must have removed
-    // records from the partition its key hashes to (its first offset past 0). An old event absent from a
-    // partition that never lost a record is missing.
+    // records from the partition its key hashes to (its first offset past 0), and, where the read began at
+    // that first offset, the first record it kept must be younger than the event. An old event absent from a
+    // partition that never lost a record, or that still holds records older than it, is missing.
     let first_offsets: HashMap<(String, i32), i64> = sql
         .query(
             "SELECT topic, partition, low FROM outboxd_audit_partition",
@@ -536,24 +557,52 @@ async fn compare(
         .iter()
         .map(|row| ((row.get(0), row.get(1)), row.get(2)))
         .collect();
+    let first_kept: HashMap<(String, i32), Option<SystemTime>> = if read_from_start {
+        sql.query(
+            "SELECT DISTINCT ON (topic, partition) topic, partition, ts FROM outboxd_audit_record
+             ORDER BY topic, partition, \"offset\"",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| ((row.get(0), row.get(1)), row.get(2)))
+        .collect()
+    } else {
+        HashMap::new()
+    };
     let absent = sql
         .query(
-            "SELECT event_id, topic, expired, aggregate_id, partitions FROM outboxd_audit_absent",
+            "SELECT event_id, topic, expired, aggregate_id, partitions, published_at FROM outboxd_audit_absent",
             &[],
         )
         .await?;
     let mut not_expired = Vec::new();
     for row in absent {
-        let (event_id, topic, old_enough, key, partitions): (Uuid, String, bool, String, i32) =
-            (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
-        let expired = old_enough
-            && partitions > 0
-            && first_offsets
-                .get(&(
-                    topic.clone(),
-                    partitioner::partition_of(key.as_bytes(), partitions),
-                ))
-                .is_some_and(|low| *low > 0);
+        let (event_id, topic, old_enough, key, partitions, published_at): (
+            Uuid,
+            String,
+            bool,
+            String,
+            i32,
+            SystemTime,
+        ) = (
+            row.get(0),
+            row.get(1),
+            row.get(2),
+            row.get(3),
+            row.get(4),
+            row.get(5),
+        );
+        let partition = (
+            topic.clone(),
+            partitioner::partition_of(key.as_bytes(), partitions.max(1)),
+        );
+        let removed_before_it = first_offsets.get(&partition).is_some_and(|low| *low > 0)
+            && match first_kept.get(&partition) {
+                Some(Some(kept)) => published_at < *kept,
+                _ => true,
+            };
+        let expired = old_enough && partitions > 0 && removed_before_it;
         if old_enough && !expired {
             not_expired.push(event_id);
         }

@@ -197,6 +197,18 @@ pub async fn server_started_at(client: &tokio_postgres::Client) -> Result<String
     Ok(client.query_one(SERVER_STARTED_AT, &[]).await?.get(0))
 }
 
+/// Whether `relation` (a quoted, qualified name) exists and this role may read it.
+pub async fn may_read(client: &tokio_postgres::Client, relation: &str) -> Result<bool> {
+    Ok(client
+        .query_one(
+            "SELECT CASE WHEN to_regclass($1) IS NULL THEN false
+                         ELSE has_table_privilege(to_regclass($1), 'SELECT') END",
+            &[&relation],
+        )
+        .await?
+        .get(0))
+}
+
 /// The server's system identifier, or `None` where the role may not read it (`pg_control_system()` needs
 /// superuser or pg_monitor-like rights on some services).
 pub async fn system_identifier(client: &tokio_postgres::Client) -> Result<Option<String>> {

@@ -1619,14 +1619,7 @@ pub async fn replay_dead(
 /// the role may not read it: records then go without the header, as before.
 async fn replayed_column(client: &Client, outbox: &OutboxTable) -> Result<String> {
     let replayed = crate::pg::migrate::replay_tables(&outbox.name).replayed;
-    let readable: bool = client
-        .query_one(
-            "SELECT CASE WHEN to_regclass($1) IS NULL THEN false
-                         ELSE has_table_privilege(to_regclass($1), 'SELECT') END",
-            &[&replayed],
-        )
-        .await?
-        .get(0);
+    let readable = crate::pg::may_read(client, &replayed).await?;
     Ok(if readable {
         format!(
             "CASE WHEN e.handoff_at IS NOT NULL THEN (SELECT r.replay_id FROM {replayed} r

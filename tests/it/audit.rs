@@ -927,3 +927,82 @@ async fn run_with_an_audit_interval_exports_clean_audits_and_then_the_missing_ev
     );
     println!("a clean audit checked {checked} events; a later one found {missing} missing");
 }
+
+/// An event published longer ago than the topic's retention is expired only where its partition no longer
+/// holds anything as old: here the partition lost a prefix (DeleteRecords), but its first record left is older
+/// than the event, so the event's absence is a loss (missing), not retention at work.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_old_event_whose_partition_still_holds_older_records_is_missing_not_expired() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let mut outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    insert_events(&mut client, 0, 4, 3, 4, None).await;
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    outboxd.kill();
+
+    let key = "old-order";
+    let partition = java_partition(key.as_bytes(), 6);
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &brokers);
+    // A record ten days old (its CreateTime), then everything before it deleted: it is the partition's
+    // first record left.
+    let producer: ThreadedProducer<DefaultProducerContext> = config.create().unwrap();
+    let ten_days_ago = std::time::SystemTime::now() - Duration::from_secs(10 * 86_400);
+    let millis = ten_days_ago
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    producer
+        .send(
+            BaseRecord::to(TOPIC)
+                .key("someone-else")
+                .payload("{}")
+                .partition(partition)
+                .timestamp(millis),
+        )
+        .unwrap();
+    producer.flush(Duration::from_secs(10)).unwrap();
+    let consumer: BaseConsumer = config
+        .clone()
+        .set("group.id", "audit-test")
+        .create()
+        .unwrap();
+    let (_, high) = consumer
+        .fetch_watermarks(TOPIC, partition, Duration::from_secs(10))
+        .unwrap();
+    let mut up_to = TopicPartitionList::new();
+    up_to
+        .add_partition_offset(TOPIC, partition, Offset::Offset(high - 1))
+        .unwrap();
+    let admin: AdminClient<DefaultClientContext> = config.create().unwrap();
+    admin
+        .delete_records(&up_to, &AdminOptions::new())
+        .await
+        .unwrap();
+    // An event of that partition marked published eight days ago (beyond the default seven days'
+    // retention) that no record holds.
+    let old: uuid::Uuid = client
+        .query_one(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload, published_at)
+             VALUES (gen_random_uuid(), 'Order', $1, 'Step', '{}', now() - interval '8 days')
+             RETURNING event_id",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0);
+
+    let details = scratch_dir("audit").join("details.jsonl");
+    let (code, found) = audit(&url, &brokers, &details);
+    assert_eq!(code, 1, "{found}");
+    assert!(
+        findings(&details, "missing").contains(&old.to_string()),
+        "{found}"
+    );
+    assert!(
+        !findings(&details, "expired").contains(&old.to_string()),
+        "{found}"
+    );
+}

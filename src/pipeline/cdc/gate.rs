@@ -43,16 +43,25 @@ enum Hold {
 struct Blocked {
     hold: Hold,
     parked: usize,
+    /// A replay holds its rows: it hands off until drained, whatever a check does.
+    held: bool,
 }
 
 impl Blocked {
     const PARKING: Blocked = Blocked {
         hold: Hold::Park,
         parked: 0,
+        held: false,
     };
     const HANDING_OFF: Blocked = Blocked {
         hold: Hold::HandOff,
         parked: 0,
+        held: false,
+    };
+    const HELD: Blocked = Blocked {
+        hold: Hold::HandOff,
+        parked: 0,
+        held: true,
     };
 }
 
@@ -93,7 +102,7 @@ impl<T> AggregateGate<T> {
             return Vec::new();
         }
         let parked = self.take_parked_of(&aggregate);
-        self.blocked.insert(aggregate, Blocked::HANDING_OFF);
+        self.blocked.insert(aggregate, Blocked::HELD);
         parked
     }
 
@@ -146,7 +155,13 @@ impl<T> AggregateGate<T> {
     /// from now on. Returns its parked events, to hand off as well.
     pub fn refused(&mut self, aggregate: GateKey) -> Vec<T> {
         let parked = self.take_parked_of(&aggregate);
-        self.blocked.insert(aggregate, Blocked::HANDING_OFF);
+        let held = self.blocked.get(&aggregate).is_some_and(|b| b.held);
+        let blocked = if held {
+            Blocked::HELD
+        } else {
+            Blocked::HANDING_OFF
+        };
+        self.blocked.insert(aggregate, blocked);
         parked
     }
 
@@ -182,9 +197,10 @@ impl<T> AggregateGate<T> {
     }
 
     /// Before asking the polling path what it still holds: aggregates that hand off go back to parking, so
-    /// that (once the session's hand-offs are written) the answer covers all of them.
+    /// that (once the session's hand-offs are written) the answer covers all of them; not those a replay
+    /// holds (see [`Self::block_handing_off`]), which hand off until drained.
     pub fn begin_check(&mut self) {
-        for blocked in self.blocked.values_mut() {
+        for blocked in self.blocked.values_mut().filter(|b| !b.held) {
             blocked.hold = Hold::Park;
         }
     }
@@ -554,6 +570,20 @@ mod tests {
             gate.admit(0, 12, |_| aggregate(2)),
             Admission::HandOff(vec![12])
         );
+        // A check while its rows wait: it still hands off (parking again would wait for the release).
+        gate.begin_check();
+        let pending: HashSet<GateKey> = [(0, aggregate(1)), (0, aggregate(2))].into();
+        assert!(gate
+            .drained(&pending, &HashSet::new(), &HashSet::new())
+            .is_empty());
+        assert_eq!(
+            gate.admit(0, 14, |_| aggregate(1)),
+            Admission::HandOff(vec![14])
+        );
+        // Drained: its events are published again.
+        gate.begin_check();
+        gate.drained(&HashSet::new(), &HashSet::new(), &HashSet::new());
+        assert_eq!(gate.admit(0, 15, |_| aggregate(1)), Admission::Publish(15));
         assert_eq!(gate.admit(0, 13, |_| aggregate(3)), Admission::Publish(13));
     }
 }
