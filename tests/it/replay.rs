@@ -58,6 +58,25 @@ fn records_written(brokers: &str, topic: &str) -> i64 {
         .sum()
 }
 
+/// Waits (up to a minute) for a row of `outbox_event_replay` where `condition` holds; returns its replay id and
+/// `column`.
+async fn wait_replay_row(
+    client: &tokio_postgres::Client,
+    what: &str,
+    column: &str,
+    condition: &str,
+) -> (String, i64) {
+    let sql = format!("SELECT replay_id, {column} FROM outbox_event_replay WHERE {condition}");
+    wait_for_async(what, Duration::from_secs(60), || async {
+        client
+            .query_opt(&sql, &[])
+            .await
+            .unwrap()
+            .map(|row| (row.get(0), row.get(1)))
+    })
+    .await
+}
+
 /// The replay id a `replay` run printed first.
 fn replay_id_of(stdout: &[u8]) -> String {
     let text = String::from_utf8_lossy(stdout);
@@ -356,19 +375,11 @@ async fn a_replay_waiting_for_the_stream_can_be_cancelled_and_its_events_count_a
 
     // No outboxd streams the slot: the replay holds the events and waits for the stream.
     let mut replay = Outboxd::spawn(&["replay", "--database-url", &url, "--published"]);
-    let (replay_id, held): (String, i64) = wait_for_async(
+    let (replay_id, held) = wait_replay_row(
+        &client,
         "the replay holding its events",
-        Duration::from_secs(60),
-        || async {
-            client
-                .query_opt(
-                    "SELECT replay_id, total FROM outbox_event_replay WHERE state = 'held'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .map(|row| (row.get(0), row.get(1)))
-        },
+        "total",
+        "state = 'held'",
     )
     .await;
     assert_eq!(unpublished(&client).await, held);
@@ -451,19 +462,11 @@ async fn kill_and_resume(delivery: &[&str]) -> usize {
         "200",
     ]);
     let mut replay = Outboxd::spawn(&first);
-    let (replay_id, first_batch): (String, i64) = wait_for_async(
+    let (replay_id, first_batch) = wait_replay_row(
+        &client,
         "the replay past its first batch",
-        Duration::from_secs(60),
-        || async {
-            client
-                .query_opt(
-                    "SELECT replay_id, done FROM outbox_event_replay WHERE done >= 1000",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .map(|row| (row.get(0), row.get(1)))
-        },
+        "done",
+        "done >= 1000",
     )
     .await;
     // Killed in the middle of a batch the broker already holds part of (under exactly-once: in a Kafka
@@ -504,19 +507,11 @@ async fn kill_and_resume(delivery: &[&str]) -> usize {
     let mut live = vec!["replay", "--database-url", url.as_str(), "--mode", "poll"];
     live.extend(["--published", "--aggregate-id", "history-7"]);
     let mut live = Outboxd::spawn(&live);
-    let handed_back: i64 = wait_for_async(
+    let (_, handed_back) = wait_replay_row(
+        &client,
         "the live replay released",
-        Duration::from_secs(60),
-        || async {
-            client
-                .query_opt(
-                    "SELECT total FROM outbox_event_replay WHERE state = 'released'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .map(|row| row.get(0))
-        },
+        "total",
+        "state = 'released'",
     )
     .await;
     assert!(handed_back > 0);
@@ -646,4 +641,77 @@ async fn archived_events_replay_from_the_archive_to_a_topic() {
         "{}",
         stderr_of(&missing_columns)
     );
+}
+
+/// An event a replay to the live topic hands back that the broker now refuses (the topic's
+/// `max.message.bytes` lowered since) is dead-lettered, not republished: the replay names it and exits 1; its
+/// aggregate's other events are republished.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_event_the_broker_now_refuses_is_dead_lettered_and_the_replay_says_so() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let client = pg.client().await;
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let big: uuid::Uuid = client
+        .query(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'Order', 'refused-later', 'Step',
+                    jsonb_build_object('n', n, 'pad', repeat('x', CASE WHEN n = 2 THEN 5000 ELSE 10 END))
+             FROM generate_series(1, 3) AS n ORDER BY n
+             RETURNING event_id",
+            &[],
+        )
+        .await
+        .unwrap()[1]
+        .get(0);
+    wait_all_published(&client, Duration::from_secs(60)).await;
+    let alter = rdkafka::admin::AlterConfig::new(rdkafka::admin::ResourceSpecifier::Topic(TOPIC))
+        .set("max.message.bytes", "2000");
+    for result in admin(&brokers)
+        .alter_configs([&alter], &rdkafka::admin::AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        result.unwrap();
+    }
+
+    let args: Vec<String> = [
+        "replay",
+        "--database-url",
+        &url,
+        "--published",
+        "--aggregate-id",
+        "refused-later",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let output = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_outboxd(&args)
+    })
+    .await
+    .unwrap();
+    drop(outboxd);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
+    assert!(
+        stderr_of(&output).contains("1 event(s) of the replay were dead-lettered"),
+        "{}",
+        stderr_of(&output)
+    );
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("3 event(s) selected, 2 republished"),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    let dead: bool = client
+        .query_one(
+            "SELECT dead_at IS NOT NULL FROM outbox_event WHERE event_id = $1",
+            &[&big],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(dead, "the refused event is dead-lettered");
 }
