@@ -101,6 +101,7 @@ pub async fn audit(
     }
     sql.batch_execute(
         "CREATE INDEX ON outboxd_audit_record (event_id);
+         CREATE INDEX ON outboxd_audit_expected (event_id);
          ANALYZE outboxd_audit_expected; ANALYZE outboxd_audit_record;",
     )
     .await?;
@@ -767,10 +768,15 @@ async fn unexplained(
             table.col(Role::EventId)
         ));
     }
+    // Two branches, not one OR: each NOT EXISTS is then an anti-join PostgreSQL hashes or merges, where
+    // under an OR it ran a sub-plan per record (an audit of a million events never ended).
     let statement = format!(
         "SELECT r.topic, r.partition, r.\"offset\", r.event_id, r.ts FROM outboxd_audit_record r
          WHERE r.event_id IS NULL
-            OR (NOT EXISTS (SELECT FROM outboxd_audit_expected e WHERE e.event_id = r.event_id){no_row})"
+         UNION ALL
+         SELECT r.topic, r.partition, r.\"offset\", r.event_id, r.ts FROM outboxd_audit_record r
+         WHERE r.event_id IS NOT NULL
+           AND NOT EXISTS (SELECT FROM outboxd_audit_expected e WHERE e.event_id = r.event_id){no_row}"
     );
     let rows = sql.query(&statement, &[]).await?;
     for row in rows {
