@@ -387,6 +387,34 @@ async fn a_replay_waiting_for_the_stream_can_be_cancelled_and_its_events_count_a
     let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(status["replays"][0]["state"], "held", "{status}");
 
+    // Killed and resumed with another --mode: it still waits for the stream it was started with (taking
+    // `--mode poll` at its word would release the events with nothing having passed the hand-back).
+    replay.kill();
+    let mut replay = Outboxd::spawn(&[
+        "replay",
+        "--database-url",
+        &url,
+        "--mode",
+        "poll",
+        "--resume",
+        &replay_id,
+    ]);
+    wait_for(
+        "the resumed replay waiting for the stream",
+        Duration::from_secs(60),
+        || {
+            replay
+                .log_text()
+                .contains("no outboxd streams the slot")
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        unpublished(&client).await,
+        held,
+        "still held: nothing passed the hand-back"
+    );
+
     let output = run_outboxd(&["replay", "--database-url", &url, "--cancel", &replay_id]);
     assert!(output.status.success(), "{}", stderr_of(&output));
     assert_eq!(
