@@ -8,8 +8,11 @@
 //!   once or `--rate` per second. A live event of an aggregate is then published after its replayed ones:
 //!   one committed before the hand-back has already been delivered, one committed after waits behind them in
 //!   the polling path (the hand-off notice blocks the aggregate on the CDC path).
-//! - To another topic (`--to-topic`) it reads the rows in their order and produces them itself, batch by batch,
-//!   recording after each acknowledged batch how far it got, so that `--resume` sends at most one batch again.
+//! - To another topic (`--to-topic`) it reads the rows in their order (from the outbox table, or retention's
+//!   archive) and produces them itself, batch by batch, recording after each acknowledged batch how far it got,
+//!   so that `--resume` sends at most one batch again; under `--delivery exactly-once` each batch is a Kafka
+//!   transaction carrying that cursor, and nothing is sent twice.
+//! - `--cancel` lets the events a replay still holds go, as published again.
 //!
 //! The selection is read in a read-only transaction, so a `--where` predicate can read but never write; the
 //! statements that write name rows by their event ids. Each replay's plan and progress live in the table
