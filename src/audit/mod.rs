@@ -338,7 +338,10 @@ async fn read_topic(
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "true")
-        .set("isolation.level", "read_committed");
+        .set("isolation.level", "read_committed")
+        // librdkafka prefetches up to 64 MiB by default, which was most of the audit's memory at a million
+        // records; the COPY into PostgreSQL, not the fetch, sets the pace.
+        .set("queued.max.messages.kbytes", "16384");
     let consumer: StreamConsumer<RedactingContext> = config
         .create_with_context(RedactingContext::for_config(&config))
         .map_err(crate::kafka::config_error)?;
