@@ -284,6 +284,7 @@ pub async fn replay(
                 // Refusals before anything is recorded: a replay refused leaves no trace.
                 if plan.to_topic.is_none() {
                     check_pipeline(&sql, &pipeline).await?;
+                    check_no_live_replay_under_way(&sql, table).await?;
                 }
                 if let Some(archive) = &plan.from_archive {
                     archive_source(&sql, table, archive).await?;
@@ -562,6 +563,25 @@ async fn check_pipeline(sql: &Client, pipeline: &Pipeline) -> Result<()> {
                 others.join(", ")
             ),
             "give replay the --slot `outboxd run` has (or --mode poll where outboxd only polls)",
+        ));
+    }
+    Ok(())
+}
+
+/// One replay to the live topics at a time per table: two over the same events would each take some of an
+/// aggregate's events as its own and wait for the other's release.
+async fn check_no_live_replay_under_way(sql: &Client, table: &OutboxTable) -> Result<()> {
+    let under_way = under_way(sql, std::slice::from_ref(table)).await?;
+    if let Some(other) = under_way.iter().find(|r| r.to_topic.is_none()) {
+        return Err(Error::setup(
+            format!(
+                "replay {} to the live topics is under way ({}, {} of {})",
+                other.replay_id, other.state, other.done, other.total
+            ),
+            format!(
+                "wait for it (outboxd status), resume it (outboxd replay --resume {id}), or give it up (outboxd replay --cancel {id})",
+                id = other.replay_id
+            ),
         ));
     }
     Ok(())

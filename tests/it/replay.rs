@@ -387,6 +387,17 @@ async fn a_replay_waiting_for_the_stream_can_be_cancelled_and_its_events_count_a
     let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(status["replays"][0]["state"], "held", "{status}");
 
+    // A second replay to the live topics is refused while this one is under way.
+    let second = run_outboxd(&["replay", "--database-url", &url, "--published"]);
+    assert!(!second.status.success());
+    assert!(
+        stderr_of(&second).contains(&format!(
+            "replay {replay_id} to the live topics is under way"
+        )),
+        "{}",
+        stderr_of(&second)
+    );
+
     // Killed and resumed with another --mode: it still waits for the stream it was started with (taking
     // `--mode poll` at its word would release the events with nothing having passed the hand-back).
     replay.kill();
