@@ -87,7 +87,7 @@ pub struct OutboxEvent {
     /// `--header-column` values that are not NULL, as (header name, text).
     pub headers: Vec<(Arc<str>, Text)>,
     /// The replay (or heal) that republishes this event, if one does: its records carry it in the
-    /// [`REPLAY_HEADER`](crate::record::REPLAY_HEADER) header. Set only by the polling path.
+    /// `outboxd-replay` header. Set only by the polling path.
     pub replay: Option<Text>,
 }
 

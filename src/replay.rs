@@ -29,10 +29,10 @@ use uuid::Uuid;
 
 use crate::config::{DatabaseSettings, Mode, PollOrder, RunSettings};
 use crate::error::{Error, Result};
-use crate::pg::migrate::replay_tables;
 use crate::pg::outbox::{self, EventColumns};
 use crate::progress::ProgressKey;
 use crate::sink::{Delivery, Sink, Sinks};
+use crate::table::replay_tables;
 use crate::table::{OutboxTable, Role, TableSpec};
 
 /// What a replay republishes, where, and how fast; kept with its progress, so `--resume` goes on with it.

@@ -541,6 +541,49 @@ impl OutboxTable {
     }
 }
 
+/// The name of an index or sequence of table `bare`: `<bare>_<suffix>`, or, when that would pass PostgreSQL's
+/// 63 bytes (which cuts names, so that a long table's sequence and indexes all got one name), `bare` cut to
+/// fit plus a hash of it. Names that fit are the ones earlier versions created.
+pub fn derived_name(bare: &str, suffix: &str) -> String {
+    let plain = format!("{bare}_{suffix}");
+    if plain.len() <= 63 {
+        return plain;
+    }
+    let mut keep = 63 - suffix.len() - "_12345678_".len();
+    while !bare.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    format!(
+        "{}_{:08x}_{suffix}",
+        &bare[..keep],
+        fnv1a(bare.as_bytes()) as u32
+    )
+}
+
+/// 64-bit FNV-1a: a fixed, documented hash (std's hasher may change between Rust releases).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The quoted names of the two tables migration 0006 creates next to an outbox table.
+pub struct ReplayTables {
+    /// Each replay's selection and progress.
+    pub progress: String,
+    /// The events a replay or heal handed back, with the replay's id.
+    pub replayed: String,
+}
+
+/// The replay tables of the outbox table `table`, in its schema.
+pub fn replay_tables(table: &TableName) -> ReplayTables {
+    let schema = format!("\"{}\"", table.schema);
+    ReplayTables {
+        progress: format!("{schema}.\"{}\"", derived_name(&table.name, "replay")),
+        replayed: format!("{schema}.\"{}\"", derived_name(&table.name, "replayed")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

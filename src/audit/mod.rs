@@ -198,7 +198,7 @@ async fn copy_published_rows(
     };
     // A replayed or healed event was first published when the table of replayed events says (the polling
     // path marked it published again when it republished it): its age, for the topic's retention, is that.
-    let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
+    let replayed = crate::table::replay_tables(&table.name).replayed;
     let readable = crate::pg::may_read(sql, &replayed).await?;
     let first_published = if readable {
         format!(
@@ -339,9 +339,10 @@ async fn read_topic(
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "true")
         .set("isolation.level", "read_committed")
-        // librdkafka prefetches up to 64 MiB by default, which was most of the audit's memory at a million
-        // records; the COPY into PostgreSQL, not the fetch, sets the pace.
-        .set("queued.max.messages.kbytes", "16384");
+        // librdkafka prefetches up to 64 MiB, in fetches of up to 50 MiB, by default: most of the audit's
+        // memory at a million records. The COPY into PostgreSQL, not the fetch, sets the pace.
+        .set("queued.max.messages.kbytes", "16384")
+        .set("fetch.max.bytes", "8388608");
     let consumer: StreamConsumer<RedactingContext> = config
         .create_with_context(RedactingContext::for_config(&config))
         .map_err(crate::kafka::config_error)?;

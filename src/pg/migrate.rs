@@ -16,6 +16,7 @@ use crate::pg::ownership::{trusted_owner, SCHEMA_OWNER};
 use crate::pg::slot;
 use crate::pipeline::liveness::lock_call;
 use crate::table::TableName;
+use crate::table::{derived_name, fnv1a, replay_tables};
 use crate::table::{OutboxTable, Role, TableSpec};
 
 /// Embedded migrations, applied in order. Never edit one that has shipped: add a new one.
@@ -698,23 +699,6 @@ async fn check_neighbours(client: &impl GenericClient, table: &TableName) -> Res
     check_index_names(client, table).await
 }
 
-/// The quoted names of the two tables migration 0006 creates next to an outbox table.
-pub struct ReplayTables {
-    /// Each replay's selection and progress.
-    pub progress: String,
-    /// The events a replay or heal handed back, with the replay's id.
-    pub replayed: String,
-}
-
-/// The replay tables of the outbox table `table`, in its schema.
-pub fn replay_tables(table: &TableName) -> ReplayTables {
-    let schema = format!("\"{}\"", table.schema);
-    ReplayTables {
-        progress: format!("{schema}.\"{}\"", derived_name(&table.name, "replay")),
-        replayed: format!("{schema}.\"{}\"", derived_name(&table.name, "replayed")),
-    }
-}
-
 /// SQL listing the roles (`PUBLIC` for everyone) that may insert into the table `table` (an SQL expression of
 /// its name: a literal or a parameter), table-wide or into some column, but may not draw from the sequence of
 /// its `position` column: PostgreSQL evaluates the column's default, `nextval`, with the inserting role's
@@ -997,36 +981,10 @@ pub fn notify_channel(table: &TableName) -> String {
     )
 }
 
-/// The name of an index or sequence of table `bare`: `<bare>_<suffix>`, or, when that would pass PostgreSQL's
-/// 63 bytes (which cuts names, so that a long table's sequence and indexes all got one name), `bare` cut to
-/// fit plus a hash of it. Names that fit are the ones earlier versions created.
-fn derived_name(bare: &str, suffix: &str) -> String {
-    let plain = format!("{bare}_{suffix}");
-    if plain.len() <= 63 {
-        return plain;
-    }
-    let mut keep = 63 - suffix.len() - "_12345678_".len();
-    while !bare.is_char_boundary(keep) {
-        keep -= 1;
-    }
-    format!(
-        "{}_{:08x}_{suffix}",
-        &bare[..keep],
-        fnv1a(bare.as_bytes()) as u32
-    )
-}
-
 /// The channel name earlier builds used (`outboxd_<schema>_<table>`, too long for long names); its function is
 /// dropped on upgrade.
 fn legacy_notify_channel(table: &TableName) -> String {
     format!("outboxd_{}_{}", table.schema, table.name)
-}
-
-/// 64-bit FNV-1a: a fixed, documented hash (std's hasher may change between Rust releases).
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
-        (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// Installs the statement-level trigger that wakes `--poll-notify` pollers (only when asked: NOTIFY takes a

@@ -1618,7 +1618,7 @@ pub async fn replay_dead(
 /// later hand-off by the CDC path is not a replay). `NULL` where that table is missing (an earlier migrate) or
 /// the role may not read it: records then go without the header, as before.
 async fn replayed_column(client: &Client, outbox: &OutboxTable) -> Result<String> {
-    let replayed = crate::pg::migrate::replay_tables(&outbox.name).replayed;
+    let replayed = crate::table::replay_tables(&outbox.name).replayed;
     let readable = crate::pg::may_read(client, &replayed).await?;
     Ok(if readable {
         format!(
@@ -1648,7 +1648,7 @@ pub async fn hand_back_published(
     let t = table.name.quoted();
     let id = table.col(Role::EventId);
     let aggregate = aggregate_of_row(table);
-    let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
+    let replayed = crate::table::replay_tables(&table.name).replayed;
     let tx = client.transaction().await?;
     let tagged: bool = tx
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&replayed])
@@ -1704,7 +1704,7 @@ const HAND_BACK_CHUNK: usize = 10_000;
 pub async fn cancel_replay(client: &Client, table: &OutboxTable, replay_id: &str) -> Result<u64> {
     let t = table.name.quoted();
     let id = table.col(Role::EventId);
-    let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
+    let replayed = crate::table::replay_tables(&table.name).replayed;
     Ok(client
         .execute(
             &format!(
@@ -1729,7 +1729,7 @@ pub async fn release_replay(
 ) -> Result<u64> {
     let t = table.name.quoted();
     let id = table.col(Role::EventId);
-    let replayed = crate::pg::migrate::replay_tables(&table.name).replayed;
+    let replayed = crate::table::replay_tables(&table.name).replayed;
     let per_second = rate.unwrap_or(f64::INFINITY);
     Ok(client
         .execute(
