@@ -4,7 +4,8 @@
 //! Memory stays flat however big the range: the published rows of the range are copied into a temporary
 //! table by PostgreSQL itself, each topic's records are streamed into another with binary COPY (topic,
 //! partition, offset, key, event id, timestamp), and the comparison is SQL over the two, so PostgreSQL sorts
-//! and joins, spilling to disk as it needs. Temporary tables are session-local and not WAL-logged: nothing
+//! and joins, spilling to disk as it needs; the findings come back through a portal, [`FINDINGS_PER_FETCH`]
+//! rows at a time, so a million missing events cost no more memory than one. Temporary tables are session-local and not WAL-logged: nothing
 //! reaches a standby or the replication slot. Topics are read with a plain consumer (no group, nothing
 //! committed), `read_committed`, from their first offset to their end when the read began.
 //!
@@ -26,7 +27,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio_postgres::binary_copy::BinaryCopyInWriter;
 use tokio_postgres::types::Type;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Portal, Row, Transaction};
 use uuid::Uuid;
 
 use crate::config::RunSettings;
@@ -62,6 +63,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const READ_STALL: Duration = Duration::from_secs(60);
 /// How often a long read says how far it got.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+/// Rows of a result (findings, absent events) outboxd holds at a time.
+const FINDINGS_PER_FETCH: i32 = 1_000;
 
 /// Audits the range against the topics; every finding goes to `details` (one JSON object per line) as it is
 /// found. Errors mean the audit could not be made (exit code 2).
@@ -117,14 +120,16 @@ pub async fn audit(
         }
         Ok(())
     };
+    let comparison = sql.transaction().await?;
     compare(
-        &sql,
+        &comparison,
         &db.tables,
         range.read_since.is_none(),
         &mut summary,
         &mut report,
     )
     .await?;
+    comparison.commit().await?;
     if range.heal {
         let replay_id = crate::replay::new_replay_id(SystemTime::now());
         let heal_id = replay_id.replacen("replay-", HEAL_PREFIX, 1);
@@ -532,7 +537,7 @@ fn event_id_of<M: Message>(message: &M, event_id_header: &str) -> Option<Uuid> {
 
 /// The comparison, each kind of finding one query; counts go to `summary`, findings to `report`.
 async fn compare(
-    sql: &Client,
+    sql: &Transaction<'_>,
     tables: &[OutboxTable],
     read_from_start: bool,
     summary: &mut Summary,
@@ -575,66 +580,70 @@ async fn compare(
     } else {
         HashMap::new()
     };
-    let absent = sql
-        .query(
-            "SELECT event_id, topic, expired, aggregate_id, partitions, published_at FROM outboxd_audit_absent",
-            &[],
-        )
+    sql.batch_execute("CREATE INDEX ON outboxd_audit_absent (event_id)")
         .await?;
-    let mut not_expired = Vec::new();
-    for row in absent {
-        let (event_id, topic, old_enough, key, partitions, published_at): (
-            Uuid,
-            String,
-            bool,
-            String,
-            i32,
-            SystemTime,
-        ) = (
-            row.get(0),
-            row.get(1),
-            row.get(2),
-            row.get(3),
-            row.get(4),
-            row.get(5),
-        );
-        let partition = (
-            topic.clone(),
-            partitioner::partition_of(key.as_bytes(), partitions.max(1)),
-        );
-        let removed_before_it = first_offsets.get(&partition).is_some_and(|low| *low > 0)
-            && match first_kept.get(&partition) {
-                Some(Some(kept)) => published_at < *kept,
-                _ => true,
-            };
-        let expired = old_enough && partitions > 0 && removed_before_it;
-        if old_enough && !expired {
-            not_expired.push(event_id);
-        }
-        let (kind, detail) = if expired {
-            summary.expired += 1;
-            (
-                Kind::Expired,
-                "published before the topic's retention.ms could keep it",
-            )
-        } else {
-            summary.missing += 1;
-            (Kind::Missing, "published, but the topic does not hold it")
-        };
-        report(Finding {
-            kind,
-            event_id: Some(event_id.to_string()),
-            topic: Some(topic),
-            partition: None,
-            offset: None,
-            detail: detail.into(),
-        })?;
-    }
-    sql.execute(
-        "UPDATE outboxd_audit_absent SET expired = false WHERE event_id = ANY($1)",
-        &[&not_expired],
+    let mut absent = Batches::open(
+        sql,
+        "SELECT event_id, topic, expired, aggregate_id, partitions, published_at FROM outboxd_audit_absent",
     )
     .await?;
+    while let Some(rows) = absent.next().await? {
+        let mut not_expired = Vec::new();
+        for row in rows {
+            let (event_id, topic, old_enough, key, partitions, published_at): (
+                Uuid,
+                String,
+                bool,
+                String,
+                i32,
+                SystemTime,
+            ) = (
+                row.get(0),
+                row.get(1),
+                row.get(2),
+                row.get(3),
+                row.get(4),
+                row.get(5),
+            );
+            let partition = (
+                topic.clone(),
+                partitioner::partition_of(key.as_bytes(), partitions.max(1)),
+            );
+            let removed_before_it = first_offsets.get(&partition).is_some_and(|low| *low > 0)
+                && match first_kept.get(&partition) {
+                    Some(Some(kept)) => published_at < *kept,
+                    _ => true,
+                };
+            let expired = old_enough && partitions > 0 && removed_before_it;
+            if old_enough && !expired {
+                not_expired.push(event_id);
+            }
+            let (kind, detail) = if expired {
+                summary.expired += 1;
+                (
+                    Kind::Expired,
+                    "published before the topic's retention.ms could keep it",
+                )
+            } else {
+                summary.missing += 1;
+                (Kind::Missing, "published, but the topic does not hold it")
+            };
+            report(Finding {
+                kind,
+                event_id: Some(event_id.to_string()),
+                topic: Some(topic),
+                partition: None,
+                offset: None,
+                detail: detail.into(),
+            })?;
+        }
+        // The portal reads the table as it was when it opened: these updates never come back through it.
+        sql.execute(
+            "UPDATE outboxd_audit_absent SET expired = false WHERE event_id = ANY($1)",
+            &[&not_expired],
+        )
+        .await?;
+    }
     summary.present = summary
         .checked
         .saturating_sub(summary.missing + summary.expired);
@@ -644,75 +653,77 @@ async fn compare(
         "SELECT count(*) FROM outboxd_audit_record WHERE replay_id IS NOT NULL",
     )
     .await?;
-    let duplicated = sql
-        .query(
-            "SELECT r.event_id, count(*) FROM outboxd_audit_record r
-             JOIN outboxd_audit_expected e USING (event_id)
-             WHERE r.replay_id IS NULL
-             GROUP BY r.event_id HAVING count(*) > 1",
-            &[],
-        )
-        .await?;
-    for row in duplicated {
-        let (event_id, copies): (Uuid, i64) = (row.get(0), row.get(1));
-        summary.duplicated += 1;
-        summary.extra_copies += copies as u64 - 1;
-        report(Finding {
-            kind: Kind::Duplicated,
-            event_id: Some(event_id.to_string()),
-            topic: None,
-            partition: None,
-            offset: None,
-            detail: format!("{copies} copies"),
-        })?;
+    let mut duplicated = Batches::open(
+        sql,
+        "SELECT r.event_id, count(*) FROM outboxd_audit_record r
+         JOIN outboxd_audit_expected e USING (event_id)
+         WHERE r.replay_id IS NULL
+         GROUP BY r.event_id HAVING count(*) > 1",
+    )
+    .await?;
+    while let Some(rows) = duplicated.next().await? {
+        for row in rows {
+            let (event_id, copies): (Uuid, i64) = (row.get(0), row.get(1));
+            summary.duplicated += 1;
+            summary.extra_copies += copies as u64 - 1;
+            report(Finding {
+                kind: Kind::Duplicated,
+                event_id: Some(event_id.to_string()),
+                topic: None,
+                partition: None,
+                offset: None,
+                detail: format!("{copies} copies"),
+            })?;
+        }
     }
 
-    let misplaced = sql
-        .query(
-            "SELECT r.event_id, r.topic, r.partition, r.\"offset\", e.topic, r.wrong_partition
-             FROM outboxd_audit_record r JOIN outboxd_audit_expected e USING (event_id)
-             WHERE r.topic <> e.topic OR r.wrong_partition",
-            &[],
-        )
-        .await?;
-    for row in misplaced {
-        let (event_id, topic, partition, offset, expected, wrong_partition): (
-            Uuid,
-            String,
-            i32,
-            i64,
-            String,
-            bool,
-        ) = (
-            row.get(0),
-            row.get(1),
-            row.get(2),
-            row.get(3),
-            row.get(4),
-            row.get(5),
-        );
-        summary.misplaced += 1;
-        let detail = if topic != expected {
-            format!("on topic {topic}, not {expected}")
-        } else if wrong_partition {
-            "on another partition than its key hashes to (murmur2)".to_string()
-        } else {
-            String::new()
-        };
-        report(Finding {
-            kind: Kind::Misplaced,
-            event_id: Some(event_id.to_string()),
-            topic: Some(topic),
-            partition: Some(partition),
-            offset: Some(offset),
-            detail,
-        })?;
+    let mut misplaced = Batches::open(
+        sql,
+        "SELECT r.event_id, r.topic, r.partition, r.\"offset\", e.topic, r.wrong_partition
+         FROM outboxd_audit_record r JOIN outboxd_audit_expected e USING (event_id)
+         WHERE r.topic <> e.topic OR r.wrong_partition",
+    )
+    .await?;
+    while let Some(rows) = misplaced.next().await? {
+        for row in rows {
+            let (event_id, topic, partition, offset, expected, wrong_partition): (
+                Uuid,
+                String,
+                i32,
+                i64,
+                String,
+                bool,
+            ) = (
+                row.get(0),
+                row.get(1),
+                row.get(2),
+                row.get(3),
+                row.get(4),
+                row.get(5),
+            );
+            summary.misplaced += 1;
+            let detail = if topic != expected {
+                format!("on topic {topic}, not {expected}")
+            } else if wrong_partition {
+                "on another partition than its key hashes to (murmur2)".to_string()
+            } else {
+                String::new()
+            };
+            report(Finding {
+                kind: Kind::Misplaced,
+                event_id: Some(event_id.to_string()),
+                topic: Some(topic),
+                partition: Some(partition),
+                offset: Some(offset),
+                detail,
+            })?;
+        }
     }
 
     // Each event's first copy on its own topic (republished copies aside), in offset order per partition and key; an
     // event is reordered when an event of its aggregate inserted after it came before it.
-    let reordered = sql
-        .query(
+    let mut reordered = Batches::open(
+        sql,
             "WITH firsts AS (
                  SELECT DISTINCT ON (r.event_id) r.event_id, r.topic, r.partition, r.\"offset\", r.key, e.position
                  FROM outboxd_audit_record r JOIN outboxd_audit_expected e USING (event_id)
@@ -723,19 +734,20 @@ async fn compare(
                                                ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS later_before
                  FROM firsts)
              SELECT event_id, topic, partition, \"offset\" FROM ordered WHERE position < later_before",
-            &[],
-        )
-        .await?;
-    for row in reordered {
-        summary.reordered += 1;
-        report(Finding {
-            kind: Kind::Reordered,
-            event_id: Some(row.get::<_, Uuid>(0).to_string()),
-            topic: Some(row.get(1)),
-            partition: Some(row.get(2)),
-            offset: Some(row.get(3)),
-            detail: "after an event of its aggregate inserted later".into(),
-        })?;
+    )
+    .await?;
+    while let Some(rows) = reordered.next().await? {
+        for row in rows {
+            summary.reordered += 1;
+            report(Finding {
+                kind: Kind::Reordered,
+                event_id: Some(row.get::<_, Uuid>(0).to_string()),
+                topic: Some(row.get(1)),
+                partition: Some(row.get(2)),
+                offset: Some(row.get(3)),
+                detail: "after an event of its aggregate inserted later".into(),
+            })?;
+        }
     }
 
     unexplained(sql, tables, summary, report).await
@@ -744,7 +756,7 @@ async fn compare(
 /// Records no row of the range explains: without an event id, or with one no table has a row of (older than
 /// the tables' oldest published row: deleted by retention; else another producer or a row deleted by hand).
 async fn unexplained(
-    sql: &Client,
+    sql: &Transaction<'_>,
     tables: &[OutboxTable],
     summary: &mut Summary,
     report: &mut impl FnMut(Finding) -> Result<()>,
@@ -782,44 +794,69 @@ async fn unexplained(
          WHERE r.event_id IS NOT NULL
            AND NOT EXISTS (SELECT FROM outboxd_audit_expected e WHERE e.event_id = r.event_id){no_row}"
     );
-    let rows = sql.query(&statement, &[]).await?;
-    for row in rows {
-        let (topic, partition, offset, event_id, ts): (
-            String,
-            i32,
-            i64,
-            Option<Uuid>,
-            Option<SystemTime>,
-        ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
-        let detail = match (event_id, ts, oldest) {
-            (None, _, _) => {
-                summary.unexplained_without_id += 1;
-                "no event id: written by another producer".to_string()
-            }
-            (Some(_), Some(ts), Some(oldest)) if ts < oldest => {
-                summary.unexplained_deleted += 1;
-                "no row: older than the table's oldest published row (deleted by retention)"
-                    .to_string()
-            }
-            (Some(_), _, _) => {
-                summary.unexplained_foreign += 1;
-                "no row has this event id: another producer, or a row deleted by hand".to_string()
-            }
-        };
-        let kind = Kind::Unexplained;
-        report(Finding {
-            kind,
-            event_id: event_id.map(|id| id.to_string()),
-            topic: Some(topic),
-            partition: Some(partition),
-            offset: Some(offset),
-            detail,
-        })?;
+    let mut records = Batches::open(sql, &statement).await?;
+    while let Some(rows) = records.next().await? {
+        for row in rows {
+            let (topic, partition, offset, event_id, ts): (
+                String,
+                i32,
+                i64,
+                Option<Uuid>,
+                Option<SystemTime>,
+            ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+            let detail = match (event_id, ts, oldest) {
+                (None, _, _) => {
+                    summary.unexplained_without_id += 1;
+                    "no event id: written by another producer".to_string()
+                }
+                (Some(_), Some(ts), Some(oldest)) if ts < oldest => {
+                    summary.unexplained_deleted += 1;
+                    "no row: older than the table's oldest published row (deleted by retention)"
+                        .to_string()
+                }
+                (Some(_), _, _) => {
+                    summary.unexplained_foreign += 1;
+                    "no row has this event id: another producer, or a row deleted by hand"
+                        .to_string()
+                }
+            };
+            let kind = Kind::Unexplained;
+            report(Finding {
+                kind,
+                event_id: event_id.map(|id| id.to_string()),
+                topic: Some(topic),
+                partition: Some(partition),
+                offset: Some(offset),
+                detail,
+            })?;
+        }
     }
     Ok(())
 }
 
-async fn count(sql: &Client, statement: &str) -> Result<u64> {
+/// A result read through a portal, [`FINDINGS_PER_FETCH`] rows at a time (within the transaction).
+struct Batches<'t, 'c> {
+    sql: &'t Transaction<'c>,
+    portal: Portal,
+}
+
+impl<'t, 'c> Batches<'t, 'c> {
+    async fn open(sql: &'t Transaction<'c>, statement: &str) -> Result<Self> {
+        let portal = sql.bind(statement, &[]).await?;
+        Ok(Self { sql, portal })
+    }
+
+    /// The next rows; `None` once the result is read.
+    async fn next(&mut self) -> Result<Option<Vec<Row>>> {
+        let rows = self
+            .sql
+            .query_portal(&self.portal, FINDINGS_PER_FETCH)
+            .await?;
+        Ok((!rows.is_empty()).then_some(rows))
+    }
+}
+
+async fn count(sql: &Transaction<'_>, statement: &str) -> Result<u64> {
     let n: i64 = sql.query_one(statement, &[]).await?.get(0);
     Ok(n as u64)
 }

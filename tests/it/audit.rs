@@ -478,8 +478,10 @@ async fn a_topic_deleted_and_created_again_loses_every_earlier_event_until_heale
     let (pg, broker) = migrated_stack();
     let (url, brokers) = (pg.url(), broker.addr());
     let mut client = pg.client().await;
-    let committed = publish_then_stop(&mut client, &url, &brokers, 10).await;
+    // 2,502 events: the missing ones come back in more than two fetches of findings.
+    let committed = publish_then_stop(&mut client, &url, &brokers, 834).await;
     let n = committed.len() as u64;
+    assert!(n > 2_000);
     let details = scratch_dir("audit").join("details.jsonl");
     let (code, clean) = audit(&url, &brokers, &details);
     assert_eq!(code, 0, "a clean audit before the deletion: {clean}");
