@@ -667,6 +667,94 @@ async fn records_deleted_by_a_shortened_retention_are_expired_not_missing() {
     assert_eq!(unpublished(&client).await, 0, "no row was handed back");
 }
 
+/// A replayed event's age is its first publication, not the replay's. Events published two hours ago, whose
+/// records a one-hour retention removed, are replayed to the live topic: the polling path marks their rows
+/// published again (now), yet the audit still counts them expired (by the first publication the table of
+/// replayed events keeps), not missing, and `--heal` hands none back. By the rows' own `published_at` they
+/// would be an hour too young for retention to have taken them.
+#[tokio::test(flavor = "multi_thread")]
+async fn events_replayed_after_retention_removed_them_are_expired_by_their_first_publication() {
+    let (pg, broker) = migrated_stack();
+    let (url, brokers) = (pg.url(), broker.addr());
+    let mut client = pg.client().await;
+    let committed = publish_then_stop(&mut client, &url, &brokers, 10).await;
+    let n = committed.len() as u64;
+    client
+        .execute(
+            "UPDATE outbox_event SET published_at = published_at - interval '2 hours'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let alter = AlterConfig::new(ResourceSpecifier::Topic(TOPIC)).set("retention.ms", "3600000");
+    for result in admin(&brokers)
+        .alter_configs([&alter], &AdminOptions::new())
+        .await
+        .expect("cannot alter the topic's config")
+    {
+        result.expect("cannot alter the topic's config");
+    }
+    // What that retention did to records that old: removed them (DeleteRecords up to each partition's end).
+    let partitions = topic_leaders(&brokers)
+        .expect("outboxd created the topic")
+        .len() as i32;
+    let consumer = plain_consumer(&brokers);
+    let mut up_to = TopicPartitionList::new();
+    for (partition, (_, high)) in watermarks(&consumer, partitions).into_iter().enumerate() {
+        up_to
+            .add_partition_offset(TOPIC, partition as i32, Offset::Offset(high))
+            .unwrap();
+    }
+    admin(&brokers)
+        .delete_records(&up_to, &AdminOptions::new())
+        .await
+        .expect("cannot delete records");
+    let details = scratch_dir("audit").join("details.jsonl");
+    let (code, before) = audit(&url, &brokers, &details);
+    assert_eq!(code, 0, "{before}");
+    assert_eq!(before["expired"], n, "{before}");
+
+    // A consumer team replays them to the live topic.
+    let outboxd = Outboxd::spawn(&run_args(&url, &brokers));
+    wait_slot_active(&client, "outboxd").await;
+    let output = run_outboxd_async(&[
+        "replay",
+        "--database-url",
+        &url,
+        "--published",
+        "--aggregate-type",
+        "Order",
+    ])
+    .await;
+    drop(outboxd);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    let republished: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_event WHERE published_at > now() - interval '1 hour'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        republished, n as i64,
+        "the rows are marked published again, now"
+    );
+
+    let (code, after) = audit(&url, &brokers, &details);
+    assert_eq!(after["replayed"], n, "{after}");
+    assert_eq!(
+        after["expired"], n,
+        "expired by their first publication: {after}"
+    );
+    assert_eq!(after["missing"], 0, "{after}");
+    assert_eq!(code, 0, "{after}");
+    assert_eq!(sorted_findings(&details, "expired"), ids_of(&committed));
+    let (code, healed) = heal(&url, &brokers);
+    assert_eq!(code, 0, "{healed}");
+    assert_eq!(healed["healed"], 0, "{healed}");
+}
+
 /// A crash loop: a producer that crashed before its acknowledgements were recorded sends the same records
 /// again (same key, partition, payload and headers), twice for the first half of the burst. The audit counts
 /// each such event duplicated once and every copy past the first, exits 0 (consumers dedupe by event id),

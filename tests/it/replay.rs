@@ -129,7 +129,7 @@ async fn a_hundred_thousand_events_replay_to_a_new_topic_in_order_while_the_live
     writer.wait_more(5, "live writes before the replay").await;
     let rate = 5_000.0;
     let started = Instant::now();
-    let args: Vec<String> = [
+    let output = run_outboxd_async(&[
         "replay",
         "--database-url",
         &url,
@@ -144,16 +144,8 @@ async fn a_hundred_thousand_events_replay_to_a_new_topic_in_order_while_the_live
         "history.replayed",
         "--rate",
         "5000",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let output = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_outboxd(&args)
-    })
-    .await
-    .unwrap();
+    ])
+    .await;
     let took = started.elapsed();
     assert!(output.status.success(), "{}", stderr_of(&output));
     let replay_id = replay_id_of(&output.stdout);
@@ -214,23 +206,15 @@ async fn a_replay_to_the_live_topic_lets_no_live_event_between_an_aggregates_rep
     // The application keeps writing the same aggregates (order-0..9) during the replay.
     let writer = Writer::start_at(url.clone(), 1_000, 1, 10);
     writer.wait_more(20, "live writes before the replay").await;
-    let args: Vec<String> = [
+    let output = run_outboxd_async(&[
         "replay",
         "--database-url",
         &url,
         "--published",
         "--aggregate-type",
         "Order",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let output = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_outboxd(&args)
-    })
-    .await
-    .unwrap();
+    ])
+    .await;
     assert!(output.status.success(), "{}", stderr_of(&output));
     let replay_id = replay_id_of(&output.stdout);
     writer.wait_more(20, "live writes after the replay").await;
@@ -559,13 +543,7 @@ async fn kill_and_resume(delivery: &[&str]) -> usize {
     let mut resume = vec!["replay"];
     resume.extend(&common);
     resume.extend(["--resume", replay_id.as_str()]);
-    let args: Vec<String> = resume.iter().map(|s| s.to_string()).collect();
-    let output = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_outboxd(&args)
-    })
-    .await
-    .unwrap();
+    let output = run_outboxd_async(&resume).await;
     assert!(output.status.success(), "{}", stderr_of(&output));
     live.kill();
 
@@ -715,23 +693,15 @@ async fn a_replayed_event_the_broker_now_refuses_is_dead_lettered_and_the_replay
         result.unwrap();
     }
 
-    let args: Vec<String> = [
+    let output = run_outboxd_async(&[
         "replay",
         "--database-url",
         &url,
         "--published",
         "--aggregate-id",
         "refused-later",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let output = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_outboxd(&args)
-    })
-    .await
-    .unwrap();
+    ])
+    .await;
     drop(outboxd);
     assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
     assert!(

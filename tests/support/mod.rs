@@ -661,6 +661,17 @@ pub fn run_outboxd(args: &[&str]) -> Output {
     run_outboxd_with_env(args, &[])
 }
 
+/// [`run_outboxd`] from async code (a test's runtime keeps serving its other tasks meanwhile).
+pub async fn run_outboxd_async(args: &[&str]) -> Output {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_outboxd(&args)
+    })
+    .await
+    .expect("the thread running outboxd panicked")
+}
+
 /// [`run_outboxd`] with extra environment.
 pub fn run_outboxd_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut child = outboxd_command(args)

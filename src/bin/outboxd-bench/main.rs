@@ -89,6 +89,9 @@ struct Args {
     /// per million events.
     #[arg(long)]
     max_growth: Option<f64>,
+    /// Published events per `outboxd audit` (the audit part).
+    #[arg(long, value_delimiter = ',', default_value = "10000,100000,1000000")]
+    audit_sizes: Vec<usize>,
     /// Where the results (markdown, CSV) go.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -107,7 +110,8 @@ enum Part {
     Sweep,
     /// A standby taking over after the leader is SIGKILLed.
     Takeover,
-    /// `outboxd audit` over 10k, 100k and 1M published events: time, peak RSS, records read per second.
+    /// `outboxd audit` over 10k, 100k and 1M published events (`--audit-sizes`): time, peak RSS, records
+    /// read per second.
     Audit,
 }
 
@@ -181,7 +185,7 @@ async fn run(mut args: Args) -> BenchResult<()> {
         let sizes: &[usize] = if args.quick {
             &[2_000, 10_000]
         } else {
-            &[10_000, 100_000, 1_000_000]
+            &args.audit_sizes
         };
         for &events in sizes {
             eprintln!("audit: {events} published events ...");
@@ -386,17 +390,17 @@ impl Results {
         if !self.audits.is_empty() {
             writeln!(
                 table,
-                "\n| outboxd audit of | seconds | records read/s | peak RSS MiB |"
+                "\n| outboxd audit of | seconds | records read/s | peak RSS MiB | peak RSS MiB by ¼, ½, ¾ of the run |"
             )?;
-            writeln!(table, "| ---: | ---: | ---: | ---: |")?;
+            writeln!(table, "| ---: | ---: | ---: | ---: | ---: |")?;
             for audit in &self.audits {
+                let [q1, q2, q3, end] = audit.peak_rss_by_quarter_kib.map(mib);
                 writeln!(
                     table,
-                    "| {} events | {:.1} | {:.0} | {:.1} |",
+                    "| {} events | {:.1} | {:.0} | {end:.1} | {q1:.1}, {q2:.1}, {q3:.1} |",
                     audit.events,
                     audit.seconds,
                     audit.records as f64 / audit.seconds,
-                    mib(audit.peak_rss_kib)
                 )?;
             }
         }

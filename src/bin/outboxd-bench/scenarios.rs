@@ -1023,14 +1023,23 @@ impl Bench {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()?;
-        let mut peak_rss_kib = 0;
+        // (seconds since the start, VmHWM then)
+        let mut samples = Vec::new();
         while child.try_wait()?.is_none() {
             if let Ok(usage) = crate::stack::usage(child.id()) {
-                peak_rss_kib = peak_rss_kib.max(usage.peak_rss_kib);
+                samples.push((started.elapsed().as_secs_f64(), usage.peak_rss_kib));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let seconds = started.elapsed().as_secs_f64();
+        let peak_until = |fraction: f64| {
+            samples
+                .iter()
+                .filter(|(at, _)| *at <= seconds * fraction)
+                .map(|(_, kib)| *kib)
+                .max()
+                .unwrap_or_default()
+        };
         let output = child.wait_with_output()?;
         let summary: serde_json::Value = serde_json::from_slice(&output.stdout)?;
         if summary["exit_code"] != 0 || summary["checked"] != events as u64 {
@@ -1040,7 +1049,7 @@ impl Bench {
             events,
             seconds,
             records: summary["records"].as_u64().unwrap_or_default(),
-            peak_rss_kib,
+            peak_rss_by_quarter_kib: [0.25, 0.5, 0.75, 1.0].map(peak_until),
         })
     }
 
@@ -1071,8 +1080,9 @@ pub struct Audited {
     pub seconds: f64,
     /// Records it read from the topic.
     pub records: u64,
-    /// outboxd's peak resident memory while it ran (sampled every 50 ms; VmHWM).
-    pub peak_rss_kib: u64,
+    /// outboxd's peak resident memory (VmHWM, sampled every 50 ms) by the end of each quarter of its wall
+    /// time: flat when the later quarters add nothing to the first.
+    pub peak_rss_by_quarter_kib: [u64; 4],
 }
 
 /// How often a soak run scrapes `/metrics`, for file names and the report: `15s`, or `never`.
