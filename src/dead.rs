@@ -188,7 +188,8 @@ pub fn to_text(events: &[DeadEvent], limit: i64) -> String {
 pub fn show_text(event: &DeadEvent, row: &serde_json::Value) -> String {
     let pretty = serde_json::to_string_pretty(row).unwrap_or_default();
     format!(
-        "dead event {id} of {table}\n  aggregate: {aggregate_type} {aggregate_id}\n  event type: {event_type}\n  dead since: {dead_at} after {attempts} attempt(s)\n  last error: {error}\n  unpublished events of its aggregate: {waiting}\nrow:\n{pretty}\nto publish it again: outboxd replay --event-id {id}\n",
+        "dead event {id} of {table}\n  aggregate: {aggregate_type} {aggregate_id}\n  event type: {event_type}\n  dead since: {dead_at} after {attempts} attempt(s)\n  last error: {error}\n  unpublished events of its aggregate: {waiting}\n{history}row:\n{pretty}\nto publish it again: outboxd replay --event-id {id}\n",
+        history = attempt_history_text(row),
         id = event.event_id.map(|id| id.to_string()).unwrap_or_default(),
         table = event.table,
         aggregate_type = event.aggregate_type,
@@ -199,6 +200,34 @@ pub fn show_text(event: &DeadEvent, row: &serde_json::Value) -> String {
         error = one_line(event.last_error.as_deref().unwrap_or("(no error recorded)")),
         waiting = event.unpublished_of_aggregate,
     )
+}
+
+/// The failed attempts the row keeps (migration 0007), one per line, the oldest first; '' without any.
+fn attempt_history_text(row: &serde_json::Value) -> String {
+    let Some(attempts) = row[crate::table::ATTEMPT_HISTORY_COLUMN]
+        .as_array()
+        .filter(|a| !a.is_empty())
+    else {
+        return String::new();
+    };
+    let mut text = format!(
+        "  failed attempts (the last {}, oldest first; replays start the count again):\n",
+        crate::table::ATTEMPT_HISTORY
+    );
+    for attempt in attempts {
+        let counted = if attempt["counted"] == false {
+            "  (not counted: the broker as a whole failed it)"
+        } else {
+            ""
+        };
+        text.push_str(&format!(
+            "    #{}  {}  {}{counted}\n",
+            attempt["attempt"],
+            attempt["at"].as_str().unwrap_or("-"),
+            one_line(attempt["error"].as_str().unwrap_or("-")),
+        ));
+    }
+    text
 }
 
 /// Control characters (a newline in an error) shown escaped, so one event stays on its lines.
@@ -248,6 +277,26 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("\"attempts\": 1"), "{text}");
+        assert!(
+            !text.contains("failed attempts"),
+            "no history, no section: {text}"
+        );
+    }
+
+    #[test]
+    fn show_lists_the_failed_attempts_oldest_first() {
+        let row = serde_json::json!({"event_id": "00000000-0000-0000-0000-000000000007", "attempts": 2,
+            "attempt_errors": [
+                {"attempt": 1, "at": "2026-12-07T10:00:00+00:00", "error": "Broker: timed out", "counted": false},
+                {"attempt": 2, "at": "2026-12-07T10:00:05+00:00", "error": "Message size\ntoo large", "counted": true}]});
+        let text = show_text(&event(), &row);
+        let first = text
+            .find("#1  2026-12-07T10:00:00+00:00  Broker: timed out  (not counted")
+            .expect(&text);
+        let second = text
+            .find("#2  2026-12-07T10:00:05+00:00  Message size\\ntoo large\n")
+            .expect(&text);
+        assert!(first < second, "{text}");
         assert!(
             text.contains("outboxd replay --event-id 00000000-0000-0000-0000-000000000007"),
             "{text}"

@@ -148,6 +148,14 @@ pub const POLLING_COLUMNS: [&str; 9] = [
     "position",
 ];
 
+/// The column where migration 0007 keeps an event's failed attempts (`outboxd dead show`): a JSON array of
+/// `{"attempt", "at", "error", "counted"}`, the oldest first. A table without it (not migrated since) keeps
+/// only the last error.
+pub const ATTEMPT_HISTORY_COLUMN: &str = "attempt_errors";
+
+/// How many failed attempts the history keeps (the oldest go first).
+pub const ATTEMPT_HISTORY: usize = 20;
+
 /// The types the polling path reads and writes its columns as (migrate creates the first of each).
 const POLLING_COLUMN_TYPES: [(&str, &[&str]); 9] = {
     const TIME: &[&str] = &["timestamp with time zone", "timestamp without time zone"];
@@ -220,6 +228,9 @@ pub struct OutboxTable {
     pub marks_published: bool,
     /// The table has every polling column: backfill, sweeper and the polling path work.
     pub polling: bool,
+    /// The table has `attempt_errors` (migration 0007): failed attempts are kept there, the last
+    /// [`ATTEMPT_HISTORY`] of them.
+    pub keeps_attempt_history: bool,
     /// The table is partitioned: the publication must publish via the partition root.
     pub partitioned: bool,
 }
@@ -268,6 +279,7 @@ impl TableSpec {
             payload_type: PayloadType::Json,
             marks_published: true,
             polling: true,
+            keeps_attempt_history: true,
             partitioned: false,
         }
     }
@@ -433,6 +445,7 @@ impl OutboxTable {
         }
         self.marks_published = type_of("published_at").is_some();
         self.polling = POLLING_COLUMNS.iter().all(|c| type_of(c).is_some());
+        self.keeps_attempt_history = type_of(ATTEMPT_HISTORY_COLUMN) == Some("jsonb");
         if self.polling {
             // A column of that name the table had before migrate (which adds only missing ones) may have
             // another type, which the polling path cannot read or count with.

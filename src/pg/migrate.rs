@@ -51,6 +51,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "replay",
         include_str!("../../migrations/0006_replay.sql"),
     ),
+    (
+        7,
+        "attempt_history",
+        include_str!("../../migrations/0007_attempt_history.sql"),
+    ),
 ];
 
 /// The migration that puts the claim index in `position NULLS FIRST` order (skipped where it already is).

@@ -1238,19 +1238,22 @@ impl PollSql {
             .await?,
             retry_later: prepare(format!(
                 "UPDATE {t} SET lease_token = NULL, lease_until = NULL, last_error = $3,
-                                available_at = now() + make_interval(secs => $4::float8)
-                 WHERE {id} = $1 AND lease_token = $2"
+                                available_at = now() + make_interval(secs => $4::float8){history}
+                 WHERE {id} = $1 AND lease_token = $2",
+                history = append_attempt_error(outbox, Counted::Yes),
             ))
             .await?,
             dead_letter: prepare(format!(
-                "UPDATE {t} SET lease_token = NULL, lease_until = NULL, last_error = $3, dead_at = now()
-                 WHERE {id} = $1 AND lease_token = $2"
+                "UPDATE {t} SET lease_token = NULL, lease_until = NULL, last_error = $3, dead_at = now(){history}
+                 WHERE {id} = $1 AND lease_token = $2",
+                history = append_attempt_error(outbox, Counted::Yes),
             ))
             .await?,
             release: prepare(format!(
                 "UPDATE {t} SET lease_token = NULL, lease_until = NULL, attempts = greatest(attempts - 1, 0),
-                                last_error = coalesce($3, last_error)
-                 WHERE {id} = ANY($1::uuid[]) AND lease_token = $2"
+                                last_error = coalesce($3, last_error){history}
+                 WHERE {id} = ANY($1::uuid[]) AND lease_token = $2",
+                history = append_attempt_error(outbox, Counted::No),
             ))
             .await?,
             renew: prepare(renew_statement(outbox)).await?,
@@ -1813,4 +1816,32 @@ pub struct DeadRange {
     pub since: Option<std::time::SystemTime>,
     /// Dead-lettered before this time.
     pub until: Option<std::time::SystemTime>,
+}
+
+/// Whether a failed attempt counts against `--max-attempts`.
+#[derive(Clone, Copy)]
+enum Counted {
+    Yes,
+    /// The broker as a whole failed it (the attempt is given back).
+    No,
+}
+
+/// `, attempt_errors = ...`: appends the failed attempt (its number, when, the error `$3` and whether it
+/// counted) to the row's history, keeping the last [`crate::table::ATTEMPT_HISTORY`]; nothing when `$3` is
+/// NULL or the table keeps no history (not migrated to 0007). `attempts` is the row's count before the
+/// statement: the claim counted this attempt.
+fn append_attempt_error(outbox: &OutboxTable, counted: Counted) -> String {
+    if !outbox.keeps_attempt_history {
+        return String::new();
+    }
+    let column = crate::table::ATTEMPT_HISTORY_COLUMN;
+    let counted = matches!(counted, Counted::Yes);
+    let keep = crate::table::ATTEMPT_HISTORY;
+    format!(
+        ",
+         {column} = CASE WHEN $3::text IS NULL THEN {column} ELSE (
+             SELECT CASE WHEN jsonb_array_length(h) > {keep} THEN h - 0 ELSE h END
+             FROM (SELECT coalesce({column}, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(
+                 'attempt', attempts, 'at', now(), 'error', $3::text, 'counted', {counted}))) AS appended (h)) END"
+    )
 }

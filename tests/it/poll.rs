@@ -505,6 +505,23 @@ async fn poison_event_is_dead_lettered(mode: &str) {
         4,
         "the poison event never reached its topic"
     );
+
+    // `dead show` lists every failed attempt the row keeps: its first death and one after each replay.
+    let shown = run_outboxd(&["dead", "show", "--database-url", &url, &poison_id]);
+    let text = String::from_utf8_lossy(&shown.stdout);
+    let failures: Vec<&str> = text
+        .lines()
+        .skip_while(|line| !line.starts_with("  failed attempts"))
+        .skip(1)
+        .take_while(|line| line.starts_with("    #"))
+        .collect();
+    assert_eq!(failures.len(), 1 + selectors.len(), "{text}");
+    assert!(
+        failures
+            .iter()
+            .all(|line| line.starts_with("    #1  ") && line.to_lowercase().contains("size")),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -714,6 +731,19 @@ async fn broker_outage_in_poll_mode_backs_off_then_delivers_everything() {
     )
     .await;
     println!("while the broker was down: {retried} rows retrying, up to {max_attempts} attempts");
+    let (failed, in_history): (i64, i64) = client
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE attempt_errors -> -1 ->> 'error' = last_error)
+             FROM outbox_event WHERE last_error IS NOT NULL",
+            &[],
+        )
+        .await
+        .map(|row| (row.get(0), row.get(1)))
+        .unwrap();
+    assert!(
+        failed > 0 && in_history == failed,
+        "each row's last failed send ends its history of attempts: {in_history} of {failed}"
+    );
     let down_for = Duration::from_secs(20).saturating_sub(cut_at.elapsed());
     tokio::time::sleep(down_for).await; // the outage itself: 20 s of broker downtime, not a synchronisation
     let dead = dead_count(&client).await;
