@@ -348,7 +348,7 @@ async fn read_topic(
         // librdkafka prefetches up to 64 MiB, in fetches of up to 50 MiB, by default: most of the audit's
         // memory once a topic holds more. Measured (outboxd-bench --only audit), peak RSS from 100k to 10M
         // records: 16 MiB queued in 8 MiB fetches, 69 to 94 MiB; 8 MiB in 4 MiB fetches, 47 to 53 MiB at the
-        // same rate; 4 MiB in 2 MiB fetches, 35 MiB flat but a third slower.
+        // same rate (10M: 55 MiB); 4 MiB in 2 MiB fetches, 35 MiB flat but a third slower.
         .set("queued.max.messages.kbytes", "8192")
         .set("fetch.max.bytes", "4194304");
     let consumer: StreamConsumer<RedactingContext> = config
