@@ -64,6 +64,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const READ_STALL: Duration = Duration::from_secs(60);
 /// How often a long read says how far it got.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+/// The audit consumer's fetches, at most (more where `message.max.bytes` is more).
+const AUDIT_FETCH_MAX_BYTES: u64 = 4 * 1024 * 1024;
 /// Rows of a result (findings, absent events) outboxd holds at a time.
 const FINDINGS_PER_FETCH: i32 = 1_000;
 
@@ -339,6 +341,12 @@ async fn read_topic(
         return Ok(0);
     }
     let mut config = crate::kafka::client_config(settings);
+    // librdkafka refuses a fetch.max.bytes below message.max.bytes (which --kafka-option may raise).
+    let fetch_max_bytes = config
+        .get("message.max.bytes")
+        .and_then(|bytes| bytes.parse::<u64>().ok())
+        .unwrap_or_default()
+        .max(AUDIT_FETCH_MAX_BYTES);
     config
         .set("group.id", "outboxd-audit")
         .set("enable.auto.commit", "false")
@@ -350,7 +358,7 @@ async fn read_topic(
         // records: 16 MiB queued in 8 MiB fetches, 69 to 94 MiB; 8 MiB in 4 MiB fetches, 47 to 53 MiB at the
         // same rate (10M: 55 MiB); 4 MiB in 2 MiB fetches, 35 MiB flat but a third slower.
         .set("queued.max.messages.kbytes", "8192")
-        .set("fetch.max.bytes", "4194304");
+        .set("fetch.max.bytes", fetch_max_bytes.to_string());
     let consumer: StreamConsumer<RedactingContext> = config
         .create_with_context(RedactingContext::for_config(&config))
         .map_err(crate::kafka::config_error)?;
@@ -587,11 +595,12 @@ async fn compare(
         .await?;
     let mut absent = Batches::open(
         sql,
-        "SELECT event_id, topic, expired, aggregate_id, partitions, published_at FROM outboxd_audit_absent",
+        "SELECT event_id, topic, expired, aggregate_id, partitions, published_at, tbl FROM outboxd_audit_absent",
     )
     .await?;
     while let Some(rows) = absent.next().await? {
-        let mut not_expired = Vec::new();
+        // (table index, event id): an event id may be in two tables, expired in one only.
+        let (mut not_expired_tables, mut not_expired) = (Vec::<i32>::new(), Vec::new());
         for row in rows {
             let (event_id, topic, old_enough, key, partitions, published_at): (
                 Uuid,
@@ -619,6 +628,7 @@ async fn compare(
                 };
             let expired = old_enough && partitions > 0 && removed_before_it;
             if old_enough && !expired {
+                not_expired_tables.push(row.get(6));
                 not_expired.push(event_id);
             }
             let (kind, detail) = if expired {
@@ -642,8 +652,10 @@ async fn compare(
         }
         // The portal reads the table as it was when it opened: these updates never come back through it.
         sql.execute(
-            "UPDATE outboxd_audit_absent SET expired = false WHERE event_id = ANY($1)",
-            &[&not_expired],
+            "UPDATE outboxd_audit_absent a SET expired = false
+             FROM unnest($1::int[], $2::uuid[]) AS n (tbl, event_id)
+             WHERE a.tbl = n.tbl AND a.event_id = n.event_id",
+            &[&not_expired_tables, &not_expired],
         )
         .await?;
     }

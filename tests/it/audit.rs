@@ -249,6 +249,15 @@ async fn audit_finds_exactly_the_deleted_records_and_a_foreign_one() {
     let (code, clean) = audit(&url, &brokers, &details);
     assert_eq!(code, 0, "a clean audit: {clean}");
     assert_eq!(clean["checked"], committed.len() as u64, "{clean}");
+    // With message.max.bytes raised for large events (doctor's advice) above the audit's fetch size.
+    let (code, large) = audit_with(
+        &url,
+        &brokers,
+        &details,
+        &["--kafka-option=message.max.bytes=10000000"],
+    );
+    assert_eq!(code, 0, "{large}");
+    assert_eq!(large["present"], committed.len() as u64, "{large}");
     assert_eq!(clean["present"], committed.len() as u64, "{clean}");
     assert_eq!(clean["missing"], 0, "{clean}");
 

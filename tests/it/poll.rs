@@ -524,6 +524,64 @@ async fn poison_event_is_dead_lettered(mode: &str) {
     );
 }
 
+/// A role granted UPDATE column by column on the polling columns only (as before migration 0007 added
+/// `attempt_errors`, and as doctor says is enough) still retries and dead-letters: outboxd keeps no history
+/// of failed attempts for it rather than fail the statements that would (helper-37: the polling path
+/// crash-looped on its first failed send).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_role_granted_only_the_polling_columns_dead_letters_without_an_attempt_history() {
+    let (pg, broker) = migrated_stack();
+    let brokers = broker.addr();
+    let client = pg.client().await;
+    client
+        .batch_execute(
+            "CREATE ROLE polling_columns_only LOGIN;
+             GRANT SELECT ON outbox_event TO polling_columns_only;
+             GRANT UPDATE (published_at, available_at, attempts, lease_token, lease_until, last_error, dead_at,
+                           handoff_at, position) ON outbox_event TO polling_columns_only;",
+        )
+        .await
+        .unwrap();
+    let url = pg.url_for("polling_columns_only", None);
+    let outboxd = Outboxd::spawn(&args(&url, &brokers, &["--mode", "poll"]));
+    let poison = uuid::Uuid::new_v4();
+    client
+        .execute(
+            "INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'Order', 'A', 'E', jsonb_build_object('pad', repeat('x', 1500000))),
+                    (gen_random_uuid(), 'Order', 'A', 'E', '{}')",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    wait_for_async(
+        "the poison event dead and the next one published",
+        Duration::from_secs(60),
+        || async {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND dead_at IS NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (n == 0).then_some(())
+        },
+    )
+    .await;
+    let (dead, history): (bool, Option<serde_json::Value>) = client
+        .query_one(
+            "SELECT dead_at IS NOT NULL, attempt_errors FROM outbox_event WHERE event_id = $1",
+            &[&poison],
+        )
+        .await
+        .map(|row| (row.get(0), row.get(1)))
+        .unwrap();
+    assert!(dead, "{}", outboxd.log_text());
+    assert_eq!(history, None, "no history where the role may not write it");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn poison_event_is_dead_lettered_in_poll_mode() {
     poison_event_is_dead_lettered("poll").await;
