@@ -554,22 +554,7 @@ async fn a_role_granted_only_the_polling_columns_dead_letters_without_an_attempt
         )
         .await
         .unwrap();
-    wait_for_async(
-        "the poison event dead and the next one published",
-        Duration::from_secs(60),
-        || async {
-            let n: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND dead_at IS NULL",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (n == 0).then_some(())
-        },
-    )
-    .await;
+    wait_settled(&client, Duration::from_secs(60)).await;
     let (dead, history): (bool, Option<serde_json::Value>) = client
         .query_one(
             "SELECT dead_at IS NOT NULL, attempt_errors FROM outbox_event WHERE event_id = $1",
