@@ -258,14 +258,24 @@ async fn a_hand_off_a_commit_relied_on_survives_a_database_crash() {
         2,
         "not one Kafka commit after the first event's"
     );
-    // A crash: the server restarts every process and recovers from the WAL on disk.
+    // A crash: the server restarts every process and recovers from the WAL on disk. Until the
+    // postmaster has noticed the death, a new session still works and is then ended with the others:
+    // recovered means a new WAL writer.
     signal(wal_writer, "KILL");
     let client = wait_for_async("PostgreSQL recovered", GETS_THROUGH, || async {
         let (client, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
             .await
             .ok()?;
         tokio::spawn(connection);
-        client.simple_query("SELECT 1").await.ok().map(|_| client)
+        let restarted: i32 = client
+            .query_one(
+                "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'",
+                &[],
+            )
+            .await
+            .ok()?
+            .get(0);
+        (restarted != wal_writer).then_some(client)
     })
     .await;
     holding.store(false, Ordering::SeqCst);
