@@ -163,6 +163,7 @@ async fn run(mut args: Args) -> BenchResult<()> {
             limits,
             poll_one: bench.poll_drain(1).await?,
             poll_four: bench.poll_drain(4).await?,
+            plain_poller: bench.plain_poll_drain(PLAIN_POLLER_BATCH).await?,
         });
     }
     if runs(Part::Steady) {
@@ -212,26 +213,28 @@ async fn run(mut args: Args) -> BenchResult<()> {
 /// PostgreSQL and the broker, and WAL bytes; with the drain's start-up and end.
 /// `drains`: CDC, CDC exactly-once, poll with 1 and with 4 instances.
 fn whole_system_table(
-    drains: [&scenarios::Drain; 4],
+    drains: [&scenarios::Drain; 5],
     limits: &scenarios::Limits,
 ) -> BenchResult<String> {
-    const NAMES: [&str; 4] = [
+    const NAMES: [&str; 5] = [
         "drain, CDC",
         "drain, CDC exactly-once",
         "drain, poll, 1 instance",
         "drain, poll, 4 instances",
+        "drain, the plain poller (client: the benchmark)",
     ];
     let mut table = String::new();
-    writeln!(table, "| whole system, per event | events/s | start-up s | end s | outboxd µs CPU | PostgreSQL µs CPU | broker µs CPU | total µs CPU | WAL bytes |")?;
+    writeln!(table, "| whole system, per event | events/s | start-up s | end s | outboxd µs CPU | PostgreSQL µs CPU | broker µs CPU | total µs CPU | WAL bytes | updates per event | HOT % |")?;
     writeln!(
         table,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )?;
     for (name, drain) in NAMES.iter().zip(drains) {
         let cost = drain.per_event();
+        let updates = drain.system.updates;
         writeln!(
             table,
-            "| {name} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
+            "| {name} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {} |",
             drain.rate(),
             drain.first_published_after,
             drain.tail_seconds(),
@@ -239,7 +242,9 @@ fn whole_system_table(
             cost.postgres_cpu,
             cost.broker_cpu,
             cost.total_cpu(),
-            cost.wal_bytes
+            cost.wal_bytes,
+            updates.updates as f64 / drain.events as f64,
+            hot_percent(updates)
         )?;
     }
     let events = drains[0].events;
@@ -258,8 +263,11 @@ fn whole_system_table(
     )?;
     writeln!(
         table,
-        "| backfill limit (UPDATE by event_id) | {:.0} | | | | {:.1} | | | {:.0} |",
-        limits.backfill, backfill.postgres_cpu, backfill.wal_bytes
+        "| backfill limit (UPDATE by event_id) | {:.0} | | | | {:.1} | | | {:.0} | | {} |",
+        limits.backfill,
+        backfill.postgres_cpu,
+        backfill.wal_bytes,
+        hot_percent(limits.backfill_cost.updates)
     )?;
     writeln!(
         table,
@@ -350,7 +358,12 @@ struct Drains {
     limits: scenarios::Limits,
     poll_one: scenarios::Drain,
     poll_four: scenarios::Drain,
+    /// The plain `FOR UPDATE SKIP LOCKED` relay, the polling path's yardstick.
+    plain_poller: scenarios::Drain,
 }
+
+/// Rows per batch of the plain poller: outboxd's `--poll-batch-size` default.
+const PLAIN_POLLER_BATCH: i64 = 500;
 
 impl Results {
     /// The markdown report (`results.md`).
@@ -378,7 +391,13 @@ impl Results {
         }
         if let Some(d) = &self.drains {
             writeln!(table)?;
-            let drains = [&d.drain, &d.exactly_once_drain, &d.poll_one, &d.poll_four];
+            let drains = [
+                &d.drain,
+                &d.exactly_once_drain,
+                &d.poll_one,
+                &d.poll_four,
+                &d.plain_poller,
+            ];
             writeln!(table, "{}", whole_system_table(drains, &d.limits)?)?;
         }
         if !self.steady.is_empty() {
@@ -556,13 +575,21 @@ impl Drains {
         ] {
             writeln!(
                 table,
-                "| {name} | {:.0} | {:.0} | {:.1} | {:.1} | CPU of all instances |",
+                "| {name} | {:.0} | {:.0} | {:.1} | {:.1} | CPU of all instances; {:.2} × the plain poller |",
                 d.rate(),
                 d.streaming_rate(),
                 d.cpu_micros_per_event(),
-                mib(d.usage.peak_rss_kib)
+                mib(d.usage.peak_rss_kib),
+                d.rate() / self.plain_poller.rate()
             )?;
         }
+        writeln!(
+            table,
+            "| drain, the plain poller (SKIP LOCKED, batches of {PLAIN_POLLER_BATCH}, no order or leases) | {:.0} | {:.0} | {:.1} | | the benchmark's own process |",
+            self.plain_poller.rate(),
+            self.plain_poller.streaming_rate(),
+            self.plain_poller.cpu_micros_per_event(),
+        )?;
         Ok(())
     }
 
@@ -586,6 +613,7 @@ impl Drains {
         drain("drain_cdc_exactly_once", &self.exactly_once_drain);
         drain("drain_poll_1", &self.poll_one);
         drain("drain_poll_4", &self.poll_four);
+        drain("drain_plain_poller", &self.plain_poller);
         let events = self.drain.events;
         let _ = writeln!(
             csv,
@@ -611,6 +639,13 @@ impl Drains {
         }
         csv
     }
+}
+
+/// The share of heap-only updates, or a dash without updates.
+fn hot_percent(updates: scenarios::TableUpdates) -> String {
+    updates
+        .hot_percent()
+        .map_or("–".to_string(), |p| format!("{p:.0}"))
 }
 
 fn mib(kib: u64) -> f64 {

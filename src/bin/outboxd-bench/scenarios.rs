@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::producer::{
+    BaseRecord, DefaultProducerContext, FutureProducer, FutureRecord, Producer, ThreadedProducer,
+};
 use tokio_postgres::Client;
 
 use crate::observe;
@@ -63,6 +65,22 @@ pub struct SystemCost {
     pub postgres_cpu: f64,
     pub broker_cpu: f64,
     pub wal_bytes: f64,
+    /// Row updates of the outbox table, and how many of them were heap-only (HOT: no index touched).
+    pub updates: TableUpdates,
+}
+
+/// `n_tup_upd` and `n_tup_hot_upd` of the outbox table (`pg_stat_user_tables`), or their growth.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TableUpdates {
+    pub updates: i64,
+    pub hot: i64,
+}
+
+impl TableUpdates {
+    /// The share of updates that were heap-only, in percent (None without updates).
+    pub fn hot_percent(&self) -> Option<f64> {
+        (self.updates > 0).then(|| self.hot as f64 * 100.0 / self.updates as f64)
+    }
 }
 
 /// A [`SystemCost`] (and the client's CPU) per event: CPU in µs, WAL in bytes.
@@ -93,6 +111,7 @@ impl PerEvent {
 struct CostMeter {
     cpu: SystemCpu,
     wal: String,
+    updates: TableUpdates,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -199,10 +218,52 @@ impl Bench {
         Ok(CostMeter {
             cpu: self.stack.system_cpu()?,
             wal: self.wal_lsn().await?,
+            updates: self.table_updates().await?,
         })
     }
 
+    /// The outbox table's update counts as the statistics hold them now. A session reports its counts to
+    /// them at most once a second, and at its end: read after the sessions that updated ended.
+    async fn table_updates(&self) -> BenchResult<TableUpdates> {
+        // This session's own counts (the backfill's) are reported at the end of the next statement (PG 15+).
+        let _ = self
+            .sql
+            .batch_execute("SELECT pg_stat_force_next_flush()")
+            .await;
+        let row = self
+            .sql
+            .query_one(
+                "SELECT coalesce(sum(n_tup_upd), 0)::int8, coalesce(sum(n_tup_hot_upd), 0)::int8
+                 FROM pg_stat_user_tables WHERE relname = 'outbox_event'",
+                &[],
+            )
+            .await?;
+        Ok(TableUpdates {
+            updates: row.get(0),
+            hot: row.get(1),
+        })
+    }
+
+    /// Waits until every other client session has ended (and so reported its statistics), at most 10 s.
+    async fn sessions_ended(&self) -> BenchResult<()> {
+        wait_until(
+            "the drain's sessions to end",
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+            || async {
+                self.scalar_i64(
+                    "SELECT count(*) FROM pg_stat_activity
+                     WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+                )
+                .await
+                .is_ok_and(|n| n == 0)
+            },
+        )
+        .await
+    }
+
     async fn cost_since(&self, meter: CostMeter) -> BenchResult<SystemCost> {
+        let updates = self.table_updates().await?;
         let cpu = self.stack.system_cpu()? - meter.cpu;
         let wal_bytes: f64 = self
             .sql
@@ -216,6 +277,10 @@ impl Bench {
             postgres_cpu: cpu.postgres,
             broker_cpu: cpu.broker,
             wal_bytes,
+            updates: TableUpdates {
+                updates: updates.updates - meter.updates.updates,
+                hot: updates.hot - meter.updates.hot,
+            },
         })
     }
 
@@ -645,8 +710,9 @@ impl Bench {
         .await?;
         let seconds = started.elapsed().as_secs_f64();
         let usage = outboxd.usage()?;
-        let system = self.cost_since(meter).await?;
         drop(outboxd);
+        self.sessions_ended().await?;
+        let system = self.cost_since(meter).await?;
         let left = self.unpublished_in(tables).await?;
         if left != 0 {
             return Err(
@@ -664,8 +730,8 @@ impl Bench {
         })
     }
 
-    /// The drain backlog again, through `instances` outboxd processes in `--mode poll`.
-    pub async fn poll_drain(&self, instances: usize) -> BenchResult<Drain> {
+    /// The drain backlog made unpublished again (and vacuumed), for a polling drain; returns its events.
+    async fn unpublish_backlog(&self) -> BenchResult<usize> {
         self.sql
             .batch_execute(
                 "UPDATE outbox_event SET published_at = NULL, attempts = 0, lease_token = NULL, lease_until = NULL, handoff_at = NULL",
@@ -674,7 +740,12 @@ impl Bench {
         self.sql
             .batch_execute("VACUUM ANALYZE outbox_event")
             .await?;
-        let events = self.scalar_i64("SELECT count(*) FROM outbox_event").await? as usize;
+        Ok(self.scalar_i64("SELECT count(*) FROM outbox_event").await? as usize)
+    }
+
+    /// The drain backlog again, through `instances` outboxd processes in `--mode poll`.
+    pub async fn poll_drain(&self, instances: usize) -> BenchResult<Drain> {
+        let events = self.unpublish_backlog().await?;
         let in_kafka = self.records_in_kafka()?;
         let meter = self.cost_meter().await?;
         let start = self.db_now().await?;
@@ -694,8 +765,45 @@ impl Bench {
         for worker in &workers {
             usage = usage + worker.usage()?;
         }
+        drop(workers);
+        self.sessions_ended().await?;
         let system = self.cost_since(meter).await?;
         self.kafka_received(in_kafka, events, "the polling drain")?;
+        Ok(Drain {
+            events,
+            seconds,
+            streaming_seconds: self.publishing_seconds(ONE_TABLE).await?,
+            first_published_after: self.first_published_after(start, ONE_TABLE).await?,
+            usage,
+            system,
+        })
+    }
+
+    /// The drain backlog again, through the plain poller the pattern's articles describe ([`plain_poller`]),
+    /// in this process: the yardstick of the polling path. Its CPU is this process's over the drain.
+    pub async fn plain_poll_drain(&self, batch: i64) -> BenchResult<Drain> {
+        let events = self.unpublish_backlog().await?;
+        let in_kafka = self.records_in_kafka()?;
+        let settings = outboxd_settings(&self.stack)?;
+        let producer: FutureProducer = outboxd::kafka::producer_config(&settings).create()?;
+        let (client, driver) =
+            tokio_postgres::connect(&self.stack.pg_url(), tokio_postgres::NoTls).await?;
+        let driver = tokio::spawn(driver);
+        let meter = self.cost_meter().await?;
+        let cpu_before = crate::stack::usage(std::process::id())?;
+        let start = self.db_now().await?;
+        let started = Instant::now();
+        plain_poller(client, &producer, batch).await?;
+        let seconds = started.elapsed().as_secs_f64();
+        let usage = Usage {
+            cpu_seconds: crate::stack::usage(std::process::id())?.cpu_seconds
+                - cpu_before.cpu_seconds,
+            peak_rss_kib: 0,
+        };
+        driver.await??;
+        self.sessions_ended().await?;
+        let system = self.cost_since(meter).await?;
+        self.kafka_received(in_kafka, events, "the plain poller's drain")?;
         Ok(Drain {
             events,
             seconds,
@@ -1083,6 +1191,72 @@ pub struct Audited {
     /// outboxd's peak resident memory (VmHWM, sampled every 50 ms) by the end of each quarter of its wall
     /// time: flat when the later quarters add nothing to the first.
     pub peak_rss_by_quarter_kib: [u64; 4],
+}
+
+/// The relay the transactional outbox articles describe, written plainly: in one transaction, lock the oldest
+/// `batch` unpublished rows (`FOR UPDATE SKIP LOCKED`), send them, wait for every acknowledgement, mark them
+/// published, commit; until none is left. No leases, retries, dead letters or per-aggregate holds: a failed
+/// send rolls the batch back. It reads by the claim index's order, so that it pays no sort. It awaits each
+/// send's delivery future rather than `flush()`, which rust-rdkafka serves in 100 ms polls.
+async fn plain_poller(client: Client, producer: &FutureProducer, batch: i64) -> BenchResult<()> {
+    let mut client = client;
+    let select = client
+        .prepare(
+            "SELECT event_id, aggregate_id, event_type, payload::text FROM outbox_event
+             WHERE published_at IS NULL AND dead_at IS NULL
+             ORDER BY position NULLS FIRST, created_at, event_id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        )
+        .await?;
+    let mark = client
+        .prepare("UPDATE outbox_event SET published_at = now() WHERE event_id = ANY($1)")
+        .await?;
+    loop {
+        let tx = client.transaction().await?;
+        let rows = tx.query(&select, &[&batch]).await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(());
+        }
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut deliveries = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: uuid::Uuid = row.get(0);
+            let id_text = id.to_string();
+            let (key, event_type, payload): (&str, &str, &str) =
+                (row.get(1), row.get(2), row.get(3));
+            let headers = rdkafka::message::OwnedHeaders::new()
+                .insert(rdkafka::message::Header {
+                    key: "event_id",
+                    value: Some(&id_text),
+                })
+                .insert(rdkafka::message::Header {
+                    key: "event_type",
+                    value: Some(event_type),
+                });
+            let mut record = FutureRecord::to(EVENTS_TOPIC)
+                .key(key)
+                .payload(payload)
+                .headers(headers);
+            loop {
+                match producer.send_result(record) {
+                    Ok(delivery) => break deliveries.push(delivery),
+                    Err((_, returned)) => {
+                        record = returned;
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                }
+            }
+            ids.push(id);
+        }
+        for delivery in deliveries {
+            delivery
+                .await
+                .map_err(|_| "the producer dropped a delivery")?
+                .map_err(|(error, _)| error)?;
+        }
+        tx.execute(&mark, &[&ids]).await?;
+        tx.commit().await?;
+    }
 }
 
 /// How often a soak run scrapes `/metrics`, for file names and the report: `15s`, or `never`.
