@@ -7,7 +7,7 @@
 //!
 //! Scenarios: drain of a backlog built while outboxd was stopped, against the source limit (pg_recvlogical),
 //! the sink limit (a plain rdkafka producer) and the backfill limit (batched UPDATEs by event_id); the same
-//! backlog through `--mode poll` with 1 and 4 instances; steady insert rates in each mode (latency
+//! backlog through `--mode poll` with 1 and 4 instances and through the plain `SKIP LOCKED` poller; steady insert rates in each mode (latency
 //! percentiles, CPU per event of every component); one big transaction (duration, peak RSS); the sweep
 //! (`sweep`: how the cost per event grows with payload size, aggregates, events per transaction, backlog and
 //! outbox tables); the takeover (`takeover`: a standby leading after the leader is SIGKILLed). Each drain reports the whole system's cost per event (CPU of outboxd, PostgreSQL and the
