@@ -25,8 +25,8 @@ else
   PG_BIN="${OUTBOXD_PG_BIN:-$OUTBOXD_CACHE/postgresql-$(pg_server_version "$PG_MAJOR" || echo "unsupported-$PG_MAJOR")/bin}"
 fi
 PG_CLIENT_BIN=/usr/lib/postgresql/15/bin
-# Python tools the tests run (the Kubernetes manifests' validator, the CloudEvents SDK), in their own
-# virtual environment.
-PY_TOOLS_PACKAGES="kubernetes-validate==1.37.0 cloudevents==2.2.0"
+# Python tools the tests and the benchmark run (the Kubernetes manifests' validator, the CloudEvents SDK, the
+# plain poller's Kafka and PostgreSQL clients), in their own virtual environment.
+PY_TOOLS_PACKAGES="kubernetes-validate==1.37.0 cloudevents==2.2.0 confluent-kafka==2.12.1 psycopg[binary]==3.3.9"
 PY_TOOLS="$OUTBOXD_CACHE/python-tools"
 export OUTBOXD_CACHE TANSU_BIN PG_BIN PG_MAJOR PG_CLIENT_BIN PY_TOOLS

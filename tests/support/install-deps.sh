@@ -49,7 +49,8 @@ if [ "${OUTBOXD_TEST_BROKER:-kafka}" = tansu ] && [ ! -x "$TANSU_BIN" ]; then
   rm -rf "$OUTBOXD_CACHE/tansu-build"
 fi
 # Python tools of the tests: the Kubernetes manifests' validator (tests/it/kubernetes.rs) and the CloudEvents
-# SDK that reads --format cloudevents records (tests/it/cloudevents.rs).
+# SDK that reads --format cloudevents records (tests/it/cloudevents.rs); the benchmark's Python plain poller
+# (examples/plain_poller.py: confluent-kafka, psycopg).
 if [ "$(cat "$PY_TOOLS/.installed" 2>/dev/null)" != "$PY_TOOLS_PACKAGES" ]; then
   echo "installing $PY_TOOLS_PACKAGES into $PY_TOOLS (once)"
   rm -rf "$PY_TOOLS"

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
-use scenarios::{Bench, Steady};
+use scenarios::{Bench, PlainPoller, Steady};
 use stack::{BenchResult, Stack};
 
 #[derive(Parser)]
@@ -163,7 +163,12 @@ async fn run(mut args: Args) -> BenchResult<()> {
             limits,
             poll_one: bench.poll_drain(1).await?,
             poll_four: bench.poll_drain(4).await?,
-            plain_poller: bench.plain_poll_drain(PLAIN_POLLER_BATCH).await?,
+            plain_rust: bench
+                .plain_poll_drain(PlainPoller::Rust, PLAIN_POLLER_BATCH)
+                .await?,
+            plain_python: bench
+                .plain_poll_drain(PlainPoller::Python, PLAIN_POLLER_BATCH)
+                .await?,
         });
     }
     if runs(Part::Steady) {
@@ -213,15 +218,16 @@ async fn run(mut args: Args) -> BenchResult<()> {
 /// PostgreSQL and the broker, and WAL bytes; with the drain's start-up and end.
 /// `drains`: CDC, CDC exactly-once, poll with 1 and with 4 instances.
 fn whole_system_table(
-    drains: [&scenarios::Drain; 5],
+    drains: [&scenarios::Drain; 6],
     limits: &scenarios::Limits,
 ) -> BenchResult<String> {
-    const NAMES: [&str; 5] = [
+    const NAMES: [&str; 6] = [
         "drain, CDC",
         "drain, CDC exactly-once",
         "drain, poll, 1 instance",
         "drain, poll, 4 instances",
-        "drain, the plain poller (client: the benchmark)",
+        "drain, the plain poller in Rust (client: the poller)",
+        "drain, the plain poller in Python (client: the poller)",
     ];
     let mut table = String::new();
     writeln!(table, "| whole system, per event | events/s | start-up s | end s | outboxd µs CPU | PostgreSQL µs CPU | broker µs CPU | total µs CPU | WAL bytes | updates per event | HOT % |")?;
@@ -358,8 +364,9 @@ struct Drains {
     limits: scenarios::Limits,
     poll_one: scenarios::Drain,
     poll_four: scenarios::Drain,
-    /// The plain `FOR UPDATE SKIP LOCKED` relay, the polling path's yardstick.
-    plain_poller: scenarios::Drain,
+    /// The plain `FOR UPDATE SKIP LOCKED` relays, the polling path's yardsticks.
+    plain_rust: scenarios::Drain,
+    plain_python: scenarios::Drain,
 }
 
 /// Rows per batch of the plain poller: outboxd's `--poll-batch-size` default.
@@ -396,7 +403,8 @@ impl Results {
                 &d.exactly_once_drain,
                 &d.poll_one,
                 &d.poll_four,
-                &d.plain_poller,
+                &d.plain_rust,
+                &d.plain_python,
             ];
             writeln!(table, "{}", whole_system_table(drains, &d.limits)?)?;
         }
@@ -575,21 +583,24 @@ impl Drains {
         ] {
             writeln!(
                 table,
-                "| {name} | {:.0} | {:.0} | {:.1} | {:.1} | CPU of all instances; {:.2} × the plain poller |",
+                "| {name} | {:.0} | {:.0} | {:.1} | {:.1} | CPU of all instances; {:.2} × the plain poller in Rust, {:.2} × in Python |",
                 d.rate(),
                 d.streaming_rate(),
                 d.cpu_micros_per_event(),
                 mib(d.usage.peak_rss_kib),
-                d.rate() / self.plain_poller.rate()
+                d.rate() / self.plain_rust.rate(),
+                d.rate() / self.plain_python.rate()
             )?;
         }
-        writeln!(
-            table,
-            "| drain, the plain poller (SKIP LOCKED, batches of {PLAIN_POLLER_BATCH}, no order or leases) | {:.0} | {:.0} | {:.1} | | the benchmark's own process |",
-            self.plain_poller.rate(),
-            self.plain_poller.streaming_rate(),
-            self.plain_poller.cpu_micros_per_event(),
-        )?;
+        for (language, d) in [("Rust", self.plain_rust), ("Python", self.plain_python)] {
+            writeln!(
+                table,
+                "| drain, the plain poller in {language} (SKIP LOCKED, batches of {PLAIN_POLLER_BATCH}, no order or leases) | {:.0} | {:.0} | {:.1} | | |",
+                d.rate(),
+                d.streaming_rate(),
+                d.cpu_micros_per_event(),
+            )?;
+        }
         Ok(())
     }
 
@@ -613,7 +624,8 @@ impl Drains {
         drain("drain_cdc_exactly_once", &self.exactly_once_drain);
         drain("drain_poll_1", &self.poll_one);
         drain("drain_poll_4", &self.poll_four);
-        drain("drain_plain_poller", &self.plain_poller);
+        drain("drain_plain_poller_rust", &self.plain_rust);
+        drain("drain_plain_poller_python", &self.plain_python);
         let events = self.drain.events;
         let _ = writeln!(
             csv,

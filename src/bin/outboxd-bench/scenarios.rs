@@ -779,39 +779,90 @@ impl Bench {
         })
     }
 
-    /// The drain backlog again, through the plain poller the pattern's articles describe ([`plain_poller`]),
-    /// in this process: the yardstick of the polling path. Its CPU is this process's over the drain.
-    pub async fn plain_poll_drain(&self, batch: i64) -> BenchResult<Drain> {
+    /// The drain backlog again, through a plain poller of the pattern's articles (see [`PlainPoller`]): the
+    /// yardstick of the polling path. Its CPU is the poller process's over the drain.
+    pub async fn plain_poll_drain(&self, poller: PlainPoller, batch: i64) -> BenchResult<Drain> {
         let events = self.unpublish_backlog().await?;
         let in_kafka = self.records_in_kafka()?;
-        let settings = outboxd_settings(&self.stack)?;
-        let producer: FutureProducer = outboxd::kafka::producer_config(&settings).create()?;
-        let (client, driver) =
-            tokio_postgres::connect(&self.stack.pg_url(), tokio_postgres::NoTls).await?;
-        let driver = tokio::spawn(driver);
         let meter = self.cost_meter().await?;
-        let cpu_before = crate::stack::usage(std::process::id())?;
         let start = self.db_now().await?;
         let started = Instant::now();
-        plain_poller(client, &producer, batch).await?;
-        let seconds = started.elapsed().as_secs_f64();
-        let usage = Usage {
-            cpu_seconds: crate::stack::usage(std::process::id())?.cpu_seconds
-                - cpu_before.cpu_seconds,
-            peak_rss_kib: 0,
+        let cpu_seconds = match poller {
+            PlainPoller::Rust => self.rust_plain_poller(batch).await?,
+            PlainPoller::Python => self.python_plain_poller(batch).await?,
         };
-        driver.await??;
+        let seconds = started.elapsed().as_secs_f64();
         self.sessions_ended().await?;
         let system = self.cost_since(meter).await?;
-        self.kafka_received(in_kafka, events, "the plain poller's drain")?;
+        self.kafka_received(
+            in_kafka,
+            events,
+            &format!("the {poller:?} plain poller's drain"),
+        )?;
         Ok(Drain {
             events,
             seconds,
             streaming_seconds: self.publishing_seconds(ONE_TABLE).await?,
             first_published_after: self.first_published_after(start, ONE_TABLE).await?,
-            usage,
+            usage: Usage {
+                cpu_seconds,
+                peak_rss_kib: 0,
+            },
             system,
         })
+    }
+
+    /// [`plain_poller`] in this process, with outboxd's producer settings; returns the CPU seconds it took.
+    async fn rust_plain_poller(&self, batch: i64) -> BenchResult<f64> {
+        let settings = outboxd_settings(&self.stack)?;
+        let producer: FutureProducer = outboxd::kafka::producer_config(&settings).create()?;
+        let (client, driver) =
+            tokio_postgres::connect(&self.stack.pg_url(), tokio_postgres::NoTls).await?;
+        let driver = tokio::spawn(driver);
+        let before = crate::stack::usage(std::process::id())?;
+        plain_poller(client, &producer, batch).await?;
+        let cpu_seconds = crate::stack::usage(std::process::id())?.cpu_seconds - before.cpu_seconds;
+        driver.await??;
+        Ok(cpu_seconds)
+    }
+
+    /// `examples/plain_poller.py` in the tests' Python environment; returns the CPU seconds it reported.
+    async fn python_plain_poller(&self, batch: i64) -> BenchResult<f64> {
+        let cache = std::env::var("OUTBOXD_CACHE").unwrap_or_else(|_| "/var/cache/outboxd".into());
+        let python = PathBuf::from(cache).join("python-tools/bin/python");
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/plain_poller.py");
+        if !python.exists() {
+            return Err(format!(
+                "{} is missing: run tests/support/install-deps.sh (it installs the plain poller's Python clients)",
+                python.display()
+            )
+            .into());
+        }
+        let mut command = std::process::Command::new(&python);
+        command.args([
+            script.as_os_str(),
+            self.stack.pg_url().as_ref(),
+            self.stack.brokers().as_ref(),
+            EVENTS_TOPIC.as_ref(),
+            batch.to_string().as_ref(),
+        ]);
+        let output = tokio::task::spawn_blocking(move || command.output()).await??;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        if !output.status.success() {
+            return Err(format!(
+                "examples/plain_poller.py failed ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            )
+            .into());
+        }
+        stdout
+            .lines()
+            .find_map(|line| line.strip_prefix("cpu_seconds "))
+            .and_then(|seconds| seconds.trim().parse().ok())
+            .ok_or_else(|| {
+                format!("examples/plain_poller.py printed no cpu_seconds: {stdout}").into()
+            })
     }
 
     /// `rate` events/s (transactions of 10 on several connections) for `duration`, with outboxd in `mode`.
@@ -1191,6 +1242,15 @@ pub struct Audited {
     /// outboxd's peak resident memory (VmHWM, sampled every 50 ms) by the end of each quarter of its wall
     /// time: flat when the later quarters add nothing to the first.
     pub peak_rss_by_quarter_kib: [u64; 4],
+}
+
+/// A plain poller of the pattern's articles, the yardstick of the polling path.
+#[derive(Debug, Clone, Copy)]
+pub enum PlainPoller {
+    /// [`plain_poller`], in the benchmark's process (tokio-postgres, rdkafka with outboxd's settings).
+    Rust,
+    /// `examples/plain_poller.py` (psycopg, confluent-kafka), as the articles write it.
+    Python,
 }
 
 /// The relay the transactional outbox articles describe, written plainly: in one transaction, lock the oldest
