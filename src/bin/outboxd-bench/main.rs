@@ -7,8 +7,8 @@
 //!
 //! Scenarios: drain of a backlog built while outboxd was stopped, against the source limit (pg_recvlogical),
 //! the sink limit (a plain rdkafka producer) and the backfill limit (batched UPDATEs by event_id); the same
-//! backlog through `--mode poll` with 1 and 4 instances and through the plain `SKIP LOCKED` poller; steady insert rates in each mode (latency
-//! percentiles, CPU per event of every component); one big transaction (duration, peak RSS); the sweep
+//! backlog through `--mode poll` with 1 and 4 instances and through the plain `SKIP LOCKED` pollers (Rust,
+//! Python); steady insert rates in each mode (latency percentiles, CPU per event of every component); one big transaction (duration, peak RSS); the sweep
 //! (`sweep`: how the cost per event grows with payload size, aggregates, events per transaction, backlog and
 //! outbox tables); the takeover (`takeover`: a standby leading after the leader is SIGKILLed). Each drain reports the whole system's cost per event (CPU of outboxd, PostgreSQL and the
 //! broker, WAL bytes) next to the limits' own, after the stack was warmed up.
@@ -216,7 +216,7 @@ async fn run(mut args: Args) -> BenchResult<()> {
 
 /// The whole system's cost per event of each drain, next to the limits' own: CPU µs of outboxd (the client),
 /// PostgreSQL and the broker, and WAL bytes; with the drain's start-up and end.
-/// `drains`: CDC, CDC exactly-once, poll with 1 and with 4 instances.
+/// `drains`: CDC, CDC exactly-once, poll with 1 and with 4 instances, the plain pollers in Rust and Python.
 fn whole_system_table(
     drains: [&scenarios::Drain; 6],
     limits: &scenarios::Limits,
