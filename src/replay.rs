@@ -651,6 +651,33 @@ async fn replay_rows(
 /// Waits until the slot (where there is one) confirmed past the hand-back, and no event of a held aggregate
 /// is leased by a polling worker: then nothing of those aggregates is on its way to Kafka, and every later
 /// event of theirs waits behind the held ones.
+/// Runs `leases` (counting the leases on events of the held aggregates) once every claim under way on
+/// `table` has committed: under the claim lock, which claims hold for their whole transaction. A claim
+/// whose snapshot predates the hand-back may be leasing a live event of a held aggregate; uncommitted, its
+/// lease would not be counted, the held events would be released, and one of them could be claimed while
+/// that live event is still on its way.
+async fn leases_once_claims_committed(
+    sql: &Client,
+    table: &OutboxTable,
+    leases: &str,
+    replay_id: &str,
+) -> Result<i64> {
+    use crate::pipeline::liveness::lock_call;
+    let key = crate::pg::outbox::claim_lock_key(table);
+    sql.execute(
+        &format!("SELECT {}", lock_call("pg_advisory_lock", "$1")),
+        &[&key],
+    )
+    .await?;
+    let counted = sql.query_one(leases, &[&replay_id]).await;
+    sql.execute(
+        &format!("SELECT {}", lock_call("pg_advisory_unlock", "$1")),
+        &[&key],
+    )
+    .await?;
+    Ok(counted?.get(0))
+}
+
 async fn wait_until_nothing_on_its_way(
     sql: &Client,
     pipeline: &Pipeline,
@@ -697,7 +724,7 @@ async fn wait_until_nothing_on_its_way(
             None => pipeline.mode == Mode::Poll || !logical,
         };
         let leased: i64 = if stream_passed {
-            sql.query_one(&leases, &[&replay_id]).await?.get(0)
+            leases_once_claims_committed(sql, table, &leases, replay_id).await?
         } else {
             0
         };

@@ -945,6 +945,12 @@ pub struct BlockedAggregate {
 /// application's lock on that bigint, and claims go on without it.
 const FORMER_CLAIM_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// The key of `outbox`'s claim lock, which every per-aggregate claim holds for its transaction (through
+/// `liveness::lock_call`).
+pub fn claim_lock_key(outbox: &OutboxTable) -> String {
+    format!("outboxd.claim.{}", outbox.name)
+}
+
 /// Statements of the lease-based polling path for one outbox table.
 pub struct PollSql {
     claim: String,
@@ -1229,7 +1235,7 @@ impl PollSql {
             ),
             columns: EventColumns::of(outbox),
             serialize_claims: order == PollOrder::PerAggregate,
-            table_key: format!("outboxd.claim.{table}"),
+            table_key: claim_lock_key(outbox),
             former_claim_lock_busy: std::sync::atomic::AtomicBool::new(false),
             mark_published: prepare(format!(
                 "UPDATE {t} SET published_at = now(), lease_token = NULL, lease_until = NULL, last_error = NULL

@@ -435,6 +435,112 @@ async fn a_replay_waiting_for_the_stream_can_be_cancelled_and_its_events_count_a
     );
 }
 
+/// A claim under way when the replay looks for leases (its snapshot taken before the hand-back, its lease on a
+/// live event of a held aggregate not yet committed) is waited for: the replay counts the leases under the
+/// claim lock. Counting without it, the replay missed that lease and released its events while the live one
+/// was still on its way, so a replayed event of the aggregate could be claimed beside it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_waits_for_a_claim_under_way_before_releasing_its_events() {
+    let (pg, _broker) = migrated_stack();
+    let url = pg.url();
+    let mut client = pg.client().await;
+    insert_events(&mut client, 0, 1, 3, 1, None).await;
+    client
+        .batch_execute("UPDATE outbox_event SET published_at = now()")
+        .await
+        .unwrap();
+    let (live, _) = insert_events(&mut client, 1, 1, 1, 1, None).await;
+    let live_id = live[0].event_id;
+
+    // A claim under way: the claim lock held, the live event leased, not committed yet.
+    let mut claimer = pg.client().await;
+    let claim = claimer.transaction().await.unwrap();
+    claim
+        .execute(
+            "SELECT pg_advisory_xact_lock(1869968482, hashtext('outboxd.claim.public.outbox_event'))",
+            &[],
+        )
+        .await
+        .unwrap();
+    claim
+        .execute(
+            "UPDATE outbox_event SET lease_token = gen_random_uuid(), lease_until = now() + interval '1 hour'
+             WHERE event_id = $1",
+            &[&live_id],
+        )
+        .await
+        .unwrap();
+
+    let mut replay = Outboxd::spawn(&[
+        "replay",
+        "--database-url",
+        &url,
+        "--mode",
+        "poll",
+        "--published",
+    ]);
+    let released = "SELECT count(*) FROM outbox_event WHERE published_at IS NULL AND available_at <> 'infinity' AND event_id <> $1";
+    // Polled until the replay waits for the claim lock; releasing its events, or ending, fails the test.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let freed: i64 = client
+            .query_one(released, &[&live_id])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            freed, 0,
+            "the replay released its events while a claim was under way"
+        );
+        assert!(
+            replay.try_wait().is_none(),
+            "the replay ended: {}",
+            replay.log_text()
+        );
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the replay never waited for the claim lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The claim commits: its lease now holds the replay back, until the live event is published.
+    claim.commit().await.unwrap();
+    client
+        .execute(
+            "UPDATE outbox_event SET published_at = now(), lease_token = NULL, lease_until = NULL WHERE event_id = $1",
+            &[&live_id],
+        )
+        .await
+        .unwrap();
+    wait_for_async(
+        "the replayed events released once the live one was published",
+        Duration::from_secs(60),
+        || async {
+            let freed: i64 = client
+                .query_one(released, &[&live_id])
+                .await
+                .unwrap()
+                .get(0);
+            (freed == 3).then_some(())
+        },
+    )
+    .await;
+    // Nothing runs the polling path here: the replay would wait for their republication.
+    replay.kill();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replay_killed_mid_way_resumes_with_nothing_skipped_and_at_most_one_batch_again() {
     let again = kill_and_resume(&[]).await;
