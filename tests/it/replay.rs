@@ -1,8 +1,8 @@
 //! `outboxd replay --published` (time travel) against Apache Kafka: 100,000 events replayed to a new topic
 //! while the live stream runs (every event once, in each aggregate's order, at no more than the rate asked);
 //! a replay to the live topic while the application keeps writing the same aggregates (no live event lands
-//! between an aggregate's replayed ones); a replay to a topic SIGKILLed mid-way and resumed (nothing skipped,
-//! at most one batch sent twice).
+//! between an aggregate's replayed ones); a claim under way while such a replay counts leases (waited for); a
+//! replay to a topic SIGKILLed mid-way and resumed (nothing skipped, at most one batch sent twice).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
