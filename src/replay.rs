@@ -648,9 +648,6 @@ async fn replay_rows(
         .get(0))
 }
 
-/// Waits until the slot (where there is one) confirmed past the hand-back, and no event of a held aggregate
-/// is leased by a polling worker: then nothing of those aggregates is on its way to Kafka, and every later
-/// event of theirs waits behind the held ones.
 /// Runs `leases` (counting the leases on events of the held aggregates) once every claim under way on
 /// `table` has committed: under the claim lock, which claims hold for their whole transaction. A claim
 /// whose snapshot predates the hand-back may be leasing a live event of a held aggregate; uncommitted, its
@@ -678,6 +675,9 @@ async fn leases_once_claims_committed(
     Ok(counted?.get(0))
 }
 
+/// Waits until the slot (where there is one) confirmed past the hand-back, and no event of a held aggregate
+/// is leased by a polling worker: then nothing of those aggregates is on its way to Kafka, and every later
+/// event of theirs waits behind the held ones.
 async fn wait_until_nothing_on_its_way(
     sql: &Client,
     pipeline: &Pipeline,
@@ -723,8 +723,13 @@ async fn wait_until_nothing_on_its_way(
             Some(row) => row.get(0),
             None => pipeline.mode == Mode::Poll || !logical,
         };
+        // Counted without the claim lock first, so that claims are not held up while leases remain; a count
+        // of none is confirmed under it.
         let leased: i64 = if stream_passed {
-            leases_once_claims_committed(sql, table, &leases, replay_id).await?
+            match sql.query_one(&leases, &[&replay_id]).await?.get(0) {
+                0 => leases_once_claims_committed(sql, table, &leases, replay_id).await?,
+                leased => leased,
+            }
         } else {
             0
         };
